@@ -1,0 +1,25 @@
+"""attnroll: attention rollout, attention flow and their variants — what did a transformer look at?
+
+The public API is re-exported here and nothing else.
+"""
+
+from ._checks import UnsupportedModelError
+from .core.fusion import fuse_heads
+from .core.residual import add_residual
+from .core.sparsify import sparsify
+from .core.rollout import rollout, per_head_rollout
+
+# --- capture (issue 4) ---
+# --- end capture ---
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "UnsupportedModelError",
+    "fuse_heads",
+    "add_residual",
+    "sparsify",
+    "rollout",
+    "per_head_rollout",
+    "__version__",
+]

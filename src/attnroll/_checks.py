@@ -1,0 +1,171 @@
+"""The one place for input validation and its error messages.
+
+Every public function validates through these helpers so that a user sees the same kind of message
+everywhere: the argument's name, what was received, and what was expected. This module imports nothing
+from the rest of the package (``core/`` may import it).
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+#: Tolerance on row sums for inputs that must be row-stochastic.
+STOCHASTIC_ATOL = 1e-3
+
+
+class UnsupportedModelError(TypeError):
+    """Raised when no capture adapter knows the model; the message lists the supported families."""
+
+
+def describe(x: Any) -> str:
+    """A short human description of a value for error messages: type, shape and dtype."""
+    if isinstance(x, torch.Tensor):
+        return f"torch.Tensor of shape {tuple(x.shape)} and dtype {x.dtype}"
+    if isinstance(x, np.ndarray):
+        return f"numpy.ndarray of shape {x.shape} and dtype {x.dtype}"
+    if isinstance(x, (list, tuple)):
+        return f"{type(x).__name__} of length {len(x)}"
+    return f"{type(x).__name__} {x!r}"
+
+
+# ----------------------------------------------------------------------------------------------- scalars
+def check_int(name: str, value: Any, *, low: int | None = None, high: int | None = None) -> int:
+    """An integer (bools refused) within [low, high]; returns it as ``int``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an integer, got {describe(value)}")
+    value = int(value)
+    if (low is not None and value < low) or (high is not None and value > high):
+        lo = "-inf" if low is None else low
+        hi = "inf" if high is None else high
+        raise ValueError(f"{name} must be in [{lo}, {hi}], got {value}")
+    return value
+
+
+def check_real(
+    name: str,
+    value: Any,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+    high_open: bool = False,
+) -> float:
+    """A finite real number in [low, high] (or [low, high) with ``high_open``); returns it as float."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {describe(value)}")
+    value = float(value)
+    bad = not np.isfinite(value)
+    bad = bad or (low is not None and value < low)
+    bad = bad or (high is not None and (value >= high if high_open else value > high))
+    if bad:
+        interval = f"[{low}, {high})" if high_open else f"[{low}, {high}]"
+        raise ValueError(f"{name} must be in {interval}, got {value}")
+    return value
+
+
+def check_choice(name: str, value: Any, choices: Sequence[str]) -> str:
+    """One of a fixed set of strings."""
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(repr(c) for c in choices)}; got {value!r}")
+    return value
+
+
+def check_index(name: str, value: Any, size: int, what: str = "tokens") -> int:
+    """An index into an axis of ``size`` entries; negative indices count from the end. Returns it >= 0."""
+    value = check_int(name, value)
+    if not -size <= value < size:
+        raise ValueError(
+            f"{name}={value} is out of range for {size} {what}: expected an index in [{-size}, {size - 1}]"
+        )
+    return value % size
+
+
+def check_dtype(dtype: Any) -> torch.dtype | None:
+    """``None``, or a float32/float64 request given as a torch dtype, numpy dtype or string."""
+    if dtype is None:
+        return None
+    table = {"float32": torch.float32, "float64": torch.float64}
+    if isinstance(dtype, torch.dtype):
+        key = str(dtype).replace("torch.", "")
+    else:
+        try:
+            key = np.dtype(dtype).name
+        except TypeError:
+            key = None
+    if key not in table:
+        raise ValueError(f"dtype must be float32 or float64 (torch, numpy or string), got {dtype!r}")
+    return table[key]
+
+
+# ----------------------------------------------------------------------------------------------- arrays
+def as_tensor(name: str, x: Any) -> tuple[torch.Tensor, bool]:
+    """Wrap a numpy array or torch tensor as a tensor without copying; also says whether it was numpy.
+
+    Only real floating point (or integer/bool, converted later) arrays are accepted.
+    """
+    if isinstance(x, torch.Tensor):
+        t, was_numpy = x, False
+    elif isinstance(x, np.ndarray):
+        if x.dtype == object or x.dtype.kind not in "biuf":
+            raise TypeError(f"{name} must hold real numbers, got {describe(x)}")
+        t, was_numpy = torch.from_numpy(np.ascontiguousarray(x)), True
+    else:
+        raise TypeError(f"{name} must be a torch.Tensor or numpy.ndarray, got {describe(x)}")
+    if t.is_complex():
+        raise TypeError(f"{name} must hold real numbers, got {describe(x)}")
+    return t, was_numpy
+
+
+def check_square(name: str, t: torch.Tensor) -> None:
+    """The last two axes must be equal (query x key attention)."""
+    if t.ndim < 2 or t.shape[-1] != t.shape[-2]:
+        raise ValueError(
+            f"{name} must be square in its last two axes (queries x keys, n x n), got shape {tuple(t.shape)}"
+        )
+
+
+def check_finite_nonnegative(name: str, t: torch.Tensor) -> None:
+    """No NaN, no infinity, no negative entry."""
+    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        bad = "NaN" if bool(torch.isnan(t).any()) else "infinite"
+        raise ValueError(f"{name} contains {bad} values; attention probabilities must be finite")
+    if bool((t < 0).any()):
+        raise ValueError(
+            f"{name} contains negative entries (min {float(t.min()):.3g}); attention must be non-negative. "
+            "Clamp signed relevance (e.g. gradient x attention) to its positive part first."
+        )
+
+
+def check_row_sums(name: str, sums: torch.Tensor, *, how_to_accept: str) -> None:
+    """Row sums must be 1 within STOCHASTIC_ATOL; ``sums`` holds the sums of the rows that matter."""
+    if sums.numel() == 0:
+        return
+    dev = (sums - 1).abs()
+    if not bool(torch.isfinite(sums).all()):
+        raise ValueError(f"{name} contains NaN or infinite values; attention probabilities must be finite")
+    worst = float(dev.max())
+    if worst > STOCHASTIC_ATOL:
+        lo, hi = float(sums.min()), float(sums.max())
+        raise ValueError(
+            f"{name}: rows must sum to 1 (softmax attention probabilities), but row sums range from "
+            f"{lo:.4g} to {hi:.4g}. {how_to_accept}"
+        )
+
+
+def check_mask(name: str, mask: Any, batch: int | None, n: int) -> torch.Tensor:
+    """An attention mask of 0/1 values, shape (B, n) — or (n,) for unbatched input. Returns a bool tensor
+    of shape (B, n) (B = 1 for unbatched)."""
+    m, _ = as_tensor(name, mask)
+    expected = (n,) if batch is None else (batch, n)
+    if tuple(m.shape) != expected:
+        raise ValueError(
+            f"{name} must have shape {expected} (batch, tokens) matching the attention, got {tuple(m.shape)}"
+        )
+    if m.numel() and not bool(((m == 0) | (m == 1)).all()):
+        vals = torch.unique(m)[:6].tolist()
+        raise ValueError(f"{name} must hold only 0 and 1 (1 = real token, 0 = padding), got values {vals}")
+    m = m.to(torch.bool)
+    return m.reshape(1, n) if batch is None else m

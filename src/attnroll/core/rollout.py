@@ -1,0 +1,495 @@
+"""Attention rollout (Abnar & Zuidema, 2020) and its per-head variant.
+
+Per layer l the captured attention A(l) goes through one fixed pipeline (``LayerPipeline``):
+
+    fuse heads -> drop padding -> sparsify -> rescale rows -> residual:  Ã(l) = d ⊙ (a·P(l) + c·I)
+
+and rollout is the product R = Ã(end−1) ··· Ã(start), newest layer on the left. Row i of R is the share
+of output token i traced back to each input token.
+
+``rows=[...]`` computes only those rows, right to left, as vector–matrix products: O(L·n²) instead of
+O(L·n³), and — for mean or weighted head fusion without masking or sparsification — without ever forming
+the fused matrix, so the cost is one read of the attention.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from .. import _checks
+from . import fusion, residual, sparsify
+
+_ACCEPT_HINT = (
+    "Pass check_stochastic=False to accept non-stochastic non-negative matrices (e.g. gradient-weighted or "
+    "norm-based mixing matrices), or residual_mode='renorm' together with it to renormalise rows."
+)
+
+
+# ------------------------------------------------------------------------------------------- input parsing
+@dataclass
+class Layers:
+    """Validated attention: per-layer tensors with a batch axis, plus how to give results back."""
+
+    tensors: list[torch.Tensor]  # each (B, H, n, n), or (B, n, n) when already fused
+    batched: bool
+    was_numpy: bool
+    fused: bool
+    mask: torch.Tensor | None  # (B, n) bool, None when every token is real
+
+    @property
+    def n(self) -> int:
+        return self.tensors[0].shape[-1]
+
+    @property
+    def batch(self) -> int:
+        return self.tensors[0].shape[0]
+
+    def give_back(self, out: torch.Tensor, batch_axis: int = 0) -> Any:
+        """Drop the batch axis for unbatched input and convert to numpy for numpy input."""
+        if not self.batched:
+            out = out.squeeze(batch_axis)
+        return out.numpy() if self.was_numpy else out
+
+
+def parse_attentions(
+    attentions: Any,
+    *,
+    fused: bool,
+    dtype: Any = None,
+    attention_mask: Any = None,
+    check_stochastic: bool = True,
+    name: str = "attentions",
+) -> Layers:
+    """Validate ``attentions`` (see ``rollout``) and return them as batched tensors of the working dtype.
+
+    Checks: non-empty; the right number of axes; square; every layer the same shape; finite and
+    non-negative; rows summing to 1 when ``check_stochastic`` (only the rows of real tokens when an
+    ``attention_mask`` is given).
+    """
+    per_layer = "(B, n, n) or (n, n)" if fused else "(B, H, n, n) or (H, n, n)"
+    hint = (
+        " If the heads are already fused, pass head_fusion=None."
+        if not fused
+        else " Per-head input needs a head_fusion ('mean', 'max', 'min' or weights)."
+    )
+    if isinstance(attentions, (list, tuple)):
+        if len(attentions) == 0:
+            raise ValueError(f"{name} is empty: expected one attention tensor per layer")
+        items = list(attentions)
+    elif isinstance(attentions, (torch.Tensor,)) or type(attentions).__module__ == "numpy":
+        t, _ = _checks.as_tensor(name, attentions)
+        if t.ndim == 0 or t.shape[0] == 0:
+            raise ValueError(f"{name} is empty: expected a leading layer axis with at least one layer")
+        want = (4, 3) if fused else (5, 4)
+        if t.ndim not in want:
+            stacked = "(L, B, n, n) or (L, n, n)" if fused else "(L, B, H, n, n) or (L, H, n, n)"
+            raise ValueError(f"{name} as one stacked array must have shape {stacked}, got {tuple(t.shape)}.{hint}")
+        items = [attentions[i] for i in range(t.shape[0])]
+    else:
+        raise TypeError(
+            f"{name} must be a list/tuple of per-layer arrays or one stacked array (torch or numpy), "
+            f"got {_checks.describe(attentions)}"
+        )
+
+    tensors, kinds = [], set()
+    for i, item in enumerate(items):
+        t, was_numpy = _checks.as_tensor(f"{name}[{i}]", item)
+        kinds.add(was_numpy)
+        batched_ndim = 3 if fused else 4
+        if t.ndim not in (batched_ndim, batched_ndim - 1):
+            raise ValueError(f"{name}[{i}] must have shape {per_layer}, got {tuple(t.shape)}.{hint}")
+        _checks.check_square(f"{name}[{i}]", t)
+        tensors.append(t)
+    if len(kinds) > 1:
+        raise TypeError(f"{name} mixes numpy arrays and torch tensors; pass all layers as one kind")
+    ndims = {t.ndim for t in tensors}
+    if len(ndims) > 1:
+        raise ValueError(f"{name}: layers mix batched and unbatched shapes {[tuple(t.shape) for t in tensors]}")
+    first = tensors[0].shape
+    for i, t in enumerate(tensors):
+        if t.shape != first:
+            what = "number of tokens n" if t.shape[-1] != first[-1] else (
+                "number of heads H" if (not fused and t.shape[-3] != first[-3]) else "batch size B"
+            )
+            raise ValueError(
+                f"{name}: layers differ in {what}: layer 0 has shape {tuple(first)}, layer {i} has {tuple(t.shape)}"
+            )
+    if first[-1] == 0:
+        raise ValueError(f"{name} has zero tokens (n = 0)")
+    batched = tensors[0].ndim == (3 if fused else 4)
+    if not batched:
+        tensors = [t.unsqueeze(0) for t in tensors]
+
+    want = _checks.check_dtype(dtype)
+    if want is None:
+        want = torch.float64 if tensors[0].dtype == torch.float64 else torch.float32
+    tensors = [t.to(want) for t in tensors]
+
+    n, B = tensors[0].shape[-1], tensors[0].shape[0]
+    mask = None
+    if attention_mask is not None:
+        mask = _checks.check_mask("attention_mask", attention_mask, B if batched else None, n)
+        mask = mask.to(tensors[0].device)
+        if bool(mask.all()):
+            mask = None
+
+    for i, t in enumerate(tensors):
+        _checks.check_finite_nonnegative(f"{name}[{i}]", t)
+        if check_stochastic:
+            sums = t.sum(dim=-1)
+            if mask is not None:
+                # Padding rows may hold anything (zeros, uniform rows); only real queries must be stochastic.
+                row_mask = mask if fused else mask.unsqueeze(1)
+                sums = sums[row_mask.expand_as(sums)]
+            _checks.check_row_sums(f"{name}[{i}]", sums, how_to_accept=_ACCEPT_HINT)
+    return Layers(tensors, batched, next(iter(kinds)), fused, mask)
+
+
+def layer_range(num_layers: int, start_layer: Any, end_layer: Any) -> tuple[int, int]:
+    """0-based [start, end) with Python-style negative indices; start must come before end."""
+    start = _checks.check_int("start_layer", start_layer)
+    if not -num_layers <= start < num_layers:
+        raise ValueError(
+            f"start_layer={start} is out of range for {num_layers} layers: expected an index in "
+            f"[{-num_layers}, {num_layers - 1}]"
+        )
+    start %= num_layers
+    if end_layer is None:
+        end = num_layers
+    else:
+        end = _checks.check_int("end_layer", end_layer)
+        if not -num_layers <= end <= num_layers:
+            raise ValueError(
+                f"end_layer={end} is out of range for {num_layers} layers: expected [{-num_layers}, {num_layers}] "
+                "(exclusive end, like a Python slice)"
+            )
+        if end < 0:
+            end += num_layers
+    if start >= end:
+        raise ValueError(
+            f"start_layer ({start}) must be < end_layer ({end}): layers are taken from start_layer "
+            "up to but not including end_layer"
+        )
+    return start, end
+
+
+def parse_rows(rows: Any, n: int) -> list[int] | None:
+    """None, an int, or a non-empty sequence of token indices (negative = from the end)."""
+    if rows is None:
+        return None
+    if isinstance(rows, (int,)) and not isinstance(rows, bool):
+        rows = [rows]
+    if isinstance(rows, torch.Tensor) or type(rows).__module__ == "numpy":
+        rows = [int(r) for r in rows.reshape(-1).tolist()]
+    if not isinstance(rows, (list, tuple, range)):
+        raise TypeError(f"rows must be an int or a sequence of token indices, got {_checks.describe(rows)}")
+    if len(rows) == 0:
+        raise ValueError("rows is empty: give at least one output token index, or rows=None for all rows")
+    return [_checks.check_index(f"rows[{i}]", r, n) for i, r in enumerate(rows)]
+
+
+# ------------------------------------------------------------------------------------------- the pipeline
+class LayerPipeline:
+    """Validated options turning one captured layer into the pieces of Ã = d ⊙ (a·P + c·I).
+
+    ``matrix(t)`` gives P (fused, padding dropped, sparsified, rows rescaled); ``augmented(t)`` gives Ã;
+    ``left(t, R)`` = Ã·R and ``right(V, t)`` = V·Ã, both without forming Ã.
+    """
+
+    def __init__(
+        self,
+        n: int,
+        *,
+        head_fusion: Any = "mean",
+        alpha: float = 0.5,
+        residual_mode: str = "blend",
+        discard_ratio: float = 0.0,
+        discard_scope: str = "layer",
+        top_k: int | None = None,
+        threshold: float | None = None,
+        protect_prefix: int = 1,
+        mask: torch.Tensor | None = None,
+    ) -> None:
+        if isinstance(head_fusion, str):
+            _checks.check_choice("head_fusion", head_fusion, fusion.HOW)
+        self.head_fusion = head_fusion
+        self.a, self.c = residual.residual_coefficients(alpha, residual_mode)
+        self.renorm = residual_mode == "renorm"
+        (self.discard_ratio, self.discard_scope, self.top_k, self.threshold, self.protect_prefix) = (
+            sparsify.check_options(n, discard_ratio, discard_scope, top_k, threshold, protect_prefix)
+        )
+        self.mask = mask
+        self.sparse = bool(self.discard_ratio) or self.top_k is not None or self.threshold is not None
+
+    # P --------------------------------------------------------------------------------------------------
+    def fuse(self, t: torch.Tensor) -> torch.Tensor:
+        return t if self.head_fusion is None else fusion.fuse_tensor(t, self.head_fusion)
+
+    def matrix(self, t: torch.Tensor) -> torch.Tensor:
+        """P for one layer: (B, n, n) fused (or any (..., n, n) with ``head_fusion=None``)."""
+        mask = self.mask
+        P = self.fuse(t)
+        if mask is None and not self.sparse:
+            return P
+        keep = sparsify.keep_mask(
+            P,
+            discard_ratio=self.discard_ratio,
+            discard_scope=self.discard_scope,
+            top_k=self.top_k,
+            threshold=self.threshold,
+            protect_prefix=self.protect_prefix,
+            mask=mask,
+        )
+        if mask is not None:
+            valid = mask[..., :, None] & mask[..., None, :]
+            keep = valid if keep is None else keep & valid
+        # Rows are rescaled to their sum *before* anything was dropped: 1 for attention probabilities,
+        # so that a padded sequence gives exactly what its cropped version gives.
+        before = P.sum(dim=-1, keepdim=True)
+        if mask is not None:
+            before = before * mask[..., :, None]
+        return sparsify.restrict(P, keep, before)
+
+    def scale(self, P: torch.Tensor) -> torch.Tensor | None:
+        """The renorm mode's row scale d (…, n), else None."""
+        return residual.row_scale(P, self.a, self.c, self.mask) if self.renorm else None
+
+    def augmented(self, t: torch.Tensor) -> torch.Tensor:
+        """Ã for one layer, materialised."""
+        return residual.apply_residual(self.matrix(t), self.a, self.c, self.renorm, self.mask)
+
+    # products -------------------------------------------------------------------------------------------
+    def left(self, t: torch.Tensor, R: torch.Tensor) -> torch.Tensor:
+        """Ã·R for (…, n, m) R."""
+        mask = self.mask
+        P = self.matrix(t)
+        out = self.a * (P @ R)
+        out = out + self.c * (R if mask is None else R * mask[..., :, None])
+        d = self.scale(P)
+        return out if d is None else out * d[..., :, None]
+
+    def right(self, V: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """V·Ã for (…, r, n) V."""
+        mask = self.mask
+        if mask is None and not self.sparse and not self.renorm and self.head_fusion is not None and (
+            not isinstance(self.head_fusion, str) or self.head_fusion == "mean"
+        ):
+            # Fast path: V·mean_h(A_h) = mean_h(V·A_h); one read of the per-head attention, no n×n temporary.
+            VP = _head_contract(V, t, self.head_fusion)
+            return self.a * VP + self.c * V
+        return Prepared(self, t).right(V)
+
+
+def _head_contract(V: torch.Tensor, t: torch.Tensor, how: Any) -> torch.Tensor:
+    """Σ_h w_h · V·A_h for V (B, r, n), t (B, H, n, n) -> (B, r, n); w = 1/H for 'mean'."""
+    prod = V.unsqueeze(1) @ t  # (B, H, r, n)
+    if isinstance(how, str):
+        return prod.mean(dim=1)
+    w = fusion.head_weights(how, t.shape[1], like=t)
+    return torch.einsum("bhrn,h->brn", prod, w)
+
+
+# ------------------------------------------------------------------------------------------- rollout
+def _product(
+    tensors: Sequence[torch.Tensor],
+    pipe: LayerPipeline,
+    rows: list[int] | None,
+    return_layers: bool,
+) -> torch.Tensor:
+    """R (B, n, n) or its rows (B, r, n) for the given layers (oldest first); with ``return_layers`` a
+    leading axis of every partial product Ã(k)···Ã(0), k = 0..len-1."""
+    n, mask = tensors[0].shape[-1], pipe.mask
+    lead = tensors[0].shape[:-3] if pipe.head_fusion is not None else tensors[0].shape[:-2]
+    dtype, device = tensors[0].dtype, tensors[0].device
+    if rows is None:
+        R = pipe.augmented(tensors[0])
+        partials = [R]
+        for t in tensors[1:]:
+            R = pipe.left(t, R)
+            if return_layers:
+                partials.append(R)
+        return torch.stack(partials) if return_layers else R
+    E = torch.zeros(*lead, len(rows), n, dtype=dtype, device=device)
+    E[..., torch.arange(len(rows)), torch.tensor(rows)] = 1.0
+    if mask is not None:
+        E = E * _row_valid(mask, rows).to(dtype)
+    if not return_layers:
+        V = E
+        for t in reversed(tensors):
+            V = pipe.right(V, t)
+        return V
+    # Every partial product's rows: prepare each layer once, then one right-to-left sweep per prefix.
+    mats = [Prepared(pipe, t) for t in tensors]
+    partials = []
+    for k in range(len(mats)):
+        V = E
+        for m in reversed(mats[: k + 1]):
+            V = m.right(V)
+        partials.append(V)
+    return torch.stack(partials)
+
+
+def _row_valid(mask: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """(…, r, 1): whether each chosen output row is a real token (padded output rows are 0)."""
+    return mask[..., rows].unsqueeze(-1)
+
+
+class Prepared:
+    """One layer's P and row scale, computed once for repeated V·Ã products."""
+
+    def __init__(self, pipe: LayerPipeline, t: torch.Tensor) -> None:
+        self.pipe, self.mask = pipe, pipe.mask
+        self.P = pipe.matrix(t)
+        self.d = pipe.scale(self.P)
+
+    def right(self, V: torch.Tensor) -> torch.Tensor:
+        Vd = V if self.d is None else V * self.d[..., None, :]
+        out = self.pipe.a * (Vd @ self.P)
+        return out + self.pipe.c * (Vd if self.mask is None else Vd * self.mask[..., None, :])
+
+
+def rollout(
+    attentions: Any,
+    *,
+    head_fusion: Any = "mean",
+    alpha: float = 0.5,
+    residual_mode: str = "blend",
+    discard_ratio: float = 0.0,
+    discard_scope: str = "layer",
+    top_k: int | None = None,
+    threshold: float | None = None,
+    protect_prefix: int = 1,
+    start_layer: int = 0,
+    end_layer: int | None = None,
+    rows: Any = None,
+    return_layers: bool = False,
+    attention_mask: Any = None,
+    check_stochastic: bool = True,
+    dtype: Any = None,
+) -> Any:
+    """Attention rollout: R = Ã(end−1)···Ã(start), newest layer on the left.
+
+    Args:
+        attentions: L per-layer arrays (torch or numpy), each (B, H, n, n) as HF's ``outputs.attentions``
+            gives or (H, n, n) for one example; or one stacked (L, B, H, n, n) / (L, H, n, n) array. With
+            ``head_fusion=None`` the layers are already fused: (B, n, n) / (n, n), stacked (L, B, n, n) /
+            (L, n, n). Rows are queries.
+        head_fusion: "mean" | "max" | "min" | a length-H weight vector | None (already fused).
+        alpha: identity weight of the residual correction, in [0, 1].
+        residual_mode: "blend" (1−α)·A + α·I | "renorm" the same divided by its row sums | "add"
+            A + α/(1−α)·I, unnormalised. See ``attnroll.add_residual``.
+        discard_ratio, discard_scope, top_k, threshold, protect_prefix: sparsification, applied after head
+            fusion and before the residual; rows are rescaled to their previous sum. See
+            ``attnroll.sparsify``.
+        start_layer, end_layer: 0-based layer range [start, end) (end exclusive, like a slice; negative
+            values count from the end; ``start_layer=-1`` uses the last layer only).
+        rows: output token index or indices; returns only those rows, computed right to left in O(L·n²).
+        return_layers: also return every partial product: a leading layer axis of length end − start
+            whose entry k is Ã(start+k)···Ã(start); the last entry equals R.
+        attention_mask: (B, n) — or (n,) unbatched — of 0/1, 1 = real token. Padded tokens neither give nor
+            receive: their rows and columns of R are exactly 0; real rows are rescaled as if the padding
+            had been cropped away.
+        check_stochastic: require rows of the input (real tokens) to sum to 1 within 1e-3. False accepts any
+            non-negative matrices.
+        dtype: working and output dtype, float32 or float64; default float64 for float64 input, else float32.
+
+    Returns:
+        (B, n, n), or (B, len(rows), n) with ``rows``; with ``return_layers`` a leading (end − start) axis.
+        Unbatched input gives no batch axis. Same kind (torch / numpy) as the input.
+    """
+    layers = parse_attentions(
+        attentions,
+        fused=head_fusion is None,
+        dtype=dtype,
+        attention_mask=attention_mask,
+        check_stochastic=check_stochastic,
+    )
+    if head_fusion is not None:
+        fusion.head_weights(head_fusion, layers.tensors[0].shape[-3], like=layers.tensors[0])
+    start, end = layer_range(len(layers.tensors), start_layer, end_layer)
+    row_idx = parse_rows(rows, layers.n)
+    pipe = LayerPipeline(
+        layers.n,
+        head_fusion=head_fusion,
+        alpha=alpha,
+        residual_mode=residual_mode,
+        discard_ratio=discard_ratio,
+        discard_scope=discard_scope,
+        top_k=top_k,
+        threshold=threshold,
+        protect_prefix=protect_prefix,
+        mask=layers.mask,
+    )
+    out = _product(layers.tensors[start:end], pipe, row_idx, bool(return_layers))
+    return layers.give_back(out, batch_axis=1 if return_layers else 0)
+
+
+def per_head_rollout(
+    attentions: Any,
+    *,
+    alpha: float = 0.5,
+    residual_mode: str = "blend",
+    discard_ratio: float = 0.0,
+    discard_scope: str = "layer",
+    top_k: int | None = None,
+    threshold: float | None = None,
+    protect_prefix: int = 1,
+    start_layer: int = 0,
+    end_layer: int | None = None,
+    rows: Any = None,
+    return_layers: bool = False,
+    attention_mask: Any = None,
+    check_stochastic: bool = True,
+    dtype: Any = None,
+) -> Any:
+    """Rollout taken separately for each head h: R_h = Ã_h(end−1)···Ã_h(start).
+
+    Same input and options as ``rollout`` (without ``head_fusion``: nothing is fused); every layer must
+    have the same number of heads, and head h of one layer is chained with head h of the next.
+
+    Returns:
+        (B, H, n, n), or (B, H, len(rows), n) with ``rows``; with ``return_layers`` a leading layer axis.
+        Unbatched input gives (H, …).
+    """
+    layers = parse_attentions(
+        attentions, fused=False, dtype=dtype, attention_mask=attention_mask, check_stochastic=check_stochastic
+    )
+    start, end = layer_range(len(layers.tensors), start_layer, end_layer)
+    row_idx = parse_rows(rows, layers.n)
+    mask = None if layers.mask is None else layers.mask.unsqueeze(1)  # (B, 1, n): broadcast over heads
+    pipe = LayerPipeline(
+        layers.n,
+        head_fusion=None,
+        alpha=alpha,
+        residual_mode=residual_mode,
+        discard_ratio=discard_ratio,
+        discard_scope=discard_scope,
+        top_k=top_k,
+        threshold=threshold,
+        protect_prefix=protect_prefix,
+        mask=mask,
+    )
+    out = _product(layers.tensors[start:end], pipe, row_idx, bool(return_layers))
+    return layers.give_back(out, batch_axis=1 if return_layers else 0)
+
+
+def augmented_layers(attentions: Any, **options: Any) -> tuple[list[torch.Tensor], Layers, tuple[int, int]]:
+    """Ã for each layer in [start_layer, end_layer), exactly as ``rollout`` builds them (for attention flow
+    and diagnostics). Takes ``rollout``'s input and options except rows/return_layers; returns the list of
+    (B, n, n) tensors, the parsed input and the (start, end) range."""
+    layers = parse_attentions(
+        attentions,
+        fused=options.get("head_fusion", "mean") is None,
+        dtype=options.pop("dtype", None),
+        attention_mask=options.pop("attention_mask", None),
+        check_stochastic=options.pop("check_stochastic", True),
+    )
+    start, end = layer_range(len(layers.tensors), options.pop("start_layer", 0), options.pop("end_layer", None))
+    head_fusion = options.get("head_fusion", "mean")
+    if head_fusion is not None:
+        fusion.head_weights(head_fusion, layers.tensors[0].shape[-3], like=layers.tensors[0])
+    pipe = LayerPipeline(layers.n, mask=layers.mask, **options)
+    return [pipe.augmented(t) for t in layers.tensors[start:end]], layers, (start, end)
