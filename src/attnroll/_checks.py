@@ -61,8 +61,11 @@ def check_real(
     bad = bad or (low is not None and value < low)
     bad = bad or (high is not None and (value >= high if high_open else value > high))
     if bad:
-        interval = f"[{low}, {high})" if high_open else f"[{low}, {high}]"
-        raise ValueError(f"{name} must be in {interval}, got {value}")
+        if high is None:
+            expected = "finite" if low is None else f">= {low}"
+        else:
+            expected = f"in [{low}, {high})" if high_open else f"in [{low}, {high}]"
+        raise ValueError(f"{name} must be {expected}, got {value}")
     return value
 
 
@@ -169,3 +172,38 @@ def check_mask(name: str, mask: Any, batch: int | None, n: int) -> torch.Tensor:
         raise ValueError(f"{name} must hold only 0 and 1 (1 = real token, 0 = padding), got values {vals}")
     m = m.to(torch.bool)
     return m.reshape(1, n) if batch is None else m
+
+
+# ---- capture checks ----
+class CaptureError(RuntimeError):
+    """Raised when a forward pass did not yield exactly one attention tensor per layer (a layer missing, a
+    module firing twice, a module returning no weights)."""
+
+
+def check_fuse_heads(value: Any) -> Any:
+    """``fuse_heads`` for capture: None (keep every head), "mean" | "max" | "min", or a non-negative weight
+    vector (one entry per head; its length is checked against H when the first layer is seen).
+
+    Returns None, the string, or the weights as a 1-D float64 tensor normalised to sum 1."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return check_choice("fuse_heads", value, ("mean", "max", "min"))
+    if isinstance(value, (list, tuple, np.ndarray, torch.Tensor)):
+        w, _ = as_tensor("fuse_heads", torch.as_tensor(value) if isinstance(value, (list, tuple)) else value)
+        w = w.detach().to(torch.float64)
+        if w.ndim != 1 or w.numel() == 0:
+            raise ValueError(f"fuse_heads weights must be a non-empty 1-D vector (one per head), got {describe(value)}")
+        if not bool(torch.isfinite(w).all()) or bool((w < 0).any()) or float(w.sum()) <= 0:
+            raise ValueError(f"fuse_heads weights must be finite, non-negative and not all zero, got {w.tolist()}")
+        return w / w.sum()
+    raise TypeError(
+        f"fuse_heads must be None, 'mean', 'max', 'min' or a vector of per-head weights, got {describe(value)}"
+    )
+
+
+def check_bool(name: str, value: Any) -> bool:
+    """A real ``bool`` (not 0/1, not None)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {describe(value)}")
+    return value

@@ -18,7 +18,10 @@ def head_weights(how: Any, num_heads: int, *, like: torch.Tensor) -> torch.Tenso
         _checks.check_choice("head_fusion", how, HOW)
         return None
     if isinstance(how, (list, tuple, np.ndarray, torch.Tensor)):
-        w, _ = _checks.as_tensor("head_fusion weights", torch.as_tensor(how) if isinstance(how, (list, tuple)) else how)
+        if isinstance(how, (list, tuple)):
+            # float64 first, so that weights given as Python floats lose no precision before the cast below.
+            how = torch.as_tensor(how, dtype=torch.float64)
+        w, _ = _checks.as_tensor("head_fusion weights", how)
         w = w.to(device=like.device, dtype=like.dtype if like.is_floating_point() else torch.float32)
         if w.ndim != 1 or w.shape[0] != num_heads:
             raise ValueError(

@@ -232,26 +232,23 @@ class LayerPipeline:
         """P for one layer: (B, n, n) fused (or any (..., n, n) with ``head_fusion=None``)."""
         mask = self.mask
         P = self.fuse(t)
-        if mask is None and not self.sparse:
-            return P
-        keep = sparsify.keep_mask(
-            P,
-            discard_ratio=self.discard_ratio,
-            discard_scope=self.discard_scope,
-            top_k=self.top_k,
-            threshold=self.threshold,
-            protect_prefix=self.protect_prefix,
-            mask=mask,
-        )
         if mask is not None:
+            # Drop padding as if it had been cropped away: real rows are rescaled to their full sum (1 for
+            # attention probabilities), padded rows become 0.
             valid = mask[..., :, None] & mask[..., None, :]
-            keep = valid if keep is None else keep & valid
-        # Rows are rescaled to their sum *before* anything was dropped: 1 for attention probabilities,
-        # so that a padded sequence gives exactly what its cropped version gives.
-        before = P.sum(dim=-1, keepdim=True)
-        if mask is not None:
-            before = before * mask[..., :, None]
-        return sparsify.restrict(P, keep, before)
+            P = sparsify.restrict(P, valid, P.sum(dim=-1, keepdim=True) * mask[..., :, None])
+        if self.sparse:
+            keep = sparsify.keep_mask(
+                P,
+                discard_ratio=self.discard_ratio,
+                discard_scope=self.discard_scope,
+                top_k=self.top_k,
+                threshold=self.threshold,
+                protect_prefix=self.protect_prefix,
+                mask=mask,
+            )
+            P = sparsify.restrict(P, keep)
+        return P
 
     def scale(self, P: torch.Tensor) -> torch.Tensor | None:
         """The renorm mode's row scale d (…, n), else None."""
