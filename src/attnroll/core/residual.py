@@ -43,15 +43,20 @@ def residual_coefficients(alpha: Any, mode: Any) -> tuple[float, float]:
     return 1.0 - alpha, alpha
 
 
-def row_scale(A: torch.Tensor, a: float, c: float, mask: torch.Tensor | None) -> torch.Tensor:
-    """The renorm mode's per-row scale 1 / (a·rowsum(A) + c·[i valid]), shape (..., n); rows whose total is
-    zero (padding) get scale 0 so they stay zero."""
+def row_totals(A: torch.Tensor, a: float, c: float, mask: torch.Tensor | None) -> torch.Tensor:
+    """Row sums of a·A + c·I (identity on valid tokens only), shape (..., n): the renorm mode's divisor."""
     total = a * A.sum(dim=-1)
-    if mask is None:
-        total = total + c
-    else:
-        total = total + c * mask.to(A.dtype)
-    return torch.where(total > 0, 1.0 / torch.where(total > 0, total, torch.ones_like(total)), torch.zeros_like(total))
+    return total + (c if mask is None else c * mask.to(A.dtype))
+
+
+def divide_rows(x: torch.Tensor, total: torch.Tensor, axis: int) -> torch.Tensor:
+    """x divided by ``total`` along ``axis`` (-2: rows of x, -1: columns); a zero total (padding) gives 0.
+
+    Division, not multiplication by 1/total, keeps tiny alphas exact (1/5e-324 overflows)."""
+    dim = -1 if axis == -2 else -2  # where total gets its broadcast axis
+    safe = torch.where(total > 0, total, torch.ones_like(total)).unsqueeze(dim)
+    keep = (total > 0).unsqueeze(dim)
+    return torch.where(keep, x / safe, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
 def apply_residual(
@@ -63,7 +68,7 @@ def apply_residual(
     ident = eye if mask is None else torch.diag_embed(mask.to(A.dtype))
     out = a * A + c * ident
     if renorm:
-        out = out * row_scale(A, a, c, mask).unsqueeze(-1)
+        out = divide_rows(out, row_totals(A, a, c, mask), axis=-2)
     return out
 
 

@@ -2,7 +2,7 @@
 
 Per layer l the captured attention A(l) goes through one fixed pipeline (``LayerPipeline``):
 
-    fuse heads -> drop padding -> sparsify -> rescale rows -> residual:  Ã(l) = d ⊙ (a·P(l) + c·I)
+    fuse heads -> drop padding -> sparsify -> rescale rows -> residual:  Ã(l) = (a·P(l) + c·I) / s
 
 and rollout is the product R = Ã(end−1) ··· Ã(start), newest layer on the left. Row i of R is the share
 of output token i traced back to each input token.
@@ -193,7 +193,8 @@ def parse_rows(rows: Any, n: int) -> list[int] | None:
 
 # ------------------------------------------------------------------------------------------- the pipeline
 class LayerPipeline:
-    """Validated options turning one captured layer into the pieces of Ã = d ⊙ (a·P + c·I).
+    """Validated options turning one captured layer into the pieces of Ã = (a·P + c·I) / s (s: the
+    renorm mode's row sums, else 1).
 
     ``matrix(t)`` gives P (fused, padding dropped, sparsified, rows rescaled); ``augmented(t)`` gives Ã;
     ``left(t, R)`` = Ã·R and ``right(V, t)`` = V·Ã, both without forming Ã.
@@ -250,9 +251,9 @@ class LayerPipeline:
             P = sparsify.restrict(P, keep)
         return P
 
-    def scale(self, P: torch.Tensor) -> torch.Tensor | None:
-        """The renorm mode's row scale d (…, n), else None."""
-        return residual.row_scale(P, self.a, self.c, self.mask) if self.renorm else None
+    def totals(self, P: torch.Tensor) -> torch.Tensor | None:
+        """The renorm mode's row sums of a·P + c·I (…, n), else None."""
+        return residual.row_totals(P, self.a, self.c, self.mask) if self.renorm else None
 
     def augmented(self, t: torch.Tensor) -> torch.Tensor:
         """Ã for one layer, materialised."""
@@ -265,8 +266,8 @@ class LayerPipeline:
         P = self.matrix(t)
         out = self.a * (P @ R)
         out = out + self.c * (R if mask is None else R * mask[..., :, None])
-        d = self.scale(P)
-        return out if d is None else out * d[..., :, None]
+        s = self.totals(P)
+        return out if s is None else residual.divide_rows(out, s, axis=-2)
 
     def right(self, V: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         """V·Ã for (…, r, n) V."""
@@ -335,15 +336,15 @@ def _row_valid(mask: torch.Tensor, rows: list[int]) -> torch.Tensor:
 
 
 class Prepared:
-    """One layer's P and row scale, computed once for repeated V·Ã products."""
+    """One layer's P and row sums, computed once for repeated V·Ã products."""
 
     def __init__(self, pipe: LayerPipeline, t: torch.Tensor) -> None:
         self.pipe, self.mask = pipe, pipe.mask
         self.P = pipe.matrix(t)
-        self.d = pipe.scale(self.P)
+        self.s = pipe.totals(self.P)
 
     def right(self, V: torch.Tensor) -> torch.Tensor:
-        Vd = V if self.d is None else V * self.d[..., None, :]
+        Vd = V if self.s is None else residual.divide_rows(V, self.s, axis=-1)
         out = self.pipe.a * (Vd @ self.P)
         return out + self.pipe.c * (Vd if self.mask is None else Vd * self.mask[..., None, :])
 
