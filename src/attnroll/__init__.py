@@ -10,6 +10,8 @@ from .core.sparsify import sparsify
 from .core.rollout import rollout, per_head_rollout
 
 # --- capture (issue 4) ---
+# (binds the name `capture` to the function; the subpackage stays importable as attnroll.capture.*)
+from .capture import AttentionRecord, capture
 # --- end capture ---
 
 __version__ = "0.1.0"
@@ -21,5 +23,7 @@ __all__ = [
     "sparsify",
     "rollout",
     "per_head_rollout",
+    "capture",
+    "AttentionRecord",
     "__version__",
 ]

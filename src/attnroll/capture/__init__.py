@@ -1,0 +1,135 @@
+"""Attention capture: run a model and keep its per-layer attention probabilities.
+
+``capture(model, inputs)`` runs one forward pass and returns an :class:`AttentionRecord`;
+``capture(model)`` (no inputs) returns a context manager recording the forward passes run inside it::
+
+    rec = attnroll.capture(model, inputs)              # function
+    with attnroll.capture(model) as rec:                # context manager
+        logits = model(**inputs).logits
+    rec.attentions  # list of L tensors (B, H, n, n)
+
+Adapters (one per model family) live in ``hf.py``, ``timm.py``, ``torch_mha.py``; the generic
+``modules=`` / ``to_probs=`` path and the session machinery in ``hooks.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from .. import _checks
+from .hf import HFAdapter, is_hf_model
+from .hooks import SUPPORTED_FAMILIES, Adapter, Capture, ModulesAdapter, run_forward
+from .record import AttentionRecord
+from .timm import TimmAdapter, is_timm_model
+from .torch_mha import MHAAdapter, has_mha
+
+__all__ = ["capture", "AttentionRecord", "Capture", "CaptureError", "SUPPORTED_FAMILIES"]
+
+CaptureError = _checks.CaptureError
+
+
+def capture(
+    model: nn.Module,
+    inputs: Any = None,
+    *,
+    fuse_heads: Any = None,
+    keep_grad: bool = False,
+    dtype: Any = None,
+    modules: Any = None,
+    to_probs: Callable | None = None,
+    tokenizer: Any = None,
+    eval_mode: bool = True,
+) -> AttentionRecord | Capture:
+    """Capture the attention probabilities of every layer of ``model``.
+
+    Args:
+        model: a transformers model (ViT, DeiT, BEiT, DINOv2, BERT, RoBERTa, DistilBERT, ELECTRA, GPT-2,
+            Llama, CLIP, T5, BART, Marian, ...), a timm VisionTransformer, a model built from
+            ``nn.MultiheadAttention``, or any model together with ``modules=``.
+        inputs: what the model's processor / tokenizer returns (a dict or BatchEncoding, passed as keyword
+            arguments), a tensor (passed positionally, e.g. pixels (B, 3, H, W)), or a tuple of positional
+            arguments. ``None``: return a context manager instead (see the module docstring).
+        fuse_heads: None keeps every head, (B, H, n, n) per layer. "mean" | "max" | "min" | a per-head weight
+            vector fuses the heads inside the hook, so only (B, n, n) per layer is ever kept (H times less
+            memory than ``output_attentions=True``).
+        keep_grad: keep the per-head tensors in the autograd graph (the forward runs with gradients
+            enabled); after ``backward()`` their gradients are in ``tensor.grad`` / ``record.gradients()``.
+            Without it the forward of the function form runs under ``torch.no_grad()`` and the tensors are
+            detached. Cannot be combined with ``fuse_heads`` or ``dtype``.
+        dtype: cast the stored tensors to float32 / float64; None keeps the model's dtype.
+        modules: override the adapters: modules, their qualified names, or a regular expression matched
+            with ``re.fullmatch`` against qualified module names; one module per layer, layers in module
+            order. Their forward output is the attention unless ``to_probs`` says otherwise.
+        to_probs: with ``modules``: ``f(module, args, output) -> (B, H, n_q, n_k)`` probabilities
+            (a 3-D result is read as (B, n_q, n_k), one head).
+        tokenizer: fills ``record.tokens`` (and ``extra["decoder_tokens"]``) from ``input_ids`` via
+            ``convert_ids_to_tokens``.
+        eval_mode: run in eval mode (dropout off); the caller's train/eval flags are restored afterwards.
+
+    Returns:
+        an :class:`AttentionRecord` (with ``inputs``), or a :class:`Capture` context manager whose
+        ``__enter__`` returns the record (without).
+
+    Raises:
+        UnsupportedModelError: no adapter knows the model (the message lists the supported families).
+        CaptureError: a layer's attention was missing or captured twice in one forward pass.
+
+    Nothing about the model changes for good: hooks, the attention implementation (transformers),
+    ``fused_attn`` flags (timm), MultiheadAttention forwards and the fast-path flag (torch), and train/eval
+    flags are all restored, also when the forward raises.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {_checks.describe(model)}")
+    fuse = _checks.check_fuse_heads(fuse_heads)
+    keep_grad = _checks.check_bool("keep_grad", keep_grad)
+    eval_mode = _checks.check_bool("eval_mode", eval_mode)
+    dt = _checks.check_dtype(dtype)
+    if keep_grad and fuse is not None:
+        raise ValueError(
+            f"keep_grad=True keeps the per-head tensors for their gradients; it cannot be combined with "
+            f"fuse_heads={fuse_heads!r} (fuse after the backward pass instead)"
+        )
+    if keep_grad and dt is not None:
+        raise ValueError(
+            f"keep_grad=True keeps the model's own tensors (so their .grad fills in); dtype={dtype!r} would store "
+            "copies instead. Pass dtype=None and cast after the backward pass."
+        )
+    if to_probs is not None and modules is None:
+        raise ValueError("to_probs needs modules=: the modules whose (args, output) it turns into probabilities")
+    session = Capture(
+        model,
+        _select_adapter(model, modules, to_probs),
+        fuse=fuse,
+        keep_grad=keep_grad,
+        dtype=dt,
+        eval_mode=eval_mode,
+        tokenizer=tokenizer,
+    )
+    if inputs is None:
+        return session
+    with session as record:
+        with torch.enable_grad() if keep_grad else torch.no_grad():
+            run_forward(model, inputs, session.adapter.input_hint)
+    if session.passes == 0:
+        raise CaptureError(
+            "the forward pass finished without the model's own forward returning (no pass was recorded)"
+        )
+    return record
+
+
+def _select_adapter(model: nn.Module, modules: Any, to_probs: Callable | None) -> Adapter:
+    if modules is not None:
+        return ModulesAdapter(model, modules, to_probs)
+    if is_hf_model(model):
+        return HFAdapter(model)
+    if is_timm_model(model):
+        return TimmAdapter(model)
+    if has_mha(model):
+        return MHAAdapter(model)
+    raise _checks.UnsupportedModelError(
+        f"attnroll.capture does not know where the attention of {type(model).__name__} is. "
+        f"Supported: {SUPPORTED_FAMILIES}"
+    )

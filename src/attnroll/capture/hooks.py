@@ -1,0 +1,501 @@
+"""Model-independent capture machinery: the per-layer recorder, the capture session (hooks installed and
+removed, model state restored) and the generic ``modules=`` / ``to_probs=`` adapter.
+
+An adapter knows one model family. It lists the attention *sites* (one per layer and stream), switches the
+model onto a code path that materialises the attention probabilities (eager attention, fused attention
+off), installs whatever hook hands each site's probabilities to :meth:`Recorder.store`, and fills in token
+metadata (prefix tokens, patch grid, padding mask). Every change it makes is registered on an
+``ExitStack`` so that the session can undo it, in reverse order, also when the forward pass raises.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from .. import _checks
+from ..core.fusion import fuse_tensor
+from .record import AttentionRecord
+
+SUPPORTED_FAMILIES = (
+    "Hugging Face transformers: ViT, DeiT (incl. distilled ...WithTeacher), BEiT, DINOv2, DINOv2 with "
+    "registers, BERT, RoBERTa, DistilBERT, ELECTRA, GPT-2, Llama-family decoders, CLIP (vision and text "
+    "towers), T5, BART, Marian (and other transformers models that declare attention outputs); "
+    "timm VisionTransformer models (vit_*, deit_* incl. distilled, register-token variants); "
+    "models built from torch.nn.MultiheadAttention (nn.TransformerEncoder, nn.TransformerDecoder, "
+    "nn.Transformer, OpenAI CLIP). Any other model: pass modules=[...] (modules, their names, or a regular "
+    "expression over module names) and to_probs=f(module, args, output) -> (B, H, n, n) probabilities."
+)
+
+
+@dataclass
+class Site:
+    """One attention module whose probabilities make one layer of one stream."""
+
+    module: nn.Module
+    name: str  # qualified module name in the model
+    stream: str
+    layer: int  # index within the stream, in module order (never hook-firing order)
+
+
+def stream_names(names: Sequence[str], *, towers: bool = True) -> list[str]:
+    """Stream of each self-attention module from its qualified name.
+
+    Encoder/decoder names are used only when the model has both (an encoder-only model whose stack is
+    called ``encoder``, like ViT, stays "self"); likewise "vision"/"text" only when both towers exist.
+    """
+    parts = [name.split(".") for name in names]
+
+    def tower(comps: list[str]) -> str | None:
+        for c in comps:
+            if c.startswith("vision") or c == "visual":
+                return "vision"
+            if c.startswith("text"):
+                return "text"
+        return None
+
+    def side(comps: list[str]) -> str | None:
+        if "decoder" in comps:
+            return "decoder"
+        if "encoder" in comps:
+            return "encoder"
+        return None
+
+    if towers:
+        t = [tower(c) for c in parts]
+        if {"vision", "text"} <= set(t) and None not in t:
+            return t  # type: ignore[return-value]
+    s = [side(c) for c in parts]
+    if {"encoder", "decoder"} <= set(s) and None not in s:
+        return s  # type: ignore[return-value]
+    return ["self"] * len(names)
+
+
+def make_sites(entries: Sequence[tuple[str, nn.Module, str]]) -> list[Site]:
+    """Number the layers of each stream in the order given (callers pass module order)."""
+    counters: dict[str, int] = {}
+    sites = []
+    for name, module, stream in entries:
+        layer = counters.get(stream, 0)
+        counters[stream] = layer + 1
+        sites.append(Site(module=module, name=name, stream=stream, layer=layer))
+    return sites
+
+
+class Recorder:
+    """Collects one forward pass's attention: exactly one tensor per (stream, layer).
+
+    ``store`` runs inside hooks: it fuses heads there (so per-head tensors are never kept when
+    ``fuse_heads`` is set), detaches unless ``keep_grad``, and casts to ``dtype``.
+    """
+
+    def __init__(self, sites: Sequence[Site], *, fuse: Any, keep_grad: bool, dtype: torch.dtype | None):
+        self.sites = list(sites)
+        self.fuse = fuse
+        self.keep_grad = keep_grad
+        self.dtype = dtype
+        self.layout: dict[str, list[str]] = {}
+        for s in self.sites:
+            self.layout.setdefault(s.stream, []).append(s.name)
+        self.reset()
+
+    def reset(self) -> None:
+        self.slots: dict[str, list[torch.Tensor | None]] = {k: [None] * len(v) for k, v in self.layout.items()}
+        self.fired: dict[tuple[str, int], int] = {}
+        self.returned_none: list[str] = []
+        self.dirty = False
+
+    def store(self, site: Site, probs: Any) -> None:
+        """Keep ``probs`` (B, H, n_q, n_k) — or (B, n_q, n_k), read as one head — for ``site``."""
+        self.dirty = True
+        key = (site.stream, site.layer)
+        self.fired[key] = self.fired.get(key, 0) + 1
+        if probs is None:
+            self.returned_none.append(site.name)
+            return
+        if not isinstance(probs, torch.Tensor):
+            raise TypeError(
+                f"the attention of module {site.name!r} must be a torch.Tensor of probabilities, got "
+                f"{_checks.describe(probs)}"
+            )
+        if probs.ndim == 3:
+            probs = probs.unsqueeze(1)
+        if probs.ndim != 4:
+            raise _checks.CaptureError(
+                f"module {site.name!r} gave attention of shape {tuple(probs.shape)}; expected (B, H, n_q, n_k)"
+            )
+        if self.keep_grad:
+            if probs.requires_grad:
+                # retain_grad makes .grad appear on this very tensor after backward (it is a non-leaf).
+                probs.retain_grad()
+            t = probs
+        else:
+            t = probs.detach()
+            if self.fuse is not None:
+                how = self.fuse
+                if isinstance(how, torch.Tensor):
+                    if how.numel() != t.shape[1]:
+                        raise ValueError(
+                            f"fuse_heads weights must have one entry per head: module {site.name!r} has "
+                            f"H={t.shape[1]} heads, got {how.numel()} weights"
+                        )
+                    how = how.to(device=t.device, dtype=t.dtype if t.is_floating_point() else torch.float32)
+                t = fuse_tensor(t, how)
+            if self.dtype is not None:
+                t = t.to(self.dtype)
+        self.slots[site.stream][site.layer] = t
+
+    def finish(self) -> dict[str, list[torch.Tensor]]:
+        """The complete streams of this pass; raises CaptureError naming missing or repeated layers.
+
+        Streams of which no layer ran are left out (e.g. only the vision tower of CLIP was called)."""
+        repeated = [
+            f"{self.layout[s][i]} ({n} times)" for (s, i), n in sorted(self.fired.items()) if n > 1
+        ]
+        if repeated:
+            raise _checks.CaptureError(
+                "each attention module must run exactly once per forward pass, but "
+                + ", ".join(repeated)
+                + " ran more than once. Capture one forward pass at a time (modules shared across layers, "
+                "as in ALBERT, are not supported; use modules=/to_probs= with distinct modules)."
+            )
+        streams: dict[str, list[torch.Tensor]] = {}
+        for stream, slots in self.slots.items():
+            missing = [i for i, t in enumerate(slots) if t is None]
+            if len(missing) == len(slots):
+                continue
+            if missing:
+                names = ", ".join(f"{i} ({self.layout[stream][i]})" for i in missing)
+                hint = ""
+                if self.returned_none:
+                    hint = (
+                        " These modules returned no attention weights: "
+                        + ", ".join(self.returned_none)
+                        + " (a fused / SDPA / flash attention path does not compute them)."
+                    )
+                raise _checks.CaptureError(
+                    f"stream {stream!r}: no attention was captured for layer(s) {names} of "
+                    f"{len(slots)}.{hint}"
+                )
+            streams[stream] = list(slots)  # type: ignore[arg-type]
+        if not streams:
+            detail = ""
+            if self.returned_none:
+                detail = (
+                    " The attention modules ran but returned no weights (a fused / SDPA / flash path): "
+                    + ", ".join(self.returned_none[:4])
+                )
+            raise _checks.CaptureError("no attention was captured in the forward pass." + detail)
+        if self.keep_grad and not any(t.requires_grad for layers in streams.values() for t in layers):
+            raise _checks.CaptureError(
+                "keep_grad=True, but the captured attention is not part of an autograd graph: run the forward "
+                "pass with gradients enabled (not under torch.no_grad() / torch.inference_mode()) and make sure "
+                "some parameter or input requires grad."
+            )
+        return streams
+
+
+class Adapter:
+    """Base class of the family adapters (see module docstring)."""
+
+    family = "?"
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def sites(self) -> list[Site]:
+        raise NotImplementedError
+
+    def install(self, stack: ExitStack, recorder: Recorder, sites: list[Site]) -> None:
+        """Switch the model onto a path that materialises attention and hook every site. Every change must
+        be undone through ``stack``. The default hooks each site's forward output via :meth:`extract`."""
+        for site in sites:
+            stack.enter_context(forward_hook(site.module, self._hook_for(site, recorder)))
+
+    def _hook_for(self, site: Site, recorder: Recorder) -> Callable:
+        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            recorder.store(site, self.extract(site, args, output))
+
+        return hook
+
+    def extract(self, site: Site, args: tuple, output: Any) -> Any:
+        """Turn a site's forward (args, output) into (B, H, n_q, n_k) probabilities."""
+        return output
+
+    def metadata(self, record: AttentionRecord, inputs: dict[str, Any]) -> None:
+        """Fill prefix / grid / tokens / attention_mask from the bound forward arguments ``inputs``."""
+
+    def input_hint(self, inputs: Any) -> str:
+        """A family-specific hint added to the error when the forward rejects ``inputs`` ("" = none)."""
+        return ""
+
+
+class forward_hook:
+    """Context manager: a forward hook registered on enter and removed on exit."""
+
+    def __init__(self, module: nn.Module, hook: Callable):
+        self.module, self.hook, self.handle = module, hook, None
+
+    def __enter__(self):
+        self.handle = self.module.register_forward_hook(self.hook)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.handle.remove()
+
+
+def set_attr_temporarily(stack: ExitStack, obj: Any, name: str, value: Any) -> None:
+    """Set ``obj.name = value`` and register restoring it exactly (deleting it if it was not an instance
+    attribute before, so a class attribute or method shows through again)."""
+    had_own = name in getattr(obj, "__dict__", {})
+    old = obj.__dict__[name] if had_own else None
+
+    def restore() -> None:
+        if had_own:
+            obj.__dict__[name] = old
+        elif name in obj.__dict__:
+            del obj.__dict__[name]
+
+    stack.callback(restore)
+    # Plain values (flags, bound functions) live in __dict__, which is also where nn.Module.__setattr__
+    # would put them; writing there directly keeps restore() exact.
+    obj.__dict__[name] = value
+
+
+def bind_inputs(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """The forward arguments by parameter name (positional ones included), best effort."""
+    try:
+        bound = inspect.signature(model.forward).bind_partial(*args, **kwargs)
+    except (TypeError, ValueError):
+        return dict(kwargs)
+    out = dict(bound.arguments)
+    for k, v in list(out.items()):
+        # **kwargs of the forward arrive as one dict under the parameter's name; flatten it.
+        param = inspect.signature(model.forward).parameters.get(k)
+        if param is not None and param.kind is inspect.Parameter.VAR_KEYWORD and isinstance(v, dict):
+            out.pop(k)
+            out.update(v)
+    return out
+
+
+# ----------------------------------------------------------------------------------- generic adapter
+class ModulesAdapter(Adapter):
+    """Any model: the user names the attention modules and how to read probabilities from them."""
+
+    family = "modules"
+
+    def __init__(self, model: nn.Module, modules: Any, to_probs: Callable | None):
+        super().__init__(model)
+        if to_probs is not None and not callable(to_probs):
+            raise TypeError(
+                f"to_probs must be a callable f(module, args, output) -> probabilities, got "
+                f"{_checks.describe(to_probs)}"
+            )
+        self.to_probs = to_probs
+        self.entries = self._resolve(modules)
+
+    def _resolve(self, modules: Any) -> list[tuple[str, nn.Module]]:
+        named = list(self.model.named_modules())
+        by_name = dict(named)
+        order = {id(m): i for i, (_, m) in enumerate(named)}
+        name_of = {id(m): n for n, m in named}
+        if isinstance(modules, str):
+            try:
+                pattern = re.compile(modules)
+            except re.error as e:
+                raise ValueError(f"modules={modules!r} is not a valid regular expression: {e}") from None
+            found = [(n, m) for n, m in named if n and pattern.fullmatch(n)]
+            if not found:
+                sample = ", ".join(n for n, _ in named[1:8])
+                raise ValueError(
+                    f"modules={modules!r} matches no module name (matched with re.fullmatch against qualified "
+                    f"names such as {sample}, ...)"
+                )
+            return found
+        if isinstance(modules, nn.Module):
+            modules = [modules]
+        if not isinstance(modules, (list, tuple)) or not modules:
+            raise TypeError(
+                "modules must be a non-empty list of modules or module names, or a regular expression string; "
+                f"got {_checks.describe(modules)}"
+            )
+        found = []
+        for i, m in enumerate(modules):
+            if isinstance(m, str):
+                if m not in by_name:
+                    raise ValueError(f"modules[{i}]={m!r} is not the name of a submodule of the model")
+                m = by_name[m]
+            if not isinstance(m, nn.Module):
+                raise TypeError(f"modules[{i}] must be an nn.Module or a module name, got {_checks.describe(m)}")
+            if id(m) not in order:
+                raise ValueError(f"modules[{i}] ({type(m).__name__}) is not a submodule of the model")
+            found.append((name_of[id(m)], m))
+        if len({id(m) for _, m in found}) != len(found):
+            raise ValueError("modules lists the same module twice")
+        # Layer index = module order in the model, whatever order the user listed them in.
+        return sorted(found, key=lambda nm: order[id(nm[1])])
+
+    def sites(self) -> list[Site]:
+        return make_sites([(n, m, "self") for n, m in self.entries])
+
+    def extract(self, site: Site, args: tuple, output: Any) -> Any:
+        if self.to_probs is not None:
+            return self.to_probs(site.module, args, output)
+        if isinstance(output, torch.Tensor):
+            return output
+        raise TypeError(
+            f"module {site.name!r} returned {_checks.describe(output)}, not a tensor of probabilities: pass "
+            "to_probs=f(module, args, output) that returns the (B, H, n, n) attention"
+        )
+
+
+# ------------------------------------------------------------------------------------------ session
+class Capture:
+    """A capture session; use as a context manager (``with attnroll.capture(model) as rec:``).
+
+    On enter: the model is switched to eval mode (unless ``eval_mode=False``) and onto a path that
+    materialises attention, and hooks are installed; the returned :class:`AttentionRecord` is filled each
+    time the model's own forward returns (it then holds the latest pass). If the model itself is never
+    called (only a submodule such as a CLIP tower), the record is filled on exit. On exit everything is
+    restored, also when the block raises.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        adapter: Adapter,
+        *,
+        fuse: Any,
+        keep_grad: bool,
+        dtype: torch.dtype | None,
+        eval_mode: bool,
+        tokenizer: Any = None,
+    ):
+        self.model = model
+        self.adapter = adapter
+        self.tokenizer = tokenizer
+        self.eval_mode = eval_mode
+        self.site_list = adapter.sites()
+        if not self.site_list:
+            raise _checks.UnsupportedModelError(
+                f"found no attention module in {type(model).__name__}. Supported: {SUPPORTED_FAMILIES}"
+            )
+        self.recorder = Recorder(self.site_list, fuse=fuse, keep_grad=keep_grad, dtype=dtype)
+        self.fuse_label = None if fuse is None else (fuse if isinstance(fuse, str) else "weights")
+        self.record = AttentionRecord(fused=self.fuse_label, keep_grad=keep_grad, family=adapter.family)
+        self.passes = 0
+        self._inputs: dict[str, Any] = {}
+        self._stack: ExitStack | None = None
+
+    # -- hooks on the model itself delimit passes
+    def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        self.recorder.reset()
+        self._inputs = bind_inputs(self.model, args, kwargs)
+
+    def _post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        self._finalize(output)
+
+    def _finalize(self, outputs: Any) -> None:
+        streams = self.recorder.finish()
+        rec = self.record
+        rec.streams = streams
+        rec.layer_names = {s: list(self.recorder.layout[s]) for s in streams}
+        rec.outputs = outputs
+        rec.prefix, rec.grid, rec.tokens, rec.attention_mask = None, None, None, None
+        rec.extra = {}
+        self.adapter.metadata(rec, self._inputs)
+        if self.tokenizer is not None:
+            rec.tokens = tokens_of(self.tokenizer, self._inputs.get("input_ids"), "input_ids")
+            if self._inputs.get("decoder_input_ids") is not None:
+                rec.extra["decoder_tokens"] = tokens_of(
+                    self.tokenizer, self._inputs["decoder_input_ids"], "decoder_input_ids"
+                )
+        self.passes += 1
+        self.recorder.reset()
+
+    def __enter__(self) -> AttentionRecord:
+        stack = ExitStack()
+        try:
+            if self.eval_mode:
+                flags = [(m, m.training) for m in self.model.modules()]
+
+                def restore_modes() -> None:
+                    # Per-module flags: model.train() would also flip submodules the caller kept in eval.
+                    for m, flag in flags:
+                        m.training = flag
+
+                stack.callback(restore_modes)
+                self.model.eval()
+            self.adapter.install(stack, self.recorder, self.site_list)
+            pre = self.model.register_forward_pre_hook(self._pre, with_kwargs=True)
+            stack.callback(pre.remove)
+            post = self.model.register_forward_hook(self._post, with_kwargs=True)
+            stack.callback(post.remove)
+        except BaseException:
+            stack.close()
+            raise
+        self._stack = stack
+        return self.record
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+        stack, self._stack = self._stack, None
+        try:
+            if exc_type is None and self.recorder.dirty:
+                # A submodule was called directly (the model's own forward did not close the pass).
+                self._finalize(None)
+        finally:
+            if stack is not None:
+                stack.close()
+        return False
+
+
+def tokens_of(tokenizer: Any, ids: Any, name: str) -> list[list[str]] | None:
+    """Token strings per example via ``tokenizer.convert_ids_to_tokens``."""
+    if ids is None:
+        return None
+    if not hasattr(tokenizer, "convert_ids_to_tokens"):
+        raise TypeError(
+            f"tokenizer must have a convert_ids_to_tokens method (a transformers tokenizer), got "
+            f"{_checks.describe(tokenizer)}"
+        )
+    ids_t = torch.as_tensor(ids)
+    if ids_t.ndim == 1:
+        ids_t = ids_t.unsqueeze(0)
+    return [list(tokenizer.convert_ids_to_tokens(row)) for row in ids_t.tolist()]
+
+
+def run_forward(model: nn.Module, inputs: Any, hint: Callable[[Any], str] | None = None) -> Any:
+    """Call the model on ``inputs``: a mapping is passed as keyword arguments, a tensor as the one
+    positional argument, a tuple/list as positional arguments. When the forward rejects them, a note
+    (plus the adapter's ``hint(inputs)``) is added to the exception."""
+    if isinstance(inputs, Mapping):
+        call = lambda: model(**inputs)  # noqa: E731
+    elif isinstance(inputs, torch.Tensor):
+        call = lambda: model(inputs)  # noqa: E731
+    elif isinstance(inputs, (tuple, list)):
+        call = lambda: model(*inputs)  # noqa: E731
+    else:
+        raise TypeError(
+            "inputs must be a dict of keyword arguments (what a processor / tokenizer returns), a tensor, or a "
+            f"tuple of positional arguments; got {_checks.describe(inputs)}"
+        )
+    try:
+        return call()
+    except (TypeError, ValueError, RuntimeError, AssertionError) as e:
+        if isinstance(e, _checks.CaptureError):
+            raise
+        what = (
+            "keys " + ", ".join(map(str, inputs.keys())) if isinstance(inputs, Mapping) else _checks.describe(inputs)
+        )
+        e.add_note(
+            f"attnroll.capture: the forward pass of {type(model).__name__} failed on the given inputs ({what}). "
+            "Check that they are what the model's processor / tokenizer produces (image size, required keys)."
+            + (" " + hint(inputs) if hint is not None and hint(inputs) else "")
+        )
+        raise
