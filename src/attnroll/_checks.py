@@ -130,32 +130,43 @@ def check_square(name: str, t: torch.Tensor) -> None:
         )
 
 
-def check_finite_nonnegative(name: str, t: torch.Tensor) -> None:
-    """No NaN, no infinity, no negative entry."""
-    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-        bad = "NaN" if bool(torch.isnan(t).any()) else "infinite"
+def check_values(
+    name: str,
+    minimum: float,
+    sums: torch.Tensor,
+    *,
+    stochastic: bool = False,
+    how_to_accept: str = "",
+) -> None:
+    """Judge an attention tensor from two cheap statistics: its minimum entry and its row sums (only the
+    rows that matter, e.g. real tokens). NaN propagates into both and infinities into the sums, so these
+    catch every NaN, infinite or negative entry without another pass over the data.
+
+    Raises ValueError for NaN / infinite / negative entries and, with ``stochastic``, rows whose sum is
+    not 1 within STOCHASTIC_ATOL (the message then ends with ``how_to_accept``)."""
+    finite = bool(torch.isfinite(sums).all()) if sums.numel() else True
+    if minimum != minimum or minimum == float("-inf") or not finite:
+        # amin propagates NaN, so a non-NaN minimum means the bad sums come from infinities.
+        bad = "NaN" if minimum != minimum else "infinite"
         raise ValueError(f"{name} contains {bad} values; attention probabilities must be finite")
-    if bool((t < 0).any()):
+    if minimum < 0:
         raise ValueError(
-            f"{name} contains negative entries (min {float(t.min()):.3g}); attention must be non-negative. "
+            f"{name} contains negative entries (min {minimum:.3g}); attention must be non-negative. "
             "Clamp signed relevance (e.g. gradient x attention) to its positive part first."
         )
-
-
-def check_row_sums(name: str, sums: torch.Tensor, *, how_to_accept: str) -> None:
-    """Row sums must be 1 within STOCHASTIC_ATOL; ``sums`` holds the sums of the rows that matter."""
-    if sums.numel() == 0:
-        return
-    dev = (sums - 1).abs()
-    if not bool(torch.isfinite(sums).all()):
-        raise ValueError(f"{name} contains NaN or infinite values; attention probabilities must be finite")
-    worst = float(dev.max())
-    if worst > STOCHASTIC_ATOL:
+    if stochastic and sums.numel() and float((sums - 1).abs().max()) > STOCHASTIC_ATOL:
         lo, hi = float(sums.min()), float(sums.max())
         raise ValueError(
             f"{name}: rows must sum to 1 (softmax attention probabilities), but row sums range from "
             f"{lo:.4g} to {hi:.4g}. {how_to_accept}"
         )
+
+
+def check_finite_nonnegative(name: str, t: torch.Tensor) -> None:
+    """No NaN, no infinity, no negative entry."""
+    if t.numel() == 0:
+        return
+    check_values(name, float(t.amin()), t.sum(dim=-1))
 
 
 def check_mask(name: str, mask: Any, batch: int | None, n: int) -> torch.Tensor:

@@ -272,3 +272,28 @@ def test_matches_naive_reference(case):
 def test_public_names():
     for name in ("rollout", "per_head_rollout", "fuse_heads", "add_residual", "sparsify"):
         assert callable(getattr(attnroll, name))
+
+
+@pytest.mark.parametrize("block", [1 << 20, 2 * 6 * 6, 2 * 6 * 4, 1])
+def test_streamed_rows_path_in_blocks_equals_full_product(monkeypatch, block):
+    """The rows fast path walks each layer in blocks (groups of heads, or row ranges of one head); every
+    block size must give the rows of the full product and still see every entry for the value checks."""
+    from attnroll.core import rollout as mod
+
+    monkeypatch.setattr(mod, "BLOCK_ELEMENTS", block)
+    layers = softmax_layers(4, 2, 5, 6, seed=13)
+    full = rollout(layers)
+    for opts in ({}, {"head_fusion": [0.5, 1.0, 0.0, 2.0, 1.0]}):
+        np.testing.assert_allclose(rollout(layers, rows=[0, 5], **opts), rollout(layers, **opts)[:, [0, 5]], atol=1e-12)
+    np.testing.assert_allclose(rollout(layers, rows=[3]), full[:, [3]], atol=1e-12)
+    bad = [a.copy() for a in layers]
+    bad[2][1, 4, 5, 3] = np.nan  # last head, last row, second example: the last block to be read
+    with pytest.raises(ValueError, match=r"attentions\[2\] contains NaN"):
+        rollout(bad, rows=[0])
+    bad[2][1, 4, 5, 3] = -0.5
+    with pytest.raises(ValueError, match=r"attentions\[2\] contains negative entries"):
+        rollout(bad, rows=[0])
+    bad[2][1, 4, 5, 3] = 0.9
+    with pytest.raises(ValueError, match=r"attentions\[2\]: rows must sum to 1"):
+        rollout(bad, rows=[0])
+    assert rollout(bad, rows=[0], check_stochastic=False).shape == (2, 1, 6)

@@ -31,13 +31,18 @@ _ACCEPT_HINT = (
 # ------------------------------------------------------------------------------------------- input parsing
 @dataclass
 class Layers:
-    """Validated attention: per-layer tensors with a batch axis, plus how to give results back."""
+    """Structurally validated attention: per-layer tensors with a batch axis, plus how to read them (working
+    dtype, value checks) and how to give results back. Values are checked layer by layer as they are read
+    (``layer(i)``), so that no path pays for an extra pass over the data."""
 
-    tensors: list[torch.Tensor]  # each (B, H, n, n), or (B, n, n) when already fused
+    tensors: list[torch.Tensor]  # each (B, H, n, n), or (B, n, n) when already fused; caller's dtype
     batched: bool
     was_numpy: bool
     fused: bool
     mask: torch.Tensor | None  # (B, n) bool, None when every token is real
+    dtype: torch.dtype
+    check_stochastic: bool = True
+    name: str = "attentions"
 
     @property
     def n(self) -> int:
@@ -46,6 +51,23 @@ class Layers:
     @property
     def batch(self) -> int:
         return self.tensors[0].shape[0]
+
+    def layer(self, i: int) -> torch.Tensor:
+        """Layer i in the working dtype, its values checked."""
+        t = self.tensors[i].to(self.dtype)
+        if t.numel():
+            self.check(i, float(t.amin()), t.sum(dim=-1))
+        return t
+
+    def check(self, i: int, minimum: float, sums: torch.Tensor) -> None:
+        """Judge layer i (or a block of it) from its minimum and row sums (B, [H,] rows)."""
+        if self.mask is not None and sums.shape[-1] == self.n:
+            # Padding rows may hold anything (zeros, uniform rows); only real queries must be stochastic.
+            row_mask = self.mask if self.fused else self.mask.unsqueeze(1)
+            sums = sums[row_mask.expand_as(sums)]
+        _checks.check_values(
+            f"{self.name}[{i}]", minimum, sums, stochastic=self.check_stochastic, how_to_accept=_ACCEPT_HINT
+        )
 
     def give_back(self, out: torch.Tensor, batch_axis: int = 0) -> Any:
         """Drop the batch axis for unbatched input and convert to numpy for numpy input."""
@@ -63,11 +85,11 @@ def parse_attentions(
     check_stochastic: bool = True,
     name: str = "attentions",
 ) -> Layers:
-    """Validate ``attentions`` (see ``rollout``) and return them as batched tensors of the working dtype.
+    """Validate the structure of ``attentions`` (see ``rollout``) and wrap them with a batch axis.
 
-    Checks: non-empty; the right number of axes; square; every layer the same shape; finite and
-    non-negative; rows summing to 1 when ``check_stochastic`` (only the rows of real tokens when an
-    ``attention_mask`` is given).
+    Checks here: non-empty; the right number of axes; square; every layer the same shape; the mask.
+    ``Layers.layer(i)`` checks values when a layer is read: finite, non-negative, and rows summing to 1
+    when ``check_stochastic`` (only the rows of real tokens when an ``attention_mask`` is given).
     """
     per_layer = "(B, n, n) or (n, n)" if fused else "(B, H, n, n) or (H, n, n)"
     hint = (
@@ -126,7 +148,6 @@ def parse_attentions(
     want = _checks.check_dtype(dtype)
     if want is None:
         want = torch.float64 if tensors[0].dtype == torch.float64 else torch.float32
-    tensors = [t.to(want) for t in tensors]
 
     n, B = tensors[0].shape[-1], tensors[0].shape[0]
     mask = None
@@ -135,17 +156,7 @@ def parse_attentions(
         mask = mask.to(tensors[0].device)
         if bool(mask.all()):
             mask = None
-
-    for i, t in enumerate(tensors):
-        _checks.check_finite_nonnegative(f"{name}[{i}]", t)
-        if check_stochastic:
-            sums = t.sum(dim=-1)
-            if mask is not None:
-                # Padding rows may hold anything (zeros, uniform rows); only real queries must be stochastic.
-                row_mask = mask if fused else mask.unsqueeze(1)
-                sums = sums[row_mask.expand_as(sums)]
-            _checks.check_row_sums(f"{name}[{i}]", sums, how_to_accept=_ACCEPT_HINT)
-    return Layers(tensors, batched, next(iter(kinds)), fused, mask)
+    return Layers(tensors, batched, next(iter(kinds)), fused, mask, want, bool(check_stochastic), name)
 
 
 def layer_range(num_layers: int, start_layer: Any, end_layer: Any) -> tuple[int, int]:
@@ -269,44 +280,83 @@ class LayerPipeline:
         s = self.totals(P)
         return out if s is None else residual.divide_rows(out, s, axis=-2)
 
-    def right(self, V: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        """V·Ã for (…, r, n) V."""
-        mask = self.mask
-        if mask is None and not self.sparse and not self.renorm and self.head_fusion is not None and (
-            not isinstance(self.head_fusion, str) or self.head_fusion == "mean"
-        ):
-            # Fast path: V·mean_h(A_h) = mean_h(V·A_h); one read of the per-head attention, no n×n temporary.
-            VP = _head_contract(V, t, self.head_fusion)
-            return self.a * VP + self.c * V
-        return Prepared(self, t).right(V)
+    @property
+    def streaming(self) -> bool:
+        """Whether V·Ã can be computed straight from the per-head layer (mean or weighted fusion, nothing
+        that needs the fused matrix: no padding, sparsification or renorm row sums)."""
+        return (
+            self.mask is None
+            and not self.sparse
+            and not self.renorm
+            and self.head_fusion is not None
+            and not (isinstance(self.head_fusion, str) and self.head_fusion != "mean")
+        )
+
+    def right(self, V: torch.Tensor, layers: Layers, i: int) -> torch.Tensor:
+        """V·Ã(i) for (…, r, n) V, reading and checking layer i of ``layers``."""
+        if self.streaming:
+            return self.a * _streamed_contract(V, layers, i, self.head_fusion) + self.c * V
+        return Prepared(self, layers.layer(i)).right(V)
 
 
-def _head_contract(V: torch.Tensor, t: torch.Tensor, how: Any) -> torch.Tensor:
-    """Σ_h w_h · V·A_h for V (B, r, n), t (B, H, n, n) -> (B, r, n); w = 1/H for 'mean'."""
-    prod = V.unsqueeze(1) @ t  # (B, H, r, n)
-    if isinstance(how, str):
-        return prod.mean(dim=1)
-    w = fusion.head_weights(how, t.shape[1], like=t)
-    return torch.einsum("bhrn,h->brn", prod, w)
+#: Elements per block of the streamed contraction: 4 MiB of float32, so that a block read from memory for
+#: the value checks is still in cache for the product.
+BLOCK_ELEMENTS = 1 << 20
+
+
+def _streamed_contract(V: torch.Tensor, layers: Layers, i: int, how: Any) -> torch.Tensor:
+    """Σ_h w_h · V·A_h for V (B, r, n) and layer i (B, H, n, n) -> (B, r, n), w = 1/H for "mean".
+
+    Uses V·mean_h(A_h) = mean_h(V·A_h): the fused n×n matrix is never formed. The layer is walked in
+    cache-sized blocks (groups of heads, or row ranges of one head), and each block's value checks (minimum,
+    row sums) run while it is in cache, so the whole step costs about one read of the attention.
+    """
+    raw = layers.tensors[i]
+    B, H, n, _ = raw.shape
+    dtype = layers.dtype
+    w = (
+        torch.full((H,), 1.0 / H, dtype=dtype, device=raw.device)
+        if isinstance(how, str)
+        else fusion.head_weights(how, H, like=V)
+    )
+    per_head = B * n * n
+    heads_per_block = max(1, BLOCK_ELEMENTS // per_head)
+    rows_per_block = n if heads_per_block > 1 or per_head <= BLOCK_ELEMENTS else max(1, BLOCK_ELEMENTS // (B * n))
+    acc = torch.zeros_like(V)
+    mins, sums = [], []
+    for h0 in range(0, H, heads_per_block):
+        h1 = min(H, h0 + heads_per_block)
+        for r0 in range(0, n, rows_per_block):
+            r1 = min(n, r0 + rows_per_block)
+            blk = raw[:, h0:h1, r0:r1, :].to(dtype)  # (B, h, rows, n)
+            mins.append(blk.amin())
+            sums.append(blk.sum(dim=-1).reshape(-1))
+            prod = V[:, None, :, r0:r1] @ blk  # (B, h, r, n)
+            acc += torch.einsum("bhrn,h->brn", prod, w[h0:h1])
+    layers.check(i, float(torch.stack(mins).amin()), torch.cat(sums))
+    return acc
 
 
 # ------------------------------------------------------------------------------------------- rollout
 def _product(
-    tensors: Sequence[torch.Tensor],
+    layers: Layers,
+    start: int,
+    end: int,
     pipe: LayerPipeline,
     rows: list[int] | None,
     return_layers: bool,
 ) -> torch.Tensor:
-    """R (B, n, n) or its rows (B, r, n) for the given layers (oldest first); with ``return_layers`` a
-    leading axis of every partial product Ã(k)···Ã(0), k = 0..len-1."""
-    n, mask = tensors[0].shape[-1], pipe.mask
-    lead = tensors[0].shape[:-3] if pipe.head_fusion is not None else tensors[0].shape[:-2]
-    dtype, device = tensors[0].dtype, tensors[0].device
+    """R (B, n, n) or its rows (B, r, n) for layers [start, end); with ``return_layers`` a leading axis of
+    every partial product Ã(k)···Ã(start), k = start..end-1."""
+    first = layers.tensors[start]
+    n, mask = layers.n, pipe.mask
+    lead = first.shape[:-3] if pipe.head_fusion is not None else first.shape[:-2]
+    dtype, device = layers.dtype, first.device
     if rows is None:
-        R = pipe.augmented(tensors[0])
+        R = pipe.augmented(layers.layer(start))
         partials = [R]
-        for t in tensors[1:]:
-            R = pipe.left(t, R)
+        for i in range(start + 1, end):
+            R = pipe.left(layers.layer(i), R)
             if return_layers:
                 partials.append(R)
         return torch.stack(partials) if return_layers else R
@@ -316,11 +366,11 @@ def _product(
         E = E * _row_valid(mask, rows).to(dtype)
     if not return_layers:
         V = E
-        for t in reversed(tensors):
-            V = pipe.right(V, t)
+        for i in range(end - 1, start - 1, -1):
+            V = pipe.right(V, layers, i)
         return V
     # Every partial product's rows: prepare each layer once, then one right-to-left sweep per prefix.
-    mats = [Prepared(pipe, t) for t in tensors]
+    mats = [Prepared(pipe, layers.layer(i)) for i in range(start, end)]
     partials = []
     for k in range(len(mats)):
         V = E
@@ -421,7 +471,7 @@ def rollout(
         protect_prefix=protect_prefix,
         mask=layers.mask,
     )
-    out = _product(layers.tensors[start:end], pipe, row_idx, bool(return_layers))
+    out = _product(layers, start, end, pipe, row_idx, bool(return_layers))
     return layers.give_back(out, batch_axis=1 if return_layers else 0)
 
 
@@ -470,7 +520,7 @@ def per_head_rollout(
         protect_prefix=protect_prefix,
         mask=mask,
     )
-    out = _product(layers.tensors[start:end], pipe, row_idx, bool(return_layers))
+    out = _product(layers, start, end, pipe, row_idx, bool(return_layers))
     return layers.give_back(out, batch_axis=1 if return_layers else 0)
 
 
@@ -490,4 +540,4 @@ def augmented_layers(attentions: Any, **options: Any) -> tuple[list[torch.Tensor
     if head_fusion is not None:
         fusion.head_weights(head_fusion, layers.tensors[0].shape[-3], like=layers.tensors[0])
     pipe = LayerPipeline(layers.n, mask=layers.mask, **options)
-    return [pipe.augmented(t) for t in layers.tensors[start:end]], layers, (start, end)
+    return [pipe.augmented(layers.layer(i)) for i in range(start, end)], layers, (start, end)
