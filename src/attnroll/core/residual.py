@@ -49,14 +49,12 @@ def row_totals(A: torch.Tensor, a: float, c: float, mask: torch.Tensor | None) -
     return total + (c if mask is None else c * mask.to(A.dtype))
 
 
-def divide_rows(x: torch.Tensor, total: torch.Tensor, axis: int) -> torch.Tensor:
-    """x divided by ``total`` along ``axis`` (-2: rows of x, -1: columns); a zero total (padding) gives 0.
+def divide_rows(x: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+    """Each row of x (..., n, m) divided by ``total`` (..., n); a zero total (padding) gives a zero row.
 
     Division, not multiplication by 1/total, keeps tiny alphas exact (1/5e-324 overflows)."""
-    dim = -1 if axis == -2 else -2  # where total gets its broadcast axis
-    safe = torch.where(total > 0, total, torch.ones_like(total)).unsqueeze(dim)
-    keep = (total > 0).unsqueeze(dim)
-    return torch.where(keep, x / safe, torch.zeros((), dtype=x.dtype, device=x.device))
+    safe = torch.where(total > 0, total, torch.ones_like(total)).unsqueeze(-1)
+    return torch.where((total > 0).unsqueeze(-1), x / safe, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
 def apply_residual(
@@ -68,7 +66,7 @@ def apply_residual(
     ident = eye if mask is None else torch.diag_embed(mask.to(A.dtype))
     out = a * A + c * ident
     if renorm:
-        out = divide_rows(out, row_totals(A, a, c, mask), axis=-2)
+        out = divide_rows(out, row_totals(A, a, c, mask))
     return out
 
 

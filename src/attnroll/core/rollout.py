@@ -14,7 +14,7 @@ the fused matrix, so the cost is one read of the attention.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
@@ -43,6 +43,7 @@ class Layers:
     dtype: torch.dtype
     check_stochastic: bool = True
     name: str = "attentions"
+    _pending: list = field(default_factory=list, repr=False)
 
     @property
     def n(self) -> int:
@@ -68,6 +69,27 @@ class Layers:
         _checks.check_values(
             f"{self.name}[{i}]", minimum, sums, stochastic=self.check_stochastic, how_to_accept=_ACCEPT_HINT
         )
+
+    def defer(self, i: int, minimum: torch.Tensor, sums: torch.Tensor) -> None:
+        """Record a block's statistics (0-d minimum, row sums) to be judged by ``flush``."""
+        self._pending.append((i, minimum, sums))
+
+    def flush(self) -> None:
+        """Judge the deferred statistics in one pass; on failure, report the first bad layer."""
+        pending, self._pending = self._pending, []
+        if not pending:
+            return
+        minimum = float(torch.stack([p[1] for p in pending]).amin())
+        sums = torch.cat([p[2].reshape(-1) for p in pending])
+        ok = minimum >= 0 and bool(torch.isfinite(sums).all())
+        if ok and self.check_stochastic:
+            ok = float((sums - 1).abs().max()) <= _checks.STOCHASTIC_ATOL
+        if ok:
+            return
+        for i in sorted({p[0] for p in pending}):
+            mine = [p for p in pending if p[0] == i]
+            self.check(i, float(torch.stack([p[1] for p in mine]).amin()), torch.cat([p[2].reshape(-1) for p in mine]))
+        raise AssertionError("deferred statistics failed, but no single layer did")  # pragma: no cover
 
     def give_back(self, out: torch.Tensor, batch_axis: int = 0) -> Any:
         """Drop the batch axis for unbatched input and convert to numpy for numpy input."""
@@ -278,7 +300,7 @@ class LayerPipeline:
         out = self.a * (P @ R)
         out = out + self.c * (R if mask is None else R * mask[..., :, None])
         s = self.totals(P)
-        return out if s is None else residual.divide_rows(out, s, axis=-2)
+        return out if s is None else residual.divide_rows(out, s)
 
     @property
     def streaming(self) -> bool:
@@ -307,34 +329,31 @@ BLOCK_ELEMENTS = 1 << 20
 def _streamed_contract(V: torch.Tensor, layers: Layers, i: int, how: Any) -> torch.Tensor:
     """Σ_h w_h · V·A_h for V (B, r, n) and layer i (B, H, n, n) -> (B, r, n), w = 1/H for "mean".
 
-    Uses V·mean_h(A_h) = mean_h(V·A_h): the fused n×n matrix is never formed. The layer is walked in
-    cache-sized blocks (groups of heads, or row ranges of one head), and each block's value checks (minimum,
-    row sums) run while it is in cache, so the whole step costs about one read of the attention.
+    Uses V·mean_h(A_h) = mean_h(V·A_h): the fused n×n matrix is never formed, and the sum over heads is
+    folded into one matrix product, (w ⊗ V) (B, r, H·n) times the layer seen as (B, H·n, n). Large layers
+    are walked in cache-sized blocks (groups of heads, or row ranges of one head) so that each block's value
+    statistics (minimum, row sums), taken for the checks, are read while the block is in cache. The checks
+    themselves are deferred to ``Layers.flush`` to keep per-layer overhead low.
     """
     raw = layers.tensors[i]
     B, H, n, _ = raw.shape
     dtype = layers.dtype
-    w = (
-        torch.full((H,), 1.0 / H, dtype=dtype, device=raw.device)
-        if isinstance(how, str)
-        else fusion.head_weights(how, H, like=V)
-    )
+    w = None if isinstance(how, str) else fusion.head_weights(how, H, like=V)
     per_head = B * n * n
     heads_per_block = max(1, BLOCK_ELEMENTS // per_head)
-    rows_per_block = n if heads_per_block > 1 or per_head <= BLOCK_ELEMENTS else max(1, BLOCK_ELEMENTS // (B * n))
-    acc = torch.zeros_like(V)
-    mins, sums = [], []
+    rows_per_block = n if per_head <= BLOCK_ELEMENTS else max(1, BLOCK_ELEMENTS // (B * n))
+    acc = None
     for h0 in range(0, H, heads_per_block):
         h1 = min(H, h0 + heads_per_block)
+        wv = V.unsqueeze(-2) if w is None else V.unsqueeze(-2) * w[h0:h1, None]  # (B, r, 1 | h, n)
         for r0 in range(0, n, rows_per_block):
             r1 = min(n, r0 + rows_per_block)
             blk = raw[:, h0:h1, r0:r1, :].to(dtype)  # (B, h, rows, n)
-            mins.append(blk.amin())
-            sums.append(blk.sum(dim=-1).reshape(-1))
-            prod = V[:, None, :, r0:r1] @ blk  # (B, h, r, n)
-            acc += torch.einsum("bhrn,h->brn", prod, w[h0:h1])
-    layers.check(i, float(torch.stack(mins).amin()), torch.cat(sums))
-    return acc
+            layers.defer(i, blk.amin(), blk.sum(dim=-1))
+            u = wv[..., r0:r1].expand(B, V.shape[1], h1 - h0, r1 - r0).reshape(B, V.shape[1], -1)
+            part = u @ blk.reshape(B, -1, n)  # sums over the heads of the block and its rows
+            acc = part if acc is None else acc.add_(part)
+    return acc / H if w is None else acc
 
 
 # ------------------------------------------------------------------------------------------- rollout
@@ -368,6 +387,7 @@ def _product(
         V = E
         for i in range(end - 1, start - 1, -1):
             V = pipe.right(V, layers, i)
+        layers.flush()
         return V
     # Every partial product's rows: prepare each layer once, then one right-to-left sweep per prefix.
     mats = [Prepared(pipe, layers.layer(i)) for i in range(start, end)]
@@ -386,17 +406,25 @@ def _row_valid(mask: torch.Tensor, rows: list[int]) -> torch.Tensor:
 
 
 class Prepared:
-    """One layer's P and row sums, computed once for repeated V·Ã products."""
+    """One layer as Ã = a·P' + diag(g), computed once for repeated V·Ã products: P' is P with its rows
+    divided by the renorm sums (P itself otherwise) and g the identity weight of each row. Dividing P's
+    rows, rather than V's columns, keeps tiny identity weights exact."""
 
     def __init__(self, pipe: LayerPipeline, t: torch.Tensor) -> None:
-        self.pipe, self.mask = pipe, pipe.mask
-        self.P = pipe.matrix(t)
-        self.s = pipe.totals(self.P)
+        self.a = pipe.a
+        P = pipe.matrix(t)
+        s = pipe.totals(P)
+        mask = pipe.mask
+        g = torch.full(P.shape[:-1], pipe.c, dtype=P.dtype, device=P.device)
+        if mask is not None:
+            g = g * mask
+        if s is not None:
+            P = residual.divide_rows(P, s)
+            g = residual.divide_rows(g.unsqueeze(-1), s).squeeze(-1)
+        self.P, self.g = P, g
 
     def right(self, V: torch.Tensor) -> torch.Tensor:
-        Vd = V if self.s is None else residual.divide_rows(V, self.s, axis=-1)
-        out = self.pipe.a * (Vd @ self.P)
-        return out + self.pipe.c * (Vd if self.mask is None else Vd * self.mask[..., None, :])
+        return self.a * (V @ self.P) + V * self.g[..., None, :]
 
 
 def rollout(

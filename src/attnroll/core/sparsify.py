@@ -33,12 +33,37 @@ def _eligible(A: torch.Tensor, protect_prefix: int, mask: torch.Tensor | None) -
     return elig.expand(A.shape)
 
 
-def _ranks(vals: torch.Tensor, descending: bool) -> torch.Tensor:
-    """Rank of each entry along the last axis under a stable sort (0 = first)."""
-    order = torch.argsort(vals, dim=-1, descending=descending, stable=True)
-    ranks = torch.empty_like(order)
-    ranks.scatter_(-1, order, torch.arange(vals.shape[-1], device=vals.device).expand_as(order))
-    return ranks
+def _keep_largest(vals: torch.Tensor, count: torch.Tensor, prefer_early: bool) -> torch.Tensor:
+    """Bool mask of the ``count`` largest entries along the last axis; among entries equal to the boundary
+    value the earliest (``prefer_early``) or the latest are kept. ``count`` (..., 1) may differ between
+    slices. Uses a partial selection (topk on the smaller side) rather than a full sort."""
+    flat = vals.reshape(-1, vals.shape[-1])
+    counts = count.expand(*vals.shape[:-1], 1).reshape(-1)
+    out = torch.zeros(flat.shape, dtype=torch.bool, device=vals.device)
+    m = flat.shape[-1]
+    for c in torch.unique(counts).tolist():
+        c = int(c)
+        if c <= 0:
+            continue
+        if c >= m:
+            out[counts == c] = True
+            continue
+        same = counts == c
+        sub = flat if bool(same.all()) else flat[same]
+        if c <= m // 2:
+            boundary = sub.topk(c, dim=-1).values.amin(dim=-1, keepdim=True)  # the c-th largest
+        else:
+            boundary = sub.topk(m - c + 1, dim=-1, largest=False).values.amax(dim=-1, keepdim=True)
+        above = sub > boundary
+        tied = sub == boundary
+        need = c - above.sum(dim=-1, keepdim=True)
+        order = tied.cumsum(dim=-1) if prefer_early else tied.flip(-1).cumsum(dim=-1).flip(-1)
+        keep = above | (tied & (order <= need))
+        if sub is flat:
+            out = keep
+        else:
+            out[same] = keep
+    return out.reshape(vals.shape)
 
 
 def keep_mask(
@@ -57,19 +82,22 @@ def keep_mask(
     elig = _eligible(A, protect_prefix, mask)
     drop = torch.zeros(A.shape, dtype=torch.bool, device=A.device)
     inf = torch.tensor(float("inf"), dtype=A.dtype, device=A.device)
+    # Discarding the k smallest = keeping the (size − k) largest; the ineligible entries are set to +inf so
+    # they are among the kept, and ties are dropped earliest-first, i.e. kept latest-first.
     if discard_ratio:
         if discard_scope == "layer":
             flat_elig = elig.flatten(-2)
             vals = torch.where(flat_elig, A.flatten(-2), inf)
-            k = torch.floor(flat_elig.sum(-1, keepdim=True) * discard_ratio)
-            drop |= (_ranks(vals, descending=False) < k).reshape(A.shape)
+            k = torch.floor(flat_elig.sum(-1, keepdim=True) * discard_ratio).long()
+            drop |= ~_keep_largest(vals, vals.shape[-1] - k, prefer_early=False).reshape(A.shape)
         else:
             vals = torch.where(elig, A, inf)
-            k = torch.floor(elig.sum(-1, keepdim=True) * discard_ratio)
-            drop |= _ranks(vals, descending=False) < k
+            k = torch.floor(elig.sum(-1, keepdim=True) * discard_ratio).long()
+            drop |= ~_keep_largest(vals, vals.shape[-1] - k, prefer_early=False)
     if top_k is not None:
         vals = torch.where(elig, A, -inf)
-        drop |= _ranks(vals, descending=True) >= top_k
+        count = torch.full(A.shape[:-1] + (1,), top_k, dtype=torch.long, device=A.device)
+        drop |= ~_keep_largest(vals, count, prefer_early=True)
     if threshold is not None:
         drop |= A < threshold
     return ~(drop & elig)
