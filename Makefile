@@ -1,16 +1,17 @@
-# One command each: `make test` and (later) `make demo` set everything up on a fresh machine.
+# One command each: `make test` and `make demo` set everything up on a fresh machine.
 PYTHON ?= python3
 VENV   ?= .venv
-# Pinned torch. On this project's machines torch==2.13.0 is a local CPU wheel; the timm extra needs the
-# torch/torchvision pair instead: make TORCH="torch==2.14.1 torchvision==0.29.1" EXTRAS=dev,timm test
-TORCH  ?= torch==2.13.0
+# Pinned torch. timm (in the dev extra) needs torchvision, and on this project's machines this pair is the one
+# on local disk that imports together (torch==2.13.0 alone is a local CPU wheel that serves the core only).
+TORCH  ?= torch==2.14.1 torchvision==0.29.1
 EXTRAS ?= dev
 PY     := $(VENV)/bin/python
-STAMP  := $(VENV)/.installed-$(subst $(space),_,$(subst =,-,$(TORCH)))-$(subst $(comma),_,$(EXTRAS))
+empty  :=
 space  := $(empty) $(empty)
 comma  := ,
+STAMP  := $(VENV)/.installed-$(subst $(space),_,$(subst =,-,$(TORCH)))-$(subst $(comma),_,$(EXTRAS))
 
-.PHONY: install test bench clean
+.PHONY: install test demo bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +20,7 @@ $(STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH)
 	$(PY) -m pip install --quiet -e ".[$(EXTRAS)]"
+	rm -f $(VENV)/.installed-*
 	touch $@
 
 install: $(STAMP)
@@ -28,6 +30,7 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_rollout.py
+	$(PY) benchmarks/bench_flow.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache .hypothesis
