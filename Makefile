@@ -28,6 +28,9 @@ install: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
+demo: $(STAMP)
+	$(PY) examples/demo_minilm.py
+
 bench: $(STAMP)
 	$(PY) benchmarks/bench_rollout.py
 	$(PY) benchmarks/bench_flow.py
