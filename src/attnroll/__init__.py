@@ -8,6 +8,7 @@ from .core.fusion import fuse_heads
 from .core.residual import add_residual
 from .core.sparsify import sparsify
 from .core.rollout import rollout, per_head_rollout
+from .core.flow import attention_flow
 
 # --- capture (issue 4) ---
 # (binds the name `capture` to the function; the subpackage stays importable as attnroll.capture.*)
@@ -23,6 +24,7 @@ __all__ = [
     "sparsify",
     "rollout",
     "per_head_rollout",
+    "attention_flow",
     "capture",
     "AttentionRecord",
     "__version__",
