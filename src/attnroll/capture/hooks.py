@@ -29,7 +29,7 @@ SUPPORTED_FAMILIES = (
     "towers), T5, BART, Marian (and other transformers models that declare attention outputs); "
     "timm VisionTransformer models (vit_*, deit_* incl. distilled, register-token variants); "
     "models built from torch.nn.MultiheadAttention (nn.TransformerEncoder, nn.TransformerDecoder, "
-    "nn.Transformer, OpenAI CLIP). Any other model: pass modules=[...] (modules, their names, or a regular "
+    "nn.Transformer). Any other model: pass modules=[...] (modules, their names, or a regular "
     "expression over module names) and to_probs=f(module, args, output) -> (B, H, n, n) probabilities."
 )
 
@@ -271,14 +271,14 @@ def set_attr_temporarily(stack: ExitStack, obj: Any, name: str, value: Any) -> N
 def bind_inputs(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
     """The forward arguments by parameter name (positional ones included), best effort."""
     try:
-        bound = inspect.signature(model.forward).bind_partial(*args, **kwargs)
+        sig = inspect.signature(model.forward)
+        bound = sig.bind_partial(*args, **kwargs)
     except (TypeError, ValueError):
         return dict(kwargs)
     out = dict(bound.arguments)
     for k, v in list(out.items()):
         # **kwargs of the forward arrive as one dict under the parameter's name; flatten it.
-        param = inspect.signature(model.forward).parameters.get(k)
-        if param is not None and param.kind is inspect.Parameter.VAR_KEYWORD and isinstance(v, dict):
+        if sig.parameters[k].kind is inspect.Parameter.VAR_KEYWORD and isinstance(v, dict):
             out.pop(k)
             out.update(v)
     return out
@@ -361,9 +361,11 @@ class Capture:
 
     On enter: the model is switched to eval mode (unless ``eval_mode=False``) and onto a path that
     materialises attention, and hooks are installed; the returned :class:`AttentionRecord` is filled each
-    time the model's own forward returns (it then holds the latest pass). If the model itself is never
-    called (only a submodule such as a CLIP tower), the record is filled on exit. On exit everything is
-    restored, also when the block raises.
+    time the model's own forward returns (it then holds the latest pass: after ``model.generate(...)``
+    that is the last decoding step, whose attention rows cover only the new token). If the model itself is
+    never called (only a submodule such as a CLIP tower), the record is filled on exit, without the
+    input-derived metadata (prefix, grid, mask). On exit everything is restored, also when the block
+    raises.
     """
 
     def __init__(

@@ -1,4 +1,4 @@
-"""``torch.nn.MultiheadAttention`` adapter (nn.TransformerEncoder / Decoder / Transformer, OpenAI CLIP, ...).
+"""``torch.nn.MultiheadAttention`` adapter (nn.TransformerEncoder / Decoder / Transformer, ...).
 
 Two obstacles: (1) ``nn.TransformerEncoderLayer`` and ``nn.TransformerDecoderLayer`` call their attention
 with ``need_weights=False`` and, by default, MultiheadAttention averages the heads; (2) in eval mode the
