@@ -47,6 +47,7 @@ shrinks by a further factor ~1e-9·(cut edges). Every value is therefore within 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import sys
@@ -68,6 +69,9 @@ GAP_TOL = 5e-7
 _K_BASE = 4
 #: Rounds of edge generation for one input before the whole graph is solved instead.
 _MAX_ROUNDS = 3
+#: Edges per solver call when several inputs are solved at once as disjoint copies (amortises the
+#: solver's fixed per-call cost, ~1 ms, over many small graphs).
+_BATCH_EDGES = 200_000
 #: Rough bytes per potential edge at peak: dense per-layer arrays (real 8, int 4, two masks 2) plus scipy's
 #: solver arrays when the subgraph grows into the whole graph (capacities, indices, reverse edges, edge
 #: pointers, flows and its transposes: ~48).
@@ -80,13 +84,14 @@ class _RowSolver:
 
     ``caps`` is the (L', m, m) stack of augmented layers, oldest first: ``caps[0]`` holds the edges from
     layer 1 down to the inputs, ``caps[-1]`` the edges leaving the top layer, whose row ``source`` is the
-    source node.
+    source node. Node (l, i) of layers 1..L' has id (l−1)·m + i in cut and edge bookkeeping.
     """
 
-    def __init__(self, caps: np.ndarray, source: int, k_base: int = _K_BASE) -> None:
+    def __init__(self, caps: np.ndarray, source: int, k_base: int = _K_BASE, batch_edges: int = _BATCH_EDGES) -> None:
         self.L, self.m = caps.shape[0], caps.shape[1]
         L, m = self.L, self.m
         self.source = source
+        self.batch_edges = batch_edges
         positive = caps > 0
         # Prune: keep (l, i) only if the source reaches it and it reaches some input (both along
         # positive-capacity edges); other nodes carry no flow to any sink.
@@ -107,19 +112,16 @@ class _RowSolver:
         self.scale = 2.0 ** math.floor(math.log2(_INT32_MAX / top)) if top > 0 else 1.0
         self.ints = [np.floor(r * self.scale).astype(np.int64) for r in real]
         self.sub = [None] + [self._base_mask(l, k_base) for l in range(2, L + 1)]
-        self.n_nodes = L * m + 1
-        self.T = L * m
-        self.src_id = (L - 1) * m + source
-        self._graph = None  # COO edges of the shared subgraph, rebuilt when it grows
-        self._full = None  # the same for the whole graph, built on first need
-        self._columns: list[Any] = [None] * m
-        #: Counters for benchmarks: subgraph solves, whole-graph solves, cuts measured, edges generated.
-        self.stats = {"sub": 0, "full": 0, "cuts": 0, "added": 0}  # per input: its column's edges that the subgraph lacks
-        # Bounds valid for every sink: the source cut, the sink cut and the two-layer cut.
+        self._shared: tuple[np.ndarray, ...] | None = None  # the subgraph's internal edges, rebuilt on growth
+        self._shared_full: tuple[np.ndarray, ...] | None = None  # the whole graph's, built on first need
+        #: Counters for benchmarks: solver calls, inputs solved on the subgraph / whole graph, cuts measured,
+        #: edges generated.
+        self.stats = {"calls": 0, "sub": 0, "full": 0, "cuts": 0, "added": 0}
+        # Upper bounds for every sink from known cuts: the source cut, the sink cut, the two-layer cut.
         self.ub_int = np.full(m, np.iinfo(np.int64).max, dtype=np.int64)
         self.ub_real = np.full(m, np.inf)
         self._add_cut([np.zeros(m, bool) for _ in range(L - 1)] + [self._only_source()])  # {s}
-        self._add_cut([self.keep[l].copy() for l in range(1, L)] + [self._only_source()])  # all but T
+        self._add_cut([self.keep[l].copy() for l in range(1, L)] + [self._only_source()])  # all but the sink
         if L >= 2:
             into2_int = self.ints[1].sum(axis=0)  # capacity entering each layer-1 node
             into2_real = real[1].sum(axis=0)
@@ -132,89 +134,128 @@ class _RowSolver:
         return mask
 
     def _base_mask(self, l: int, k: int) -> np.ndarray:
-        """The initial subgraph of layer l: the k largest edges of each row and each column, and the
-        diagonal (the residual edges), restricted to positive integer capacity."""
+        """The initial subgraph of layer l: the k largest edges of each row and each column, the diagonal
+        (the residual edges) and the source token's row, restricted to positive integer capacity."""
         w = self.ints[l - 1]
         m = self.m
-        mask = np.zeros((m, m), bool)
         if k >= m:
             return w > 0
+        mask = np.zeros((m, m), bool)
         idx = np.argpartition(-w, k - 1, axis=1)[:, :k]
         np.put_along_axis(mask, idx, True, axis=1)
         idx = np.argpartition(-w, k - 1, axis=0)[:k, :]
         np.put_along_axis(mask, idx, True, axis=0)
         mask[np.arange(m), np.arange(m)] = True
-        mask[self.source] = True  # the source token's row: flow leaves it through many small edges
+        mask[self.source] = True  # flow leaves the source token through many small edges
         return mask & (w > 0)
 
-    # graph ----------------------------------------------------------------------------------------------
-    def _build(self, masks: list[np.ndarray | None]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """COO edges (tail ids, head ids, int capacities) of layers 2..L' whose layer-l edges are
-        ``masks[l-1]`` (None: every kept edge); node (l, i) has id (l−1)·m + i."""
+    # graphs ---------------------------------------------------------------------------------------------
+    def _internal(self, full: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Edges among layers 1..L'−1 (tails in layers 2..L'−1) of the subgraph or the whole graph, as
+        (tail ids, head ids, int capacities)."""
+        cached = self._shared_full if full else self._shared
+        if cached is not None:
+            return cached
         m = self.m
-        rows, cols, data = [], [], []
-        for l in range(2, self.L + 1):
-            mask = masks[l - 1] if masks[l - 1] is not None else self.ints[l - 1] > 0
+        rows, cols, data = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
+        for l in range(2, self.L):
+            mask = self.ints[l - 1] > 0 if full else self.sub[l - 1]
             ii, kk = np.nonzero(mask)
             rows.append((l - 1) * m + ii)
             cols.append((l - 2) * m + kk)
             data.append(self.ints[l - 1][ii, kk])
+        out = (np.concatenate(rows), np.concatenate(cols), np.concatenate(data))
+        if full:
+            self._shared_full = out
+        else:
+            self._shared = out
+        return out
+
+    def _column(self, j: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Input j's whole column in layers 2..L'−1 where the subgraph lacks it: flow to one input converges
+        on that token's own nodes through many small edges that no per-row cut-off keeps."""
+        m = self.m
+        rows, cols, data = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
+        for l in range(2, self.L):
+            ii = np.flatnonzero((self.ints[l - 1][:, j] > 0) & ~self.sub[l - 1][:, j])
+            rows.append((l - 1) * m + ii)
+            cols.append(np.full(len(ii), (l - 2) * m + j))
+            data.append(self.ints[l - 1][ii, j])
         return np.concatenate(rows), np.concatenate(cols), np.concatenate(data)
 
-    def _solve(self, j: int, full: bool) -> tuple[Any, Any]:
-        """Max flow to input j on the subgraph (or the whole graph); returns (graph, scipy result).
+    def _solve_batch(self, sinks: Sequence[int], full: bool) -> tuple[np.ndarray, Any, Any, int]:
+        """Max flows to several inputs in one solver call: one disjoint copy of the (sub)graph per input,
+        all fed by one super-source σ through the source's edges and drained into one super-sink τ through
+        each copy's edges into its input. Components share no node but σ and τ, so the union's maximum flow
+        is the sum of the copies' and restricted to a copy it is that copy's maximum flow (exact).
 
-        The subgraph for input j is the shared one plus j's whole column in every layer: flow to one input
-        converges on that token's own nodes, through many small edges that no per-row cut-off keeps."""
+        Returns (int flow per input, union graph, scipy result, nodes per copy V); copy k's node (l, i),
+        l = 1..L'−1, has id k·V + (l−1)·m + i; σ = K·V, τ = K·V + 1."""
         from scipy.sparse import csr_array
         from scipy.sparse.csgraph import maximum_flow
 
-        m, L = self.m, self.L
-        ones = np.flatnonzero(self.keep[1])
-        parts = [(ones, np.full(len(ones), self.T), self.ints[0][ones, j])]  # layer 1 -> T: input j
-        if full:
-            if self._full is None:
-                self._full = self._build([None] * L)
-            parts.append(self._full)
-        else:
-            if self._graph is None:
-                self._graph = self._build(self.sub)
-            parts.append(self._graph)
-            col = self._columns[j]
-            if col is None:
-                extra = []
-                for l in range(2, L + 1):
-                    ii = np.flatnonzero((self.ints[l - 1][:, j] > 0) & ~self.sub[l - 1][:, j])
-                    extra.append(((l - 1) * m + ii, np.full(len(ii), (l - 2) * m + j), self.ints[l - 1][ii, j]))
-                col = tuple(np.concatenate(x) for x in zip(*extra))
-            parts.append(col)
-        r, c, d = (np.concatenate(x) for x in zip(*parts))
-        g = csr_array((d.astype(np.int32), (r, c)), shape=(self.n_nodes, self.n_nodes))
-        self.stats["full" if full else "sub"] += 1
-        return g, maximum_flow(g, self.src_id, self.T)
+        m, L, K = self.m, self.L, len(sinks)
+        V = (L - 1) * m
+        sigma, tau = K * V, K * V + 1
+        r0, c0, d0 = self._internal(full)
+        top = self.ints[L - 1][self.source]  # the source's edges, into layer L'−1
+        tk = np.flatnonzero(top > 0)
+        rows, cols, data = [], [], []
+        for k, j in enumerate(sinks):
+            off = k * V
+            parts = [(r0, c0, d0)] if full else [(r0, c0, d0), self._column(j)]
+            for r, c, d in parts:
+                rows.append(r + off)
+                cols.append(c + off)
+                data.append(d)
+            rows.append(np.full(len(tk), sigma))
+            cols.append(off + (L - 2) * m + tk)
+            data.append(top[tk])
+            b = self.ints[0][:, j]
+            bi = np.flatnonzero(b > 0)
+            rows.append(off + bi)
+            cols.append(np.full(len(bi), tau))
+            data.append(b[bi])
+        g = csr_array(
+            (np.concatenate(data).astype(np.int32), (np.concatenate(rows), np.concatenate(cols))),
+            shape=(K * V + 2, K * V + 2),
+        )
+        res = maximum_flow(g, sigma, tau)
+        self.stats["calls"] += 1
+        self.stats["full" if full else "sub"] += K
+        f = res.flow
+        lo, hi = f.indptr[sigma], f.indptr[sigma + 1]
+        out = f.data[lo:hi].astype(np.int64)
+        per = np.zeros(K, np.int64)
+        np.add.at(per, f.indices[lo:hi] // V, np.maximum(out, 0))
+        return per, g, res, V
 
-    def _source_side(self, g: Any, res: Any) -> list[np.ndarray]:
-        """The nodes reachable from the source in the residual graph of ``res`` on ``g`` (the source side
-        of a minimum cut), split by layer: index l−1 holds layer l."""
+    def _source_sides(self, g: Any, res: Any, V: int, copies: Sequence[int]) -> list[list[np.ndarray]]:
+        """For each copy: the nodes reachable from σ in the residual graph (the source side of a minimum
+        cut of that copy), split by layer: index l−1 holds layer l (layer L' is the source alone)."""
         from scipy.sparse.csgraph import breadth_first_order
 
-        self.stats["cuts"] += 1
+        self.stats["cuts"] += len(copies)
         resid = g - res.flow  # cap − flow; reverse edges get +flow
         resid.data = (resid.data > 0).astype(np.int8)
         resid.eliminate_zeros()
-        order = breadth_first_order(resid, self.src_id, directed=True, return_predecessors=False)
-        side = np.zeros(self.n_nodes, bool)
+        sigma = g.shape[0] - 2
+        order = breadth_first_order(resid, sigma, directed=True, return_predecessors=False)
+        side = np.zeros(g.shape[0], bool)
         side[order] = True
-        m = self.m
-        return [side[(l - 1) * m : l * m] & self.keep[l] for l in range(1, self.L + 1)]
+        m, out = self.m, []
+        for k in copies:
+            local = side[k * V : (k + 1) * V]
+            out.append([local[(l - 1) * m : l * m] & self.keep[l] for l in range(1, self.L)] + [self._only_source()])
+        return out
 
-    def _missing(self, R: list[np.ndarray]) -> list[tuple[int, np.ndarray, np.ndarray]]:
-        """Full-graph edges of positive integer capacity that leave the node set R (R[l-1] = its layer-l
-        part) and that the subgraph lacks, as (layer, rows, columns)."""
+    def _missing(self, R: list[np.ndarray], j: int) -> list[tuple[int, np.ndarray, np.ndarray]]:
+        """Edges of positive integer capacity that leave the node set R (R[l-1] = its layer-l part) and that
+        input j's subgraph lacks, as (layer, rows, columns)."""
         found = []
-        for l in range(2, self.L + 1):
+        for l in range(2, self.L):  # the source's edges (layer L') and the edges into j are always there
             ri = np.flatnonzero(R[l - 1])
-            ci = np.flatnonzero(~R[l - 2] & self.keep[l - 1])
+            ci = np.flatnonzero(~R[l - 2] & self.keep[l - 1] & (np.arange(self.m) != j))
             if len(ri) == 0 or len(ci) == 0:
                 continue
             block = (self.ints[l - 1][np.ix_(ri, ci)] > 0) & ~self.sub[l - 1][np.ix_(ri, ci)]
@@ -228,22 +269,36 @@ class _RowSolver:
             self.sub[l - 1][a, b] = True
             self.stats["added"] += len(a)
         if edges:
-            self._graph = None
-            self._columns = [None] * self.m
+            self._shared = None
 
-    def _add_support(self, res: Any) -> None:
-        """Add the edges that carry flow in ``res`` (a full-graph solution) to the subgraph: flows to
-        different inputs share most of their routes through the upper layers."""
+    def _flow_edges(self, res: Any, V: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Copy k's positive edge flows as (tail ids, head ids, int flow) in single-graph ids: node (l, i)
+        is (l−1)·m + i for l = 1..L', the source (L', source) and the super-sink T = L'·m."""
         from scipy.sparse import coo_array
 
         f = coo_array(res.flow)
-        on = (f.data > 0) & (f.row >= self.m) & (f.col < self.T)
-        u, v = f.row[on], f.col[on]
+        sigma, tau = f.shape[0] - 2, f.shape[0] - 1
+        on = f.data > 0
+        u, v, x = f.row[on], f.col[on], f.data[on].astype(np.int64)
+        mine = ((u >= k * V) & (u < (k + 1) * V)) | ((u == sigma) & (v >= k * V) & (v < (k + 1) * V))
+        u, v, x = u[mine], v[mine], x[mine]
+        src, T = (self.L - 1) * self.m + self.source, self.L * self.m
+        u = np.where(u == sigma, src, u - k * V)
+        v = np.where(v == tau, T, v - k * V)
+        return u, v, x
+
+    def _add_support(self, res: Any, V: int) -> None:
+        """Add the internal edges that carry flow in a whole-graph solution to the subgraph: flows to
+        different inputs share most of their routes through the upper layers."""
+        u, v, _ = self._flow_edges(res, V, 0)
+        T = self.L * self.m
+        inner = (u >= self.m) & (v < T) & (u < (self.L - 1) * self.m)
+        u, v = u[inner], v[inner]
         layer = u // self.m + 1
-        self._add_edges([(l, u[layer == l] % self.m, v[layer == l] % self.m) for l in np.unique(layer)])
+        self._add_edges([(int(l), u[layer == l] % self.m, v[layer == l] % self.m) for l in np.unique(layer)])
 
     def _add_cut(self, R: list[np.ndarray]) -> None:
-        """Pool the cut with source side R (layers 1..L) into the upper bounds of every sink."""
+        """Pool the cut with source side R (layers 1..L') into the upper bounds of every sink."""
         c_int, c_real = 0, 0.0
         for l in range(2, self.L + 1):
             ri = np.flatnonzero(R[l - 1])
@@ -258,62 +313,86 @@ class _RowSolver:
     # sinks ----------------------------------------------------------------------------------------------
     def solve(self, sinks: Sequence[int], tick: Callable[[int], None] | None = None) -> tuple[np.ndarray, np.ndarray]:
         """(values, gaps) for the given input indices: values are the certified upper bounds U, gaps the
-        certified U − lower bound."""
+        certified U − lower bound (see the module docstring)."""
+        sinks = [int(j) for j in sinks]
         values = np.zeros(len(sinks))
         gaps = np.zeros(len(sinks))
         if self.L == 1:
             # One layer: the source's edge to the input is the only path, so the flow is that capacity.
-            values[:] = self.real[0][self.source, list(sinks)]
+            values[:] = self.real[0][self.source, sinks]
+            if tick:
+                tick(len(sinks))
             return values, gaps
-        for t, j in enumerate(sinks):
+        where = {j: t for t, j in enumerate(sinks)}
+        rounds = dict.fromkeys(sinks, 0)
+        pending = []
+        for j in sinks:
             if self.empty or self.ub_real[j] <= 0.0:  # a cut of capacity 0: no flow at all
                 if tick:
                     tick(1)
-                continue
-            for attempt in range(_MAX_ROUNDS + 1):
-                g, res = self._solve(j, full=attempt == _MAX_ROUNDS)
-                flow = int(res.flow_value)
-                if flow == self.ub_int[j]:
-                    break  # the subgraph's flow meets a known cut: certified
-                R = self._source_side(g, res)
-                missing = [] if attempt == _MAX_ROUNDS else self._missing(R)
-                if not missing:
-                    self._add_cut(R)  # R's full-graph capacity equals the flow: a minimum cut
-                    if attempt == _MAX_ROUNDS:
-                        self._add_support(res)
-                    break
-                if sum(len(a) for _, a, _ in missing) > self.m:
-                    # Too far from the full graph's cut: solve the whole graph once (next round) and learn
-                    # from its flow instead of growing the subgraph towards the full graph.
-                    g, res = self._solve(j, full=True)
-                    flow = int(res.flow_value)
-                    self._add_cut(self._source_side(g, res))
-                    self._add_support(res)
-                    break
-                self._add_edges(missing)
-            low = flow / self.scale
-            up = float(self.ub_real[j])
+            else:
+                pending.append(j)
+
+        def finish(j: int, flow: int, res: Any, V: int, k: int) -> None:
+            low, up = flow / self.scale, float(self.ub_real[j])
             if up - low > GAP_TOL:
-                low, up = self._refine(j, res, low, up)
-            values[t] = up  # the tightest certified upper bound; the exact flow lies in [low, up]
-            gaps[t] = max(up - low, 0.0)
+                low, up = self._refine(j, self._flow_edges(res, V, k), low, up)
+            values[where[j]] = up  # the tightest certified upper bound; the exact flow lies in [low, up]
+            gaps[where[j]] = max(up - low, 0.0)
             if tick:
                 tick(1)
+
+        width = 1  # inputs per call: doubles while every input is certified at once, halves otherwise,
+        # so hard graphs learn cuts and edges input by input and easy ones amortise the call cost
+        while pending:
+            per_copy = max(len(self._internal(False)[0]) + self.L * self.m, 1)
+            K = int(min(len(pending), width, max(1, self.batch_edges // per_copy)))
+            batch, pending = pending[:K], pending[K:]
+            flows, g, res, V = self._solve_batch(batch, full=False)
+            open_ = [k for k, j in enumerate(batch) if flows[k] != self.ub_int[j]]
+            width = max(1, width // 2) if open_ else 2 * K
+            for k, j in enumerate(batch):
+                if flows[k] == self.ub_int[j]:  # the subgraph's flow meets a known cut: certified
+                    finish(j, int(flows[k]), res, V, k)
+            if not open_:
+                continue
+            sides = self._source_sides(g, res, V, open_)
+            retry = []
+            for k, R in zip(open_, sides):
+                j = batch[k]
+                missing = self._missing(R, j)
+                if not missing:  # R's capacity in the whole graph equals the flow: a minimum cut
+                    self._add_cut(R)
+                    finish(j, int(flows[k]), res, V, k)
+                elif rounds[j] < _MAX_ROUNDS and sum(len(a) for _, a, _ in missing) <= self.m:
+                    self._add_edges(missing)  # grow the subgraph across this cut and try again
+                    rounds[j] += 1
+                    retry.append(j)
+                else:
+                    # Too far from the whole graph's cut: solve the whole graph for this input once and
+                    # learn from it (its cut bounds every input; its flow's edges join the subgraph).
+                    fl, gf, rf, Vf = self._solve_batch([j], full=True)
+                    self._add_cut(self._source_sides(gf, rf, Vf, [0])[0])
+                    self._add_support(rf, Vf)
+                    finish(j, int(fl[0]), rf, Vf, 0)
+            pending = retry + pending
         return values, gaps
 
-    def _refine(self, j: int, res: Any, low: float, up: float) -> tuple[float, float]:
-        """Tighten [low, up] for sink j: solve the residual of the integer flow (real capacities minus the
+    def _refine(
+        self, j: int, flow_edges: tuple[np.ndarray, np.ndarray, np.ndarray], low: float, up: float
+    ) -> tuple[float, float]:
+        """Tighten [low, up] for input j: solve the residual of the integer flow (real capacities minus the
         flow found, over the whole graph) at a finer scale. Its max flow is F − low ≤ gap; capacities are
         clipped at the gap (a max flow of that value never needs more on one edge), so the scale can grow
         to 2³⁰/gap."""
-        from scipy.sparse import coo_array, csr_array
+        from scipy.sparse import csr_array
         from scipy.sparse.csgraph import maximum_flow
 
         L, m, S = self.L, self.m, self.scale
         gap = up - low
-        flow = coo_array(res.flow)
-        fwd = flow.data > 0
-        fr, fc, fv = flow.row[fwd], flow.col[fwd], flow.data[fwd].astype(np.float64) / S
+        fr, fc, fv = flow_edges
+        n = L * m + 1
+        T = L * m
         rows, cols, vals = [], [], []
         for l in range(2, L + 1):
             ii, kk = np.nonzero(self.real[l - 1] > 0)
@@ -323,12 +402,10 @@ class _RowSolver:
         b = self.real[0][:, j]
         ones = np.flatnonzero(b > 0)
         rows.append(ones)
-        cols.append(np.full(len(ones), self.T))
+        cols.append(np.full(len(ones), T))
         vals.append(b[ones])
-        r, c, v = np.concatenate(rows), np.concatenate(cols), np.concatenate(vals)
-        n = self.n_nodes
-        cap = csr_array((v, (r, c)), shape=(n, n))
-        used = csr_array((fv, (fr, fc)), shape=(n, n))
+        cap = csr_array((np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))), shape=(n, n))
+        used = csr_array((fv.astype(np.float64) / S, (fr, fc)), shape=(n, n))
         forward = (cap - used).tocoo()
         back = used.T.tocoo()
         rr = np.concatenate([forward.row, back.row])
@@ -339,8 +416,7 @@ class _RowSolver:
         keep = iv > 0
         g = csr_array((iv[keep].astype(np.int32), (rr[keep], cc[keep])), shape=(n, n))
         g.sum_duplicates()
-        g.sort_indices()
-        extra = int(maximum_flow(g, self.src_id, self.T).flow_value) / S2
+        extra = int(maximum_flow(g, (L - 1) * m + self.source, T).flow_value) / S2
         crossing = int((vv > 0).sum())  # every residual edge, floored to 0 or not, may cross its cut
         low2 = low + extra
         return low2, min(up, low2 + crossing / S2)
@@ -458,6 +534,18 @@ def _check_jobs(n_jobs: Any) -> int:
     return n_jobs
 
 
+@contextlib.contextmanager
+def _one_torch_thread():
+    """Build the capacities with one torch thread: the work is a few elementwise passes, far cheaper
+    than the flows, and OpenMP workers spinning for it cost more than they save when cores are busy."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def _check_bool(name: str, value: Any) -> bool:
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name} must be True or False, got {_checks.describe(value)}")
@@ -517,29 +605,30 @@ def attention_flow(
     normalize = _check_bool("normalize", normalize)
     progress = _check_bool("progress", progress)
     workers = _check_jobs(n_jobs)
-    mats, layers, _ = augmented_layers(
-        attentions,
-        head_fusion=head_fusion,
-        alpha=alpha,
-        residual_mode=residual_mode,
-        discard_ratio=discard_ratio,
-        discard_scope=discard_scope,
-        top_k=top_k,
-        threshold=threshold,
-        protect_prefix=protect_prefix,
-        start_layer=start_layer,
-        end_layer=end_layer,
-        attention_mask=attention_mask,
-        check_stochastic=check_stochastic,
-        dtype=dtype,
-    )
+    with _one_torch_thread():
+        mats, layers, _ = augmented_layers(
+            attentions,
+            head_fusion=head_fusion,
+            alpha=alpha,
+            residual_mode=residual_mode,
+            discard_ratio=discard_ratio,
+            discard_scope=discard_scope,
+            top_k=top_k,
+            threshold=threshold,
+            protect_prefix=protect_prefix,
+            start_layer=start_layer,
+            end_layer=end_layer,
+            attention_mask=attention_mask,
+            check_stochastic=check_stochastic,
+            dtype=dtype,
+        )
     n, batch = layers.n, layers.batch
     out_dtype = mats[0].dtype
     row_idx = parse_rows(rows, n)
     if row_idx is None:
         row_idx = list(range(n))
     _check_memory(len(mats), n, workers)
-    stack = torch.stack([t.detach().to("cpu", torch.float64) for t in mats], dim=1).numpy()  # (B, L', n, n)
+    stack = np.stack([t.detach().cpu().numpy() for t in mats], axis=1).astype(np.float64)  # (B, L', n, n)
     mask = None if layers.mask is None else layers.mask.cpu().numpy()
 
     # One task per (example, output, block of sinks); padded outputs are simply left at 0.
