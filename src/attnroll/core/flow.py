@@ -8,41 +8,47 @@ and the result is that max-flow value.
 How it is computed (exactly, and fast)
 --------------------------------------
 The reference code runs one float max-flow per (output, input) pair in networkx. Here every value is a
-max-flow of an *integer* graph solved by scipy's compiled Dinic (``scipy.sparse.csgraph.maximum_flow``):
+max flow of an *integer* graph solved by scipy's compiled Dinic (``scipy.sparse.csgraph.maximum_flow``),
+certified by a minimum cut:
 
 * Capacities are scaled by a power of two ``S`` (as large as int32 allows: S·max capacity < 2³¹, so S = 2³¹
-  for the usual capacities ≤ 1) and floored. The floored graph is a sub-capacity graph of the real one.
-* The graph is built once per (example, output) with a super-sink T standing for "input j": layer-1
-  nodes are joined to T by edges whose capacities Ã_1[:, j] are patched in per sink, so the layer-1→layer-0
-  edges that lead to other inputs (dead ends) never enter the graph. Zero-capacity edges are dropped and
-  nodes the source cannot reach, or that cannot reach any input, are pruned.
-* Edge generation with certificates: each sink is first solved on a small *subgraph* (the k strongest
-  edges of every row and column, the diagonal, and every edge added so far). Its max flow is a lower bound.
-  The source side R of its minimum cut is then measured in the *full* integer graph: if no full-graph edge
-  of positive capacity crosses from R to outside R that the subgraph lacks, R is a cut of the full graph
-  whose capacity equals the subgraph's flow, so that flow is the full graph's max flow (max-flow/min-cut).
-  Otherwise exactly those crossing edges are added and the sink is solved again (at worst the subgraph
-  grows into the full graph, so the loop ends). Every certified cut joins a pool; as a cut is just a set of
-  nodes, it bounds every other sink's flow too, and a sink whose subgraph flow already meets the pool's
-  bound (or the source cut, the sink cut or the two-layer cut) is certified with one small solve.
-  The answer is the full integer graph's max flow, identical to running Dinic on the whole graph.
-* No single flow to all inputs at once is ever used for the values: per-sink max flows compete for shared
-  capacity, so a multi-sink flow is not exact. The only closed form used is the provably exact one: with
-  one layer the flow is the augmented entry Ã[r, j] itself (the only path).
-* ``n_jobs`` > 1 runs (example, output, block of sinks) tasks in worker processes (scipy's solver holds
+  for the usual capacities < 1) and floored; the floored graph is a sub-capacity graph of the real one.
+* One graph per (example, output), built once. The layer-1 → input edges that lead to other inputs are
+  dead ends for a given sink and never enter it; zero-capacity edges are dropped; nodes the source cannot
+  reach, or that reach no input, are pruned.
+* Certified subgraphs (edge generation). Each input j is first solved on a small subgraph: the 4 largest
+  edges of every row and every column, the diagonal (residual) edges, the source token's row, input j's
+  whole column (flow to one input converges on its own token through many small edges), and every edge
+  learned so far. Its flow is a lower bound. Upper bounds come from a pool of cuts — a cut is a node set,
+  so every cut ever certified bounds *every* input's flow, besides the source cut, the sink cut and the
+  two-layer cut. Flow == pooled bound: certified. Otherwise the source side R of the subgraph's minimum
+  cut is measured in the whole graph: if no edge of positive capacity that the subgraph lacks leaves R,
+  R is a whole-graph cut equal to the flow (max-flow/min-cut) — certified, and pooled. Else the missing
+  crossing edges are added and j is solved again; when there are too many (more than n), j is solved once
+  on the whole graph, whose cut is pooled and whose flow's edges join the subgraph. The result is always
+  the whole integer graph's max flow, identical to running Dinic on it.
+* Several inputs per solver call: one disjoint copy of the subgraph per input, all fed from one
+  super-source and drained into one super-sink. Copies share no node but those two, so the union's max
+  flow restricted to a copy is that copy's max flow (exact), and scipy's ~1 ms fixed cost per call is
+  shared. The number of inputs per call doubles while every input certifies at once and halves when not.
+* What is *not* done: reading all inputs' values off one flow to a super-sink joined to every input.
+  Per-input max flows compete for the same capacity, so such a flow undercounts (it is not exact). The
+  only closed form used is the provably exact one: with one layer the flow is Ã[r, j] (the only path).
+* ``n_jobs`` > 1 runs (example, output, block of inputs) tasks in worker processes (scipy's solver holds
   the GIL, so threads do not help).
 
 Error bound (absolute, per value, before ``normalize``)
 -------------------------------------------------------
-Let F be the true max flow, F' the integer max flow of the floored graph and C the certified minimum cut.
-Flooring only lowers capacities, so F'/S ≤ F; any cut's real capacity bounds F from above, so
-F ≤ U := min over every known cut of its real capacity (C, the pooled cuts, the trivial cuts). The value
-returned is U, and F ∈ [F'/S, U] with U − F'/S < (number of edges crossing C)/S: a floored edge loses less
-than 1/S = 2⁻³¹ ≈ 4.7e-10. When the cut's measured gap U − F'/S exceeds 2.5e-7 (a cut with hundreds of
-edges, each rounded down by almost 1/S), the residual problem (real capacities minus the integer flow,
-clipped at the gap, which cannot change its max flow) is solved again with the scale 2³⁰/gap, so the gap
-shrinks by a further factor ~1e-9·(cut edges). Every value is therefore within 2.5e-7 of the exact max flow
-(in practice ~1e-9 or exactly equal, when C is also the real graph's minimum cut).
+Let F be the true max flow and F' the integer max flow of the floored graph. Flooring only lowers
+capacities, so F'/S ≤ F; any cut's real capacity bounds F from above, so F ≤ U := the smallest real
+capacity among the pooled cuts (which include the certified minimum cut C of F'). The value returned is U,
+and F ∈ [F'/S, U] with U − F'/S < (number of edges crossing C)/S, since a floored edge loses less than
+1/S = 2⁻³¹ ≈ 4.7e-10: about n·2.3e-10 for the usual source or sink cut (1.3e-7 at n = 577). When the
+measured gap U − F'/S exceeds ``GAP_TOL`` = 5e-7, the residual problem (real capacities minus the integer
+flow, clipped at the gap, which cannot change its max flow) is solved again at the scale 2³⁰/gap and
+certified by its own minimum cut, shrinking the gap by another factor ~(cut edges)·2⁻²⁹. So every raw value
+is within 5e-7 of the exact max flow (a RuntimeWarning says so otherwise; never seen), and typically within
+1e-9 or exactly equal (when C is also the real graph's minimum cut, U is F up to float rounding).
 """
 
 from __future__ import annotations
@@ -52,6 +58,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any, Callable, Sequence
 
@@ -72,6 +79,9 @@ _MAX_ROUNDS = 3
 #: Edges per solver call when several inputs are solved at once as disjoint copies (amortises the
 #: solver's fixed per-call cost, ~1 ms, over many small graphs).
 _BATCH_EDGES = 200_000
+#: Below this much work (layers x tokens³ summed over problems, ~0.25 s) n_jobs is ignored: starting
+#: worker processes costs ~0.1 s.
+_PARALLEL_WORK = 30_000_000
 #: Rough bytes per potential edge at peak: dense per-layer arrays (real 8, int 4, two masks 2) plus scipy's
 #: solver arrays when the subgraph grows into the whole graph (capacities, indices, reverse edges, edge
 #: pointers, flows and its transposes: ~48).
@@ -337,6 +347,13 @@ class _RowSolver:
             low, up = flow / self.scale, float(self.ub_real[j])
             if up - low > GAP_TOL:
                 low, up = self._refine(j, self._flow_edges(res, V, k), low, up)
+                if up - low > GAP_TOL:  # not seen in practice: would need a cut of ~millions of edges
+                    warnings.warn(
+                        f"attention_flow: input {j}'s value is certified only to within {up - low:.2e} "
+                        f"(target {GAP_TOL:.0e})",
+                        RuntimeWarning,
+                        stacklevel=2,
+                    )
             values[where[j]] = up  # the tightest certified upper bound; the exact flow lies in [low, up]
             gaps[where[j]] = max(up - low, 0.0)
             if tick:
@@ -386,7 +403,7 @@ class _RowSolver:
         clipped at the gap (a max flow of that value never needs more on one edge), so the scale can grow
         to 2³⁰/gap."""
         from scipy.sparse import csr_array
-        from scipy.sparse.csgraph import maximum_flow
+        from scipy.sparse.csgraph import breadth_first_order, maximum_flow
 
         L, m, S = self.L, self.m, self.scale
         gap = up - low
@@ -416,14 +433,29 @@ class _RowSolver:
         keep = iv > 0
         g = csr_array((iv[keep].astype(np.int32), (rr[keep], cc[keep])), shape=(n, n))
         g.sum_duplicates()
-        extra = int(maximum_flow(g, (L - 1) * m + self.source, T).flow_value) / S2
-        crossing = int((vv > 0).sum())  # every residual edge, floored to 0 or not, may cross its cut
-        low2 = low + extra
-        return low2, min(up, low2 + crossing / S2)
+        src = (L - 1) * m + self.source
+        res = maximum_flow(g, src, T)
+        # Certify the refined value by the refined residual's own minimum cut R2: its clipped real capacity
+        # bounds F − low from above, exactly as the integer flow bounds it from below.
+        resid = g - res.flow
+        resid.data = (resid.data > 0).astype(np.int8)
+        resid.eliminate_zeros()
+        side = np.zeros(n, bool)
+        side[breadth_first_order(resid, src, directed=True, return_predecessors=False)] = True
+        across = side[rr] & ~side[cc] & (vv > 0)
+        low2 = low + int(res.flow_value) / S2
+        return low2, min(up, low + float(vv[across].sum()))
 
 
-def _solve_task(caps: np.ndarray, source: int, sinks: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
-    """One (example, output, block of sinks) task; top level so that worker processes can run it."""
+#: Per-example capacities handed to forked worker processes by inheritance instead of pickling.
+_FORKED: list[np.ndarray] = []
+
+
+def _solve_task(caps: np.ndarray | int, source: int, sinks: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    """One (example, output, block of inputs) task; top level so that worker processes can run it.
+    ``caps`` is the (L', m, m) stack, or an index into ``_FORKED`` in a forked worker."""
+    if isinstance(caps, int):
+        caps = _FORKED[caps]
     return _RowSolver(caps, source).solve(sinks)
 
 
@@ -581,7 +613,7 @@ def attention_flow(
     rescaling, residual). For output row r the source is (L', r); each input (0, j) in turn is the sink.
     Flows are in the units of the capacities (attention mass; at most the source's row sum, 1 for the
     default residual). See the module docstring for the algorithm and its error bound: every raw value is
-    within 2.5e-7 of the exact max flow (typically ~1e-9).
+    within 5e-7 of the exact max flow (typically ~1e-9, often exact to float rounding).
 
     Args:
         attentions, head_fusion, alpha, residual_mode, discard_ratio, discard_scope, top_k, threshold,
@@ -591,7 +623,8 @@ def attention_flow(
             sinks each: costly).
         normalize: divide each output's row by its sum, as the reference code does (rows with zero sum stay
             0); False returns the raw max-flow values.
-        n_jobs: worker processes (−1: all cores). Work is split over (example, output, block of inputs).
+        n_jobs: worker processes (−1: all cores). Work is split over (example, output, block of inputs);
+            problems under ~0.25 s of work run in this process, as starting workers costs ~0.1 s.
         progress: print a progress bar on stderr (tqdm or rich if installed, else plain text).
 
     Returns:
@@ -631,42 +664,55 @@ def attention_flow(
     stack = np.stack([t.detach().cpu().numpy() for t in mats], axis=1).astype(np.float64)  # (B, L', n, n)
     mask = None if layers.mask is None else layers.mask.cpu().numpy()
 
-    # One task per (example, output, block of sinks); padded outputs are simply left at 0.
-    tasks, places = [], []
+    # One task per (example, output, block of inputs); padded outputs are simply left at 0.
     per_example = []
     for b in range(batch):
         keep = np.arange(n) if mask is None else np.flatnonzero(mask[b])
         caps = np.ascontiguousarray(stack[b][:, keep][:, :, keep]) if mask is not None else stack[b]
-        pos = {int(t): i for i, t in enumerate(keep)}
         per_example.append((keep, caps))
-        for q, r in enumerate(row_idx):
-            if r not in pos or len(keep) == 0:
-                continue
-            blocks = workers if (workers > 1 and batch * len(row_idx) < workers) else 1
-            m = len(keep)
-            for chunk in np.array_split(np.arange(m), min(blocks, m)):
-                tasks.append((b, pos[r], chunk.tolist()))
-                places.append((b, q, chunk))
+    problems = [
+        (b, q, int(np.searchsorted(per_example[b][0], r)))
+        for b in range(batch)
+        for q, r in enumerate(row_idx)
+        if len(per_example[b][0]) and (mask is None or mask[b, r])
+    ]
+    work = sum(len(per_example[b][0]) ** 3 * len(mats) for b, _, _ in problems)  # ~ edges x inputs
+    if work < _PARALLEL_WORK:
+        workers = 1  # well under a second of work: starting processes would cost more than it saves
+    tasks = []
+    for b, q, src in problems:
+        m = len(per_example[b][0])
+        blocks = workers if (workers > 1 and len(problems) < workers) else 1
+        for chunk in np.array_split(np.arange(m), min(blocks, m)):
+            tasks.append((b, q, src, chunk))
 
     out = np.zeros((batch, len(row_idx), n))
-    bar = _Progress(sum(len(t[2]) for t in tasks), progress)
+    bar = _Progress(sum(len(t[3]) for t in tasks), progress)
     try:
         if workers == 1 or len(tasks) <= 1:
-            for (b, src, sinks), (_, q, chunk) in zip(tasks, places):
+            for b, q, src, chunk in tasks:
                 keep, caps = per_example[b]
-                values, _ = _RowSolver(caps, src).solve(sinks, tick=bar)
+                values, _ = _RowSolver(caps, src).solve(chunk.tolist(), tick=bar)
                 out[b, q, keep[chunk]] = values
         else:
             import multiprocessing as mp
 
-            method = "fork" if "fork" in mp.get_all_start_methods() else None
-            ctx = mp.get_context(method)
-            with ProcessPoolExecutor(max_workers=min(workers, len(tasks)), mp_context=ctx) as pool:
-                futures = [pool.submit(_solve_task, per_example[b][1], src, sinks) for b, src, sinks in tasks]
-                for fut, (b, q, chunk) in zip(futures, places):
-                    values, _ = fut.result()
-                    out[b, q, per_example[b][0][chunk]] = values
-                    bar(len(chunk))
+            fork = "fork" in mp.get_all_start_methods()
+            ctx = mp.get_context("fork" if fork else None)
+            if fork:  # workers inherit the capacities; only indices travel through the pipes
+                _FORKED[:] = [caps for _, caps in per_example]
+            try:
+                with ProcessPoolExecutor(max_workers=min(workers, len(tasks)), mp_context=ctx) as pool:
+                    futures = [
+                        pool.submit(_solve_task, b if fork else per_example[b][1], src, chunk.tolist())
+                        for b, q, src, chunk in tasks
+                    ]
+                    for fut, (b, q, src, chunk) in zip(futures, tasks):
+                        values, _ = fut.result()
+                        out[b, q, per_example[b][0][chunk]] = values
+                        bar(len(chunk))
+            finally:
+                _FORKED.clear()
     finally:
         bar.close()
 
