@@ -15,6 +15,10 @@ from .core.flow import attention_flow
 from .capture import AttentionRecord, capture
 # --- end capture ---
 
+# --- explain (issue 5) ---
+from .methods import Explainer, Explanation, explain, methods
+# --- end explain ---
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -27,5 +31,9 @@ __all__ = [
     "attention_flow",
     "capture",
     "AttentionRecord",
+    "explain",
+    "Explainer",
+    "Explanation",
+    "methods",
     "__version__",
 ]

@@ -218,3 +218,56 @@ def check_bool(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be True or False, got {describe(value)}")
     return value
+
+
+# ---- explain checks ----
+def check_positions(value: Any, batch: int, n: int) -> list[int]:
+    """``position`` for explain: one output token index for every example, or one per example (a list of
+    length B); negative indices count from the end. Returns a list of B indices >= 0."""
+    if isinstance(value, (list, tuple)):
+        if len(value) != batch:
+            raise ValueError(
+                f"position must be an int or a list with one index per example (B={batch}), got a list of "
+                f"length {len(value)}"
+            )
+        return [check_index(f"position[{i}]", v, n) for i, v in enumerate(value)]
+    return [check_index("position", value, n)] * batch
+
+
+def check_target(target: Any, batch: int, num_classes: int, *, default: list[int]) -> list[int]:
+    """A class / token target: None (``default``, the argmax per example), an int for every example or a
+    list of B ints; each in [-C, C). Returns B indices >= 0."""
+    if target is None:
+        return [int(v) for v in default]
+    what = "classes" if num_classes < 1000 else "output indices (vocabulary)"
+    if isinstance(target, torch.Tensor) and target.ndim <= 1 and not target.is_floating_point():
+        target = target.tolist()
+    if isinstance(target, (list, tuple)):
+        if len(target) != batch:
+            raise ValueError(
+                f"target must have one entry per example: the batch has B={batch} examples, the list has "
+                f"{len(target)}. Pass an int to use the same target for every example."
+            )
+        return [check_index(f"target[{i}]", t, num_classes, what) for i, t in enumerate(target)]
+    if isinstance(target, bool) or not isinstance(target, numbers.Integral):
+        raise TypeError(
+            "target must be None (the predicted class), an int, a list of ints (one per example) or a callable "
+            f"f(outputs) -> (B,) scores; got {describe(target)}"
+        )
+    return [check_index("target", target, num_classes, what)] * batch
+
+
+def check_target_output(y: Any, batch: int | None, fn: Any) -> torch.Tensor:
+    """What a callable target returned: a floating tensor of shape (B,), one scalar per example."""
+    name = getattr(fn, "__qualname__", type(fn).__name__)
+    if not isinstance(y, torch.Tensor):
+        raise TypeError(f"target callable {name} must return a torch.Tensor of shape (B,), got {describe(y)}")
+    want = "(B,)" if batch is None else f"({batch},)"
+    if y.ndim != 1 or (batch is not None and y.shape[0] != batch):
+        raise ValueError(
+            f"target callable {name} must return one scalar per example, shape {want}, got shape "
+            f"{tuple(y.shape)}. For example lambda out: out.logits[:, 3] (not out.logits, not .sum())."
+        )
+    if not y.is_floating_point():
+        raise TypeError(f"target callable {name} must return floating scores, got dtype {y.dtype}")
+    return y

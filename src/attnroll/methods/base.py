@@ -1,0 +1,446 @@
+"""One entry point for every method: the registry, ``explain``, ``Explainer``, ``methods()`` and targets.
+
+A method is a function ``fn(ctx, **options) -> Explanation`` registered under a name with the options it
+accepts (and their defaults). ``explain`` validates the method name and the options, builds a
+:class:`Context` (model, inputs, target and the shared steps: capture, output positions, target scores,
+attention gradients) and calls the method. Methods are each one file in this package.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from .. import _checks
+from ..capture import capture as _capture
+from ..capture.record import AttentionRecord
+from .explanation import Explanation
+
+__all__ = ["Explanation", "Explainer", "explain", "methods", "register", "Method", "Context"]
+
+#: Options every method takes (besides its own): the output position to explain (row of the map).
+COMMON_OPTIONS = {"position": None}
+
+
+@dataclass
+class Method:
+    """A registered method: its function, accepted options with defaults, and table facts."""
+
+    name: str
+    fn: Callable[..., Explanation]
+    description: str
+    options: dict[str, Any]
+    needs_grad: bool = False
+    class_specific: bool = False
+    cost: str = ""
+    reference: str = ""
+    #: option name -> why it is refused and what to use instead (for options of other methods)
+    refuse: dict[str, str] = field(default_factory=dict)
+
+
+_REGISTRY: dict[str, Method] = {}
+
+
+def register(
+    name: str,
+    *,
+    description: str,
+    options: dict[str, Any] | None = None,
+    needs_grad: bool = False,
+    class_specific: bool = False,
+    cost: str = "",
+    reference: str = "",
+    refuse: dict[str, str] | None = None,
+) -> Callable:
+    """Decorator registering ``fn(ctx, **options) -> Explanation`` under ``name``."""
+
+    def deco(fn: Callable) -> Callable:
+        _REGISTRY[name] = Method(
+            name, fn, description, dict(options or {}), needs_grad, class_specific, cost, reference, dict(refuse or {})
+        )
+        return fn
+
+    return deco
+
+
+def methods() -> dict[str, str]:
+    """Registered method names -> one-line descriptions."""
+    _load_all()
+    return {name: m.description for name, m in _REGISTRY.items()}
+
+
+def method_info(name: str) -> Method:
+    """The registry entry of ``name`` (options, cost, reference...)."""
+    _load_all()
+    return _get(name)
+
+
+def _get(name: Any) -> Method:
+    if not isinstance(name, str) or name not in _REGISTRY:
+        listing = "; ".join(f"{k}: {m.description}" for k, m in _REGISTRY.items())
+        raise ValueError(f"method must be one of the registered methods, got {name!r}. Methods: {listing}")
+    return _REGISTRY[name]
+
+
+def _load_all() -> None:
+    from . import _registry  # noqa: F401  (imports every method file, which registers it)
+
+
+# ------------------------------------------------------------------------------------------- context
+class Context:
+    """What a method works on: the model, the inputs, the requested target and shared steps.
+
+    Methods call :meth:`record` (no gradients) or :meth:`grad_record` (attention and d target / d attention),
+    then :meth:`positions` and :meth:`build` to make the Explanation.
+    """
+
+    def __init__(self, model: nn.Module, inputs: Any, target: Any, method: Method, options: dict, tokenizer: Any):
+        self.model = model
+        self.inputs = inputs
+        self.target = target
+        self.method = method
+        self.options = options
+        self.tokenizer = tokenizer
+        self.rec: AttentionRecord | None = None
+        self.target_desc: Any = None
+
+    # -- capture ------------------------------------------------------------------------------------
+    def record(self, fuse_heads: Any = None) -> AttentionRecord:
+        """Capture the attention of one forward pass (no gradients), resolving the target for the record."""
+        self.rec = _capture(self.model, self.inputs, fuse_heads=fuse_heads, tokenizer=self.tokenizer)
+        return self.rec
+
+    def grad_record(self, streams: list[str] | None = None, scores: Callable | None = None):
+        """Forward with autograd, the target scores y (B,), and dy/dA for every layer of ``streams``.
+
+        Returns (record, {stream: [A_l detached]}, {stream: [dy/dA_l]}), layers in layer-index order (the
+        order of the attention modules in the model, never hook order). ``scores(record) -> (B,)`` replaces
+        the default target resolution (CLIP, encoder-decoders)."""
+        require_grad_mode(self.method.name)
+        with _params_require_grad(self.model):
+            rec = _capture(self.model, self.inputs, keep_grad=True, tokenizer=self.tokenizer)
+        self.rec = rec
+        names = list(rec.streams) if streams is None else streams
+        y = scores(rec) if scores is not None else self.target_scores(rec)
+        flat = [t for s in names for t in rec.streams[s]]
+        grads = torch.autograd.grad(y.sum(), flat, allow_unused=True)
+        # Examples of a batch are independent (eval mode), so d(sum_b y_b)/dA_b = dy_b/dA_b.
+        out_a, out_g, i = {}, {}, 0
+        for s in names:
+            k = len(rec.streams[s])
+            out_a[s] = [t.detach() for t in rec.streams[s]]
+            out_g[s] = [
+                torch.zeros_like(a) if g is None else g.detach() for a, g in zip(out_a[s], grads[i : i + k])
+            ]
+            i += k
+        return rec, out_a, out_g
+
+    # -- positions and targets ----------------------------------------------------------------------
+    def stream(self, rec: AttentionRecord) -> str:
+        """The stream to explain: the ``stream`` option, else the record's only / "self" stream."""
+        name = self.options.get("stream")
+        if name is not None:
+            rec.stream(name)  # validates
+            return name
+        if "self" in rec.streams or len(rec.streams) == 1:
+            return next(s for s in rec.streams if s == "self") if "self" in rec.streams else next(iter(rec.streams))
+        special = {"encoder": "'encdec_rollout' or 'encdec_gae'", "vision": "'clip'"}
+        hint = next((v for k, v in special.items() if k in rec.streams), None)
+        raise ValueError(
+            f"{type(self.model).__name__} has several attention streams ({', '.join(rec.streams)}); method "
+            f"{self.method.name!r} explains one: pass stream=one of {list(rec.streams)}"
+            + (f", or use method={hint}, which composes them" if hint else "")
+        )
+
+    def mask(self, rec: AttentionRecord, stream: str) -> torch.Tensor | None:
+        """(B, n) 0/1 padding mask of ``stream``, or None when every token is real."""
+        n = rec.streams[stream][0].shape[-1]
+        if stream == "decoder":
+            m = rec.extra.get("decoder_attention_mask")
+        elif stream in ("self", "encoder", "text"):
+            m = rec.attention_mask
+        else:
+            m = None
+        if m is None or m.shape[-1] != n:
+            return None
+        return m.to(torch.long)
+
+    def positions(self, rec: AttentionRecord, stream: str) -> list[int]:
+        """The output position (row) explained for each example: the ``position`` option (an int or one
+        per example), else the last real token for causal attention or token-level outputs (decoder-only
+        LMs), else 0 (the CLS token)."""
+        layer0 = rec.streams[stream][0]
+        B, n = layer0.shape[0], layer0.shape[-1]
+        pos = self.options.get("position")
+        if pos is not None:
+            return _checks.check_positions(pos, B, n)
+        mask = self.mask(rec, stream)
+        if is_causal(layer0) or (stream in ("self", "decoder") and _token_level(rec.outputs)):
+            return last_real(mask, B, n)
+        return [0] * B
+
+    def target_scores(self, rec: AttentionRecord) -> torch.Tensor:
+        """y (B,): the target's score per example from the recorded outputs (see :func:`resolve_target`)."""
+        stream = "decoder" if "decoder" in rec.streams else self.stream(rec)
+        pos = None
+        logits = main_logits(rec.outputs)
+        if logits is not None and logits.ndim == 3:
+            pos = self.positions(rec, stream)
+        y, self.target_desc = resolve_target(rec.outputs, self.target, positions=pos)
+        return y
+
+    def describe_target(self, rec: AttentionRecord) -> Any:
+        """Resolve (and validate) the target for a method that does not need its gradient; returns the
+        description stored in the Explanation."""
+        if self.target_desc is None:
+            logits = main_logits(rec.outputs)
+            if logits is None and self.target is None:
+                return None
+            with torch.no_grad():
+                self.target_scores(rec)
+        return self.target_desc
+
+    # -- result -------------------------------------------------------------------------------------
+    def build(
+        self,
+        rec: AttentionRecord,
+        full_row: torch.Tensor,
+        positions: list[int],
+        stream: str = "self",
+        layers: torch.Tensor | None = None,
+        extra: dict | None = None,
+        prefix: int | None = None,
+        options: dict | None = None,
+    ) -> Explanation:
+        """Assemble the Explanation: padded tokens zeroed, prefix tokens dropped from ``scores``."""
+        full_row = full_row.detach().to(torch.float32).cpu()
+        mask = self.mask(rec, stream)
+        if mask is not None:
+            full_row = full_row * mask.cpu()
+            if layers is not None:
+                layers = layers * mask.cpu()
+        p = (rec.prefix or 0) if prefix is None else prefix
+        if stream in ("encoder", "decoder", "text", "cross"):
+            p = 0
+        grid = rec.grid if stream in ("self", "vision") else None
+        tokens = rec.tokens
+        if stream == "decoder":
+            tokens = rec.extra.get("decoder_tokens")
+        return Explanation(
+            scores=full_row[:, p:].clone(),
+            full_row=full_row,
+            layers=None if layers is None else layers.detach().to(torch.float32).cpu(),
+            tokens=tokens,
+            grid=grid,
+            prefix=p,
+            method=self.method.name,
+            options=dict(self.options if options is None else options),
+            target=self.describe_target(rec),
+            positions=list(positions),
+            attention_mask=None if mask is None else mask.cpu(),
+            extra=extra or {},
+        )
+
+
+def gather_rows(R: torch.Tensor, rows: list[int], positions: list[int], row_axis: int = -2) -> torch.Tensor:
+    """Pick, for example b, the row ``positions[b]`` out of R computed for the sorted distinct ``rows``:
+    R (B, r, n) -> (B, n); with a leading layer axis (L, B, r, n) -> (L, B, n)."""
+    idx = torch.tensor([rows.index(p) for p in positions], device=R.device)
+    if R.ndim == 3:
+        return R[torch.arange(R.shape[0], device=R.device), idx]
+    return R[:, torch.arange(R.shape[1], device=R.device), idx]
+
+
+def is_causal(layer: torch.Tensor) -> bool:
+    """Whether attention (B, [H,] n, n) never looks ahead (every entry above the diagonal is exactly 0)."""
+    n = layer.shape[-1]
+    if n < 2:
+        return False
+    return bool(torch.triu(layer.detach(), diagonal=1).abs().amax() == 0)
+
+
+def last_real(mask: torch.Tensor | None, B: int, n: int) -> list[int]:
+    """Index of the last real token per example (n − 1 without a mask)."""
+    if mask is None:
+        return [n - 1] * B
+    idx = torch.arange(n, device=mask.device).expand(B, n)
+    last = torch.where(mask.bool(), idx, torch.full_like(idx, -1)).amax(dim=-1)
+    return [int(v) if v >= 0 else n - 1 for v in last.tolist()]
+
+
+def _token_level(outputs: Any) -> bool:
+    logits = main_logits(outputs)
+    return logits is not None and logits.ndim == 3
+
+
+def main_logits(outputs: Any) -> torch.Tensor | None:
+    """The model's main output scores: ``.logits`` of a transformers output, a tensor output itself, or
+    the first tensor of a tuple; None when there is none (e.g. a bare encoder's hidden states)."""
+    if isinstance(outputs, torch.Tensor):
+        return outputs
+    logits = getattr(outputs, "logits", None)
+    if logits is None and isinstance(outputs, dict):
+        logits = outputs.get("logits")
+    if logits is None and isinstance(outputs, (tuple, list)) and outputs and isinstance(outputs[0], torch.Tensor):
+        logits = outputs[0]
+    return logits if isinstance(logits, torch.Tensor) else None
+
+
+def resolve_target(outputs: Any, target: Any, *, positions: list[int] | None = None) -> tuple[torch.Tensor, Any]:
+    """The target's score per example, y (B,), and how to record the target.
+
+    * ``target`` callable: ``target(outputs)`` must return a tensor of shape (B,).
+    * otherwise the main logits are used: (B, C) class scores, or (B, n, V) token-level scores read at
+      ``positions`` (one per example: the next-token logits of a decoder). ``None`` = the argmax per
+      example; an int = that index for every example; a list = one index per example.
+    """
+    if callable(target) and not isinstance(target, (int, list, tuple)):
+        y = target(outputs)
+        logits = main_logits(outputs)
+        B = None if logits is None else logits.shape[0]
+        return _checks.check_target_output(y, B, target), f"callable: {getattr(target, '__qualname__', type(target).__name__)}"
+    logits = main_logits(outputs)
+    if logits is None:
+        raise ValueError(
+            f"target: the model's output ({type(outputs).__name__}) has no logits to take a class score from; "
+            "pass target=a callable f(outputs) -> (B,) scores (e.g. lambda o: o.pooler_output.norm(dim=-1))"
+        )
+    if logits.ndim == 3:
+        if positions is None:
+            positions = [logits.shape[1] - 1] * logits.shape[0]
+        logits = logits[torch.arange(logits.shape[0], device=logits.device), torch.tensor(positions, device=logits.device)]
+    if logits.ndim != 2:
+        raise ValueError(
+            f"target: the model's logits have shape {tuple(logits.shape)}; class targets need (B, C) or (B, n, V). "
+            "Pass target=a callable f(outputs) -> (B,) instead"
+        )
+    B, C = logits.shape
+    idx = _checks.check_target(target, B, C, default=logits.detach().argmax(dim=-1).tolist())
+    y = logits[torch.arange(B, device=logits.device), torch.tensor(idx, device=logits.device)]
+    return y, idx
+
+
+def require_grad_mode(name: str) -> None:
+    """Gradient methods need autograd: refuse torch.no_grad() / inference_mode() with the way out."""
+    if torch.is_inference_mode_enabled() or not torch.is_grad_enabled():
+        where = "torch.inference_mode()" if torch.is_inference_mode_enabled() else "torch.no_grad()"
+        raise RuntimeError(
+            f"method {name!r} needs gradients of the target with respect to the attention, but it was called "
+            f"under {where}. Call attnroll.explain outside that block (attnroll computes no parameter "
+            "gradients and leaves .grad untouched), or use a gradient-free method such as 'rollout' or 'raw'."
+        )
+
+
+@contextlib.contextmanager
+def _params_require_grad(model: nn.Module):
+    """If no parameter requires grad (a frozen model), let them for the duration so that the attention is
+    part of a graph; restored afterwards. Only attention gradients are computed (.grad is never written)."""
+    params = [p for p in model.parameters() if p.is_floating_point()]
+    frozen = bool(params) and not any(p.requires_grad for p in params)
+    if frozen:
+        for p in params:
+            p.requires_grad_(True)
+    try:
+        yield
+    finally:
+        if frozen:
+            for p in params:
+                p.requires_grad_(False)
+
+
+# ------------------------------------------------------------------------------------------- entry points
+def _resolve_options(m: Method, options: dict) -> dict:
+    allowed = {**COMMON_OPTIONS, **m.options}
+    for k in options:
+        if k in allowed:
+            continue
+        if k in m.refuse:
+            raise ValueError(f"option {k}= makes no sense for method {m.name!r}: {m.refuse[k]}")
+        takers = [n for n, other in _REGISTRY.items() if k in other.options]
+        hint = f" Methods that take {k}=: {', '.join(takers)}." if takers else ""
+        raise ValueError(
+            f"method {m.name!r} has no option {k!r}. Its options: {', '.join(sorted(allowed))}.{hint}"
+        )
+    return {**allowed, **options}
+
+
+def explain(
+    model: nn.Module,
+    inputs: Any,
+    method: str = "rollout",
+    target: Any = None,
+    *,
+    tokenizer: Any = None,
+    **options: Any,
+) -> Explanation:
+    """Explain what ``model`` looked at for ``inputs`` with a registered method.
+
+    Args:
+        model: a model ``attnroll.capture`` supports (transformers ViT/DeiT/BEiT/DINOv2/BERT-likes/GPT-2/
+            Llama/CLIP/T5/BART/Marian, timm ViTs, nn.MultiheadAttention models).
+        inputs: what the model's processor / tokenizer returns (a dict / BatchEncoding), or a pixel tensor
+            (B, 3, H, W).
+        method: a name from :func:`methods` ("rollout" by default).
+        target: None = the predicted class (argmax of the logits; for decoder-only LMs the argmax next token
+            at the explained position); an int = that class / token id for every example; a list of ints =
+            one per example; a callable ``f(model_outputs) -> (B,)`` tensor for anything else.
+        tokenizer: fills ``Explanation.tokens`` from ``input_ids``.
+        **options: the method's options (see ``method_info(name).options``), plus ``position``: the output
+            row to explain (an int or one per example; default CLS = 0, or the last real token for causal
+            models).
+
+    Returns:
+        an :class:`Explanation` (scores (B, units), full_row (B, n), ...).
+
+    Raises:
+        ValueError: unknown method (the message lists them), an option the method does not take, a target
+            out of range or a callable returning the wrong shape.
+        RuntimeError: a gradient method under ``torch.no_grad()`` / ``torch.inference_mode()``.
+    """
+    _load_all()
+    m = _get(method)
+    opts = _resolve_options(m, options)
+    if m.needs_grad:
+        require_grad_mode(m.name)
+    ctx = Context(model, inputs, target, m, opts, tokenizer)
+    return m.fn(ctx, **{k: v for k, v in opts.items() if k not in COMMON_OPTIONS})
+
+
+class Explainer:
+    """A model and a method with fixed options, to explain many inputs: ``Explainer(model, "gae")(inputs)``.
+
+    Options are validated once, at construction."""
+
+    def __init__(self, model: nn.Module, method: str = "rollout", *, tokenizer: Any = None, **options: Any):
+        _load_all()
+        self.model = model
+        self.method = _get(method).name
+        _resolve_options(_get(method), options)
+        self.tokenizer = tokenizer
+        self.options = options
+
+    def __call__(self, inputs: Any, target: Any = None, **overrides: Any) -> Explanation:
+        return explain(
+            self.model, inputs, self.method, target, tokenizer=self.tokenizer, **{**self.options, **overrides}
+        )
+
+    def __repr__(self) -> str:
+        return f"Explainer({type(self.model).__name__}, method={self.method!r}, options={self.options!r})"
+
+
+def rollout_rows(fn: Callable, attentions: Any, positions: list[int], mask: torch.Tensor | None, *,
+                 return_layers: bool = False, **options: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Run a core rollout function (``rollout`` / ``per_head_rollout``) for only the rows explained and
+    give each example its own row: (B, [H,] n) and, with ``return_layers``, (L', B, [H,] n)."""
+    rows = sorted(set(positions))
+    R = fn(attentions, rows=rows, return_layers=bool(return_layers), attention_mask=mask, **options)
+    idx = torch.tensor([rows.index(p) for p in positions], device=R.device)
+    if return_layers:
+        # (L', B, [H,] r, n): pick row idx[b] of example b in every layer.
+        sel = torch.stack([R[:, b, ..., int(idx[b]), :] for b in range(R.shape[1])], dim=1)
+        return sel[-1], sel
+    return torch.stack([R[b, ..., int(idx[b]), :] for b in range(R.shape[0])]), None

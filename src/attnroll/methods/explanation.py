@@ -1,0 +1,264 @@
+"""``Explanation``: one method's saliency for a batch of inputs, with what is needed to show and reproduce it."""
+
+from __future__ import annotations
+
+import html
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+import torch
+
+_FORMAT = "attnroll.Explanation/1"
+
+
+@dataclass
+class Explanation:
+    """Saliency over input units (image patches or tokens), batch-first.
+
+    Attributes:
+        scores: (B, units) float32 tensor: the method's saliency over the input units, prefix tokens (CLS,
+            distillation, registers) removed, in the method's own units (no rescaling; see ``normalized``).
+            Image models: units = h·w patches in row-major grid order. Text: one per token, special tokens
+            included (text models have ``prefix`` 0). Padded tokens score 0.
+        full_row: (B, n) the whole output row over every token, prefix tokens included.
+        layers: (L, B, n) the output row after each layer (partial products), when the method was asked for
+            it with ``return_layers=True``; else None.
+        tokens: token strings per example (text; needs ``tokenizer=``), else None.
+        grid: patch grid (h, w) of image models, else None.
+        prefix: number of prefix tokens removed from ``full_row`` to give ``scores``.
+        method: the registered method name; ``options``: the options it ran with (defaults filled in).
+        target: what was explained, per example: class / token indices (list of ints), a description of a
+            callable target ("callable: name"), or None for class-agnostic results without a class output.
+        positions: the output position (row) explained, per example.
+        attention_mask: (B, n) 0/1 padding mask of the explained stream, or None.
+        extra: method-specific arrays and lists (e.g. ``heads`` (B, H, n) for per-head rollout,
+            ``text_scores`` for CLIP, ``target_scores`` for encoder-decoders); saved with the rest.
+    """
+
+    scores: torch.Tensor
+    full_row: torch.Tensor
+    layers: torch.Tensor | None = None
+    tokens: list[list[str]] | None = None
+    grid: tuple[int, int] | None = None
+    prefix: int = 0
+    method: str = ""
+    options: dict[str, Any] = field(default_factory=dict)
+    target: Any = None
+    positions: list[int] | None = None
+    attention_mask: torch.Tensor | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    # ----------------------------------------------------------------------------------------- views
+    @property
+    def batch_size(self) -> int:
+        return int(self.scores.shape[0])
+
+    def as_grid(self) -> torch.Tensor:
+        """Scores as (B, h, w) patch maps (image models only)."""
+        if self.grid is None:
+            raise ValueError(
+                f"as_grid() needs a patch grid, but this explanation (method {self.method!r}) is over tokens "
+                "(grid is None); use .scores (B, tokens) or .to_html()"
+            )
+        h, w = self.grid
+        if self.scores.shape[-1] != h * w:
+            raise ValueError(f"scores have {self.scores.shape[-1]} units, the grid {h}x{w} needs {h * w}")
+        return self.scores.reshape(self.batch_size, h, w)
+
+    def normalized(self, kind: str = "max") -> "Explanation":
+        """A copy whose ``scores`` are rescaled per example: "max" divides by the largest absolute value,
+        "minmax" maps to [0, 1], "sum" divides by the sum (so that the scores are shares). Rows that are all
+        zero (or constant, for "minmax") become 0. ``full_row`` and ``layers`` are left as they were."""
+        from .. import _checks
+
+        _checks.check_choice("kind", kind, ("max", "minmax", "sum"))
+        s = self.scores.to(torch.float64)
+        if kind == "max":
+            d = s.abs().amax(dim=-1, keepdim=True)
+        elif kind == "minmax":
+            s = s - s.amin(dim=-1, keepdim=True)
+            d = s.amax(dim=-1, keepdim=True)
+        else:
+            d = s.sum(dim=-1, keepdim=True)
+        out = torch.where(d != 0, s / torch.where(d != 0, d, torch.ones_like(d)), torch.zeros_like(s))
+        return replace(self, scores=out.to(self.scores.dtype), options={**self.options, "normalized": kind})
+
+    # ------------------------------------------------------------------------------------------- I/O
+    def save(self, path: str | os.PathLike) -> str:
+        """Write the arrays and a JSON metadata record (method, options, target, tokens, grid, ...) to one
+        ``.npz`` file, atomically (a temporary file in the same folder, then a rename). Returns the path."""
+        path = os.fspath(path)
+        if not path.endswith(".npz"):
+            path += ".npz"
+        arrays: dict[str, np.ndarray] = {"scores": _np(self.scores), "full_row": _np(self.full_row)}
+        if self.layers is not None:
+            arrays["layers"] = _np(self.layers)
+        if self.attention_mask is not None:
+            arrays["attention_mask"] = _np(self.attention_mask)
+        extra_meta = {}
+        for k, v in self.extra.items():
+            if isinstance(v, (torch.Tensor, np.ndarray)):
+                arrays["extra__" + k] = _np(v)
+            else:
+                extra_meta[k] = _jsonable(v)
+        meta = {
+            "format": _FORMAT,
+            "method": self.method,
+            "options": _jsonable(self.options),
+            "target": _jsonable(self.target),
+            "tokens": self.tokens,
+            "grid": list(self.grid) if self.grid is not None else None,
+            "prefix": self.prefix,
+            "positions": self.positions,
+            "extra": extra_meta,
+        }
+        arrays["__meta__"] = np.array(json.dumps(meta))
+        folder = os.path.dirname(os.path.abspath(path))
+        fd, tmp = tempfile.mkstemp(prefix=".attnroll-", suffix=".npz.tmp", dir=folder)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                np.savez(f, **arrays)
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "Explanation":
+        """Read a file written by :meth:`save` (no pickles are loaded)."""
+        with np.load(os.fspath(path), allow_pickle=False) as z:
+            if "__meta__" not in z.files:
+                raise ValueError(f"{os.fspath(path)} is not an attnroll Explanation file (no metadata record)")
+            meta = json.loads(str(z["__meta__"]))
+            if meta.get("format") != _FORMAT:
+                raise ValueError(f"{os.fspath(path)}: unknown format {meta.get('format')!r}, expected {_FORMAT!r}")
+            t = {k: torch.from_numpy(z[k].copy()) for k in z.files if k != "__meta__"}
+        extra = dict(meta.get("extra") or {})
+        extra.update({k[len("extra__"):]: v for k, v in t.items() if k.startswith("extra__")})
+        return cls(
+            scores=t["scores"],
+            full_row=t["full_row"],
+            layers=t.get("layers"),
+            tokens=meta["tokens"],
+            grid=tuple(meta["grid"]) if meta["grid"] is not None else None,
+            prefix=meta["prefix"],
+            method=meta["method"],
+            options=meta["options"],
+            target=meta["target"],
+            positions=meta["positions"],
+            attention_mask=t.get("attention_mask"),
+            extra=extra,
+        )
+
+    # ---------------------------------------------------------------------------------------- display
+    def to_html(self, index: int | None = None, kind: str = "max") -> str:
+        """A self-contained HTML snippet: each token (or patch cell) on a background whose strength is its
+        score (``normalized(kind)``; negative scores in blue). ``index`` picks one example (default: all)."""
+        norm = self.normalized(kind).scores
+        which = range(self.batch_size) if index is None else [int(index)]
+        parts = [
+            f"<div class='attnroll' style='font-family:sans-serif;line-height:2'>"
+            f"<div><b>{html.escape(self.method)}</b> target={html.escape(str(self.target))}</div>"
+        ]
+        for b in which:
+            vals = norm[b].tolist()
+            parts.append("<div style='margin:6px 0'>")
+            if self.grid is not None:
+                h, w = self.grid
+                parts.append("<table style='border-collapse:collapse'>")
+                for r in range(h):
+                    cells = "".join(
+                        f"<td title='{vals[r * w + c]:.3g}' style='width:12px;height:12px;background:{_color(vals[r * w + c])}'></td>"
+                        for c in range(w)
+                    )
+                    parts.append(f"<tr>{cells}</tr>")
+                parts.append("</table>")
+            else:
+                toks = self._unit_labels(b)
+                mask = None if self.attention_mask is None else self.attention_mask[b, self.prefix:].tolist()
+                for j, (tok, v) in enumerate(zip(toks, vals)):
+                    if mask is not None and j < len(mask) and not mask[j]:
+                        continue
+                    parts.append(
+                        f"<span title='{v:.3g}' style='background:{_color(v)};padding:1px 2px;margin:1px;"
+                        f"border-radius:3px'>{html.escape(tok)}</span>"
+                    )
+            parts.append("</div>")
+        parts.append("</div>")
+        return "".join(parts)
+
+    def _unit_labels(self, b: int) -> list[str]:
+        if self.tokens is not None and b < len(self.tokens):
+            return list(self.tokens[b][self.prefix:])
+        return [f"#{j}" for j in range(self.scores.shape[-1])]
+
+    def overlay(self, image: Any, index: int = 0, alpha: float = 0.5, kind: str = "minmax") -> Any:
+        """The map of example ``index`` upsampled (bilinear) onto ``image`` (a PIL image, or an (H, W, 3)
+        uint8 array) and blended with weight ``alpha``; returns a PIL RGB image. Needs pillow."""
+        try:
+            from PIL import Image
+        except ImportError:  # pragma: no cover - depends on the environment
+            raise ImportError(
+                "Explanation.overlay needs pillow: pip install 'attnroll[viz]' (or pip install pillow)"
+            ) from None
+        grid = self.normalized(kind).as_grid()[index].to(torch.float32).clamp(0, 1).numpy()
+        if not isinstance(image, Image.Image):
+            arr = np.asarray(image)
+            if arr.ndim != 3 or arr.shape[-1] not in (3, 4):
+                raise ValueError(f"image must be a PIL image or an (H, W, 3) array, got shape {arr.shape}")
+            if arr.dtype != np.uint8:
+                arr = np.clip(arr * (255 if arr.max() <= 1.0 else 1), 0, 255).astype(np.uint8)
+            image = Image.fromarray(arr[..., :3])
+        image = image.convert("RGB")
+        heat = Image.fromarray((grid * 255).astype(np.uint8), mode="L").resize(image.size, Image.BILINEAR)
+        h = np.asarray(heat, dtype=np.float32) / 255.0
+        # A simple black-red-yellow ramp: no colormap dependency.
+        rgb = np.stack([np.clip(2 * h, 0, 1), np.clip(2 * h - 1, 0, 1), np.zeros_like(h)], axis=-1)
+        base = np.asarray(image, dtype=np.float32) / 255.0
+        out = (1 - alpha) * base + alpha * rgb
+        return Image.fromarray((out * 255).round().astype(np.uint8), mode="RGB")
+
+    def __repr__(self) -> str:
+        where = f"grid={self.grid}" if self.grid is not None else f"tokens={self.tokens is not None}"
+        return (
+            f"Explanation(method={self.method!r}, scores={tuple(self.scores.shape)}, prefix={self.prefix}, "
+            f"{where}, target={self.target!r}, layers={None if self.layers is None else tuple(self.layers.shape)})"
+        )
+
+
+def _color(v: float) -> str:
+    v = max(-1.0, min(1.0, float(v)))
+    if v >= 0:
+        return f"rgba(220,40,40,{v:.3f})"
+    return f"rgba(40,90,220,{-v:.3f})"
+
+
+def _np(t: Any) -> np.ndarray:
+    if isinstance(t, torch.Tensor):
+        return t.detach().cpu().numpy()
+    return np.asarray(t)
+
+
+def _jsonable(x: Any) -> Any:
+    """Options and targets as JSON: tensors/arrays become lists, callables and other objects their name."""
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return x
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple, range)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, (torch.Tensor, np.ndarray)):
+        return _np(x).tolist()
+    if isinstance(x, (np.integer, np.floating)):
+        return x.item()
+    if isinstance(x, torch.dtype):
+        return str(x)
+    if callable(x):
+        return f"callable: {getattr(x, '__qualname__', type(x).__name__)}"
+    return repr(x)

@@ -1,0 +1,63 @@
+"""``grad_rollout``: gradient-weighted rollout. Per layer the heads are fused as mean_h((dy/dA ⊙ A)^+) (the
+positive part taken per head, before the mean, as Chefer et al.), then rolled out with the residual and
+row renormalisation. ``clamp="after_mean"`` gives vit-explain's order, (mean_h(dy/dA ⊙ A))^+.
+
+Gradients are paired with attention by layer index (both come from the record's layer-ordered lists and one
+``torch.autograd.grad`` call), never by hook firing order (vit-explain#6)."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from .. import _checks
+from ..core.rollout import rollout as core_rollout
+from .base import Context, register, rollout_rows
+from .rollout import prefix_default
+
+
+def weighted_layers(attentions: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], clamp: str = "per_head",
+                    dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
+    """Per layer (B, n, n): mean over heads of the positive part of grad ⊙ attention ("per_head": clamp,
+    then mean) or the positive part of the mean ("after_mean")."""
+    _checks.check_choice("clamp", clamp, ("per_head", "after_mean"))
+    out = []
+    for a, g in zip(attentions, grads):
+        prod = g.to(dtype) * a.to(dtype)
+        out.append(prod.clamp(min=0).mean(dim=1) if clamp == "per_head" else prod.mean(dim=1).clamp(min=0))
+    return out
+
+
+_OPTIONS = {
+    "clamp": "per_head", "alpha": 0.5, "residual_mode": "renorm", "discard_ratio": 0.0, "discard_scope": "layer",
+    "top_k": None, "threshold": None, "protect_prefix": None, "start_layer": 0, "end_layer": None,
+    "return_layers": False, "stream": None,
+}
+
+
+@register(
+    "grad_rollout",
+    description="gradient-weighted rollout: mean_h((dy/dA ⊙ A)^+) per layer, rolled out with residual + row renorm (class-specific)",
+    options=_OPTIONS,
+    needs_grad=True,
+    class_specific=True,
+    cost="1 forward + 1 backward (eager attention)",
+    reference="Gildenblat, vit-explain (2020); clamp-before-mean as Chefer, Gur & Wolf, CVPR 2021",
+    refuse={"head_fusion": "the heads are fused by the gradient weighting (mean of (dy/dA ⊙ A)^+); use "
+            "clamp='after_mean' for vit-explain's order, or method='rollout' for other fusions"},
+)
+def grad_rollout(ctx: Context, *, clamp, stream, return_layers, protect_prefix, **opts):
+    """full_row[b] = row position_b of rollout(W), W_l = mean_h((dy/dA_l ⊙ A_l)^+), residual_mode "renorm"
+    by default ((W + I) / row sums at alpha = 0.5)."""
+    s0 = ctx.options.get("stream")
+    rec, atts, grads = ctx.grad_record([s0] if s0 else None)
+    s = ctx.stream(rec)
+    W = weighted_layers(atts[s], grads[s], clamp)
+    pos = ctx.positions(rec, s)
+    pp = prefix_default(protect_prefix, rec)
+    row, layers = rollout_rows(
+        core_rollout, W, pos, ctx.mask(rec, s), return_layers=return_layers, head_fusion=None,
+        check_stochastic=False, protect_prefix=pp, **opts,
+    )
+    return ctx.build(rec, row, pos, s, layers=layers, options={**ctx.options, "protect_prefix": pp})

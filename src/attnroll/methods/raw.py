@@ -1,0 +1,42 @@
+"""``raw``: the head-fused attention row of one layer (the last by default): who the output token attends to."""
+
+from __future__ import annotations
+
+import torch
+
+from .. import _checks
+from ..core.fusion import fuse_tensor, head_weights
+from .base import Context, register
+
+
+@register(
+    "raw",
+    description="raw attention: the head-fused attention row of one layer (default the last)",
+    options={"layer": -1, "head_fusion": "mean", "stream": None, "return_layers": False},
+    cost="1 forward",
+    reference="Abnar & Zuidema 2020 (the 'raw attention' baseline)",
+    refuse={"alpha": "raw attention has no residual; use method='rollout'",
+            "start_layer": "raw reads one layer; pass layer=k (or use method='rollout' for a range)"},
+)
+def raw(ctx: Context, *, layer: int, head_fusion, stream, return_layers: bool):
+    """full_row[b] = fuse_h(A_layer)[b, position_b, :]; ``return_layers`` gives that row for every layer
+    (L, B, n)."""
+    rec = ctx.record()
+    s = ctx.stream(rec)
+    atts = rec.streams[s]
+    L = len(atts)
+    k = _checks.check_index("layer", layer, L, "layers")
+    _checks.check_bool("return_layers", return_layers)
+    head_weights(head_fusion, atts[0].shape[1], like=atts[0])  # validates
+    pos = ctx.positions(rec, s)
+    B = atts[0].shape[0]
+    ar = torch.arange(B)
+    pidx = torch.tensor(pos)
+
+    def row(a: torch.Tensor) -> torch.Tensor:
+        a = a.to(torch.float32)
+        return fuse_tensor(a[ar, :, pidx].unsqueeze(-2), head_fusion).squeeze(-2)  # (B, n)
+
+    layers = torch.stack([row(a) for a in atts]) if return_layers else None
+    opts = {**ctx.options, "layer": k}
+    return ctx.build(rec, row(atts[k]), pos, s, layers=layers, options=opts)
