@@ -4,7 +4,8 @@ For each size it times, on the same random attention (L=12 layers, H=12 heads):
   (a)  the naive per-layer loop common in notebooks: fuse heads, discard via flatten + topk, add I,
        renormalise rows, matmul — with discard_ratio 0.9 (vit-explain's default) and with none (a0);
   (b)  attnroll.rollout, full matrix;
-  (c)  attnroll.rollout(rows=[0]), the CLS row only (and with discard_ratio 0.9: c9);
+  (c)  attnroll.rollout(rows=[0]), the CLS row only (cv: the same with validate=False, no value checks;
+       c9: with discard_ratio 0.9);
   (d)  a plain read of the input: one sum over every attention tensor, the memory-bandwidth floor;
 and the same (b), (c), (d) on already-fused input (head_fusion=None). Peak memory is the growth of the
 process's resident set during the call (VmHWM reset through /proc/self/clear_refs), beyond the input.
@@ -100,7 +101,7 @@ def run(sizes: list[tuple[int, int]], repeat: int) -> None:
           f"{platform.processor() or platform.machine()}; L={L}, H={H}; times in ms (best of {repeat})")
     head = (
         f"{'n':>5} {'B':>2} {'input MiB':>9} | {'(a) naive .9':>12} {'(a0) naive':>10} {'(b) full':>9} "
-        f"{'(c) rows':>9} {'(c9) rows .9':>12} {'(d) read':>9} | {'a0/c':>6} {'a/c9':>6} {'c/d':>5} | "
+        f"{'(c) rows':>9} {'(cv) no check':>13} {'(c9) rows .9':>12} {'(d) read':>9} | {'a/c':>5} {'a0/c':>5} {'a/c9':>5} {'c/d':>5} {'cv/d':>5} | "
         f"fused: {'(b)':>8} {'(c)':>7} {'(d)':>7} {'b/c':>7} | peak MiB a0/b/c"
     )
     print(head)
@@ -112,6 +113,7 @@ def run(sizes: list[tuple[int, int]], repeat: int) -> None:
         t_b, m_b = measure(lambda: attnroll.rollout(attn), reps)
         t_c, m_c = measure(lambda: attnroll.rollout(attn, rows=[0]), reps)
         t_c9, _ = measure(lambda: attnroll.rollout(attn, rows=[0], discard_ratio=0.9), reps)
+        t_cv, _ = measure(lambda: attnroll.rollout(attn, rows=[0], validate=False), reps)
         t_d, _ = measure(lambda: plain_read(attn), reps)
         in_bytes = sum(a.numel() * a.element_size() for a in attn)
         fused = [a.mean(dim=1) for a in attn]
@@ -125,7 +127,8 @@ def run(sizes: list[tuple[int, int]], repeat: int) -> None:
         ms = lambda t: f"{t * 1e3:.1f}"  # noqa: E731
         print(
             f"{n:>5} {B:>2} {in_bytes / 2**20:>9.0f} | {ms(t_a):>12} {ms(t_a0):>10} {ms(t_b):>9} {ms(t_c):>9} "
-            f"{ms(t_c9):>12} {ms(t_d):>9} | {t_a0 / t_c:>6.1f} {t_a / t_c9:>6.1f} {t_c / t_d:>5.2f} | "
+            f"{ms(t_cv):>13} {ms(t_c9):>12} {ms(t_d):>9} | {t_a / t_c:>5.1f} {t_a0 / t_c:>5.1f} {t_a / t_c9:>5.1f} "
+            f"{t_c / t_d:>5.2f} {t_cv / t_d:>5.2f} | "
             f"       {ms(f_b):>8} {ms(f_c):>7} {ms(f_d):>7} {f_b / f_c:>7.1f} | {mib(m_a0)}/{mib(m_b)}/{mib(m_c)}",
             flush=True,
         )
@@ -141,7 +144,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default="197,577,1025,2048", help="comma-separated n (B=1), plus n=197 at B=8")
     p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     sizes = [(int(s), 1) for s in args.sizes.split(",")]
     if any(n == 197 for n, _ in sizes):
         sizes.insert(1, (197, 8))

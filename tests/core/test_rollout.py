@@ -297,3 +297,17 @@ def test_streamed_rows_path_in_blocks_equals_full_product(monkeypatch, block):
     with pytest.raises(ValueError, match=r"attentions\[2\]: rows must sum to 1"):
         rollout(bad, rows=[0])
     assert rollout(bad, rows=[0], check_stochastic=False).shape == (2, 1, 6)
+
+
+def test_validate_false_skips_value_checks_only():
+    layers = softmax_layers(3, 2, 3, 5, seed=14)
+    for rows in (None, [0]):
+        np.testing.assert_array_equal(rollout(layers, rows=rows, validate=False), rollout(layers, rows=rows))
+    bad = [a * 1.5 for a in layers]
+    with pytest.raises(ValueError, match="rows must sum to 1"):
+        rollout(bad, rows=[0])
+    # Trusted-input mode: no value check, the arithmetic runs as written (1.5x per layer, 3 layers).
+    got = rollout(bad, rows=[0], validate=False, alpha=0.0)
+    np.testing.assert_allclose(got.sum(-1), 1.5**3, rtol=1e-12)
+    with pytest.raises(ValueError, match=r"top_k must be in \[1, n\]"):  # options are still checked
+        rollout(layers, validate=False, top_k=9)

@@ -43,6 +43,7 @@ class Layers:
     dtype: torch.dtype
     check_stochastic: bool = True
     name: str = "attentions"
+    validate: bool = True
     _pending: list = field(default_factory=list, repr=False)
 
     @property
@@ -56,7 +57,7 @@ class Layers:
     def layer(self, i: int) -> torch.Tensor:
         """Layer i in the working dtype, its values checked."""
         t = self.tensors[i].to(self.dtype)
-        if t.numel():
+        if self.validate and t.numel():
             self.check(i, float(t.amin()), t.sum(dim=-1))
         return t
 
@@ -106,6 +107,7 @@ def parse_attentions(
     attention_mask: Any = None,
     check_stochastic: bool = True,
     name: str = "attentions",
+    validate: bool = True,
 ) -> Layers:
     """Validate the structure of ``attentions`` (see ``rollout``) and wrap them with a batch axis.
 
@@ -178,7 +180,7 @@ def parse_attentions(
         mask = mask.to(tensors[0].device)
         if bool(mask.all()):
             mask = None
-    return Layers(tensors, batched, next(iter(kinds)), fused, mask, want, bool(check_stochastic), name)
+    return Layers(tensors, batched, next(iter(kinds)), fused, mask, want, bool(check_stochastic), name, bool(validate))
 
 
 def layer_range(num_layers: int, start_layer: Any, end_layer: Any) -> tuple[int, int]:
@@ -349,7 +351,8 @@ def _streamed_contract(V: torch.Tensor, layers: Layers, i: int, how: Any) -> tor
         for r0 in range(0, n, rows_per_block):
             r1 = min(n, r0 + rows_per_block)
             blk = raw[:, h0:h1, r0:r1, :].to(dtype)  # (B, h, rows, n)
-            layers.defer(i, blk.amin(), blk.sum(dim=-1))
+            if layers.validate:
+                layers.defer(i, blk.amin(), blk.sum(dim=-1))
             u = wv[..., r0:r1].expand(B, V.shape[1], h1 - h0, r1 - r0).reshape(B, V.shape[1], -1)
             part = u @ blk.reshape(B, -1, n)  # sums over the heads of the block and its rows
             acc = part if acc is None else acc.add_(part)
@@ -445,6 +448,7 @@ def rollout(
     attention_mask: Any = None,
     check_stochastic: bool = True,
     dtype: Any = None,
+    validate: bool = True,
 ) -> Any:
     """Attention rollout: R = Ã(end−1)···Ã(start), newest layer on the left.
 
@@ -471,6 +475,10 @@ def rollout(
         check_stochastic: require rows of the input (real tokens) to sum to 1 within 1e-3. False accepts any
             non-negative matrices.
         dtype: working and output dtype, float32 or float64; default float64 for float64 input, else float32.
+        validate: check the values of the input (finite, non-negative, and stochastic rows when
+            ``check_stochastic``). These checks cost two extra in-cache passes over the attention; ``False``
+            skips them for trusted input on hot paths (garbage in, garbage out). Shapes and options are
+            always checked.
 
     Returns:
         (B, n, n), or (B, len(rows), n) with ``rows``; with ``return_layers`` a leading (end − start) axis.
@@ -482,6 +490,7 @@ def rollout(
         dtype=dtype,
         attention_mask=attention_mask,
         check_stochastic=check_stochastic,
+        validate=validate,
     )
     if head_fusion is not None:
         fusion.head_weights(head_fusion, layers.tensors[0].shape[-3], like=layers.tensors[0])
@@ -520,6 +529,7 @@ def per_head_rollout(
     attention_mask: Any = None,
     check_stochastic: bool = True,
     dtype: Any = None,
+    validate: bool = True,
 ) -> Any:
     """Rollout taken separately for each head h: R_h = Ã_h(end−1)···Ã_h(start).
 
@@ -531,7 +541,12 @@ def per_head_rollout(
         Unbatched input gives (H, …).
     """
     layers = parse_attentions(
-        attentions, fused=False, dtype=dtype, attention_mask=attention_mask, check_stochastic=check_stochastic
+        attentions,
+        fused=False,
+        dtype=dtype,
+        attention_mask=attention_mask,
+        check_stochastic=check_stochastic,
+        validate=validate,
     )
     start, end = layer_range(len(layers.tensors), start_layer, end_layer)
     row_idx = parse_rows(rows, layers.n)
@@ -562,6 +577,7 @@ def augmented_layers(attentions: Any, **options: Any) -> tuple[list[torch.Tensor
         dtype=options.pop("dtype", None),
         attention_mask=options.pop("attention_mask", None),
         check_stochastic=options.pop("check_stochastic", True),
+        validate=options.pop("validate", True),
     )
     start, end = layer_range(len(layers.tensors), options.pop("start_layer", 0), options.pop("end_layer", None))
     head_fusion = options.get("head_fusion", "mean")
