@@ -1,0 +1,172 @@
+"""Gradient baselines through Captum (not re-implemented here): integrated gradients, saliency and
+input × gradient, on the pixels (image models) or the input embeddings (text models), summed to the same units
+as the attention methods (patches or tokens) so that all compare side by side.
+
+Units: image attributions (B, C, H, W) are summed over channels and the pixels of each patch -> (B, h·w);
+prefix tokens have no pixels and get 0 in ``full_row``. Text attributions (B, n, d) on the embedding layer's
+output are summed over d -> (B, n). Saliency is the absolute gradient (Captum's default), summed.
+The model runs with its own attention implementation (SDPA is fine: no attention is captured for this)."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+
+from .. import _checks
+from .base import Context, main_logits, register
+
+
+def _captum():
+    try:
+        import captum.attr as ca
+    except ImportError:  # pragma: no cover - depends on the environment
+        raise ImportError(
+            "the Captum baselines need captum: pip install 'attnroll[captum]' (or pip install captum)"
+        ) from None
+    return ca
+
+
+@contextlib.contextmanager
+def _eval(model: torch.nn.Module):
+    flags = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for m, f in flags:
+            m.training = f
+
+
+def _run(ctx: Context, kind: str, n_steps: int = 50, internal_batch_size: Any = None, baseline: Any = "pad"):
+    ca = _captum()
+    rec = ctx.record(fuse_heads="mean")  # metadata (grid, prefix, tokens, mask) and the resolved target
+    s = ctx.stream(rec)
+    B, n = rec.streams[s][0].shape[0], rec.streams[s][0].shape[-1]
+    pos = ctx.positions(rec, s)
+    target = ctx.target
+    classes = None if callable(target) else ctx.describe_target(rec)
+    if classes is None and not callable(target):
+        raise ValueError(
+            f"method {ctx.method.name!r} needs a target score: the model's output has no logits, so pass "
+            "target=a callable f(outputs) -> (B,)"
+        )
+    token_level = (lg := main_logits(rec.outputs)) is not None and lg.ndim == 3
+    cls_t = None if classes is None else torch.tensor(classes)
+    pos_t = torch.tensor(pos)
+
+    def score(out: Any) -> torch.Tensor:
+        if callable(target):
+            y = target(out)
+            m = main_logits(out)
+            return _checks.check_target_output(y, None if m is None else m.shape[0], target)
+        logits = main_logits(out)
+        m = logits.shape[0]
+        reps = m // B  # Captum stacks the steps as [step 0: all B examples, step 1: ...]
+        ar = torch.arange(m, device=logits.device)
+        if token_level:
+            logits = logits[ar, pos_t.repeat(reps).to(logits.device)]
+        return logits[ar, cls_t.repeat(reps).to(logits.device)]
+
+    inputs = ctx.inputs
+    model = ctx.model
+    is_dict = isinstance(inputs, dict) or hasattr(inputs, "keys")
+    pixels = inputs.get("pixel_values") if is_dict else inputs if isinstance(inputs, torch.Tensor) else None
+    n_steps = _checks.check_int("n_steps", n_steps, low=1)
+    with _eval(model):
+        if pixels is not None and pixels.is_floating_point() and pixels.ndim == 4:
+            rest = {k: v for k, v in inputs.items() if k != "pixel_values"} if is_dict else {}
+
+            def fwd(px):
+                return score(model(pixel_values=px, **rest) if is_dict else model(px))
+
+            px = pixels.detach().clone().requires_grad_(kind != "integrated_gradients")
+            if kind == "integrated_gradients":
+                if baseline not in ("pad", "zeros"):
+                    raise ValueError(f"baseline for images must be 'zeros' (black after normalisation), got {baseline!r}")
+                attr = ca.IntegratedGradients(fwd).attribute(
+                    px, baselines=torch.zeros_like(px), n_steps=n_steps, internal_batch_size=internal_batch_size
+                )
+            elif kind == "saliency":
+                attr = ca.Saliency(fwd).attribute(px, abs=True)
+            else:
+                attr = ca.InputXGradient(fwd).attribute(px)
+            if rec.grid is None:
+                raise ValueError("cannot sum pixel attributions to patches: the model's patch grid is unknown")
+            gh, gw = rec.grid
+            H, W = px.shape[-2:]
+            ph, pw = H // gh, W // gw
+            a = attr[..., : gh * ph, : gw * pw].reshape(B, attr.shape[1], gh, ph, gw, pw).sum(dim=(1, 3, 5))
+            p = rec.prefix or 0
+            row = torch.cat([torch.zeros(B, p, dtype=a.dtype), a.reshape(B, gh * gw).cpu()], dim=1)
+        else:
+            if not is_dict or "input_ids" not in inputs:
+                raise ValueError(
+                    f"method {ctx.method.name!r} needs pixel_values (B, 3, H, W) or input_ids in the inputs"
+                )
+            emb = model.get_input_embeddings()
+            keys = [k for k in inputs if k != "input_ids" and isinstance(inputs[k], torch.Tensor)]
+            others = tuple(inputs[k] for k in keys)
+
+            def fwd_ids(ids, *rest):
+                return score(model(input_ids=ids, **dict(zip(keys, rest))))
+
+            ids = inputs["input_ids"]
+            if kind == "integrated_gradients":
+                pad = getattr(model.config, "pad_token_id", None) if baseline == "pad" else baseline
+                if baseline == "zeros":
+                    raise ValueError("baseline='zeros' is for images; text baselines are token ids: 'pad' or an int id")
+                pad = _checks.check_int("baseline", 0 if pad is None else pad, low=0)
+                attr = ca.LayerIntegratedGradients(fwd_ids, emb).attribute(
+                    ids, baselines=torch.full_like(ids, pad), additional_forward_args=others, n_steps=n_steps,
+                    internal_batch_size=internal_batch_size,
+                )
+            else:
+                attr = ca.LayerGradientXActivation(fwd_ids, emb, multiply_by_inputs=kind == "input_x_gradient").attribute(
+                    ids, additional_forward_args=others
+                )
+                if kind == "saliency":
+                    attr = attr.abs()
+            row = attr.sum(dim=-1).detach().cpu()
+    return ctx.build(rec, row.to(torch.float32), pos, s)
+
+
+_COMMON = dict(needs_grad=True, class_specific=True)
+
+
+@register(
+    "integrated_gradients",
+    description="Captum integrated gradients on pixels / input embeddings, summed per patch / token (class-specific)",
+    options={"n_steps": 50, "internal_batch_size": None, "baseline": "pad"},
+    cost="n_steps forwards + backwards (50 by default)",
+    reference="Sundararajan, Taly & Yan, Axiomatic Attribution for Deep Networks, ICML 2017 (via Captum)",
+    **_COMMON,
+)
+def integrated_gradients(ctx: Context, **opts):
+    """Integrated gradients from a black image (zeros) / an all-pad-token sequence, n_steps Riemann steps."""
+    return _run(ctx, "integrated_gradients", **opts)
+
+
+@register(
+    "saliency",
+    description="Captum saliency: |dy/dinput| summed per patch / token (class-specific)",
+    cost="1 forward + 1 backward",
+    reference="Simonyan, Vedaldi & Zisserman, Deep Inside Convolutional Networks, 2014 (via Captum)",
+    **_COMMON,
+)
+def saliency(ctx: Context):
+    """Absolute input gradient, summed over channels and patch pixels / embedding dimensions."""
+    return _run(ctx, "saliency")
+
+
+@register(
+    "input_x_gradient",
+    description="Captum input × gradient summed per patch / token (class-specific)",
+    cost="1 forward + 1 backward",
+    reference="Shrikumar et al., Learning Important Features Through Propagating Activation Differences, 2017 (via Captum)",
+    **_COMMON,
+)
+def input_x_gradient(ctx: Context):
+    """Input times gradient (signed), summed over channels and patch pixels / embedding dimensions."""
+    return _run(ctx, "input_x_gradient")

