@@ -76,6 +76,8 @@ GAP_TOL = 5e-7
 _K_BASE = 4
 #: Rounds of edge generation for one input before the whole graph is solved instead.
 _MAX_ROUNDS = 3
+#: At most this many times n missing edges are added across a cut; beyond, the whole graph is solved.
+_GROW_LIMIT = 1
 #: Edges per solver call when several inputs are solved at once as disjoint copies (amortises the
 #: solver's fixed per-call cost, ~1 ms, over many small graphs).
 _BATCH_EDGES = 200_000
@@ -127,16 +129,12 @@ class _RowSolver:
         #: Counters for benchmarks: solver calls, inputs solved on the subgraph / whole graph, cuts measured,
         #: edges generated.
         self.stats = {"calls": 0, "sub": 0, "full": 0, "cuts": 0, "added": 0}
-        # Upper bounds for every sink from known cuts: the source cut, the sink cut, the two-layer cut.
+        # Upper bounds for every sink from known cuts: the source cut and the sink / two-layer cut.
         self.ub_int = np.full(m, np.iinfo(np.int64).max, dtype=np.int64)
         self.ub_real = np.full(m, np.inf)
-        self._add_cut([np.zeros(m, bool) for _ in range(L - 1)] + [self._only_source()])  # {s}
-        self._add_cut([self.keep[l].copy() for l in range(1, L)] + [self._only_source()])  # all but the sink
         if L >= 2:
-            into2_int = self.ints[1].sum(axis=0)  # capacity entering each layer-1 node
-            into2_real = real[1].sum(axis=0)
-            self.ub_int = np.minimum(self.ub_int, np.minimum(self.ints[0], into2_int[:, None]).sum(axis=0))
-            self.ub_real = np.minimum(self.ub_real, np.minimum(real[0], into2_real[:, None]).sum(axis=0))
+            self._add_cut([np.zeros(m, bool) for _ in range(L - 1)] + [self._only_source()])  # {s}
+            self._add_cut([self.keep[l].copy() for l in range(1, L)] + [self._only_source()])  # all but the sink
 
     def _only_source(self) -> np.ndarray:
         mask = np.zeros(self.m, bool)
@@ -308,17 +306,24 @@ class _RowSolver:
         self._add_edges([(int(l), u[layer == l] % self.m, v[layer == l] % self.m) for l in np.unique(layer)])
 
     def _add_cut(self, R: list[np.ndarray]) -> None:
-        """Pool the cut with source side R (layers 1..L') into the upper bounds of every sink."""
+        """Pool the cut with source side R (R[l-1] = its layer-l part) into every input's upper bound.
+
+        Its layers 2..L' are kept; its layer-1 part is re-chosen per input j, optimally: a layer-1 node
+        either stays on the source side and pays its edge into j, or joins the sink side and pays the
+        edges entering it from R's layer 2, whichever is cheaper. (With R = everything this is the
+        two-layer cut; with two layers it is the exact answer Σ_i min(Ã_2[s, i], Ã_1[i, j]).)"""
         c_int, c_real = 0, 0.0
-        for l in range(2, self.L + 1):
+        for l in range(3, self.L + 1):
             ri = np.flatnonzero(R[l - 1])
             ci = np.flatnonzero(~R[l - 2])
             if len(ri) and len(ci):
                 c_int += int(self.ints[l - 1][np.ix_(ri, ci)].sum())
                 c_real += float(self.real[l - 1][np.ix_(ri, ci)].sum())
-        r1 = R[0]
-        self.ub_int = np.minimum(self.ub_int, c_int + self.ints[0][r1].sum(axis=0))
-        self.ub_real = np.minimum(self.ub_real, c_real + self.real[0][r1].sum(axis=0))
+        r2 = R[1]
+        into_int = self.ints[1][r2].sum(axis=0)  # capacity from R's layer 2 into each layer-1 node
+        into_real = self.real[1][r2].sum(axis=0)
+        self.ub_int = np.minimum(self.ub_int, c_int + np.minimum(self.ints[0], into_int[:, None]).sum(axis=0))
+        self.ub_real = np.minimum(self.ub_real, c_real + np.minimum(self.real[0], into_real[:, None]).sum(axis=0))
 
     # sinks ----------------------------------------------------------------------------------------------
     def solve(self, sinks: Sequence[int], tick: Callable[[int], None] | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -381,7 +386,7 @@ class _RowSolver:
                 if not missing:  # R's capacity in the whole graph equals the flow: a minimum cut
                     self._add_cut(R)
                     finish(j, int(flows[k]), res, V, k)
-                elif rounds[j] < _MAX_ROUNDS and sum(len(a) for _, a, _ in missing) <= self.m:
+                elif rounds[j] < _MAX_ROUNDS and sum(len(a) for _, a, _ in missing) <= _GROW_LIMIT * self.m:
                     self._add_edges(missing)  # grow the subgraph across this cut and try again
                     rounds[j] += 1
                     retry.append(j)
