@@ -16,7 +16,7 @@ certified by a minimum cut:
 * One graph per (example, output), built once. The layer-1 → input edges that lead to other inputs are
   dead ends for a given sink and never enter it; zero-capacity edges are dropped; nodes the source cannot
   reach, or that reach no input, are pruned.
-* Certified subgraphs (edge generation). Each input j is first solved on a small subgraph: the 4 largest
+* Certified subgraphs (edge generation). Each input j is first solved on a small subgraph: the 3 largest
   edges of every row and every column, the diagonal (residual) edges, the source token's row, input j's
   whole column (flow to one input converges on its own token through many small edges), and every edge
   learned so far. Its flow is a lower bound. Upper bounds come from a pool of cuts — a cut is a node set,
@@ -73,7 +73,7 @@ _INT32_MAX = 2**31 - 1
 #: A value whose certified gap (upper bound − lower bound) exceeds this is refined by a second solve.
 GAP_TOL = 5e-7
 #: Edges per row and per column kept in the initial subgraph of every layer (besides the diagonal).
-_K_BASE = 4
+_K_BASE = 3
 #: Rounds of edge generation for one input before the whole graph is solved instead.
 _MAX_ROUNDS = 3
 #: At most this many times n missing edges are added across a cut; beyond, the whole graph is solved.
@@ -126,6 +126,7 @@ class _RowSolver:
         self.sub = [None] + [self._base_mask(l, k_base) for l in range(2, L + 1)]
         self._shared: tuple[np.ndarray, ...] | None = None  # the subgraph's internal edges, rebuilt on growth
         self._shared_full: tuple[np.ndarray, ...] | None = None  # the whole graph's, built on first need
+        self._cols: tuple[np.ndarray, ...] | None = None  # every input's column edges, grouped by input
         #: Counters for benchmarks: solver calls, inputs solved on the subgraph / whole graph, cuts measured,
         #: edges generated.
         self.stats = {"calls": 0, "sub": 0, "full": 0, "cuts": 0, "added": 0}
@@ -149,10 +150,11 @@ class _RowSolver:
         if k >= m:
             return w > 0
         mask = np.zeros((m, m), bool)
-        idx = np.argpartition(-w, k - 1, axis=1)[:, :k]
-        np.put_along_axis(mask, idx, True, axis=1)
-        idx = np.argpartition(-w, k - 1, axis=0)[:k, :]
-        np.put_along_axis(mask, idx, True, axis=0)
+        if k > 0:
+            idx = np.argpartition(-w, k - 1, axis=1)[:, :k]
+            np.put_along_axis(mask, idx, True, axis=1)
+            idx = np.argpartition(-w, k - 1, axis=0)[:k, :]
+            np.put_along_axis(mask, idx, True, axis=0)
         mask[np.arange(m), np.arange(m)] = True
         mask[self.source] = True  # flow leaves the source token through many small edges
         return mask & (w > 0)
@@ -181,15 +183,28 @@ class _RowSolver:
 
     def _column(self, j: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Input j's whole column in layers 2..L'−1 where the subgraph lacks it: flow to one input converges
-        on that token's own nodes through many small edges that no per-row cut-off keeps."""
-        m = self.m
-        rows, cols, data = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
-        for l in range(2, self.L):
-            ii = np.flatnonzero((self.ints[l - 1][:, j] > 0) & ~self.sub[l - 1][:, j])
-            rows.append((l - 1) * m + ii)
-            cols.append(np.full(len(ii), (l - 2) * m + j))
-            data.append(self.ints[l - 1][ii, j])
-        return np.concatenate(rows), np.concatenate(cols), np.concatenate(data)
+        on that token's own nodes through many small edges that no per-row cut-off keeps. All inputs'
+        columns are gathered once per subgraph version, ordered by input, and sliced here."""
+        if self._cols is None:
+            m = self.m
+            rows, cols, data, owner = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)], [np.zeros(0, np.int64)], [
+                np.zeros(0, np.int64)
+            ]
+            for l in range(2, self.L):
+                w = self.ints[l - 1]
+                jj, ii = np.nonzero(((w > 0) & ~self.sub[l - 1]).T)  # column-major: grouped by input
+                rows.append((l - 1) * m + ii)
+                cols.append((l - 2) * m + jj)
+                data.append(w[ii, jj])
+                owner.append(jj)
+            owner = np.concatenate(owner)
+            order = np.argsort(owner, kind="stable")
+            r, c, d = (np.concatenate(x)[order] for x in (rows, cols, data))
+            bounds = np.searchsorted(owner[order], np.arange(m + 1))
+            self._cols = (r, c, d, bounds)
+        r, c, d, bounds = self._cols
+        lo, hi = bounds[j], bounds[j + 1]
+        return r[lo:hi], c[lo:hi], d[lo:hi]
 
     def _solve_batch(self, sinks: Sequence[int], full: bool) -> tuple[np.ndarray, Any, Any, int]:
         """Max flows to several inputs in one solver call: one disjoint copy of the (sub)graph per input,
@@ -208,22 +223,21 @@ class _RowSolver:
         r0, c0, d0 = self._internal(full)
         top = self.ints[L - 1][self.source]  # the source's edges, into layer L'−1
         tk = np.flatnonzero(top > 0)
-        rows, cols, data = [], [], []
-        for k, j in enumerate(sinks):
-            off = k * V
-            parts = [(r0, c0, d0)] if full else [(r0, c0, d0), self._column(j)]
-            for r, c, d in parts:
-                rows.append(r + off)
-                cols.append(c + off)
+        offs = np.arange(K, dtype=np.int64) * V
+        rows = [(r0[None, :] + offs[:, None]).ravel(), np.full(K * len(tk), sigma)]
+        cols = [(c0[None, :] + offs[:, None]).ravel(), ((L - 2) * m + tk[None, :] + offs[:, None]).ravel()]
+        data = [np.tile(d0, K), np.tile(top[tk], K)]
+        b = self.ints[0][:, list(sinks)]  # (m, K): the edges into each copy's input
+        bi, bk = np.nonzero(b.T > 0)[::-1]
+        rows.append(bi + offs[bk])
+        cols.append(np.full(len(bi), tau))
+        data.append(b[bi, bk])
+        if not full:
+            for k, j in enumerate(sinks):
+                r, c, d = self._column(j)
+                rows.append(r + offs[k])
+                cols.append(c + offs[k])
                 data.append(d)
-            rows.append(np.full(len(tk), sigma))
-            cols.append(off + (L - 2) * m + tk)
-            data.append(top[tk])
-            b = self.ints[0][:, j]
-            bi = np.flatnonzero(b > 0)
-            rows.append(off + bi)
-            cols.append(np.full(len(bi), tau))
-            data.append(b[bi])
         g = csr_array(
             (np.concatenate(data).astype(np.int32), (np.concatenate(rows), np.concatenate(cols))),
             shape=(K * V + 2, K * V + 2),
@@ -278,6 +292,7 @@ class _RowSolver:
             self.stats["added"] += len(a)
         if edges:
             self._shared = None
+            self._cols = None
 
     def _flow_edges(self, res: Any, V: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Copy k's positive edge flows as (tail ids, head ids, int flow) in single-graph ids: node (l, i)
