@@ -1,0 +1,88 @@
+"""explain() cost per method, relative to one plain SDPA forward pass of the same model and batch.
+
+Model: ViT-B/16 (transformers ViTForImageClassification, default config: 12 layers, 12 heads, hidden 768,
+224x224, 197 tokens, 1000 classes) with random weights. For batch sizes 1 and 8 it times:
+  forward   model(pixel_values) under torch.no_grad() with attn_implementation="sdpa" (the reference, 1.00x);
+  each attention method through attnroll.explain (capture switches the model to eager attention for the pass);
+  Captum's integrated gradients at its default 50 steps, saliency and input x gradient, side by side.
+Each entry is the median of --repeat runs after one warm-up (integrated gradients: one run, no warm-up).
+
+Goal (issue 5): rollout <= 1.10x the plain forward.
+
+Usage: python benchmarks/bench_explain.py [--batches 1,8] [--repeat 3] [--ig-max-batch 8] [--threads N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import time
+
+import torch
+
+import attnroll
+
+ATTENTION = ["raw", "rollout", "per_head_rollout", "grad_rollout", "gae", "attn_gradcam"]
+CAPTUM = ["saliency", "input_x_gradient", "integrated_gradients"]
+
+
+def timed(fn, repeat: int, warm: bool = True) -> float:
+    if warm:
+        fn()
+    ts = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--ig-max-batch", type=int, default=8, help="skip integrated gradients above this batch size")
+    ap.add_argument("--ig-steps", type=int, default=50)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--methods", default=",".join(ATTENTION + CAPTUM))
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from transformers import ViTConfig, ViTForImageClassification
+
+    torch.manual_seed(0)
+    model = ViTForImageClassification(ViTConfig(num_labels=1000)).eval()
+    model.set_attn_implementation("sdpa")
+    wanted = args.methods.split(",")
+    try:
+        import captum  # noqa: F401
+    except ImportError:
+        wanted = [m for m in wanted if m not in CAPTUM]
+        print("captum not installed: Captum baselines skipped")
+    print(f"# torch {torch.__version__}, {platform.processor() or platform.machine()}, threads {torch.get_num_threads()}, "
+          f"cpus {os.cpu_count()}, load {os.getloadavg()[0]:.1f}")
+    print(f"{'batch':>5} {'method':<22} {'seconds':>9} {'x forward':>10}")
+    for B in [int(b) for b in args.batches.split(",")]:
+        x = {"pixel_values": torch.randn(B, 3, 224, 224, generator=torch.Generator().manual_seed(B))}
+
+        def fwd():
+            with torch.no_grad():
+                model(**x)
+
+        base = timed(fwd, args.repeat)
+        print(f"{B:>5} {'forward (sdpa)':<22} {base:>9.3f} {1.0:>9.2f}x", flush=True)
+        for m in wanted:
+            opts = {"n_steps": args.ig_steps, "internal_batch_size": 50} if m == "integrated_gradients" else {}
+            if m == "integrated_gradients" and B > args.ig_max_batch:
+                print(f"{B:>5} {m:<22} {'skipped':>9}")
+                continue
+            ig = m == "integrated_gradients"
+            t = timed(lambda: attnroll.explain(model, x, m, target=7, **opts), 1 if ig else args.repeat, warm=not ig)
+            label = f"{m} ({args.ig_steps} steps)" if ig else m
+            print(f"{B:>5} {label:<22} {t:>9.3f} {t / base:>9.2f}x", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""``clip``: image and text maps for image-text pairs of a CLIP model, with the pair's similarity as target.
+
+Pairs: with P images and T texts, P == T pairs image i with text i; P == 1 explains one image against every
+text in one call (the image is repeated, one pair per text). Each pair is one batch row, so the gradient of
+the sum of the pairs' similarities gives every pair its own gradients. Per tower, Chefer, Gur & Wolf
+(ICCV 2021) as in ``gae``: R = I; R += mean_h((dy/dA ⊙ A)^+)·R over layers [start_layer, end); the image map
+is the CLS row over patches, the text map the EOT row (the token CLIP pools) over all text tokens.
+Their CLIP notebook uses the last layer only: ``start_layer=-1, start_layer_text=-1``.
+
+``scores`` (P', h·w) image map; ``extra["text_scores"]`` (P', n_text); ``tokens`` the text tokens."""
+
+from __future__ import annotations
+
+import torch
+
+from ..core.rollout import rollout as core_rollout
+from .base import Context, register, require_grad_mode
+from .grad_rollout import weighted_layers
+
+
+def _pairs(inputs):
+    if not (isinstance(inputs, dict) or hasattr(inputs, "keys")) or "pixel_values" not in inputs or "input_ids" not in inputs:
+        raise ValueError("method 'clip' needs inputs with pixel_values and input_ids (what CLIPProcessor returns)")
+    px, ids = inputs["pixel_values"], inputs["input_ids"]
+    P, T = px.shape[0], ids.shape[0]
+    if P == T:
+        return dict(inputs)
+    if P == 1:
+        return {**inputs, "pixel_values": px.expand(T, *px.shape[1:])}
+    raise ValueError(
+        f"method 'clip' pairs image i with text i, or one image with every text: got {P} images and {T} texts"
+    )
+
+
+def _eot_positions(model, ids: torch.Tensor) -> list[int]:
+    """The token CLIP's text tower pools: argmax of the ids for the original configs (eos id 2), else the
+    first end-of-text token (as transformers does)."""
+    eos = getattr(getattr(model.config, "text_config", model.config), "eos_token_id", None)
+    if eos == 2 or eos is None:
+        return ids.to(torch.int).argmax(dim=-1).tolist()
+    return (ids.to(torch.int) == eos).int().argmax(dim=-1).tolist()
+
+
+@register(
+    "clip",
+    description="CLIP image and text maps for image-text pairs, target = the pair's similarity (Chefer ICCV'21 rule per tower)",
+    options={"start_layer": 0, "start_layer_text": 0},
+    needs_grad=True,
+    class_specific=True,
+    cost="1 forward + 1 backward of both towers (eager attention)",
+    reference="Chefer, Gur & Wolf, ICCV 2021 (CLIP notebook); Radford et al., CLIP, 2021",
+)
+def clip(ctx: Context, *, start_layer, start_layer_text):
+    """Image map: CLS row of Π(I + Ā_vision); text map: EOT row of Π(I + Ā_text); Ā = mean_h((dy/dA ⊙ A)^+),
+    y = logits_per_image[i, i] of pair i (or ``target(outputs)``)."""
+    require_grad_mode("clip")
+    if ctx.target is not None and not callable(ctx.target):
+        raise ValueError(
+            "method 'clip' explains each pair's similarity: target must be None (the similarity "
+            "logits_per_image[i, i]) or a callable f(outputs) -> (pairs,); class indices make no sense here"
+        )
+    ctx.inputs = _pairs(ctx.inputs)
+
+    def sim(rec):
+        if callable(ctx.target):
+            from .base import resolve_target
+
+            y, ctx.target_desc = resolve_target(rec.outputs, ctx.target)
+            return y
+        ctx.target_desc = "pair similarity (logits_per_image[i, i])"
+        return rec.outputs.logits_per_image.diagonal()
+
+    rec, atts, grads = ctx.grad_record(["vision", "text"], scores=sim)
+    B = atts["vision"][0].shape[0]
+    Wv = weighted_layers(atts["vision"], grads["vision"])
+    Wt = weighted_layers(atts["text"], grads["text"])
+    common = dict(head_fusion=None, residual_mode="add", alpha=0.5, check_stochastic=False)
+    img = core_rollout(Wv, rows=[0], start_layer=start_layer, **common)[:, 0]
+    eot = _eot_positions(ctx.model, ctx.inputs["input_ids"])
+    tmask = ctx.mask(rec, "text")
+    R = core_rollout(Wt, start_layer=start_layer_text, attention_mask=tmask, **common)
+    txt = R[torch.arange(B), torch.tensor(eot)].detach().float().cpu()
+    if tmask is not None:
+        txt = txt * tmask.cpu()
+    e = ctx.build(rec, img, [0] * B, "vision", extra={"text_scores": txt, "text_positions": eot})
+    e.tokens = rec.tokens
+    return e

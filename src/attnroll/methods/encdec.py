@@ -1,0 +1,124 @@
+"""Encoder-decoder models (T5, BART, Marian): explain one target token over the source tokens and the earlier
+target tokens, composing encoder self-attention, decoder self-attention and cross-attention.
+
+Two registered methods:
+
+``encdec_rollout`` (no gradients, class-agnostic): a rollout that conserves mass. With Ā the head-mean
+attention and α the residual share (½):
+    R_ee = Π_l ((1−α)Ā_e + αI)                       (encoder self-attention, as ``attnroll.rollout``)
+    R_dd = I, R_de = 0
+    per decoder layer:  [R_dd | R_de] ← ((1−α)Ā_d + αI)·[R_dd | R_de]          (decoder self-attention)
+                        [R_dd | R_de] ← α·[R_dd | R_de] + (1−α)·[0 | Ā_c·R_ee]   (cross-attention + residual)
+Every real row of [R_dd | R_de] sums to 1: the target token's representation is shared between earlier
+target tokens (R_dd) and source tokens (R_de).
+
+``encdec_gae`` (gradients, class-specific): Chefer, Gur & Wolf (ICCV 2021) rules with Ā = mean_h((dy/dA ⊙ A)^+):
+    R_ee = I; R_ee += Ā_e·R_ee per encoder layer                              (rule 6)
+    R_dd = I, R_de = 0; per decoder layer: R_dd += Ā_d·R_dd, R_de += Ā_d·R_de  (rules 6, 7)
+                                            R_de += R̄_ddᵀ·Ā_c·R̄_ee             (rule 10)
+with R̄ = (R − I) row-normalised, + I (their ``handle_residual``). Rule 11 (R_dd += Ā_c·R_ed) vanishes:
+the encoder never attends to the decoder, so R_ed = 0. ``transpose=False`` uses R̄_dd instead of R̄_ddᵀ
+(paths through earlier target tokens, the rollout reading; the transpose is the paper's rule).
+
+Output: ``scores`` = R_de[t] over source tokens (B, n_src); ``extra["target_scores"]`` = R_dd[t] over target
+tokens (B, n_tgt); t = the explained decoder position (default: the last real one; ``position=``)."""
+
+from __future__ import annotations
+
+import torch
+
+from .. import _checks
+from ..core.rollout import rollout as core_rollout
+from .base import Context, register
+from .grad_rollout import weighted_layers
+
+
+def _streams(ctx: Context, rec) -> None:
+    missing = {"encoder", "decoder", "cross"} - set(rec.streams)
+    if missing:
+        raise ValueError(
+            f"method {ctx.method.name!r} needs an encoder-decoder model with encoder, decoder and cross "
+            f"attention (T5, BART, Marian); {type(ctx.model).__name__} gave streams {list(rec.streams)}. "
+            "For a single-stack model use 'rollout' or 'gae'. (Pass decoder_input_ids so that the decoder runs.)"
+        )
+
+
+def _eye(B: int, n: int, like: torch.Tensor) -> torch.Tensor:
+    return torch.eye(n, dtype=like.dtype, device=like.device).expand(B, n, n).clone()
+
+
+def _result(ctx: Context, rec, R_dd: torch.Tensor, R_de: torch.Tensor, extra_opts: dict | None = None):
+    pos = ctx.positions(rec, "decoder")
+    ar, t = torch.arange(R_dd.shape[0]), torch.tensor(pos)
+    dmask = ctx.mask(rec, "decoder")
+    tgt = R_dd[ar, t].detach().float().cpu()
+    if dmask is not None:
+        tgt = tgt * dmask.cpu()
+    extra = {"target_scores": tgt}
+    if rec.extra.get("decoder_tokens") is not None:
+        extra["decoder_tokens"] = rec.extra["decoder_tokens"]
+    return ctx.build(rec, R_de[ar, t], pos, "encoder", extra=extra, options={**ctx.options, **(extra_opts or {})})
+
+
+@register(
+    "encdec_rollout",
+    description="encoder-decoder rollout: encoder, decoder self- and cross-attention composed so that source + target shares sum to 1 (class-agnostic)",
+    options={"alpha": 0.5},
+    cost="1 forward (eager attention) + O(L·n³)",
+    reference="Abnar & Zuidema 2020 (rollout), composed across cross-attention as in Chefer, Gur & Wolf, ICCV 2021",
+)
+def encdec_rollout(ctx: Context, *, alpha):
+    """Row t of [R_dd | R_de], see the module docstring."""
+    a = _checks.check_real("alpha", alpha, low=0.0, high=1.0)
+    rec = ctx.record(fuse_heads="mean")
+    _streams(ctx, rec)
+    f32 = lambda t: t.to(torch.float32)  # noqa: E731
+    emask = ctx.mask(rec, "encoder")
+    R_ee = core_rollout([f32(t) for t in rec.streams["encoder"]], head_fusion=None, alpha=a, attention_mask=emask)
+    dec, cross = [f32(t) for t in rec.streams["decoder"]], [f32(t) for t in rec.streams["cross"]]
+    B, nd, ne = cross[0].shape
+    R_dd, R_de = _eye(B, nd, R_ee), torch.zeros(B, nd, ne, dtype=R_ee.dtype)
+    for Ad, Ac in zip(dec, cross):
+        R_dd = (1 - a) * (Ad @ R_dd) + a * R_dd
+        R_de = (1 - a) * (Ad @ R_de) + a * R_de
+        R_dd = a * R_dd
+        R_de = a * R_de + (1 - a) * (Ac @ R_ee)
+    return _result(ctx, rec, R_dd, R_de)
+
+
+def handle_residual(R: torch.Tensor) -> torch.Tensor:
+    """Chefer's R̄: subtract I, divide each row by its sum (rows summing to 0 stay 0), add I back."""
+    n = R.shape[-1]
+    eye = torch.eye(n, dtype=R.dtype, device=R.device)
+    S = R - eye
+    s = S.sum(dim=-1, keepdim=True)
+    S = torch.where(s > 0, S / torch.where(s > 0, s, torch.ones_like(s)), torch.zeros_like(S))
+    return S + eye
+
+
+@register(
+    "encdec_gae",
+    description="encoder-decoder generic attention explainability (Chefer ICCV'21 rules 6, 7, 10 with gradient-weighted attention; class-specific)",
+    options={"transpose": True},
+    needs_grad=True,
+    class_specific=True,
+    cost="1 forward + 1 backward (eager attention) + O(L·n³)",
+    reference="Chefer, Gur & Wolf, Generic Attention-model Explainability for Interpreting Bi-Modal and Encoder-Decoder Transformers, ICCV 2021",
+)
+def encdec_gae(ctx: Context, *, transpose):
+    """Row t of R_de (source) and R_dd (target), see the module docstring."""
+    transpose = _checks.check_bool("transpose", transpose)
+    rec, atts, grads = ctx.grad_record(["encoder", "decoder", "cross"], scores=lambda r: (_streams(ctx, r), ctx.target_scores(r))[1])
+    W = {s: weighted_layers(atts[s], grads[s]) for s in ("encoder", "decoder", "cross")}
+    B, nd, ne = W["cross"][0].shape
+    R_ee = _eye(B, ne, W["encoder"][0])
+    for A in W["encoder"]:
+        R_ee = R_ee + A @ R_ee
+    R_ee_bar = handle_residual(R_ee)
+    R_dd, R_de = _eye(B, nd, R_ee), torch.zeros(B, nd, ne, dtype=R_ee.dtype)
+    for Ad, Ac in zip(W["decoder"], W["cross"]):
+        R_dd = R_dd + Ad @ R_dd
+        R_de = R_de + Ad @ R_de
+        Rb = handle_residual(R_dd)
+        R_de = R_de + (Rb.transpose(-1, -2) if transpose else Rb) @ Ac @ R_ee_bar
+    return _result(ctx, rec, R_dd, R_de)
