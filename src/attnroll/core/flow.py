@@ -126,7 +126,7 @@ class _RowSolver:
         self.sub = [None] + [self._base_mask(l, k_base) for l in range(2, L + 1)]
         self._shared: tuple[np.ndarray, ...] | None = None  # the subgraph's internal edges, rebuilt on growth
         self._shared_full: tuple[np.ndarray, ...] | None = None  # the whole graph's, built on first need
-        self._cols: tuple[np.ndarray, ...] | None = None  # every input's column edges, grouped by input
+        self._cols: list[tuple[np.ndarray, np.ndarray]] | None = None  # per layer: missing edges by column
         #: Counters for benchmarks: solver calls, inputs solved on the subgraph / whole graph, cuts measured,
         #: edges generated.
         self.stats = {"calls": 0, "sub": 0, "full": 0, "cuts": 0, "added": 0}
@@ -183,28 +183,21 @@ class _RowSolver:
 
     def _column(self, j: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Input j's whole column in layers 2..L'−1 where the subgraph lacks it: flow to one input converges
-        on that token's own nodes through many small edges that no per-row cut-off keeps. All inputs'
-        columns are gathered once per subgraph version, ordered by input, and sliced here."""
+        on that token's own nodes through many small edges that no per-row cut-off keeps. Each layer's
+        missing edges are grouped by column once per subgraph version (int32 rows), and sliced here."""
+        m = self.m
         if self._cols is None:
-            m = self.m
-            rows, cols, data, owner = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)], [np.zeros(0, np.int64)], [
-                np.zeros(0, np.int64)
-            ]
+            self._cols = []
             for l in range(2, self.L):
-                w = self.ints[l - 1]
-                jj, ii = np.nonzero(((w > 0) & ~self.sub[l - 1]).T)  # column-major: grouped by input
-                rows.append((l - 1) * m + ii)
-                cols.append((l - 2) * m + jj)
-                data.append(w[ii, jj])
-                owner.append(jj)
-            owner = np.concatenate(owner)
-            order = np.argsort(owner, kind="stable")
-            r, c, d = (np.concatenate(x)[order] for x in (rows, cols, data))
-            bounds = np.searchsorted(owner[order], np.arange(m + 1))
-            self._cols = (r, c, d, bounds)
-        r, c, d, bounds = self._cols
-        lo, hi = bounds[j], bounds[j + 1]
-        return r[lo:hi], c[lo:hi], d[lo:hi]
+                jj, ii = np.nonzero(((self.ints[l - 1] > 0) & ~self.sub[l - 1]).T)  # grouped by column
+                self._cols.append((ii.astype(np.int32), np.searchsorted(jj, np.arange(m + 1))))
+        rows, cols, data = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
+        for l, (ii, bounds) in enumerate(self._cols, start=2):
+            i = ii[bounds[j] : bounds[j + 1]]
+            rows.append((l - 1) * m + i.astype(np.int64))
+            cols.append(np.full(len(i), (l - 2) * m + j, np.int64))
+            data.append(self.ints[l - 1][i, j])
+        return np.concatenate(rows), np.concatenate(cols), np.concatenate(data)
 
     def _solve_batch(self, sinks: Sequence[int], full: bool) -> tuple[np.ndarray, Any, Any, int]:
         """Max flows to several inputs in one solver call: one disjoint copy of the (sub)graph per input,
@@ -739,5 +732,5 @@ def attention_flow(
     if normalize:
         total = out.sum(axis=-1, keepdims=True)
         out = np.divide(out, total, out=np.zeros_like(out), where=total > 0)
-    result = torch.from_numpy(out).to(out_dtype)
+    result = torch.from_numpy(out).to(device=mats[0].device, dtype=out_dtype)  # back where the input was
     return layers.give_back(result)
