@@ -36,6 +36,7 @@ from scipy.sparse import csr_array  # noqa: E402
 from scipy.sparse.csgraph import maximum_flow  # noqa: E402
 
 from attnroll import attention_flow  # noqa: E402
+from attnroll.core.flow import _RowSolver  # noqa: E402
 from attnroll.core.rollout import augmented_layers  # noqa: E402
 
 
@@ -147,9 +148,19 @@ def bench(name, layers, *, nx_sinks, scipy_sinks, repeat, jobs=(1, 2), memory=Fa
         peak = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
         input_mb = sum(a.nbytes for a in layers) / 2**20
-        print(f"memory, n_jobs=1: peak {peak / 2**20:.0f} MiB traced during the call (input itself {input_mb:.0f} MiB)")
-        child = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
-        print(f"memory, n_jobs=2: largest worker process max RSS {child:.0f} MiB")
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        print(
+            f"memory, n_jobs=1: peak {peak / 2**20:.0f} MiB allocated during the call (tracemalloc; the input "
+            f"itself is {input_mb:.0f} MiB); whole process max RSS so far {rss:.0f} MiB (Python, torch, inputs, "
+            "baselines)"
+        )
+    solver = _RowSolver(caps, 0)
+    solver.solve(range(n))
+    st = solver.stats
+    print(
+        f"certificates: {st['sub']} input solves on subgraphs in {st['calls']} solver calls, {st['full']} "
+        f"whole-graph solves, {st['cuts']} cuts measured, {st['added']} edges generated"
+    )
 
     # scipy Dinic, one sink at a time on the whole integer graph.
     g, scale = int_graph(caps, np.floor)
