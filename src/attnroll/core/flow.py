@@ -57,6 +57,7 @@ import contextlib
 import math
 import os
 import sys
+import threading
 import time
 import warnings
 from concurrent.futures import ProcessPoolExecutor
@@ -461,8 +462,10 @@ class _RowSolver:
         return low2, min(up, low + float(vv[across].sum()))
 
 
-#: Per-example capacities handed to forked worker processes by inheritance instead of pickling.
+#: Per-example capacities handed to forked worker processes by inheritance instead of pickling; the lock
+#: keeps two threads that both run attention_flow(n_jobs > 1) from handing each other's data.
 _FORKED: list[np.ndarray] = []
+_FORK_LOCK = threading.Lock()
 
 
 def _solve_task(caps: np.ndarray | int, source: int, sinks: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
@@ -713,20 +716,22 @@ def attention_flow(
 
             fork = "fork" in mp.get_all_start_methods()
             ctx = mp.get_context("fork" if fork else None)
-            if fork:  # workers inherit the capacities; only indices travel through the pipes
-                _FORKED[:] = [caps for _, caps in per_example]
-            try:
-                with ProcessPoolExecutor(max_workers=min(workers, len(tasks)), mp_context=ctx) as pool:
-                    futures = [
-                        pool.submit(_solve_task, b if fork else per_example[b][1], src, chunk.tolist())
-                        for b, q, src, chunk in tasks
-                    ]
-                    for fut, (b, q, src, chunk) in zip(futures, tasks):
-                        values, _ = fut.result()
-                        out[b, q, per_example[b][0][chunk]] = values
-                        bar(len(chunk))
-            finally:
-                _FORKED.clear()
+            lock = _FORK_LOCK if fork else contextlib.nullcontext()
+            with lock:
+                if fork:  # workers inherit the capacities; only indices travel through the pipes
+                    _FORKED[:] = [caps for _, caps in per_example]
+                try:
+                    with ProcessPoolExecutor(max_workers=min(workers, len(tasks)), mp_context=ctx) as pool:
+                        futures = [
+                            pool.submit(_solve_task, b if fork else per_example[b][1], src, chunk.tolist())
+                            for b, q, src, chunk in tasks
+                        ]
+                        for fut, (b, q, src, chunk) in zip(futures, tasks):
+                            values, _ = fut.result()
+                            out[b, q, per_example[b][0][chunk]] = values
+                            bar(len(chunk))
+                finally:
+                    _FORKED.clear()
     finally:
         bar.close()
 
