@@ -81,7 +81,7 @@ def scipy_sandwich(caps, source, sinks, scale=2.0**30):
 
 
 # ----------------------------------------------------------------------------------------------- vs networkx
-@settings(max_examples=40)
+@settings(max_examples=60)
 @given(
     n=st.integers(1, 12),
     L=st.integers(1, 4),
@@ -92,12 +92,15 @@ def scipy_sandwich(caps, source, sinks, scale=2.0**30):
     mode=st.sampled_from(["blend", "renorm", "add"]),
     sparsify=st.sampled_from(["none", "discard", "discard_row", "top_k", "threshold"]),
     sinks=st.integers(0, 2),
-    sharp=st.sampled_from([1.0, 4.0]),
+    sharp=st.sampled_from([1.0, 4.0, 8.0]),
+    zeros=st.sampled_from([0.0, 0.6]),
 )
-def test_equals_networkx_on_random_small_graphs(n, L, H, seed, alpha, fusion, mode, sparsify, sinks, sharp):
+def test_equals_networkx_on_random_small_graphs(n, L, H, seed, alpha, fusion, mode, sparsify, sinks, sharp, zeros):
+    # Sharp, sparse and sink-heavy layers make bottlenecks inside the graph, so that the minimum cut is often
+    # neither the source's nor the input's edges (the cases a wrong certificate would get wrong).
     if mode == "add" and alpha >= 0.9:
         alpha = 0.5
-    layers = softmax_layers(L, 1, H, n, seed=seed, sharp=sharp, sinks=sinks)
+    layers = softmax_layers(L, 1, H, n, seed=seed, sharp=sharp, sinks=sinks, zeros=zeros)
     layers = [a[0] for a in layers]  # unbatched (H, n, n)
     options = dict(head_fusion=fusion, alpha=alpha, residual_mode=mode)
     options.update(
