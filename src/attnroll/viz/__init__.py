@@ -1,0 +1,33 @@
+"""Pictures of explanations: overlays, method panels, per-layer and per-head figures, token highlights.
+
+Every function takes an :class:`~attnroll.Explanation` (or a plain map) and returns a PIL image (or an
+HTML string / rich Text for tokens); nothing is shown on screen, so it runs headless. Needs the ``viz``
+extra (matplotlib on the Agg backend, pillow, rich), imported only when a function is called.
+
+- :func:`overlay` — a patch map upsampled over its image with a colormap and alpha (optionally an outline).
+- :func:`panel` — several methods side by side over several images.
+- :func:`plot_layers` — the rollout row after each layer (``explain(..., return_layers=True)``).
+- :func:`plot_heads` — one map per head (``per_head_rollout``, or a layer's raw attention).
+- :func:`tokens_html` / :func:`print_tokens` / :func:`tokens_text` — token highlights (HTML page / terminal).
+- :func:`save_image` / :func:`atomic_write` — atomic file writes (temporary file, then rename).
+"""
+
+from ._io import atomic_write, save_image
+from .heads import plot_heads
+from .layers import plot_layers
+from .overlay import overlay
+from .panel import panel
+from .text import print_tokens, token_scores, tokens_html, tokens_text
+
+__all__ = [
+    "overlay",
+    "panel",
+    "plot_layers",
+    "plot_heads",
+    "tokens_html",
+    "tokens_text",
+    "print_tokens",
+    "token_scores",
+    "save_image",
+    "atomic_write",
+]

@@ -1,0 +1,141 @@
+"""A patch-grid map upsampled over its image, coloured with a colormap and blended with an alpha."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import _deps
+
+_RESAMPLE = ("nearest", "bilinear", "bicubic")
+
+
+def to_rgb_array(image: Any) -> np.ndarray:
+    """An image as an (H, W, 3) uint8 array.
+
+    Accepts a PIL image; a numpy array or torch tensor (H, W, 3) or (3, H, W) (channels-first, as
+    ``make_dataset`` returns), uint8 in [0, 255] or float in [0, 1]; (H, W) grey images are repeated to RGB.
+    """
+    Image = _deps.pil()
+    if isinstance(image, Image.Image):
+        return np.asarray(image.convert("RGB"))
+    arr = image.detach().cpu().numpy() if isinstance(image, torch.Tensor) else np.asarray(image)
+    if arr.ndim == 2:
+        arr = np.repeat(arr[..., None], 3, axis=-1)
+    if arr.ndim == 3 and arr.shape[0] in (1, 3, 4) and arr.shape[-1] not in (1, 3, 4):
+        arr = np.moveaxis(arr, 0, -1)
+    if arr.ndim != 3 or arr.shape[-1] not in (1, 3, 4):
+        raise ValueError(f"image must be a PIL image or an (H, W, 3) / (3, H, W) array, got shape {arr.shape}")
+    if arr.shape[-1] == 1:
+        arr = np.repeat(arr, 3, axis=-1)
+    arr = arr[..., :3]
+    if arr.dtype != np.uint8:
+        arr = arr.astype(np.float64)
+        if arr.size and arr.max() <= 1.0:
+            arr = arr * 255.0
+        arr = np.clip(np.round(arr), 0, 255).astype(np.uint8)
+    return np.ascontiguousarray(arr)
+
+
+def grid_map(source: Any, index: int = 0, kind: str = "minmax") -> np.ndarray:
+    """The (h, w) map of example ``index`` scaled to [0, 1].
+
+    ``source``: an :class:`~attnroll.Explanation` of an image model (its ``as_grid()``, rescaled with
+    ``normalized(kind)``), or a 2-D array / tensor (h, w) rescaled the same way ("minmax": min to 0 and max
+    to 1; "max": divided by the largest absolute value, negatives clipped to 0).
+    """
+    from ..methods.explanation import Explanation
+
+    if isinstance(source, Explanation):
+        g = source.normalized(kind).as_grid()[index].to(torch.float64).numpy()
+    else:
+        g = source.detach().cpu().numpy() if isinstance(source, torch.Tensor) else np.asarray(source)
+        g = np.asarray(g, dtype=np.float64)
+        if g.ndim != 2:
+            raise ValueError(f"a map must be 2-D (h, w), got shape {g.shape}")
+        if kind == "minmax":
+            g = g - g.min()
+            d = g.max()
+        elif kind == "max":
+            d = np.abs(g).max()
+        else:
+            raise ValueError(f"kind must be 'minmax' or 'max' for a raw map, got {kind!r}")
+        g = g / d if d > 0 else np.zeros_like(g)
+    return np.clip(np.nan_to_num(g), 0.0, 1.0)
+
+
+def colorize(grid: np.ndarray, size: tuple[int, int], cmap: str = "jet", resample: str = "bilinear") -> np.ndarray:
+    """A [0, 1] map (h, w) upsampled to ``size`` = (W, H) pixels and coloured: (H, W, 3) float in [0, 1]."""
+    Image = _deps.pil()
+    if resample not in _RESAMPLE:
+        raise ValueError(f"resample must be one of {_RESAMPLE}, got {resample!r}")
+    mode = {"nearest": Image.NEAREST, "bilinear": Image.BILINEAR, "bicubic": Image.BICUBIC}[resample]
+    up = Image.fromarray(np.asarray(grid, dtype=np.float32), mode="F").resize(size, mode)
+    h = np.clip(np.asarray(up, dtype=np.float64), 0.0, 1.0)
+    return _deps.colormap(cmap)(h)[..., :3]
+
+
+def outline_pixels(mask: Any, size: tuple[int, int], thickness: int | None = None) -> np.ndarray:
+    """The boundary of a binary mask (H, W) resized (nearest) to ``size`` = (W, H): (H, W) bool, True on
+    the mask's pixels that touch a pixel outside it (``thickness`` pixels wide; default ~1/128 of the side)."""
+    Image = _deps.pil()
+    m = mask.detach().cpu().numpy() if isinstance(mask, torch.Tensor) else np.asarray(mask)
+    if m.ndim != 2:
+        raise ValueError(f"outline mask must be 2-D (H, W), got shape {m.shape}")
+    m = np.asarray(Image.fromarray((m > 0).astype(np.uint8) * 255).resize(size, Image.NEAREST)) > 0
+    t = thickness if thickness is not None else max(1, max(size) // 128)
+    inner = m.copy()
+    for _ in range(t):
+        p = np.pad(inner, 1, constant_values=False)
+        inner = inner & p[:-2, 1:-1] & p[2:, 1:-1] & p[1:-1, :-2] & p[1:-1, 2:]
+    return m & ~inner
+
+
+def overlay(
+    source: Any,
+    image: Any,
+    index: int = 0,
+    *,
+    cmap: str = "jet",
+    alpha: float = 0.5,
+    kind: str = "minmax",
+    size: int | tuple[int, int] | None = None,
+    resample: str = "bilinear",
+    outline: Any = None,
+    outline_color: tuple[int, int, int] = (255, 255, 255),
+) -> Any:
+    """Colour the patch map of example ``index`` and blend it over its image.
+
+    Args:
+        source: an :class:`~attnroll.Explanation` of an image model (grid (h, w)) or a 2-D map (h, w).
+        image: the input image: PIL, or an array / tensor (H, W, 3) or (3, H, W), uint8 or float in [0, 1].
+        cmap: a matplotlib colormap name; alpha: weight of the map in [0, 1] (0 = the image alone).
+        kind: how the map is scaled to [0, 1] before colouring (see :func:`grid_map`).
+        size: output size in pixels, an int (square) or (W, H); default the image's size. The image is
+            resized bicubically, the map with ``resample`` ("bilinear" smooth, "nearest" shows the patches).
+        outline: an optional binary mask (H, W) at the image's resolution (e.g. a ground-truth object mask)
+            drawn as a contour in ``outline_color``.
+
+    Returns:
+        a PIL RGB image of ``size`` (W, H) pixels.
+    """
+    Image = _deps.pil()
+    if not 0.0 <= float(alpha) <= 1.0:
+        raise ValueError(f"alpha must be in [0, 1], got {alpha!r}")
+    base = Image.fromarray(to_rgb_array(image))
+    if size is None:
+        out_size = base.size
+    elif isinstance(size, int):
+        out_size = (size, size)
+    else:
+        out_size = (int(size[0]), int(size[1]))
+    if base.size != out_size:
+        base = base.resize(out_size, Image.BICUBIC)
+    heat = colorize(grid_map(source, index, kind), out_size, cmap, resample)
+    out = (1.0 - alpha) * (np.asarray(base, dtype=np.float64) / 255.0) + alpha * heat
+    out = (np.clip(out, 0, 1) * 255).round().astype(np.uint8)
+    if outline is not None:
+        out[outline_pixels(outline, out_size)] = np.asarray(outline_color, dtype=np.uint8)
+    return Image.fromarray(out, mode="RGB")

@@ -1,0 +1,118 @@
+"""Token highlights: a self-contained HTML page (no scripts, no external URLs) and the terminal (rich)."""
+
+from __future__ import annotations
+
+import html
+from typing import Any, Mapping
+
+import torch
+
+from . import _deps
+
+
+def _named(explanations: Any) -> list[tuple[str, Any]]:
+    from ..methods.explanation import Explanation
+
+    if isinstance(explanations, Explanation):
+        return [(explanations.method, explanations)]
+    if isinstance(explanations, Mapping):
+        return [(str(k), v) for k, v in explanations.items()]
+    return [(e.method or f"map {i}", e) for i, e in enumerate(explanations)]
+
+
+def token_scores(expl: Any, index: int = 0, kind: str = "max") -> list[tuple[str, float]]:
+    """(token, score) pairs of example ``index``, prefix and padded tokens dropped, scores rescaled with
+    ``expl.normalized(kind)`` ("max": largest absolute value 1, so negatives stay negative)."""
+    s = expl.normalized(kind).scores[index].to(torch.float64).tolist()
+    n = len(s)
+    toks = list(expl.tokens[index][expl.prefix:]) if expl.tokens else [f"#{j}" for j in range(n)]
+    keep = range(n)
+    if expl.attention_mask is not None:
+        m = expl.attention_mask[index, expl.prefix:].tolist()
+        keep = [j for j in range(n) if j < len(m) and m[j]]
+    return [(toks[j], s[j]) for j in keep if j < len(toks)]
+
+
+def _bg(v: float) -> str:
+    v = max(-1.0, min(1.0, float(v)))
+    return f"rgba(215,48,39,{v:.3f})" if v >= 0 else f"rgba(49,104,212,{-v:.3f})"
+
+
+_CSS = (
+    "body{font-family:system-ui,sans-serif;margin:24px;color:#222;max-width:60em}"
+    "h1{font-size:1.3em}h2{font-size:1.05em;margin:1.2em 0 .3em}.meta{color:#666;font-size:.85em}"
+    ".toks{line-height:2.1;margin:.3em 0 .8em}.t{padding:2px 3px;margin:1px;border-radius:3px;"
+    "border:1px solid #ddd;white-space:pre}.legend span{padding:2px 6px}"
+)
+
+
+def tokens_html(
+    explanations: Any,
+    *,
+    title: str = "attnroll: token maps",
+    index: int | None = None,
+    kind: str = "max",
+    notes: str | None = None,
+) -> str:
+    """A complete, self-contained HTML page highlighting tokens by their scores.
+
+    ``explanations``: one Explanation, a list, or ``{heading: Explanation}``; each shows every example
+    (or example ``index``) as its tokens on a background of strength |score| (``normalized(kind)``): red for
+    positive, blue for negative; the exact score is in each token's tooltip. Inline CSS only: no scripts,
+    fonts or images fetched from anywhere. Returns the page as a str.
+    """
+    parts = [
+        "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>",
+        f"<title>{html.escape(title)}</title><style>{_CSS}</style></head><body>",
+        f"<h1>{html.escape(title)}</h1>",
+    ]
+    if notes:
+        parts.append(f"<p class='meta'>{html.escape(notes)}</p>")
+    parts.append(
+        "<p class='legend meta'>background = score scaled to the example's largest |score|: "
+        f"<span style='background:{_bg(1)}'>1</span> <span style='background:{_bg(0.5)}'>0.5</span> "
+        f"<span style='background:{_bg(0)}'>0</span> <span style='background:{_bg(-1)}'>−1</span></p>"
+    )
+    for heading, e in _named(explanations):
+        parts.append(f"<h2>{html.escape(heading)}</h2>")
+        parts.append(
+            f"<div class='meta'>method {html.escape(e.method)}, target {html.escape(str(e.target))}</div>"
+        )
+        for b in range(e.batch_size) if index is None else [int(index)]:
+            spans = "".join(
+                f"<span class='t' title='{html.escape(tok, quote=True)}: {v:.4g}' style='background:{_bg(v)}'>"
+                f"{html.escape(tok)}</span>"
+                for tok, v in token_scores(e, b, kind)
+            )
+            parts.append(f"<div class='toks'>{spans}</div>")
+    parts.append("</body></html>\n")
+    return "".join(parts)
+
+
+def tokens_text(expl: Any, index: int = 0, *, kind: str = "max") -> Any:
+    """The tokens of example ``index`` as a ``rich.text.Text`` with a background per score (red positive,
+    blue negative, strength = |score|)."""
+    _deps.rich("attnroll.viz.tokens_text")
+    from rich.text import Text
+
+    out = Text()
+    for j, (tok, v) in enumerate(token_scores(expl, index, kind)):
+        a = max(-1.0, min(1.0, v))
+        base = (215, 48, 39) if a >= 0 else (49, 104, 212)
+        w = abs(a)
+        r, g, b = (round(255 + (c - 255) * w) for c in base)
+        fg = "white" if w > 0.6 else "black"
+        if j:
+            out.append(" ")
+        out.append(tok, style=f"{fg} on rgb({r},{g},{b})")
+    return out
+
+
+def print_tokens(expl: Any, index: int | None = None, *, kind: str = "max", console: Any = None) -> None:
+    """Print token highlights to the terminal (rich), one line per example (or only ``index``)."""
+    _deps.rich("attnroll.viz.print_tokens")
+    from rich.console import Console
+
+    console = console or Console()
+    for b in range(expl.batch_size) if index is None else [int(index)]:
+        console.print(tokens_text(expl, b, kind=kind))
