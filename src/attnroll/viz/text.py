@@ -20,20 +20,33 @@ def _named(explanations: Any) -> list[tuple[str, Any]]:
     return [(e.method or f"map {i}", e) for i, e in enumerate(explanations)]
 
 
-def token_scores(expl: Any, index: int = 0, kind: str = "max") -> list[tuple[str, float]]:
-    """(token, score) pairs of example ``index``, prefix and padded tokens dropped, scores rescaled with
-    ``expl.normalized(kind)`` ("max": largest absolute value 1, so negatives stay negative)."""
-    s = expl.normalized(kind).scores[index].to(torch.float64).tolist()
-    n = len(s)
+def token_scores(expl: Any, index: int = 0, kind: str = "max", skip: Any = None) -> list[tuple[str, float | None]]:
+    """(token, score) pairs of example ``index``, prefix and padded tokens dropped, scores rescaled per
+    example ("max": largest absolute value 1, so negatives stay negative; "minmax": to [0, 1]; "sum": shares).
+
+    ``skip``: token strings (e.g. the tokenizer's special tokens ``[CLS]``, ``[SEP]``) left out of the scaling;
+    their score is None (shown without colour). Useful when the explained row's own token dominates."""
+    n = expl.scores.shape[-1]
+    raw = expl.scores[index].to(torch.float64)
     toks = list(expl.tokens[index][expl.prefix:]) if expl.tokens else [f"#{j}" for j in range(n)]
-    keep = range(n)
+    keep = list(range(min(n, len(toks))))
     if expl.attention_mask is not None:
         m = expl.attention_mask[index, expl.prefix:].tolist()
-        keep = [j for j in range(n) if j < len(m) and m[j]]
-    return [(toks[j], s[j]) for j in keep if j < len(toks)]
+        keep = [j for j in keep if j < len(m) and m[j]]
+    skip = set(skip or ())
+    scaled = [j for j in keep if toks[j] not in skip]
+    vals = {}
+    if scaled:
+        from dataclasses import replace
+
+        sub = raw[scaled][None]
+        vals = dict(zip(scaled, replace(expl, scores=sub).normalized(kind).scores[0].tolist()))
+    return [(toks[j], vals.get(j)) for j in keep]
 
 
-def _bg(v: float) -> str:
+def _bg(v: float | None) -> str:
+    if v is None:
+        return "transparent"
     v = max(-1.0, min(1.0, float(v)))
     return f"rgba(215,48,39,{v:.3f})" if v >= 0 else f"rgba(49,104,212,{-v:.3f})"
 
@@ -53,13 +66,15 @@ def tokens_html(
     index: int | None = None,
     kind: str = "max",
     notes: str | None = None,
+    skip: Any = None,
 ) -> str:
     """A complete, self-contained HTML page highlighting tokens by their scores.
 
     ``explanations``: one Explanation, a list, or ``{heading: Explanation}``; each shows every example
     (or example ``index``) as its tokens on a background of strength |score| (``normalized(kind)``): red for
     positive, blue for negative; the exact score is in each token's tooltip. Inline CSS only: no scripts,
-    fonts or images fetched from anywhere. Returns the page as a str.
+    fonts or images fetched from anywhere. ``skip``: tokens left out of the scaling and shown uncoloured
+    (see :func:`token_scores`). Returns the page as a str.
     """
     parts = [
         "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>",
@@ -80,39 +95,47 @@ def tokens_html(
         )
         for b in range(e.batch_size) if index is None else [int(index)]:
             spans = "".join(
-                f"<span class='t' title='{html.escape(tok, quote=True)}: {v:.4g}' style='background:{_bg(v)}'>"
+                f"<span class='t' title='{html.escape(tok, quote=True)}: {_num(v)}' style='background:{_bg(v)}'>"
                 f"{html.escape(tok)}</span>"
-                for tok, v in token_scores(e, b, kind)
+                for tok, v in token_scores(e, b, kind, skip)
             )
             parts.append(f"<div class='toks'>{spans}</div>")
     parts.append("</body></html>\n")
     return "".join(parts)
 
 
-def tokens_text(expl: Any, index: int = 0, *, kind: str = "max") -> Any:
+def _num(v: float | None) -> str:
+    return "not scaled" if v is None else f"{v:.4g}"
+
+
+def tokens_text(expl: Any, index: int = 0, *, kind: str = "max", skip: Any = None) -> Any:
     """The tokens of example ``index`` as a ``rich.text.Text`` with a background per score (red positive,
     blue negative, strength = |score|)."""
     _deps.rich("attnroll.viz.tokens_text")
     from rich.text import Text
 
     out = Text()
-    for j, (tok, v) in enumerate(token_scores(expl, index, kind)):
+    for j, (tok, v) in enumerate(token_scores(expl, index, kind, skip)):
+        if j:
+            out.append(" ")
+        if v is None:
+            out.append(tok, style="dim")
+            continue
         a = max(-1.0, min(1.0, v))
         base = (215, 48, 39) if a >= 0 else (49, 104, 212)
         w = abs(a)
         r, g, b = (round(255 + (c - 255) * w) for c in base)
         fg = "white" if w > 0.6 else "black"
-        if j:
-            out.append(" ")
         out.append(tok, style=f"{fg} on rgb({r},{g},{b})")
     return out
 
 
-def print_tokens(expl: Any, index: int | None = None, *, kind: str = "max", console: Any = None) -> None:
+def print_tokens(expl: Any, index: int | None = None, *, kind: str = "max", console: Any = None,
+                 skip: Any = None) -> None:
     """Print token highlights to the terminal (rich), one line per example (or only ``index``)."""
     _deps.rich("attnroll.viz.print_tokens")
     from rich.console import Console
 
     console = console or Console()
     for b in range(expl.batch_size) if index is None else [int(index)]:
-        console.print(tokens_text(expl, b, kind=kind))
+        console.print(tokens_text(expl, b, kind=kind, skip=skip))
