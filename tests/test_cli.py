@@ -252,3 +252,29 @@ def test_demo(tmp_path):
     for f in os.listdir(tmp_path):
         assert f"wrote {tmp_path / f}" in res.output
         Image.open(tmp_path / f).verify()
+
+
+def test_demo_pipeline_on_an_untrained_shapes_model(tmp_path, monkeypatch):
+    """The demo's pictures and messages, with a random-weight model standing in for the shipped one."""
+    from attnroll.models import shapes
+
+    torch.manual_seed(0)
+    model = shapes.build_model(shapes.shapes_config(hidden_size=32, num_layers=2, num_heads=4)).eval()
+    monkeypatch.setattr(shapes, "load_shapes_model", lambda *a, **k: model)
+    res = run("demo", "--out", tmp_path, "--images", "2", "--methods", "rollout,gae,raw", "--no-text")
+    assert res.exit_code == 0, res.output
+    assert sorted(os.listdir(tmp_path)) == ["shapes_heads.png", "shapes_layers.png", "shapes_panel.png"]
+    w, h = Image.open(tmp_path / "shapes_panel.png").size
+    assert w >= 4 * 150 and h >= 2 * 150  # input + 3 methods, 2 images, 150 px cells
+    assert "ground-truth" in res.output
+    assert "unknown" in one_line_error(run("demo", "--methods", "rollout,nope", "--out", tmp_path), 2)
+
+
+def test_demo_without_weights_is_one_line(tmp_path, monkeypatch):
+    from attnroll.models import shapes
+
+    def missing(*a, **k):
+        raise FileNotFoundError("load_shapes_model: model.safetensors not found; rebuild it with ...")
+
+    monkeypatch.setattr(shapes, "load_shapes_model", missing)
+    assert "rebuild" in one_line_error(run("demo", "--out", tmp_path / "d", "--no-text"), 1)
