@@ -29,7 +29,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 demo: $(STAMP)
-	$(PY) examples/demo_minilm.py
+	$(VENV)/bin/attnroll demo
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_rollout.py
