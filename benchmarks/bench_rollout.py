@@ -71,8 +71,12 @@ def _proc_status(key: str) -> int:
     return 0
 
 
+CLOCK = time.perf_counter
+
+
 def measure(fn, repeat: int) -> tuple[float, float | None]:
-    """Best wall time of ``repeat`` calls (after one warm-up), and the peak resident-set growth (bytes)."""
+    """Best time of ``repeat`` calls (after one warm-up) on ``CLOCK``, and the peak resident-set growth
+    (bytes)."""
     fn()
     gc.collect()
     peak = None
@@ -86,9 +90,9 @@ def measure(fn, repeat: int) -> tuple[float, float | None]:
         pass
     times = []
     for _ in range(repeat):
-        t0 = time.perf_counter()
+        t0 = CLOCK()
         fn()
-        times.append(time.perf_counter() - t0)
+        times.append(CLOCK() - t0)
     return min(times), peak
 
 
@@ -97,8 +101,9 @@ def mib(x: float | None) -> str:
 
 
 def run(sizes: list[tuple[int, int]], repeat: int) -> None:
+    clock = "CPU" if CLOCK is time.process_time else "wall"
     print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} cores, "
-          f"{platform.processor() or platform.machine()}; L={L}, H={H}; times in ms (best of {repeat})")
+          f"{platform.processor() or platform.machine()}; L={L}, H={H}; {clock} times in ms (best of {repeat})")
     head = (
         f"{'n':>5} {'B':>2} {'input MiB':>9} | {'(a) naive .9':>12} {'(a0) naive':>10} {'(b) full':>9} "
         f"{'(c) rows':>9} {'(cv) no check':>13} {'(c9) rows .9':>12} {'(d) read':>9} | {'a/c':>5} {'a0/c':>5} {'a/c9':>5} {'c/d':>5} {'cv/d':>5} | "
@@ -145,7 +150,13 @@ def main() -> None:
     p.add_argument("--sizes", default="197,577,1025,2048", help="comma-separated n (B=1), plus n=197 at B=8")
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument(
+        "--clock", choices=("wall", "cpu"), default="wall",
+        help="cpu: process CPU time, robust to other load on a shared machine (use with --threads 1)",
+    )
     args = p.parse_args()
+    global CLOCK
+    CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
     if args.threads:
         torch.set_num_threads(args.threads)
     sizes = [(int(s), 1) for s in args.sizes.split(",")]

@@ -286,6 +286,12 @@ def test_streamed_rows_path_in_blocks_equals_full_product(monkeypatch, block):
     for opts in ({}, {"head_fusion": [0.5, 1.0, 0.0, 2.0, 1.0]}):
         np.testing.assert_allclose(rollout(layers, rows=[0, 5], **opts), rollout(layers, **opts)[:, [0, 5]], atol=1e-12)
     np.testing.assert_allclose(rollout(layers, rows=[3]), full[:, [3]], atol=1e-12)
+    fused = [a.max(1) / a.max(1).sum(-1, keepdims=True) for a in layers]  # already-fused input streams too
+    np.testing.assert_allclose(
+        rollout(fused, head_fusion=None, rows=[1, 4]), rollout(fused, head_fusion=None)[:, [1, 4]], atol=1e-12
+    )
+    with pytest.raises(ValueError, match=r"attentions\[1\] contains negative"):
+        rollout([fused[0], fused[1] - 0.2], head_fusion=None, rows=[0])
     bad = [a.copy() for a in layers]
     bad[2][1, 4, 5, 3] = np.nan  # last head, last row, second example: the last block to be read
     with pytest.raises(ValueError, match=r"attentions\[2\] contains NaN"):

@@ -304,21 +304,18 @@ class LayerPipeline:
         s = self.totals(P)
         return out if s is None else residual.divide_rows(out, s)
 
-    @property
-    def streaming(self) -> bool:
-        """Whether V·Ã can be computed straight from the per-head layer (mean or weighted fusion, nothing
-        that needs the fused matrix: no padding, sparsification or renorm row sums)."""
-        return (
-            self.mask is None
-            and not self.sparse
-            and not self.renorm
-            and self.head_fusion is not None
-            and not (isinstance(self.head_fusion, str) and self.head_fusion != "mean")
-        )
+    def streams(self, layers: Layers) -> bool:
+        """Whether V·Ã can be computed straight from the captured layer: mean or weighted fusion of per-head
+        input, or already-fused input, with nothing that needs the fused matrix itself (no padding,
+        sparsification or renorm row sums). Per-head rollout (head_fusion None on per-head input) does not."""
+        simple = self.mask is None and not self.sparse and not self.renorm
+        if self.head_fusion is None:
+            return simple and layers.fused
+        return simple and not (isinstance(self.head_fusion, str) and self.head_fusion != "mean")
 
     def right(self, V: torch.Tensor, layers: Layers, i: int) -> torch.Tensor:
         """V·Ã(i) for (…, r, n) V, reading and checking layer i of ``layers``."""
-        if self.streaming:
+        if self.streams(layers):
             return self.a * _streamed_contract(V, layers, i, self.head_fusion) + self.c * V
         return Prepared(self, layers.layer(i)).right(V)
 
@@ -329,7 +326,8 @@ BLOCK_ELEMENTS = 1 << 20
 
 
 def _streamed_contract(V: torch.Tensor, layers: Layers, i: int, how: Any) -> torch.Tensor:
-    """Σ_h w_h · V·A_h for V (B, r, n) and layer i (B, H, n, n) -> (B, r, n), w = 1/H for "mean".
+    """Σ_h w_h · V·A_h for V (B, r, n) and layer i (B, H, n, n) -> (B, r, n), w = 1/H for "mean"; for
+    already-fused input (B, n, n), ``how`` None, simply V·A.
 
     Uses V·mean_h(A_h) = mean_h(V·A_h): the fused n×n matrix is never formed, and the sum over heads is
     folded into one matrix product, (w ⊗ V) (B, r, H·n) times the layer seen as (B, H·n, n). Large layers
@@ -338,9 +336,11 @@ def _streamed_contract(V: torch.Tensor, layers: Layers, i: int, how: Any) -> tor
     themselves are deferred to ``Layers.flush`` to keep per-layer overhead low.
     """
     raw = layers.tensors[i]
+    if raw.ndim == 3:  # already fused: one "head"
+        raw = raw.unsqueeze(1)
     B, H, n, _ = raw.shape
     dtype = layers.dtype
-    w = None if isinstance(how, str) else fusion.head_weights(how, H, like=V)
+    w = None if how is None or isinstance(how, str) else fusion.head_weights(how, H, like=V)
     per_head = B * n * n
     heads_per_block = max(1, BLOCK_ELEMENTS // per_head)
     rows_per_block = n if per_head <= BLOCK_ELEMENTS else max(1, BLOCK_ELEMENTS // (B * n))
