@@ -184,6 +184,25 @@ def _save(model: torch.nn.Module, out: Path, *, float16: bool) -> None:
     tmp.replace(out / "config.json")
 
 
+def _target_note(acc: float, history: list[tuple[int, float, float]]) -> str:
+    """The card's paragraph on the 95% target: met, or what was reached and why not."""
+    if acc >= 0.95:
+        return "The 95% target is met.\n"
+    half = history[len(history) // 2 - 1][2] if len(history) >= 2 else float("nan")
+    return f"""### Why not 95%
+The target was 95%; this recipe reaches {acc:.1%} within the 10-minute CPU budget. The model is still learning
+when the budget ends (accuracy on 500 test images {half:.3f} at half time, {history[-1][2]:.3f} at the end), and
+its errors are spread over every class and size (most on striped backgrounds), on images a person finds easy:
+the limit is how
+many images (about 150k) a ViT with 8-pixel patches sees in 10 minutes on one core, not ambiguous data.
+Tried at half length (77k images, objects of radius 9-19 px; 0.897 with this recipe): hidden size 96 (0.890),
+sine-cosine position initialisation (0.870), peak lr 4e-3 (0.881), a curriculum over half the steps (0.887),
+no rotation (0.904), a per-patch object/class auxiliary loss (no gain in a short test). The mask curriculum was the one clear
+gain: without it the model sits at chance for about two epochs. A second torch thread does not speed this
+small model up (and slows it badly on a busy machine), so training uses one.
+"""
+
+
 def _card(args, argv, n_params, train_s, cpu_s, data_s, acc, per, history) -> str:
     shown, skip = [], False  # the command as run, without --out (where the files go does not change them)
     for a in sys.argv[1:] if argv is None else argv:
@@ -236,6 +255,7 @@ Measured: {train_s:.0f} s wall clock, {cpu_s:.0f} s of CPU time ({data_s:.0f} s 
 ## Accuracy
 **{acc:.4f}** on {args.test_size} fresh test images (seed {args.test_seed}); per class: {per_cls}.
 
+{_target_note(acc, history)}
 ## Use
 ```python
 from attnroll.models.shapes import load_shapes_model, make_dataset, preprocess, CLASSES
