@@ -5,12 +5,13 @@ from __future__ import annotations
 import html
 import json
 import os
-import tempfile
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 import torch
+
+from .._io import atomic_write
 
 _FORMAT = "attnroll.Explanation/1"
 
@@ -117,17 +118,7 @@ class Explanation:
             "extra": extra_meta,
         }
         arrays["__meta__"] = np.array(json.dumps(meta))
-        folder = os.path.dirname(os.path.abspath(path))
-        fd, tmp = tempfile.mkstemp(prefix=".attnroll-", suffix=".npz.tmp", dir=folder)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                np.savez(f, **arrays)
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
-        return path
+        return atomic_write(path, lambda f: np.savez(f, **arrays))
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Explanation":
