@@ -92,19 +92,6 @@ def augmented(A_h, valid, opts):
     return residual(P, valid, opts.get("alpha", 0.5), opts.get("residual_mode", "blend"))
 
 
-def rollout_one(layers, valid, opts):
-    """layers: list of per-layer arrays of ONE example. Returns the full (n, n) R for [start, end)."""
-    L = len(layers)
-    start = opts.get("start_layer", 0) % L
-    end = opts.get("end_layer")
-    end = L if end is None else (end if end >= 0 else end + L)
-    n = layers[0].shape[-1]
-    R = np.eye(n)
-    for l in range(start, end):
-        R = augmented(layers[l], valid, opts) @ R
-    return R
-
-
 def rollout_partials_one(layers, valid, opts):
     """Every partial product for one example, oldest layer first."""
     L = len(layers)
@@ -117,3 +104,8 @@ def rollout_partials_one(layers, valid, opts):
         R = augmented(layers[l], valid, opts) @ R
         out.append(R)
     return out
+
+
+def rollout_one(layers, valid, opts):
+    """layers: list of per-layer arrays of ONE example. Returns the full (n, n) R for [start, end)."""
+    return rollout_partials_one(layers, valid, opts)[-1]
