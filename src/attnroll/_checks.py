@@ -271,3 +271,64 @@ def check_target_output(y: Any, batch: int | None, fn: Any) -> torch.Tensor:
     if not y.is_floating_point():
         raise TypeError(f"target callable {name} must return floating scores, got dtype {y.dtype}")
     return y
+
+
+# ---- evaluate checks ----
+def check_scores(name: str, scores: Any, batch: int | None = None, units: int | None = None) -> torch.Tensor:
+    """Saliency scores for evaluation: an ``Explanation`` (its ``.scores``), a torch tensor or numpy array of
+    shape (B, units) or (B, h, w) (flattened row-major). Returns a float64 CPU tensor (B, units); rejects
+    NaN / infinite values and a batch or unit count that does not match the inputs."""
+    if hasattr(scores, "scores") and hasattr(scores, "full_row"):
+        scores = scores.scores
+    t, _ = as_tensor(name, scores)
+    if t.ndim == 3:
+        t = t.reshape(t.shape[0], -1)
+    if t.ndim != 2:
+        raise ValueError(
+            f"{name} must be (B, units) or (B, h, w) saliency over input units (an Explanation's .scores), "
+            f"got shape {tuple(t.shape)}"
+        )
+    t = t.detach().to("cpu", torch.float64)
+    if t.numel() and not bool(torch.isfinite(t).all()):
+        raise ValueError(f"{name} contains NaN or infinite values")
+    if batch is not None and t.shape[0] != batch:
+        raise ValueError(f"{name} has {t.shape[0]} rows but the inputs hold B={batch} examples")
+    if units is not None and t.shape[1] != units:
+        raise ValueError(
+            f"{name} has {t.shape[1]} units per example but the inputs have {units} "
+            "(patches of the model's grid, or tokens)"
+        )
+    return t
+
+
+def check_unit_masks(name: str, masks: Any, batch: int, units: int) -> torch.Tensor:
+    """Ground-truth masks over input units: bool/0-1 (B, units) or (B, h, w) with h·w = units. Returns a bool
+    CPU tensor (B, units); every example must have at least one unit inside its mask."""
+    t, _ = as_tensor(name, masks)
+    if t.ndim == 3:
+        t = t.reshape(t.shape[0], -1)
+    if t.ndim != 2 or tuple(t.shape) != (batch, units):
+        raise ValueError(
+            f"{name} must be (B, units) = ({batch}, {units}) or (B, h, w) patch masks matching the scores, got "
+            f"shape {tuple(t.shape)}. Pool pixel masks to the patch grid first (attnroll.models.shapes.patch_masks)."
+        )
+    if t.numel() and not bool(((t == 0) | (t == 1)).all()):
+        raise ValueError(f"{name} must hold only 0/1 or bool values, got values {torch.unique(t)[:6].tolist()}")
+    t = t.to("cpu", torch.bool)
+    empty = (~t.any(dim=1)).nonzero().flatten().tolist()
+    if empty:
+        raise ValueError(f"{name}: examples {empty[:10]} have an empty mask; each needs at least one unit inside")
+    return t
+
+
+def check_fractions(name: str, values: Any, *, include_zero: bool = False) -> np.ndarray:
+    """An increasing sequence of fractions in [0, 1] (e.g. the share of units removed at each step)."""
+    try:
+        f = np.asarray(values, dtype=np.float64).reshape(-1)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a sequence of fractions in [0, 1], got {describe(values)}") from None
+    if f.size == 0 or not np.all(np.isfinite(f)) or f.min() < 0 or f.max() > 1 or np.any(np.diff(f) <= 0):
+        raise ValueError(f"{name} must be strictly increasing fractions in [0, 1], got {f.tolist()[:12]}")
+    if include_zero and f[0] != 0:
+        raise ValueError(f"{name} must start at 0 (the unperturbed input), got {f.tolist()[:12]}")
+    return f

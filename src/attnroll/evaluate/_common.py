@@ -1,0 +1,74 @@
+"""Shared pieces of the evaluation modules: running a model to logits, ordering units by relevance, rank
+correlation. Nothing here knows a metric."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import torch
+from torch import nn
+
+
+def logits_of(output: Any) -> torch.Tensor:
+    """The class logits in a model's output: ``.logits`` (transformers), a tensor (timm, plain modules) or
+    the first element of a tuple. Raises TypeError naming what was found otherwise."""
+    if isinstance(output, torch.Tensor):
+        y = output
+    elif hasattr(output, "logits") and isinstance(output.logits, torch.Tensor):
+        y = output.logits
+    elif isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        y = output[0]
+    else:
+        raise TypeError(
+            f"cannot find class logits in the model's output ({type(output).__name__}); expected a tensor or an "
+            "object with .logits. Pass forward=lambda x: ... returning (B, classes) logits."
+        )
+    if y.ndim != 2:
+        raise ValueError(f"the model must return (B, classes) logits for evaluation, got shape {tuple(y.shape)}")
+    return y
+
+
+def image_forward(model: nn.Module | Callable) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A function pixel_values (B, 3, H, W) -> logits (B, C) for a transformers image model (keyword
+    ``pixel_values``), a timm / plain module (positional) or a callable."""
+    takes_keyword = hasattr(model, "config") and hasattr(model, "main_input_name")
+
+    def fwd(x: torch.Tensor) -> torch.Tensor:
+        return logits_of(model(pixel_values=x) if takes_keyword else model(x))
+
+    return fwd
+
+
+@torch.no_grad()
+def batched_logits(fwd: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, batch_size: int) -> torch.Tensor:
+    """Run ``fwd`` over the first axis of ``x`` in chunks of ``batch_size``; float32 CPU logits."""
+    outs = [fwd(x[i : i + batch_size]).detach().float().cpu() for i in range(0, x.shape[0], batch_size)]
+    return torch.cat(outs) if outs else torch.zeros(0, 0)
+
+
+def chunks(n: int, size: int) -> Iterator[slice]:
+    for i in range(0, n, size):
+        yield slice(i, min(n, i + size))
+
+
+def relevance_order(scores: torch.Tensor, descending: bool = True) -> torch.Tensor:
+    """Unit indices per example, most relevant first (``descending``) or least relevant first; ties keep
+    position order (earlier unit first) either way, so results never depend on the sort's luck."""
+    key = -scores if descending else scores
+    return torch.sort(key, dim=1, stable=True).indices
+
+
+def spearman_rows(a: Any, b: Any) -> np.ndarray:
+    """Spearman rank correlation between matching rows of two (B, units) arrays (average ranks for ties).
+    A row that is constant in either input gets NaN (correlation undefined)."""
+    from scipy.stats import rankdata
+
+    a = np.asarray(a, dtype=np.float64)
+    b = np.asarray(b, dtype=np.float64)
+    ra, rb = rankdata(a, axis=1), rankdata(b, axis=1)
+    ra -= ra.mean(axis=1, keepdims=True)
+    rb -= rb.mean(axis=1, keepdims=True)
+    den = np.sqrt((ra**2).sum(axis=1) * (rb**2).sum(axis=1))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(den > 0, (ra * rb).sum(axis=1) / np.where(den > 0, den, 1), np.nan)
