@@ -332,3 +332,64 @@ def check_fractions(name: str, values: Any, *, include_zero: bool = False) -> np
     if include_zero and f[0] != 0:
         raise ValueError(f"{name} must start at 0 (the unperturbed input), got {f.tolist()[:12]}")
     return f
+
+
+# ---- evaluate: localisation/sanity checks ----
+#: Parameter groups of a transformer block that ``cascading_randomization`` can re-initialise.
+SANITY_COMPONENTS = ("all", "qk", "value", "mlp")
+
+
+def check_topk(name: str, k: Any, units: int) -> int:
+    """A top-k size: an int in [1, units]."""
+    return check_int(name, k, low=1, high=units)
+
+
+def check_method_names(name: str, methods: Any) -> list[str]:
+    """A non-empty sequence of distinct method names (a single string is one method). Whether each name is
+    registered is checked by the method registry, whose message lists the methods."""
+    if isinstance(methods, str):
+        methods = [methods]
+    if not isinstance(methods, (list, tuple)):
+        raise TypeError(f"{name} must be a list of method names (e.g. ['rollout', 'gae']), got {describe(methods)}")
+    if not methods:
+        raise ValueError(
+            f"{name} must name at least one method (e.g. ['rollout', 'gae']), got an empty {type(methods).__name__}"
+        )
+    bad = [m for m in methods if not isinstance(m, str)]
+    if bad:
+        raise TypeError(f"{name} must hold method names (strings), got {describe(bad[0])}")
+    dup = sorted({m for m in methods if methods.count(m) > 1})
+    if dup:
+        raise ValueError(f"{name} names {dup} more than once; list each method once")
+    return list(methods)
+
+
+def check_method_options(name: str, options: Any, methods: Sequence[str]) -> dict[str, dict]:
+    """Per-method options: None or a dict {method name: {option: value}} whose keys are among ``methods``."""
+    if options is None:
+        return {}
+    if not isinstance(options, dict):
+        raise TypeError(f"{name} must be a dict {{method: {{option: value}}}}, got {describe(options)}")
+    unknown = [k for k in options if k not in methods]
+    if unknown:
+        raise ValueError(f"{name} has entries for {unknown}, which are not among the methods run ({list(methods)})")
+    for k, v in options.items():
+        if not isinstance(v, dict):
+            raise TypeError(f"{name}[{k!r}] must be a dict of that method's options, got {describe(v)}")
+    return dict(options)
+
+
+def check_module(name: str, model: Any) -> Any:
+    """A torch ``nn.Module`` (something with parameters to change), not a bare callable."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(
+            f"{name} must be a torch.nn.Module whose parameters can be re-initialised, got {describe(model)}"
+        )
+    return model
+
+
+def check_found(what: str, found: Any, model: Any, looked_for: str) -> Any:
+    """Raise a ValueError naming what was looked for in ``model`` when ``found`` is None."""
+    if found is None:
+        raise ValueError(f"cannot find the {what} of {type(model).__name__}: looked for {looked_for}")
+    return found

@@ -1,0 +1,425 @@
+"""Sanity checks for saliency maps: cascading model-parameter randomisation (Adebayo et al. 2018).
+
+A map that explains *the model* should change when the model's parameters are destroyed. The check
+re-initialises the parameters of a copy of the model step by step from the top -- first the classification
+head, then the transformer blocks from the last to the first, cumulatively -- and after every step measures
+the Spearman rank correlation between each method's map on the randomised copy and its map on the original
+model. High correlation after the weights that produce the prediction were randomised means the map does not
+depend on them.
+
+What to expect from attention rollout (and raw attention): it reads the attention weights only. The head, and
+a block's value / attention-output / MLP weights, do not enter that block's own attention (block l's
+attention depends on blocks 0 .. l-1 and on its own query / key projections), so rollout's correlation stays
+exactly 1.0 after the head step and after randomising only the value or MLP weights of the top block.
+Gradient-weighted methods use the head's gradient and drop at the first step.
+
+Re-initialisation: every chosen tensor (or, for a fused qkv projection, the rows of the chosen thirds) is
+replaced by draws from a normal distribution with mean 0 and the standard deviation of the values it replaces
+(population std; 0 for a single value), from one ``torch.Generator`` seeded with ``seed`` and used in a fixed
+order (steps top-down, parameters in registration order), so a seed gives identical results. Components:
+
+* ``"all"``: every parameter of the block, LayerNorm weights and biases included. LayerNorm weights trained
+  near 1 with a small spread then become small values around 0, which shrinks what the block's attention
+  sees: the randomised block's attention turns close to uniform (a property of this rule, not of the model).
+* ``"qk"``: the query and key projections (weights and biases).
+* ``"value"``: the value projection and the attention output projection.
+* ``"mlp"``: the feed-forward layers.
+
+The head step re-initialises every parameter of the head, whatever the component. Embeddings, the final
+LayerNorm and a pooler (BERT) are never touched. Names recognised (block-relative): transformers v4
+``attention.attention.query/key/value`` (ViT, DeiT) or ``attention.self.query/key/value`` (BERT-likes),
+``attention.output.dense``, ``intermediate.dense``, ``output.dense``; transformers v5 ``attention.q_proj/
+k_proj/v_proj/o_proj``, ``mlp.*``; timm ``attn.qkv`` (fused (3D, D): q, k, v thirds of the rows),
+``attn.proj``, ``mlp.fc1/fc2``; torch ``nn.MultiheadAttention`` ``in_proj_weight`` (fused like qkv),
+``out_proj``, ``linear1/linear2``; DistilBERT ``q_lin/k_lin/v_lin/out_lin``, ``ffn.*``.
+
+The model is copied with ``copy.deepcopy`` (the caller's model is never changed; memory for a second copy is
+needed) and the copy is put in eval mode.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from .. import _checks
+from ..methods.base import Explainer, explain, method_info
+from ._common import spearman_rows
+
+__all__ = ["SanityResult", "cascading_randomization", "find_blocks", "find_head", "component_parameters"]
+
+DEFAULT_METHODS = ("rollout", "gae", "grad_rollout", "raw")
+
+# Block-relative module names per component (see the module docstring).
+_QK_LEAVES = {"query", "key", "q_proj", "k_proj", "q_lin", "k_lin"}
+_V_LEAVES = {"value", "v_proj", "v_lin"}
+_OUT_LEAVES = {"o_proj", "out_proj", "out_lin"}
+_OUT_PATHS = ("attention.output.dense", "attn.proj")
+_MLP_PATHS = ("intermediate.dense", "output.dense")
+_MLP_PARENTS = {"mlp", "ffn"}
+_MLP_LEAVES = {"linear1", "linear2"}
+_FUSED_LEAVES = {"qkv"}
+
+_LOOKED_FOR_BLOCKS = (
+    "transformers' `encoder.layer` or `layers` (a ModuleList of identical layers), timm's `blocks`, or any "
+    "nn.ModuleList / nn.Sequential of identical composite blocks with parameters"
+)
+_LOOKED_FOR_HEAD = (
+    "a `classifier` (transformers) or `head` (timm) module with parameters, or an nn.Linear outside the blocks"
+)
+
+
+# ----------------------------------------------------------------------------------------------- result
+@dataclass
+class SanityResult:
+    """Correlation of each method's map with its original map after each cumulative randomisation step.
+
+    Attributes:
+        methods: method names, in the order run.
+        steps: step names, top-down and cumulative: "classifier", then "layer L-1" ... "layer 0".
+        component: which block parameters were re-initialised ("all", "qk", "value", "mlp").
+        correlations: method -> (S,) mean over examples of the Spearman rank correlation between the map of
+            the original model and the map after step s (examples whose correlation is undefined, a constant
+            map, are skipped; NaN if all are).
+        per_example: method -> (S, B) the per-example correlations (NaN where undefined).
+        seed: the generator seed; head / blocks: the module paths that were randomised.
+    """
+
+    methods: list[str]
+    steps: list[str]
+    component: str
+    correlations: dict[str, np.ndarray]
+    per_example: dict[str, np.ndarray]
+    seed: int = 0
+    head: str = ""
+    blocks: str = ""
+
+    def summary(self) -> str:
+        """A small table: one row per step, one column per method (mean Spearman correlation)."""
+        w0 = max(len("step"), *(len(s) for s in self.steps))
+        widths = [max(7, len(m)) for m in self.methods]
+        lines = [
+            f"cascading randomisation (component {self.component!r}, seed {self.seed}): mean Spearman "
+            "correlation with the original map",
+            "  ".join(["step".ljust(w0)] + [m.rjust(w) for m, w in zip(self.methods, widths)]),
+        ]
+        for i, s in enumerate(self.steps):
+            cells = [f"{self.correlations[m][i]:.3f}".rjust(w) for m, w in zip(self.methods, widths)]
+            lines.append("  ".join([s.ljust(w0)] + cells))
+        return "\n".join(lines)
+
+    def as_dict(self) -> dict:
+        """JSON-able: methods, steps, component, seed, head, blocks, correlations and per_example as lists of
+        floats (NaN -> None)."""
+
+        def fl(a: np.ndarray) -> Any:
+            return [fl(v) for v in a] if np.ndim(a) else (None if not np.isfinite(a) else float(a))
+
+        return {
+            "methods": list(self.methods),
+            "steps": list(self.steps),
+            "component": self.component,
+            "seed": self.seed,
+            "head": self.head,
+            "blocks": self.blocks,
+            "correlations": {m: fl(v) for m, v in self.correlations.items()},
+            "per_example": {m: fl(v) for m, v in self.per_example.items()},
+        }
+
+    def plot(self, ax: Any = None) -> Any:
+        """Correlation against step, one line per method (needs matplotlib, the ``viz`` extra). Returns the
+        matplotlib Axes."""
+        if ax is None:
+            try:
+                import matplotlib.pyplot as plt
+            except ImportError as e:  # pragma: no cover - depends on the environment
+                raise ImportError("SanityResult.plot needs matplotlib: pip install 'attnroll[viz]'") from e
+            _, ax = plt.subplots(figsize=(1.0 + 0.8 * len(self.steps), 3.2))
+        x = np.arange(len(self.steps))
+        for m in self.methods:
+            ax.plot(x, self.correlations[m], marker="o", label=m)
+        ax.axhline(0.0, color="0.6", linewidth=0.8, linestyle="--")
+        ax.set_xticks(x)
+        ax.set_xticklabels(self.steps, rotation=30, ha="right")
+        ax.set_ylim(-1.05, 1.05)
+        ax.set_xlabel(f"randomised (cumulative, top-down; component {self.component!r})")
+        ax.set_ylabel("Spearman ρ with original map")
+        ax.legend(fontsize="small")
+        return ax
+
+
+# ----------------------------------------------------------------------------------------------- model structure
+def _stack_of_blocks(mod: nn.Module) -> list[nn.Module] | None:
+    """The children of an nn.ModuleList / nn.Sequential if they are identical composite blocks (same type,
+    with sub-modules and parameters), else None."""
+    if not isinstance(mod, (nn.ModuleList, nn.Sequential)):
+        return None
+    kids = list(mod.children())
+    if not kids or len({type(k) for k in kids}) != 1:
+        return None
+    if not all(any(True for _ in k.children()) and any(True for _ in k.parameters()) for k in kids):
+        return None
+    return kids
+
+
+def find_blocks(model: nn.Module) -> tuple[str, list[nn.Module]]:
+    """The transformer blocks of ``model``, first to last, and their path.
+
+    Looked for, in order: a stack whose path ends with ``encoder.layer`` (transformers v4 ViT / DeiT / BERT),
+    ``blocks`` (timm) or ``layers`` (transformers v5, nn.TransformerEncoder); else the largest (by parameter
+    count) nn.ModuleList / nn.Sequential of identical composite blocks. Raises ValueError naming what was looked
+    for when there is none."""
+    named = list(model.named_modules())
+    for suffix in ("encoder.layer", "blocks", "layers"):
+        for path, mod in named:
+            if path == suffix or path.endswith("." + suffix):
+                kids = _stack_of_blocks(mod)
+                if kids is not None:
+                    return path, kids
+    best: tuple[int, str, list[nn.Module]] | None = None
+    for path, mod in named:
+        kids = _stack_of_blocks(mod)
+        if kids is None:
+            continue
+        size = sum(p.numel() for k in kids for p in k.parameters())
+        if best is None or size > best[0]:
+            best = (size, path, kids)
+    _checks.check_found("transformer blocks", best, model, _LOOKED_FOR_BLOCKS)
+    return best[1], best[2]
+
+
+def find_head(model: nn.Module, blocks_path: str) -> tuple[str, nn.Module]:
+    """The classification head: ``classifier`` (transformers) or ``head`` (timm) if it has parameters, else
+    the last nn.Linear outside the blocks. Raises ValueError naming what was looked for."""
+
+    def outside(path: str) -> bool:
+        return not (blocks_path == "" or path == blocks_path or path.startswith(blocks_path + "."))
+
+    for attr in ("classifier", "head"):
+        mod = getattr(model, attr, None)
+        if isinstance(mod, nn.Module) and any(True for _ in mod.parameters()) and outside(attr):
+            return attr, mod
+    found = None
+    for path, mod in model.named_modules():
+        if isinstance(mod, nn.Linear) and outside(path):
+            found = (path, mod)
+    _checks.check_found("classification head", found, model, _LOOKED_FOR_HEAD)
+    return found
+
+
+# (name, parameter, rows): rows None = the whole tensor, else a slice of its first axis (fused qkv).
+Target = tuple[str, nn.Parameter, slice | None]
+
+
+def _kind(path: str) -> str | None:
+    """What a block-relative linear layer is: "qk", "value", "mlp", "fused" (q, k and v in one) or None."""
+    leaf = path.rsplit(".", 1)[-1]
+    if leaf in _FUSED_LEAVES:
+        return "fused"
+    if leaf in _QK_LEAVES:
+        return "qk"
+    if leaf in _V_LEAVES or leaf in _OUT_LEAVES or path.endswith(_OUT_PATHS):
+        return "value"
+    if path in _MLP_PATHS or leaf in _MLP_LEAVES or any(seg in _MLP_PARENTS for seg in path.split(".")[:-1]):
+        return "mlp"
+    return None
+
+
+def _fused_rows(size: int, component: str) -> slice:
+    """Rows of a fused (3D, ...) q/k/v tensor that belong to ``component``: q and k, or v."""
+    d = size // 3
+    return slice(0, 2 * d) if component == "qk" else slice(2 * d, 3 * d)
+
+
+def component_parameters(block: nn.Module, component: str) -> list[Target]:
+    """The parameters (and, for fused q/k/v tensors, the rows) of ``block`` that ``component`` re-initialises,
+    in registration order. Raises ValueError when a component other than "all" matches nothing."""
+    component = _checks.check_choice("component", component, _checks.SANITY_COMPONENTS)
+    if component == "all":
+        return [(n, p, None) for n, p in block.named_parameters()]
+    out: list[Target] = []
+    for path, mod in block.named_modules():
+        if isinstance(mod, nn.MultiheadAttention):
+            # Fused input projection (3D, D) as direct parameters; out_proj is a Linear met below.
+            if component in ("qk", "value"):
+                for pname in ("in_proj_weight", "in_proj_bias"):
+                    p = getattr(mod, pname, None)
+                    if isinstance(p, nn.Parameter):
+                        out.append((f"{path}.{pname}", p, _fused_rows(p.shape[0], component)))
+                wanted = ("q_proj_weight", "k_proj_weight") if component == "qk" else ("v_proj_weight",)
+                for pname in wanted:
+                    p = getattr(mod, pname, None)
+                    if isinstance(p, nn.Parameter):
+                        out.append((f"{path}.{pname}", p, None))
+            continue
+        if not isinstance(mod, nn.Linear):
+            continue
+        kind = _kind(path)
+        if kind == "fused" and component in ("qk", "value"):
+            for pname, p in mod.named_parameters(recurse=False):
+                out.append((f"{path}.{pname}", p, _fused_rows(p.shape[0], component)))
+        elif kind == component:
+            out.extend((f"{path}.{pname}", p, None) for pname, p in mod.named_parameters(recurse=False))
+    if not out:
+        _checks.check_found(
+            f"{component!r} parameters",
+            None,
+            block,
+            "linear layers named query/key/q_proj/k_proj, value/v_proj and attention.output.dense/o_proj/"
+            "out_proj/attn.proj, intermediate.dense/output.dense/mlp.*, or a fused qkv / in_proj_weight; "
+            "use component='all'",
+        )
+    return out
+
+
+@torch.no_grad()
+def _reinitialise(targets: list[Target], gen: torch.Generator) -> None:
+    """Replace each target by N(0, std of the values it replaces) draws from ``gen``, in place."""
+    for _, p, rows in targets:
+        view = p if rows is None else p[rows]
+        old = view.detach().to("cpu", torch.float64)
+        std = float(old.std(correction=0)) if old.numel() else 0.0
+        new = torch.randn(tuple(view.shape), generator=gen, dtype=torch.float64) * std
+        view.copy_(new.to(device=p.device, dtype=p.dtype))
+
+
+# ----------------------------------------------------------------------------------------------- inputs
+def _batch_of(inputs: Any) -> int:
+    if isinstance(inputs, torch.Tensor):
+        if inputs.ndim == 0:
+            raise ValueError("inputs must have a batch axis, got a 0-d tensor")
+        return int(inputs.shape[0])
+    if isinstance(inputs, Mapping):
+        for v in inputs.values():
+            if isinstance(v, torch.Tensor) and v.ndim >= 1:
+                return int(v.shape[0])
+    raise TypeError(
+        "inputs must be a pixel tensor (B, 3, H, W) or what the model's processor / tokenizer returns (a dict of "
+        f"batch-first tensors), got {_checks.describe(inputs)}"
+    )
+
+
+def _slice_inputs(inputs: Any, sl: slice, batch: int) -> Any:
+    if isinstance(inputs, torch.Tensor):
+        return inputs[sl]
+    # A plain dict of the batch-first tensors (a BatchEncoding is a Mapping; explain takes any Mapping).
+    return {
+        k: v[sl] if isinstance(v, torch.Tensor) and v.ndim >= 1 and v.shape[0] == batch else v
+        for k, v in inputs.items()
+    }
+
+
+def _slice_target(target: Any, sl: slice) -> Any:
+    if isinstance(target, torch.Tensor) and target.ndim == 1:
+        return target[sl].tolist()
+    if isinstance(target, (list, tuple)):
+        return list(target[sl])
+    return target  # None, an int or a callable
+
+
+def _maps(
+    model: nn.Module, inputs: Any, batch: int, method: str, target: Any, options: dict, batch_size: int
+) -> tuple[np.ndarray, list | None]:
+    """The method's scores (B, units) over all inputs in chunks, and the resolved per-example target."""
+    grad = method_info(method).needs_grad
+    scores, targets = [], []
+    for start in range(0, batch, batch_size):
+        sl = slice(start, min(batch, start + batch_size))
+        with torch.enable_grad() if grad else torch.no_grad():
+            e = explain(model, _slice_inputs(inputs, sl, batch), method, _slice_target(target, sl), **options)
+        scores.append(torch.as_tensor(e.scores).detach().to("cpu", torch.float64).numpy())
+        targets.append(e.target)
+    resolved = None
+    if all(isinstance(t, list) for t in targets):
+        resolved = [int(v) for t in targets for v in t]
+    return np.concatenate(scores, axis=0), resolved
+
+
+def _nanmean_rows(a: np.ndarray) -> float:
+    a = a[np.isfinite(a)]
+    return float(a.mean()) if a.size else float("nan")
+
+
+# ----------------------------------------------------------------------------------------------- entry point
+def cascading_randomization(
+    model: nn.Module,
+    inputs: Any,
+    methods: Any = DEFAULT_METHODS,
+    *,
+    target: Any = None,
+    component: str = "all",
+    seed: int = 0,
+    method_options: dict[str, dict] | None = None,
+    batch_size: int = 64,
+) -> SanityResult:
+    """Cascading model-parameter randomisation (Adebayo et al. 2018) of a copy of ``model``.
+
+    Args:
+        model: an nn.Module that ``attnroll.explain`` supports (never modified: a deep copy is randomised).
+        inputs: pixel tensor (B, 3, H, W) or the processor / tokenizer's dict, batch-first.
+        methods: registered method names (a single name is accepted).
+        target: None = the class the original model predicts, per example; an int, a list of B ints or a
+            callable target as for ``explain``. Kept fixed through all steps.
+        component: "all" | "qk" | "value" | "mlp" -- which parameters of each block are re-initialised.
+        seed: seed of the generator drawing the new parameters (same seed, same result).
+        method_options: {method: {option: value}} passed to ``explain`` for that method.
+        batch_size: examples per ``explain`` call.
+
+    Returns:
+        a :class:`SanityResult` with steps ["classifier", "layer L-1", ..., "layer 0"].
+
+    Raises:
+        ValueError: unknown component or method, empty methods, method options a method does not take, a
+            model whose blocks or head cannot be found, a component matching no parameter of a block.
+        TypeError: a model that is not an nn.Module, inputs that are neither a tensor nor a dict.
+    """
+    _checks.check_module("model", model)
+    methods = _checks.check_method_names("methods", methods)
+    component = _checks.check_choice("component", component, _checks.SANITY_COMPONENTS)
+    seed = _checks.check_int("seed", seed, low=0)
+    batch_size = _checks.check_int("batch_size", batch_size, low=1)
+    options = _checks.check_method_options("method_options", method_options, methods)
+    for m in methods:
+        Explainer(model, m, **options.get(m, {}))  # validates the name (lists the methods) and the options
+    batch = _batch_of(inputs)
+    if batch == 0:
+        raise ValueError("inputs hold no examples (B=0)")
+
+    work = copy.deepcopy(model).eval()
+    blocks_path, blocks = find_blocks(work)
+    head_path, head = find_head(work, blocks_path)
+    # Resolve every step's parameters first, so a component that matches nothing fails before any work.
+    plan: list[tuple[str, list[Target]]] = [("classifier", [(n, p, None) for n, p in head.named_parameters()])]
+    for i in reversed(range(len(blocks))):
+        plan.append((f"layer {i}", component_parameters(blocks[i], component)))
+
+    original: dict[str, np.ndarray] = {}
+    fixed = target
+    for m in methods:
+        original[m], resolved = _maps(work, inputs, batch, m, fixed, options.get(m, {}), batch_size)
+        if fixed is None and resolved is not None:
+            fixed = resolved  # the original model's predicted classes, for every later map
+
+    gen = torch.Generator().manual_seed(seed)
+    per_example = {m: np.empty((len(plan), batch)) for m in methods}
+    for s, (_, targets) in enumerate(plan):
+        _reinitialise(targets, gen)
+        for m in methods:
+            maps, _ = _maps(work, inputs, batch, m, fixed, options.get(m, {}), batch_size)
+            per_example[m][s] = spearman_rows(original[m], maps)
+    return SanityResult(
+        methods=methods,
+        steps=[name for name, _ in plan],
+        component=component,
+        correlations={m: np.array([_nanmean_rows(r) for r in per_example[m]]) for m in methods},
+        per_example=per_example,
+        seed=seed,
+        head=head_path,
+        blocks=blocks_path,
+    )

@@ -1,0 +1,327 @@
+"""Cascading randomisation: what rollout can and cannot see, determinism, the caller's model left alone."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from attnroll.evaluate.sanity import (
+    SanityResult,
+    _reinitialise,
+    cascading_randomization,
+    component_parameters,
+    find_blocks,
+    find_head,
+)
+
+ALL4 = ("rollout", "gae", "grad_rollout", "raw")
+EXACT = dict(abs=1e-12)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models: a second intra-op thread only adds contention on a loaded 2-core machine (10x slower)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def shapes():
+    pytest.importorskip("transformers")
+    from attnroll.models.shapes import load_shapes_model, make_dataset, preprocess
+
+    return load_shapes_model(), preprocess(make_dataset(4, 3)[0])
+
+
+@pytest.fixture(scope="module")
+def shapes_value(shapes):
+    return cascading_randomization(*shapes, ALL4, component="value")
+
+
+def tiny_timm():
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    return timm.create_model(
+        "vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, depth=2, embed_dim=32, num_heads=4,
+        num_classes=3,
+    ).eval()
+
+
+class EncoderClassifier(nn.Module):
+    """Token embeddings -> nn.TransformerEncoder -> linear head on position 0."""
+
+    def __init__(self, vocab=20, d=16, heads=4, layers=2, classes=3):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        layer = nn.TransformerEncoderLayer(d, heads, dim_feedforward=24, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, num_layers=layers, enable_nested_tensor=False)
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, ids):
+        return self.head(self.encoder(self.emb(ids))[:, 0])
+
+
+# ----------------------------------------------------------------------------------------------- shapes model
+def test_shapes_head_and_top_block_values_leave_rollout_exactly_unchanged(shapes_value):
+    r = shapes_value
+    assert isinstance(r, SanityResult)
+    assert r.steps == ["classifier", "layer 3", "layer 2", "layer 1", "layer 0"]
+    assert r.methods == list(ALL4) and r.component == "value"
+    assert r.head == "classifier" and r.blocks == "vit.layers"
+    for m in ALL4:
+        assert r.correlations[m].shape == (5,) and r.per_example[m].shape == (5, 4)
+    # attention-only maps: the head and the top block's value/output projections do not enter any attention
+    for m in ("rollout", "raw"):
+        assert r.per_example[m][:2] == pytest.approx(np.ones((2, 4)), **EXACT)
+    # gradient methods see the new head at once
+    for m in ("gae", "grad_rollout"):
+        assert r.correlations[m][0] < 0.95
+        assert np.all(r.per_example[m][0] < 0.999)
+    # values of lower blocks change the attention of the blocks above them
+    assert r.correlations["rollout"][-1] < 0.99
+    assert r.correlations["raw"][2] < 0.99
+
+
+def test_shapes_mlp_of_top_block_leaves_rollout_unchanged(shapes):
+    r = cascading_randomization(*shapes, ("rollout",), component="mlp")
+    assert r.per_example["rollout"][:2] == pytest.approx(np.ones((2, 4)), **EXACT)
+    assert r.correlations["rollout"][-1] < 0.99
+
+
+def test_shapes_qk_of_top_block_changes_rollout(shapes):
+    r = cascading_randomization(*shapes, ("rollout",), component="qk")
+    assert r.correlations["rollout"][0] == pytest.approx(1.0, **EXACT)
+    assert r.correlations["rollout"][1] < 0.999
+
+
+def test_shapes_all_blocks_randomised_drive_rollout_well_below_one(shapes):
+    r = cascading_randomization(*shapes, ("rollout",), component="all")
+    c = r.correlations["rollout"]
+    assert c[0] == pytest.approx(1.0, **EXACT)
+    assert c[-1] < 0.8
+    assert c[-1] < c[1]  # cumulative: more randomised blocks, further from the original
+
+
+def test_seed_determinism_and_caller_model_untouched(shapes):
+    model, x = shapes
+    model.train()  # the caller's mode must survive (the copy runs in eval mode)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    grads = {k: p.requires_grad for k, p in model.named_parameters()}
+    try:
+        a = cascading_randomization(model, x, ("rollout", "gae"), component="all", seed=5)
+        b = cascading_randomization(model, x, ("rollout", "gae"), component="all", seed=5)
+        c = cascading_randomization(model, x, ("rollout", "gae"), component="all", seed=6)
+    finally:
+        training = model.training
+        model.eval()
+    assert training
+    after = model.state_dict()
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert grads == {k: p.requires_grad for k, p in model.named_parameters()}
+    assert all(p.grad is None for p in model.parameters())
+    for m in ("rollout", "gae"):
+        np.testing.assert_array_equal(a.per_example[m], b.per_example[m])
+    assert not np.array_equal(a.per_example["rollout"][1:], c.per_example["rollout"][1:])
+
+
+def test_target_is_the_original_prediction_and_stays_fixed(shapes, shapes_value):
+    model, x = shapes
+    with torch.no_grad():
+        pred = model(pixel_values=x).logits.argmax(-1).tolist()
+    explicit = cascading_randomization(model, x, ("gae",), component="value", target=pred)
+    # if the default re-resolved the target on the randomised model, gae would explain other classes
+    np.testing.assert_array_equal(explicit.per_example["gae"], shapes_value.per_example["gae"])
+    other = cascading_randomization(model, x, ("gae",), component="value", target=[(p + 1) % 4 for p in pred])
+    assert not np.array_equal(other.per_example["gae"], shapes_value.per_example["gae"])
+
+
+def test_batching_does_not_change_results(shapes, shapes_value):
+    r = cascading_randomization(*shapes, ("rollout", "gae"), component="value", batch_size=3)
+    for m in ("rollout", "gae"):
+        np.testing.assert_allclose(r.per_example[m], shapes_value.per_example[m], atol=1e-6)
+
+
+def test_works_under_no_grad(shapes):
+    with torch.no_grad():
+        r = cascading_randomization(*shapes, ("gae",), component="value")
+    assert r.correlations["gae"][0] < 0.95
+
+
+def test_summary_as_dict_plot(shapes_value):
+    r = shapes_value
+    text = r.summary()
+    assert all(m in text for m in ALL4) and "layer 0" in text and "classifier" in text
+    assert len(text.splitlines()) == 2 + len(r.steps)
+    d = r.as_dict()
+    json.dumps(d, allow_nan=False)
+    assert d["correlations"]["rollout"][0] == pytest.approx(1.0) and len(d["per_example"]["gae"]) == 5
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots()
+    try:
+        assert r.plot(ax) is ax
+        assert len(ax.get_lines()) == len(ALL4) + 1  # one per method and the zero line
+        np.testing.assert_allclose(ax.get_lines()[0].get_ydata(), r.correlations["rollout"])
+    finally:
+        plt.close(fig)
+
+
+# ----------------------------------------------------------------------------------------------- timm
+def test_timm_vit_head_and_top_values_vs_qk():
+    model = tiny_timm()
+    x = torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    assert find_blocks(model)[0] == "blocks" and find_head(model, "blocks")[0] == "head"
+    r = cascading_randomization(model, x, ("rollout", "gae"), component="value")
+    assert r.steps == ["classifier", "layer 1", "layer 0"]
+    assert r.per_example["rollout"][:2] == pytest.approx(np.ones((2, 3)), **EXACT)
+    assert r.correlations["gae"][0] < 0.95
+    q = cascading_randomization(model, x, ("rollout",), component="qk")
+    assert q.correlations["rollout"][0] == pytest.approx(1.0, **EXACT)
+    assert q.correlations["rollout"][1] < 0.999
+
+
+@pytest.mark.parametrize(
+    "component,changed_rows,changed",
+    [
+        ("qk", slice(0, 64), {"attn.qkv.weight", "attn.qkv.bias"}),
+        ("value", slice(64, 96), {"attn.qkv.weight", "attn.qkv.bias", "attn.proj.weight", "attn.proj.bias"}),
+        ("mlp", None, {"mlp.fc1.weight", "mlp.fc1.bias", "mlp.fc2.weight", "mlp.fc2.bias"}),
+        ("all", slice(0, 96), None),
+    ],
+)
+def test_timm_fused_qkv_rows(component, changed_rows, changed):
+    block = tiny_timm().blocks[1]
+    for p in block.parameters():  # non-constant biases and norms, so a replacement is visible
+        with torch.no_grad():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.1)
+    before = {k: v.clone() for k, v in block.state_dict().items()}
+    _reinitialise(component_parameters(block, component), torch.Generator().manual_seed(0))
+    after = block.state_dict()
+    names = set(before) if changed is None else changed
+    for k in before:
+        if k not in names:
+            assert torch.equal(before[k], after[k]), k
+            continue
+        if k.startswith("attn.qkv"):
+            rows = changed_rows
+            keep = torch.ones(96, dtype=torch.bool)
+            keep[rows] = False
+            assert torch.equal(before[k][keep], after[k][keep]), k
+            assert not torch.isclose(before[k][rows], after[k][rows]).any(), k
+        else:
+            assert not torch.isclose(before[k], after[k]).all(), k
+    # the draws have the replaced values' spread
+    if component == "mlp":
+        w0, w1 = before["mlp.fc1.weight"], after["mlp.fc1.weight"]
+        assert float(w1.std()) == pytest.approx(float(w0.std()), rel=0.15)
+        assert abs(float(w1.mean())) < 0.2 * float(w0.std())
+
+
+# ----------------------------------------------------------------------------------------------- other layouts
+def test_hf_v4_bert_names_and_finders():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.BertConfig(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=24,
+                                  vocab_size=30)
+    model = transformers.BertForSequenceClassification(cfg)
+    path, blocks = find_blocks(model)
+    assert path == "bert.encoder.layer" and len(blocks) == 2
+    assert find_head(model, path)[0] == "classifier"
+
+    def names(c):
+        return {n.rsplit(".", 1)[0] for n, _, _ in component_parameters(blocks[0], c)}
+
+    assert names("qk") == {"attention.self.query", "attention.self.key"}
+    assert names("value") == {"attention.self.value", "attention.output.dense"}
+    assert names("mlp") == {"intermediate.dense", "output.dense"}
+    assert "attention.output.LayerNorm" in names("all") and "output.LayerNorm" in names("all")
+    # text inputs as a dict, split into batches (3 examples, batches of 2)
+    torch.manual_seed(0)
+    model.eval()
+    ids = torch.randint(1, 30, (3, 6), generator=torch.Generator().manual_seed(0))
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    r = cascading_randomization(model, inputs, ("rollout", "gae"), component="mlp", batch_size=2)
+    assert r.steps == ["classifier", "layer 1", "layer 0"]
+    assert r.per_example["rollout"][:2] == pytest.approx(np.ones((2, 3)), **EXACT)
+    whole = cascading_randomization(model, inputs, ("rollout", "gae"), component="mlp")
+    np.testing.assert_allclose(r.per_example["gae"], whole.per_example["gae"], atol=1e-6)
+
+
+def test_hf_v5_vit_names(shapes):
+    block = find_blocks(shapes[0])[1][0]
+    names = lambda c: {n.rsplit(".", 1)[0] for n, _, _ in component_parameters(block, c)}  # noqa: E731
+    assert names("qk") == {"attention.q_proj", "attention.k_proj"}
+    assert names("value") == {"attention.v_proj", "attention.o_proj"}
+    assert names("mlp") == {"mlp.fc1", "mlp.fc2"}
+    assert {"layernorm_before", "layernorm_after"} <= names("all")
+
+
+def test_torch_transformer_encoder_generic():
+    torch.manual_seed(0)
+    model = EncoderClassifier().eval()
+    path, blocks = find_blocks(model)
+    assert path == "encoder.layers" and find_head(model, path)[0] == "head"
+    qk = component_parameters(blocks[0], "qk")
+    assert [(n, r) for n, _, r in qk] == [("self_attn.in_proj_weight", slice(0, 32)),
+                                          ("self_attn.in_proj_bias", slice(0, 32))]
+    ids = torch.randint(0, 20, (3, 7), generator=torch.Generator().manual_seed(0))
+    r = cascading_randomization(model, ids, ("rollout",), component="value")
+    assert r.per_example["rollout"][:2] == pytest.approx(np.ones((2, 3)), **EXACT)
+
+
+class Stages(nn.Module):
+    """Blocks under an unusual name, a head under an unusual name."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Linear(4, 8)
+        self.stages = nn.ModuleList([nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(3)])
+        self.small = nn.ModuleList([nn.Sequential(nn.Linear(8, 2), nn.ReLU()) for _ in range(2)])
+        self.out = nn.Linear(8, 2)
+
+
+def test_generic_finders():
+    model = Stages()
+    path, blocks = find_blocks(model)
+    assert path == "stages" and len(blocks) == 3
+    assert find_head(model, path)[0] == "out"
+    with pytest.raises(ValueError, match="'qk' parameters"):
+        component_parameters(blocks[0], "qk")
+
+
+# ----------------------------------------------------------------------------------------------- errors
+def test_errors(shapes):
+    model, x = shapes
+    with pytest.raises(ValueError, match="component must be one of 'all', 'qk', 'value', 'mlp'"):
+        cascading_randomization(model, x, component="attention")
+    with pytest.raises(ValueError, match="method must be one of the registered methods.*rollout"):
+        cascading_randomization(model, x, ("rollout", "nope"))
+    with pytest.raises(ValueError, match="at least one method"):
+        cascading_randomization(model, x, [])
+    with pytest.raises(ValueError, match="more than once"):
+        cascading_randomization(model, x, ["gae", "gae"])
+    with pytest.raises(TypeError, match="methods must hold method names"):
+        cascading_randomization(model, x, [3])
+    with pytest.raises(ValueError, match="not among the methods"):
+        cascading_randomization(model, x, ("rollout",), method_options={"gae": {}})
+    with pytest.raises(ValueError, match="has no option 'nope'"):
+        cascading_randomization(model, x, ("rollout",), method_options={"rollout": {"nope": 1}})
+    with pytest.raises(TypeError, match="must be a torch.nn.Module"):
+        cascading_randomization(lambda t: t, x)
+    with pytest.raises(TypeError, match="inputs must be"):
+        cascading_randomization(model, [1, 2])
+    with pytest.raises(ValueError, match="seed must be"):
+        cascading_randomization(model, x, seed=-1)
+    flat = nn.Sequential(nn.Flatten(), nn.Linear(3 * 64 * 64, 4))
+    with pytest.raises(ValueError, match=r"cannot find the transformer blocks of Sequential: looked for .*encoder"):
+        cascading_randomization(flat, x, ("rollout",))
