@@ -334,6 +334,150 @@ def check_fractions(name: str, values: Any, *, include_zero: bool = False) -> np
     return f
 
 
+# ---- evaluate: perturbation checks ----
+def check_pixel_values(pixel_values: Any) -> torch.Tensor:
+    """Image-model inputs for perturbation metrics: a floating (B, C, H, W) tensor or array (any channel
+    count), as the model takes them (already preprocessed). Returns a tensor (numpy arrays are wrapped)."""
+    x, _ = as_tensor("pixel_values", pixel_values)
+    if x.ndim != 4:
+        raise ValueError(
+            f"pixel_values must be (B, C, H, W) model inputs (a batch of preprocessed images), got shape "
+            f"{tuple(x.shape)}; add a batch axis for one image"
+        )
+    if not x.is_floating_point():
+        raise TypeError(
+            f"pixel_values must be floating point model inputs (after preprocessing), got dtype {x.dtype}"
+        )
+    if x.shape[0] == 0:
+        raise ValueError("pixel_values holds no images (B=0)")
+    return x
+
+
+def check_grid(grid: Any, units: int, height: int, width: int, *, from_scores: Any = None) -> tuple[int, int]:
+    """The patch grid (h, w) of an image metric: ``grid`` if given, else the grid the scores carry
+    (``from_scores``), else a square grid inferred from ``units``. h·w must equal ``units`` and h, w must
+    divide the image height and width."""
+    if grid is not None and from_scores is not None and tuple(grid) != tuple(from_scores):
+        raise ValueError(f"grid={tuple(grid)} disagrees with the scores' own grid {tuple(from_scores)}")
+    if grid is None:
+        grid = from_scores
+    if grid is None:
+        side = int(round(units**0.5))
+        if side * side != units:
+            raise ValueError(
+                f"cannot infer the patch grid: the scores have {units} units, not a perfect square; "
+                "pass grid=(h, w)"
+            )
+        grid = (side, side)
+    if not isinstance(grid, (tuple, list)) or len(grid) != 2:
+        raise TypeError(f"grid must be a pair (h, w) of patch rows and columns, got {describe(grid)}")
+    h, w = (check_int("grid", g, low=1) for g in grid)
+    if h * w != units:
+        raise ValueError(f"grid={(h, w)} has {h * w} patches but the scores have {units} units per example")
+    if height % h or width % w:
+        raise ValueError(
+            f"grid={(h, w)} must divide the image size {height}x{width} (pixel_values H, W) into whole patches"
+        )
+    return h, w
+
+
+def check_image_fill(name: str, value: Any, batch: int, image_shape: Sequence[int]) -> float | torch.Tensor:
+    """A replacement value for image pixels: a real number (in model-input space), or a tensor/array that
+    broadcasts to one image (C, H, W) — e.g. (C, 1, 1) per channel — or holds one image per example
+    (B, C, H, W). Returns the float, or a floating tensor of one of those two shapes."""
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return check_real(name, value)
+    if not isinstance(value, (torch.Tensor, np.ndarray)):
+        raise TypeError(
+            f"{name} must be a real number or a tensor broadcastable to one image {tuple(image_shape)}, "
+            f"got {describe(value)}"
+        )
+    t, _ = as_tensor(name, value)
+    one = tuple(int(s) for s in image_shape)
+    per_example = (int(batch),) + one
+    ok = tuple(t.shape) == per_example
+    if not ok and t.ndim <= 3:
+        try:
+            ok = tuple(torch.broadcast_shapes(tuple(t.shape), one)) == one
+        except RuntimeError:
+            ok = False
+    if not ok:
+        raise ValueError(
+            f"{name} has shape {tuple(t.shape)}; expected a shape that broadcasts to one image {one} (e.g. "
+            f"{(one[0], 1, 1)} for one value per channel) or one image per example {per_example}"
+        )
+    if not t.is_floating_point():
+        t = t.to(torch.float32)
+    if t.numel() and not bool(torch.isfinite(t).all()):
+        raise ValueError(f"{name} contains NaN or infinite values")
+    return t
+
+
+def check_labels(labels: Any, batch: int, num_classes: int) -> list[int]:
+    """Ground-truth class labels: B ints in [0, C) (list, tuple, 1-D integer tensor or array)."""
+    if isinstance(labels, (torch.Tensor, np.ndarray)):
+        t, _ = as_tensor("labels", labels)
+        if t.ndim != 1 or t.is_floating_point():
+            raise TypeError(f"labels must be a 1-D sequence of class indices (ints), got {describe(labels)}")
+        labels = t.tolist()
+    if not isinstance(labels, (list, tuple)):
+        raise TypeError(f"labels must be a sequence of B class indices (ints), got {describe(labels)}")
+    if len(labels) != batch:
+        raise ValueError(f"labels must have one class index per example (B={batch}), got {len(labels)}")
+    out = [check_int(f"labels[{i}]", v) for i, v in enumerate(labels)]
+    bad = [(i, v) for i, v in enumerate(out) if not 0 <= v < num_classes]
+    if bad:
+        i, v = bad[0]
+        raise ValueError(
+            f"labels[{i}]={v} is not a class index: the model has {num_classes} classes [0, {num_classes - 1}]"
+        )
+    return out
+
+
+def check_text_inputs(inputs: Any) -> dict[str, torch.Tensor]:
+    """Tokenised text for text metrics: a dict / BatchEncoding with ``input_ids`` (B, n) and optionally
+    ``attention_mask``, ``token_type_ids`` and ``special_tokens_mask`` of the same shape. Returns a dict of
+    int64 tensors holding the keys present; ``attention_mask`` defaults to all ones."""
+    if not hasattr(inputs, "keys") or not hasattr(inputs, "__getitem__"):
+        raise TypeError(
+            f"inputs must be a dict / BatchEncoding from the tokenizer (input_ids, attention_mask, ...), got "
+            f"{describe(inputs)}"
+        )
+    if "input_ids" not in inputs.keys():
+        raise ValueError(f"inputs must hold 'input_ids' (B, n); got keys {sorted(inputs.keys())}")
+    ids, _ = as_tensor("inputs['input_ids']", inputs["input_ids"])
+    if ids.ndim != 2 or ids.is_floating_point():
+        raise ValueError(f"inputs['input_ids'] must be (B, n) integer token ids, got {describe(inputs['input_ids'])}")
+    out = {"input_ids": ids.long()}
+    for key in ("attention_mask", "token_type_ids", "special_tokens_mask"):
+        if key not in inputs.keys() or inputs[key] is None:
+            continue
+        t, _ = as_tensor(f"inputs[{key!r}]", inputs[key])
+        if tuple(t.shape) != tuple(ids.shape) or t.is_floating_point():
+            raise ValueError(
+                f"inputs[{key!r}] must be integers of the shape of input_ids {tuple(ids.shape)}, got "
+                f"{describe(inputs[key])}"
+            )
+        out[key] = t.long().to(ids.device)
+    if "attention_mask" in out and not bool(((out["attention_mask"] == 0) | (out["attention_mask"] == 1)).all()):
+        raise ValueError("inputs['attention_mask'] must hold only 0 (padding) and 1 (real token)")
+    out.setdefault("attention_mask", torch.ones_like(out["input_ids"]))
+    return out
+
+
+def check_keep(keep: Any, batch: int, n: int) -> torch.Tensor:
+    """Tokens never removed by text metrics: a bool / 0-1 (B, n) mask over input_ids. Returns a bool tensor."""
+    t, _ = as_tensor("keep", keep)
+    if tuple(t.shape) != (batch, n):
+        raise ValueError(
+            f"keep must be a (B, n) = ({batch}, {n}) mask over input_ids (True = never removed), got shape "
+            f"{tuple(t.shape)}"
+        )
+    if t.numel() and not bool(((t == 0) | (t == 1)).all()):
+        raise ValueError(f"keep must hold only 0/1 or bool values, got values {torch.unique(t)[:6].tolist()}")
+    return t.to(torch.bool)
+
+
 # ---- evaluate: localisation/sanity checks ----
 #: Parameter groups of a transformer block that ``cascading_randomization`` can re-initialise.
 SANITY_COMPONENTS = ("all", "qk", "value", "mlp")

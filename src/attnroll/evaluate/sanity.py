@@ -18,9 +18,11 @@ replaced by draws from a normal distribution with mean 0 and the standard deviat
 (population std; 0 for a single value), from one ``torch.Generator`` seeded with ``seed`` and used in a fixed
 order (steps top-down, parameters in registration order), so a seed gives identical results. Components:
 
-* ``"all"``: every parameter of the block, LayerNorm weights and biases included. LayerNorm weights trained
-  near 1 with a small spread then become small values around 0, which shrinks what the block's attention
-  sees: the randomised block's attention turns close to uniform (a property of this rule, not of the model).
+* ``"all"``: every parameter of the block. Normalisation layers (LayerNorm, RMSNorm, ...) are reset to their
+  default initialisation (weight 1, bias 0) rather than drawn: a draw with the trained weights' small spread
+  (about 0.06 around a mean near 1) would shrink the block's input about 15-fold and make its attention nearly
+  uniform, an artefact of the rule rather than of the model (Adebayo et al. re-initialise each layer with its
+  own default initialiser).
 * ``"qk"``: the query and key projections (weights and biases).
 * ``"value"``: the value projection and the attention output projection.
 * ``"mlp"``: the feed-forward layers.
@@ -214,7 +216,7 @@ def find_head(model: nn.Module, blocks_path: str) -> tuple[str, nn.Module]:
 
 
 # (name, parameter, rows): rows None = the whole tensor, else a slice of its first axis (fused qkv).
-Target = tuple[str, nn.Parameter, slice | None]
+Target = tuple[str, nn.Parameter, "slice | str | None"]  # rows: all, a slice of a fused tensor, or _RESET
 
 
 def _kind(path: str) -> str | None:
@@ -231,6 +233,10 @@ def _kind(path: str) -> str | None:
     return None
 
 
+#: ``rows`` marker of a normalisation parameter: reset to its default instead of drawn.
+_RESET = "reset"
+
+
 def _fused_rows(size: int, component: str) -> slice:
     """Rows of a fused (3D, ...) q/k/v tensor that belong to ``component``: q and k, or v."""
     d = size // 3
@@ -242,7 +248,9 @@ def component_parameters(block: nn.Module, component: str) -> list[Target]:
     in registration order. Raises ValueError when a component other than "all" matches nothing."""
     component = _checks.check_choice("component", component, _checks.SANITY_COMPONENTS)
     if component == "all":
-        return [(n, p, None) for n, p in block.named_parameters()]
+        norms = {id(p) for m in block.modules() if "norm" in type(m).__name__.lower()
+                 for p in m.parameters(recurse=False)}
+        return [(n, p, _RESET if id(p) in norms else None) for n, p in block.named_parameters()]
     out: list[Target] = []
     for path, mod in block.named_modules():
         if isinstance(mod, nn.MultiheadAttention):
@@ -280,8 +288,12 @@ def component_parameters(block: nn.Module, component: str) -> list[Target]:
 
 @torch.no_grad()
 def _reinitialise(targets: list[Target], gen: torch.Generator) -> None:
-    """Replace each target by N(0, std of the values it replaces) draws from ``gen``, in place."""
-    for _, p, rows in targets:
+    """Replace each target by N(0, std of the values it replaces) draws from ``gen``, in place (normalisation
+    parameters marked ``_RESET``: back to weight 1 / bias 0)."""
+    for name, p, rows in targets:
+        if isinstance(rows, str):  # _RESET: a normalisation layer's default (weight 1, bias 0)
+            p.fill_(0.0 if name.rsplit(".", 1)[-1] == "bias" else 1.0)
+            continue
         view = p if rows is None else p[rows]
         old = view.detach().to("cpu", torch.float64)
         std = float(old.std(correction=0)) if old.numel() else 0.0
