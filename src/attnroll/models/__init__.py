@@ -3,6 +3,9 @@
 - :mod:`attnroll.models.shapes`: a small ViT (64x64 images, 8x8 patches) trained on procedurally generated
   shapes with ground-truth object masks (``make_dataset``, ``load_shapes_model``, ``preprocess``,
   ``CLASSES``); its training script is :mod:`attnroll.models.train_shapes`.
+- :mod:`attnroll.models.spurious`: a class-coded corner marker for those images (``add_marker``) and a copy
+  of the shapes ViT fine-tuned to follow it (``load_marker_model``), the test case of checkpoint audits; its
+  fine-tuning script is :mod:`attnroll.models.finetune_marker`.
 
 Submodules import their heavy dependencies (transformers, safetensors) only when a model is loaded.
 """
