@@ -537,3 +537,80 @@ def check_found(what: str, found: Any, model: Any, looked_for: str) -> Any:
     if found is None:
         raise ValueError(f"cannot find the {what} of {type(model).__name__}: looked for {looked_for}")
     return found
+
+
+# ---- evaluate: audit checks ----
+def check_audit_inputs(pixel_values: Any) -> torch.Tensor:
+    """Inputs of a checkpoint audit: a floating (B, C, H, W) tensor or array with B >= 1."""
+    x, _ = as_tensor("pixel_values", pixel_values)
+    if x.ndim != 4 or not x.is_floating_point():
+        raise ValueError(
+            f"pixel_values must be floating (B, C, H, W) model inputs (preprocessed images), got {describe(x)}"
+        )
+    if x.shape[0] == 0:
+        raise ValueError("pixel_values is empty (B = 0): an audit needs at least one example")
+    return x
+
+
+def check_audit_target(target: Any, batch: int) -> Any:
+    """None, an int, a callable, or one class index per example (list / tensor / array of ``batch`` ints,
+    returned as a list)."""
+    if target is None or callable(target):
+        return target
+    if isinstance(target, numbers.Integral) and not isinstance(target, bool):
+        return int(target)
+    if isinstance(target, (list, tuple, torch.Tensor, np.ndarray)):
+        t = np.asarray(target.detach().cpu() if isinstance(target, torch.Tensor) else target)
+        if t.ndim != 1 or (t.size and not np.issubdtype(t.dtype, np.integer)):
+            raise ValueError(f"target must be one class index per example, got {describe(target)}")
+        if t.shape[0] != batch:
+            raise ValueError(f"target has {t.shape[0]} entries but pixel_values holds B={batch} examples")
+        return [int(v) for v in t]
+    raise TypeError(f"target must be None, an int, a list of B ints or a callable, got {describe(target)}")
+
+
+def check_audit_maps(grid_a: Any, grid_b: Any, units_a: int, units_b: int) -> None:
+    """The two audited models must explain the same input units."""
+    if grid_a != grid_b or units_a != units_b:
+        what = (
+            f"patch grid {grid_a} vs {grid_b}"
+            if grid_a is not None and grid_b is not None
+            else f"{units_a} vs {units_b} units (grid {grid_a} vs {grid_b})"
+        )
+        raise ValueError(
+            f"models A and B explain different input units: {what}. An audit compares maps over the same "
+            "units: use two checkpoints of one architecture (same image size and patch size)"
+        )
+
+
+def check_audit_regions(regions: Any, batch: int, units: int) -> dict[str, np.ndarray]:
+    """Regions of an audit: a dict name -> bool/0-1 masks (B, units) or (B, h, w) with h·w = units. Returns
+    name -> bool numpy (B, units). Empty regions are allowed (their mass is 0)."""
+    if not isinstance(regions, dict):
+        raise TypeError(f"regions must be a dict name -> (B, units) bool masks, got {describe(regions)}")
+    out = {}
+    for name, mask in regions.items():
+        if not isinstance(name, str):
+            raise TypeError(f"regions: names must be strings, got {name!r}")
+        t, _ = as_tensor(f"regions[{name!r}]", mask)
+        if t.ndim == 3:
+            t = t.reshape(t.shape[0], -1)
+        if tuple(t.shape) != (batch, units):
+            raise ValueError(
+                f"regions[{name!r}] must be (B, units) = ({batch}, {units}) or (B, h, w) masks over the maps' "
+                f"units, got shape {tuple(mask.shape)}"
+            )
+        if t.numel() and not bool(((t == 0) | (t == 1)).all()):
+            raise ValueError(f"regions[{name!r}] must hold only bool or 0/1 values")
+        out[name] = t.detach().cpu().to(torch.bool).numpy()
+    return out
+
+
+def check_pixel_masks(name: str, masks: Any) -> torch.Tensor:
+    """Pixel masks (B, H, W) of bool or 0/1 values; returns a bool tensor."""
+    t, _ = as_tensor(name, masks)
+    if t.ndim != 3:
+        raise ValueError(f"{name} must be (B, H, W) pixel masks, got shape {tuple(t.shape)}")
+    if t.numel() and not bool(((t == 0) | (t == 1)).all()):
+        raise ValueError(f"{name} must hold only bool or 0/1 values")
+    return t.detach().cpu().to(torch.bool)
