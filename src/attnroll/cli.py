@@ -1,9 +1,11 @@
-"""The ``attnroll`` command: ``attnroll demo``, ``attnroll explain``, ``attnroll methods``.
+"""The ``attnroll`` command: ``attnroll demo``, ``explain``, ``methods``, ``evaluate`` and ``audit`` (the last
+two in :mod:`attnroll.cli_evaluate`).
 
 Exit codes: 0 success, 2 usage error (a wrong or missing argument), 1 failure (a file that cannot be read or
-written, a model that cannot be loaded, a method that fails). An error is one line on stderr; ``attnroll
---debug ...`` shows the traceback instead. Every file is written atomically (a temporary file in the same
-folder, renamed when complete), so a failure never leaves a half-written file.
+written, a model that cannot be loaded, a method that fails), 3 ``attnroll audit --fail-if-flagged`` flagged a
+shift. An error is one line on stderr; ``attnroll --debug ...`` shows the traceback instead. Every file is
+written atomically (a temporary file in the same folder, renamed when complete), so a failure never leaves a
+half-written file.
 """
 
 from __future__ import annotations
@@ -91,6 +93,8 @@ def cli(debug: bool) -> None:
     attnroll explain cat.png --model DIR  explain an image with a local transformers model
     attnroll explain --text "..." --pair "..."   which words make two sentences similar
     attnroll methods                      the registered methods, with references
+    attnroll evaluate                     score methods: deletion/insertion, perturbation AUC, localisation
+    attnroll audit shapes shapes-marker   how reliance shifts between two checkpoints
     """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a model hub
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -708,5 +712,10 @@ def demo_cmd(out, n_images, seed, method_list, text) -> None:
         click.echo(f"wrote {p}")
 
 
-if __name__ == "__main__":  # python -m attnroll.cli
-    sys.exit(main())
+# The evaluation commands live in their own module; importing it registers them on `cli`.
+from . import cli_evaluate  # noqa: E402,F401
+
+if __name__ == "__main__":  # python -m attnroll.cli: run the package's module, which holds every command
+    from attnroll.cli import main as _main
+
+    sys.exit(_main())

@@ -1,0 +1,267 @@
+"""``attnroll evaluate`` and ``attnroll audit``: the evaluation commands (registered on the ``attnroll`` group
+by :mod:`attnroll.cli`, which imports this module last). Same conventions as the other commands: one-line
+errors, exit codes 0 / 2 (usage) / 1 (failure), atomic writes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import click
+
+from .cli import Failure, LoadedModel, _write, cli, expand_images, load_model, parse_options, prepare_out, read_image
+
+#: ``--data`` names of the generated datasets.
+DATASETS = ("shapes", "shapes-marker")
+
+
+def _methods_list(value: str) -> list[str]:
+    from . import methods
+
+    names = list(dict.fromkeys(m.strip() for m in value.split(",") if m.strip()))
+    unknown = [m for m in names if m not in methods()]
+    if not names or unknown:
+        raise click.UsageError(f"--methods: unknown {unknown or '(none given)'}; see 'attnroll methods'")
+    return names
+
+
+def _method_options(items: tuple[str, ...], names: list[str]) -> dict[str, dict[str, Any]]:
+    """``-o METHOD.KEY=VALUE`` (for one method) or ``-o KEY=VALUE`` (for every method that takes KEY)."""
+    from .methods.base import method_info
+
+    out: dict[str, dict[str, Any]] = {m: {} for m in names}
+    for k, v in parse_options(items).items():
+        if "." in k:
+            m, key = k.split(".", 1)
+            if m not in out:
+                raise click.UsageError(f"--option {k}: {m!r} is not among the evaluated methods {names}")
+            out[m][key] = v
+        else:
+            takers = [m for m in names if k in method_info(m).options]
+            if not takers:
+                raise click.UsageError(f"--option {k}: none of the methods {names} takes {k}=")
+            for m in takers:
+                out[m][k] = v
+    from .methods.base import _get, _resolve_options
+
+    for m, o in out.items():
+        try:
+            _resolve_options(_get(m), o)  # an option the method refuses is a usage error, before any work
+        except ValueError as e:
+            raise click.UsageError(f"--option: {e}") from None
+    return {m: o for m, o in out.items() if o}
+
+
+def load_image_model(spec: str | None) -> LoadedModel:
+    """A model spec of the evaluation commands: "shapes" (default), "shapes-marker" (the spurious-cue copy),
+    or a local transformers image-model folder."""
+    if spec == "shapes-marker":
+        from .cli import load_shapes
+        from .models import spurious
+
+        lm = load_shapes()
+        try:
+            lm.model = spurious.load_marker_model()
+        except FileNotFoundError as e:
+            raise Failure(str(e)) from None
+        lm.name = "shapes-marker (embedded, spurious corner cue)"
+        return lm
+    lm = load_model(spec or "shapes", None, "image")
+    if lm.kind != "image":
+        raise Failure(f"{spec}: a text model; 'attnroll evaluate' and 'audit' take image classifiers")
+    return lm
+
+
+def load_data(data: str, lm: LoadedModel, n: int, seed: int) -> dict[str, Any]:
+    """``--data``: a generated dataset name or a folder of images. Returns pixel_values, and for generated
+    data the raw images, labels, object masks (pixels) and marker masks."""
+    import torch
+
+    from .models import shapes
+
+    if data in DATASETS:
+        images, labels, masks = shapes.make_dataset(n, seed)
+        marker = None
+        if data == "shapes-marker":
+            from .models import spurious
+
+            images, marker = spurious.add_marker(images, labels, seed=seed)
+        size = tuple(getattr(getattr(lm.model, "config", None), "image_size", shapes.IMAGE_SIZE) for _ in range(2))
+        if size != (shapes.IMAGE_SIZE,) * 2:
+            raise click.UsageError(f"--data {data}: generated {shapes.IMAGE_SIZE}x{shapes.IMAGE_SIZE} images do not "
+                                   f"fit a model that takes {size[0]}x{size[1]}; give a folder of images instead")
+        return {"x": shapes.preprocess(images), "images": images, "labels": labels, "masks": masks, "marker": marker}
+    path = Path(data)
+    if not path.exists():
+        raise click.UsageError(f"--data {data}: neither a folder of images nor one of {', '.join(DATASETS)}")
+    import numpy as np
+
+    files = expand_images((path,))[:n]
+    xs, raw = [], []
+    for f in files:
+        img = read_image(f)
+        x1 = lm.prepare_image(img)
+        xs.append(x1)
+        # the picture as the model sees it (same size), for the report's overlays
+        small = img.resize((x1.shape[-1], x1.shape[-2]))
+        raw.append(torch.from_numpy(np.asarray(small, dtype=np.float32) / 255.0).permute(2, 0, 1))
+    x, images = torch.cat(xs), torch.stack(raw)
+    return {"x": x, "images": images, "labels": None, "masks": None, "marker": None, "files": files}
+
+
+def _rich_table(result: Any) -> None:
+    """Print the evaluation table with rich when it is installed, else as plain text."""
+    from .evaluate.suite import METRICS
+
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        click.echo(result.summary())
+        return
+    table = Table(title=f"{result.n} examples" + ("" if result.accuracy is None else
+                                                   f", model accuracy {result.accuracy:.3f}"))
+    table.add_column("method")
+    for k in result.metrics:
+        table.add_column(f"{k} {'↑' if METRICS[k][1] else '↓'}", justify="right")
+    table.add_column("seconds", justify="right")
+    best = {k: result.best(k) for k in result.metrics}
+    for m in result.methods:
+        cells = []
+        for k in result.metrics:
+            v, se = result.values[m][k], result.stderr[m][k]
+            s = f"{v:.1f}±{se:.1f}" if k in ("positive", "negative") else f"{v:.3f}±{se:.3f}"
+            cells.append(f"[bold]{s}[/bold]" if best[k] == m else s)
+        table.add_row(m, *cells, f"{result.seconds[m]:.2f}")
+    if result.chance:
+        table.add_row("[dim](chance)[/dim]", *[f"[dim]{result.chance[k]:.3f}[/dim]" if k in result.chance else ""
+                                               for k in result.metrics], "")
+    console = Console()
+    if not console.is_terminal:  # a pipe or a file: do not squeeze the table into 80 columns
+        console = Console(width=max(console.width, 160))
+    console.print(table)
+
+
+# -------------------------------------------------------------------------------------------- evaluate
+@cli.command("evaluate", short_help="Score methods with perturbation and localisation metrics.")
+@click.option("--model", "model_spec", metavar="MODEL", default="shapes", show_default=True,
+              help="shapes | shapes-marker (embedded) | a local transformers image-classifier folder.")
+@click.option("--methods", "method_list", default="rollout,flow,gae,grad_rollout,raw,integrated_gradients,random",
+              show_default=True, help="Comma-separated methods to compare.")
+@click.option("--data", default="shapes", show_default=True,
+              help="shapes | shapes-marker (generated, with object masks) | a folder of images (no masks: "
+                   "perturbation metrics only).")
+@click.option("--n", "n", default=200, show_default=True, type=click.IntRange(1), help="How many images.")
+@click.option("--seed", default=12345, show_default=True, type=click.IntRange(0),
+              help="Seed of the generated images (12345 = the shapes model's held-out test seed).")
+@click.option("--metrics", "metric_list", help="Comma-separated subset of deletion, insertion, positive, negative, "
+              "pointing, mass, iou [default: all that the data allows].")
+@click.option("--option", "-o", "options", multiple=True, metavar="[METHOD.]KEY=VALUE",
+              help="A method option, e.g. -o flow.n_jobs=2 or -o alpha=0.6 (every method that takes it).")
+@click.option("--fill", default=0.0, show_default=True, type=float,
+              help="Value (model-input space) of removed patches; 0 = mean grey for normalised inputs.")
+@click.option("--steps", type=click.IntRange(1), help="Deletion / insertion steps [default: one per patch].")
+@click.option("--batch-size", default=64, show_default=True, type=click.IntRange(1), help="Images per forward pass.")
+@click.option("--out", type=click.Path(path_type=Path), default=Path("attnroll-eval"), show_default=True,
+              help="Output folder (created): evaluation.csv, evaluation.json, curves.png (perturbation curves).")
+def evaluate_cmd(model_spec, method_list, data, n, seed, metric_list, options, fill, steps, batch_size, out) -> None:
+    """Compare methods on one image model: deletion / insertion AUC, positive / negative perturbation AUC and,
+    on generated data with object masks, the pointing game, the relevance mass in the object and the top-k IoU.
+    Prints a table (mean ± standard error, best in bold) and writes a CSV, a JSON and a figure of the curves."""
+    import torch
+
+    from .evaluate.suite import LOCALISATION, METRICS, evaluate_methods
+
+    names = _methods_list(method_list)
+    opts = _method_options(options, names)
+    metrics = None
+    if metric_list:
+        metrics = [m.strip() for m in metric_list.split(",") if m.strip()]
+        bad = [m for m in metrics if m not in METRICS]
+        if bad or not metrics:
+            raise click.UsageError(f"--metrics: unknown {bad or '(none given)'}; choose from {', '.join(METRICS)}")
+    out = prepare_out(out)
+    lm = load_image_model(model_spec)
+    d = load_data(data, lm, n, seed)
+    masks = None
+    if d["masks"] is not None:
+        from .models.shapes import patch_masks
+
+        masks = patch_masks(d["masks"])
+    elif metrics and any(k in LOCALISATION for k in metrics):
+        raise click.UsageError("--metrics pointing/mass/iou need object masks: use --data shapes or shapes-marker")
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    result = evaluate_methods(lm.model, d["x"], names, labels=d["labels"], masks=masks, metrics=metrics,
+                              method_options=opts, fill=fill, steps=steps, batch_size=batch_size,
+                              progress=lambda msg: click.echo(msg, err=True))
+    _rich_table(result)
+    import io
+
+    from .viz import _deps
+
+    meta = {"model": lm.name, "data": data, "n": n, "seed": seed, "fill": fill, "steps": steps,
+            "options": opts}
+    written = [_write(out / "evaluation.csv", result.to_csv()),
+               _write(out / "evaluation.json", json.dumps({**meta, **result.as_dict()}, indent=1, default=float))]
+    if any(k in result.curves.get(result.methods[0], {}) for k in ("deletion", "insertion", "positive", "negative")):
+        plt = _deps.pyplot("attnroll evaluate")
+        fig = result.plot()
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png", dpi=110)
+        plt.close(fig)
+        written.append(_write(out / "curves.png", buf.getvalue()))
+    for p in written:
+        click.echo(f"wrote {p}")
+
+
+# ----------------------------------------------------------------------------------------------- audit
+@cli.command("audit", short_help="Compare what two checkpoints rely on, on the same inputs.")
+@click.argument("model_a", metavar="MODEL_A")
+@click.argument("model_b", metavar="MODEL_B")
+@click.option("--data", default="shapes-marker", show_default=True,
+              help="shapes | shapes-marker (generated; regions object / marker / background) | a folder of images "
+                   "(regions centre / border / corners).")
+@click.option("--n", "n", default=200, show_default=True, type=click.IntRange(1), help="How many images.")
+@click.option("--seed", default=12345, show_default=True, type=click.IntRange(0), help="Seed of generated images.")
+@click.option("--method", "-m", default="rollout", show_default=True, help="The method whose maps are compared.")
+@click.option("--option", "-o", "options", multiple=True, metavar="KEY=VALUE", help="An option of the method.")
+@click.option("--examples", default=8, show_default=True, type=click.IntRange(1, 64),
+              help="How many most-changed examples the picture shows.")
+@click.option("--format", "fmt", default="html", show_default=True, type=click.Choice(["html", "png"]),
+              help="Report format.")
+@click.option("--out", type=click.Path(path_type=Path), default=Path("attnroll-audit"), show_default=True,
+              help="Output folder (created): audit.html or audit.png, and audit.json.")
+@click.option("--fail-if-flagged", is_flag=True, help="Exit with code 3 when the audit flags a shift (for CI).")
+def audit_cmd(model_a, model_b, data, n, seed, method, options, examples, fmt, out, fail_if_flagged) -> int:
+    """Explain the same inputs with MODEL_A and MODEL_B (shapes | shapes-marker | a transformers image-model
+    folder) and report how the maps differ: per example Jensen-Shannon divergence, rank correlation and top-k
+    overlap; the mass moving between regions with bootstrap confidence intervals; a verdict; and a picture of the
+    examples that changed most. Exit code 3 with --fail-if-flagged when a shift is flagged."""
+    from . import methods
+    from .evaluate.audit import audit, grid_regions, shapes_regions
+
+    if method not in methods():
+        raise click.UsageError(f"--method {method!r} is unknown; see 'attnroll methods'")
+    opts = parse_options(options)
+    out = prepare_out(out)
+    la, lb = load_image_model(model_a), load_image_model(model_b)
+    d = load_data(data, la, n, seed)
+    if d["masks"] is not None:
+        regions = shapes_regions(d["masks"], d["marker"])
+    else:
+        regions = None  # audit() falls back to grid_regions (centre / border / corners)
+    report = audit(la.model, lb.model, d["x"], method=method, regions=regions, **opts)
+    click.echo(f"A = {la.name}\nB = {lb.name}\ndata = {data} ({d['x'].shape[0]} images), method = {method}")
+    click.echo(report.summary())
+    names = [la.labels.get(i, str(i)) for i in range(max(la.labels or {0: 0}) + 1)] if la.labels else None
+    target = out / f"audit.{fmt}"
+    try:
+        report.save(target, images=d["images"], n=examples, class_names=names)
+    except OSError as e:
+        raise Failure(f"cannot write {target}: {e.strerror or e}") from None
+    meta = {"model_a": la.name, "model_b": lb.name, "data": data, "n": n, "seed": seed, "method": method,
+            "options": opts}
+    _write(out / "audit.json", json.dumps({**meta, **report.as_dict()}, indent=1, default=float))
+    click.echo(f"wrote {target}\nwrote {out / 'audit.json'}")
+    return 3 if (fail_if_flagged and report.flagged) else 0
