@@ -19,13 +19,6 @@ from attnroll.cli import cli  # noqa: E402
 from attnroll.methods.explanation import Explanation  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # shared machine; the models are tiny
-    yield
-    torch.set_num_threads(n)
-
 
 @pytest.fixture(scope="module")
 def vit_dir(tmp_path_factory):

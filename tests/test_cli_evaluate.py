@@ -21,13 +21,6 @@ from attnroll.evaluate.suite import evaluate_methods  # noqa: E402
 from attnroll.models import shapes  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def run(*args):
     return CliRunner().invoke(cli, [str(a) for a in args])
@@ -49,7 +42,8 @@ def test_evaluate_csv_matches_the_library(tmp_path):
     assert [r["method"] for r in rows] == ["rollout", "random"]
     images, labels, masks = shapes.make_dataset(6, 3)
     want = evaluate_methods(shapes.load_shapes_model(), shapes.preprocess(images), ["rollout", "random"],
-                            labels=labels, masks=shapes.patch_masks(masks), steps=4, batch_size=4)
+                            labels=labels, masks=shapes.patch_masks(masks), steps=4, batch_size=4,
+                            fill=-1.0)  # --fill black: a black pixel is -1 after the shapes preprocessing
     for r in rows:
         for k in ("deletion", "insertion", "positive", "negative", "pointing", "mass", "iou"):
             assert float(r[k]) == pytest.approx(want.values[r["method"]][k], rel=1e-5, abs=1e-9), (r["method"], k)
@@ -73,7 +67,20 @@ def test_evaluate_method_options_reach_the_method(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["evaluation.csv", "evaluation.json"]  # no curves to draw
 
 
+def test_evaluate_fill_mean_and_number(tmp_path):
+    images, labels, _ = shapes.make_dataset(3, 4)
+    model, x = shapes.load_shapes_model(), shapes.preprocess(images)
+    for fill, value in (("mean", 0.0), ("0.25", 0.25)):
+        res = run("evaluate", "--n", 3, "--seed", 4, "--methods", "rollout", "--metrics", "positive", "--fill", fill,
+                  "--out", tmp_path / fill)
+        assert res.exit_code == 0, res.output
+        rows = list(csv.DictReader(io.StringIO((tmp_path / fill / "evaluation.csv").read_text())))
+        want = evaluate_methods(model, x, ["rollout"], metrics=["positive"], fill=value)
+        assert float(rows[0]["positive"]) == pytest.approx(want.values["rollout"]["positive"])
+
+
 @pytest.mark.parametrize("args, code, words", [
+    (("--fill", "grey"), 2, "--fill must be"),
     (("--methods", "rollout,nope"), 2, "unknown"),
     (("--metrics", "speed"), 2, "speed"),
     (("-o", "per_head_rollout.alpha=1"), 2, "not among the evaluated"),

@@ -110,6 +110,21 @@ def load_data(data: str, lm: LoadedModel, n: int, seed: int) -> dict[str, Any]:
     return {"x": x, "images": images, "labels": None, "masks": None, "marker": None, "files": files}
 
 
+def fill_tensor(fill: str, lm: LoadedModel, x: Any) -> Any:
+    """``--fill``: "black" = a black picture through the model's own preprocessing ((C, H, W), per channel),
+    "mean" = 0.0, or a float in model-input space."""
+    if fill == "mean":
+        return 0.0
+    if fill == "black":
+        from PIL import Image
+
+        return lm.prepare_image(Image.new("RGB", (int(x.shape[-1]), int(x.shape[-2])), (0, 0, 0)))[0]
+    try:
+        return float(fill)
+    except ValueError:
+        raise click.UsageError(f"--fill must be black, mean or a number, got {fill!r}") from None
+
+
 def _rich_table(result: Any) -> None:
     """Print the evaluation table with rich when it is installed, else as plain text."""
     from .evaluate.suite import METRICS
@@ -159,8 +174,9 @@ def _rich_table(result: Any) -> None:
               "pointing, mass, iou [default: all that the data allows].")
 @click.option("--option", "-o", "options", multiple=True, metavar="[METHOD.]KEY=VALUE",
               help="A method option, e.g. -o flow.n_jobs=2 or -o alpha=0.6 (every method that takes it).")
-@click.option("--fill", default=0.0, show_default=True, type=float,
-              help="Value (model-input space) of removed patches; 0 = mean grey for normalised inputs.")
+@click.option("--fill", default="black", show_default=True, metavar="black|mean|FLOAT",
+              help="What replaces removed patches: black pixels (Chefer et al.: zero before normalisation), "
+                   "mean (0 in model-input space) or a value in model-input space.")
 @click.option("--steps", type=click.IntRange(1), help="Deletion / insertion steps [default: one per patch].")
 @click.option("--batch-size", default=64, show_default=True, type=click.IntRange(1), help="Images per forward pass.")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("attnroll-eval"), show_default=True,
@@ -191,9 +207,9 @@ def evaluate_cmd(model_spec, method_list, data, n, seed, metric_list, options, f
         masks = patch_masks(d["masks"])
     elif metrics and any(k in LOCALISATION for k in metrics):
         raise click.UsageError("--metrics pointing/mass/iou need object masks: use --data shapes or shapes-marker")
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    fill_value = fill_tensor(fill, lm, d["x"])
     result = evaluate_methods(lm.model, d["x"], names, labels=d["labels"], masks=masks, metrics=metrics,
-                              method_options=opts, fill=fill, steps=steps, batch_size=batch_size,
+                              method_options=opts, fill=fill_value, steps=steps, batch_size=batch_size,
                               progress=lambda msg: click.echo(msg, err=True))
     _rich_table(result)
     import io

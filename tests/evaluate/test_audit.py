@@ -20,7 +20,6 @@ from attnroll.models import shapes, spurious
 
 @pytest.fixture(scope="module")
 def setup():
-    torch.set_num_threads(1)
     x, y, obj = shapes.make_dataset(48, 2024)
     marked, mk = spurious.add_marker(x, y, agree=1.0, seed=0)
     return {

@@ -17,14 +17,6 @@ from attnroll.methods.explanation import Explanation
 
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One intra-op thread: on a shared 2-core machine torch's default threads oversubscribe (40x slower)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 H = W = 8
 GRID = (4, 4)

@@ -22,13 +22,6 @@ ALL4 = ("rollout", "gae", "grad_rollout", "raw")
 EXACT = dict(abs=1e-12)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models: a second intra-op thread only adds contention on a loaded 2-core machine (10x slower)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

@@ -23,13 +23,6 @@ from attnroll.evaluate import (  # noqa: E402
 from attnroll.models import shapes  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 @pytest.fixture(scope="module")
 def data():

@@ -13,13 +13,6 @@ from torch import nn
 from attnroll.evaluate import text as T
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One intra-op thread: on a shared 2-core machine torch's default threads oversubscribe."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 CLS, SEP, PAD, KEY = 1, 2, 0, 7

@@ -154,7 +154,6 @@ def test_training_chunk_labels_and_share():
 
 
 def test_train_changes_weights_deterministically():
-    torch.set_num_threads(1)
     states = []
     for _ in range(2):
         model = shapes.load_shapes_model()
@@ -167,7 +166,6 @@ def test_train_changes_weights_deterministically():
 
 
 def test_script_writes_a_loadable_model(tmp_path):
-    torch.set_num_threads(1)
     argv = ["--out", str(tmp_path), "--steps", "1", "--batch-size", "4", "--test-size", "8"]
     assert finetune_marker.main(argv) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["MODEL_CARD.md", "config.json", "model.safetensors"]

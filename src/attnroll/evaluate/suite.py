@@ -184,7 +184,7 @@ def evaluate_methods(
     metrics: Sequence[str] | None = None,
     target: Any = None,
     method_options: dict[str, dict[str, Any]] | None = None,
-    fill: float = 0.0,
+    fill: Any = 0.0,
     steps: int | None = None,
     batch_size: int = 64,
     progress: Callable[[str], None] | None = None,
@@ -203,8 +203,10 @@ def evaluate_methods(
             metrics when ``masks`` is given).
         target: classes to explain and score (None = predicted class).
         method_options: method name -> options for that method (e.g. ``{"flow": {"n_jobs": 2}}``).
-        fill: value (in model-input space) that replaces removed patches (deletion, positive, negative); 0.0 is
-            the dataset mean for inputs normalised to zero mean. Insertion starts from a blurred image.
+        fill: what replaces removed patches (deletion, positive, negative), in model-input space: a float
+            (0.0 = the mean for inputs normalised to zero mean) or a tensor broadcastable to one image, e.g. a
+            black picture run through the model's preprocessing (Chefer et al. zero pixels before
+            normalisation; ``attnroll evaluate`` does that by default). Insertion starts from a blurred image.
         steps: deletion / insertion steps (None = one per patch).
         batch_size: images per forward pass, for explaining and for scoring.
         progress: called with a short message before each method (e.g. ``print``).
