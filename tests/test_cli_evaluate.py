@@ -148,3 +148,55 @@ def test_audit_errors(tmp_path):
     (tmp_path / "empty").mkdir()
     line = one_line_error(run("audit", "shapes", "shapes", "--data", tmp_path / "empty", "--out", tmp_path / "o"), 1)
     assert "no images" in line
+
+
+@pytest.fixture(scope="module")
+def bert_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("bert")
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "cat", "sat", "on", "mat", "a", "dog", "ran"]
+    (d / "vocab.txt").write_text("\n".join(words) + "\n")
+    tok = T.BertTokenizer(str(d / "vocab.txt"))
+    torch.manual_seed(0)
+    cfg = T.BertConfig(vocab_size=len(words), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                       intermediate_size=37, max_position_embeddings=64, num_labels=2, initializer_range=0.3)
+    T.BertForSequenceClassification(cfg).eval().save_pretrained(d)
+    tok.save_pretrained(d)
+    return d
+
+
+TEXTS = ["the cat sat on the mat", "a dog ran", "", "the dog sat on a cat mat", "a cat ran on the mat"]
+
+
+def test_evaluate_text_classifier_matches_the_library(bert_dir, tmp_path):
+    f = tmp_path / "texts.txt"
+    f.write_text("\n".join(TEXTS) + "\n")
+    res = run("evaluate", "--model", bert_dir, "--data", f, "--methods", "rollout,random", "--out", tmp_path / "o")
+    assert res.exit_code == 0, res.output
+    assert sorted(os.listdir(tmp_path / "o")) == ["curves.png", "evaluation.csv", "evaluation.json"]
+    rows = list(csv.DictReader(io.StringIO((tmp_path / "o" / "evaluation.csv").read_text())))
+    from attnroll.evaluate import comprehensiveness, sufficiency
+    from attnroll.evaluate.suite import explain_scores
+
+    tok = T.AutoTokenizer.from_pretrained(bert_dir)
+    model = T.AutoModelForSequenceClassification.from_pretrained(bert_dir).eval()
+    enc = tok([t for t in TEXTS if t], padding=True, return_tensors="pt", return_special_tokens_mask=True)
+    plain = {k: v for k, v in enc.items() if k != "special_tokens_mask"}
+    for r in rows:
+        s, _ = explain_scores(model, plain, r["method"])
+        assert float(r["comprehensiveness"]) == pytest.approx(comprehensiveness(model, enc, s).value, abs=1e-6)
+        assert float(r["sufficiency"]) == pytest.approx(sufficiency(model, enc, s).value, abs=1e-6)
+
+
+def test_evaluate_text_errors(bert_dir, tmp_path):
+    f = tmp_path / "texts.txt"
+    f.write_text("the cat\n")
+    line = one_line_error(run("evaluate", "--model", bert_dir, "--out", tmp_path / "o"), 2)  # default data: shapes
+    assert "text file" in line
+    line = one_line_error(run("evaluate", "--model", bert_dir, "--data", f, "--metrics", "deletion",
+                              "--out", tmp_path / "o"), 2)
+    assert "do not apply" in line
+    (tmp_path / "blank.txt").write_text("\n  \n")
+    line = one_line_error(run("evaluate", "--model", bert_dir, "--data", tmp_path / "blank.txt", "--out", tmp_path / "o"), 1)
+    assert "no text" in line
+    line = one_line_error(run("evaluate", "--metrics", "sufficiency", "--n", 2, "--out", tmp_path / "o"), 2)
+    assert "do not apply" in line

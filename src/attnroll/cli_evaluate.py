@@ -54,8 +54,17 @@ def _method_options(items: tuple[str, ...], names: list[str]) -> dict[str, dict[
 
 
 def load_image_model(spec: str | None) -> LoadedModel:
-    """A model spec of the evaluation commands: "shapes" (default), "shapes-marker" (the spurious-cue copy),
-    or a local transformers image-model folder."""
+    """A model spec of ``audit``: "shapes" (default), "shapes-marker" (the spurious-cue copy), or a local
+    transformers image-model folder."""
+    lm = load_eval_model(spec)
+    if lm.kind != "image":
+        raise Failure(f"{spec}: a text model; 'attnroll audit' compares image classifiers")
+    return lm
+
+
+def load_eval_model(spec: str | None) -> LoadedModel:
+    """A model spec of ``evaluate``: "shapes" (default), "shapes-marker" (the spurious-cue copy), or a local
+    transformers folder (an image classifier, or a text classifier with its tokenizer)."""
     if spec == "shapes-marker":
         from .cli import load_shapes
         from .models import spurious
@@ -67,10 +76,26 @@ def load_image_model(spec: str | None) -> LoadedModel:
             raise Failure(str(e)) from None
         lm.name = "shapes-marker (embedded, spurious corner cue)"
         return lm
-    lm = load_model(spec or "shapes", None, "image")
-    if lm.kind != "image":
-        raise Failure(f"{spec}: a text model; 'attnroll evaluate' and 'audit' take image classifiers")
-    return lm
+    return load_model(spec or "shapes", None, "image")
+
+
+def load_texts(data: str, n: int) -> list[str]:
+    """``--data`` for a text classifier: a UTF-8 text file, one example per line (blank lines skipped)."""
+    path = Path(data)
+    if data in DATASETS or not path.is_file():
+        raise click.UsageError(f"--data {data}: a text classifier needs a text file, one example per line")
+    try:
+        lines = [ln.strip() for ln in path.read_text(encoding="utf-8").splitlines()]
+    except (OSError, UnicodeDecodeError) as e:
+        raise Failure(f"cannot read {path}: {_one_line_err(e)}") from None
+    texts = [ln for ln in lines if ln][:n]
+    if not texts:
+        raise Failure(f"{path}: no text in this file (one example per line)")
+    return texts
+
+
+def _one_line_err(e: Exception) -> str:
+    return " ".join(str(getattr(e, "strerror", None) or e).split())
 
 
 def load_data(data: str, lm: LoadedModel, n: int, seed: int) -> dict[str, Any]:
@@ -161,17 +186,17 @@ def _rich_table(result: Any) -> None:
 # -------------------------------------------------------------------------------------------- evaluate
 @cli.command("evaluate", short_help="Score methods with perturbation and localisation metrics.")
 @click.option("--model", "model_spec", metavar="MODEL", default="shapes", show_default=True,
-              help="shapes | shapes-marker (embedded) | a local transformers image-classifier folder.")
+              help="shapes | shapes-marker (embedded) | a local transformers image or text classifier folder.")
 @click.option("--methods", "method_list", default="rollout,flow,gae,grad_rollout,raw,integrated_gradients,random",
               show_default=True, help="Comma-separated methods to compare.")
 @click.option("--data", default="shapes", show_default=True,
               help="shapes | shapes-marker (generated, with object masks) | a folder of images (no masks: "
-                   "perturbation metrics only).")
+                   "perturbation metrics only) | for a text classifier, a text file with one example per line.")
 @click.option("--n", "n", default=200, show_default=True, type=click.IntRange(1), help="How many images.")
 @click.option("--seed", default=12345, show_default=True, type=click.IntRange(0),
               help="Seed of the generated images (12345 = the shapes model's held-out test seed).")
 @click.option("--metrics", "metric_list", help="Comma-separated subset of deletion, insertion, positive, negative, "
-              "pointing, mass, iou [default: all that the data allows].")
+              "pointing, mass, iou (images) or comprehensiveness, sufficiency (text) [default: all that apply].")
 @click.option("--option", "-o", "options", multiple=True, metavar="[METHOD.]KEY=VALUE",
               help="A method option, e.g. -o flow.n_jobs=2 or -o alpha=0.6 (every method that takes it).")
 @click.option("--fill", default="black", show_default=True, metavar="black|mean|FLOAT",
@@ -182,12 +207,11 @@ def _rich_table(result: Any) -> None:
 @click.option("--out", type=click.Path(path_type=Path), default=Path("attnroll-eval"), show_default=True,
               help="Output folder (created): evaluation.csv, evaluation.json, curves.png (perturbation curves).")
 def evaluate_cmd(model_spec, method_list, data, n, seed, metric_list, options, fill, steps, batch_size, out) -> None:
-    """Compare methods on one image model: deletion / insertion AUC, positive / negative perturbation AUC and,
-    on generated data with object masks, the pointing game, the relevance mass in the object and the top-k IoU.
-    Prints a table (mean ± standard error, best in bold) and writes a CSV, a JSON and a figure of the curves."""
-    import torch
-
-    from .evaluate.suite import LOCALISATION, METRICS, evaluate_methods
+    """Compare methods on one classifier. Images: deletion / insertion AUC, positive / negative perturbation AUC
+    and, on generated data with object masks, the pointing game, the relevance mass in the object and the top-k
+    IoU. Text classifiers (--data FILE, one example per line): AOPC comprehensiveness and sufficiency. Prints a
+    table (mean ± standard error, best in bold) and writes a CSV, a JSON and a figure of the curves."""
+    from .evaluate.suite import LOCALISATION, METRICS
 
     names = _methods_list(method_list)
     opts = _method_options(options, names)
@@ -198,7 +222,12 @@ def evaluate_cmd(model_spec, method_list, data, n, seed, metric_list, options, f
         if bad or not metrics:
             raise click.UsageError(f"--metrics: unknown {bad or '(none given)'}; choose from {', '.join(METRICS)}")
     out = prepare_out(out)
-    lm = load_image_model(model_spec)
+    lm = load_eval_model(model_spec)
+    if lm.kind == "text":
+        result = _evaluate_text(lm, data, n, names, metrics, opts, batch_size)
+        meta = {"model": lm.name, "data": data, "n": n, "options": opts}
+        _write_results(out, result, meta)
+        return
     d = load_data(data, lm, n, seed)
     masks = None
     if d["masks"] is not None:
@@ -208,19 +237,47 @@ def evaluate_cmd(model_spec, method_list, data, n, seed, metric_list, options, f
     elif metrics and any(k in LOCALISATION for k in metrics):
         raise click.UsageError("--metrics pointing/mass/iou need object masks: use --data shapes or shapes-marker")
     fill_value = fill_tensor(fill, lm, d["x"])
-    result = evaluate_methods(lm.model, d["x"], names, labels=d["labels"], masks=masks, metrics=metrics,
-                              method_options=opts, fill=fill_value, steps=steps, batch_size=batch_size,
-                              progress=lambda msg: click.echo(msg, err=True))
-    _rich_table(result)
-    import io
-
-    from .viz import _deps
-
+    result = _run_suite(lm.model, d["x"], names, labels=d["labels"], masks=masks, metrics=metrics,
+                        method_options=opts, fill=fill_value, steps=steps, batch_size=batch_size)
     meta = {"model": lm.name, "data": data, "n": n, "seed": seed, "fill": fill, "steps": steps,
             "options": opts}
+    _write_results(out, result, meta)
+
+
+def _evaluate_text(lm: LoadedModel, data: str, n: int, names: list[str], metrics: Any, opts: dict,
+                   batch_size: int) -> Any:
+    from .evaluate.suite import LOCALISATION
+
+    if metrics and any(k in LOCALISATION for k in metrics):
+        raise click.UsageError("--metrics pointing/mass/iou need masks, which text files do not carry")
+    texts = load_texts(data, n)
+    enc = lm.tokenizer(texts, padding=True, truncation=True, return_tensors="pt", return_special_tokens_mask=True)
+    return _run_suite(lm.model, enc, names, metrics=metrics, method_options=opts, batch_size=batch_size)
+
+
+def _run_suite(model: Any, inputs: Any, names: list[str], **kwargs: Any) -> Any:
+    """evaluate_methods with progress on stderr; metrics that do not fit the model's kind are a usage error."""
+    from .evaluate.suite import evaluate_methods
+
+    try:
+        return evaluate_methods(model, inputs, names, progress=lambda msg: click.echo(msg, err=True), **kwargs)
+    except ValueError as e:
+        if "do not apply" in str(e):
+            raise click.UsageError(f"--metrics: {e}") from None
+        raise
+
+
+def _write_results(out: Path, result: Any, meta: dict) -> None:
+    """The table on the terminal; evaluation.csv, evaluation.json and (when there are curves) curves.png."""
+    import io
+
+    from .evaluate.suite import CURVES
+    from .viz import _deps
+
+    _rich_table(result)
     written = [_write(out / "evaluation.csv", result.to_csv()),
                _write(out / "evaluation.json", json.dumps({**meta, **result.as_dict()}, indent=1, default=float))]
-    if any(k in result.curves.get(result.methods[0], {}) for k in ("deletion", "insertion", "positive", "negative")):
+    if any(k in result.curves.get(result.methods[0], {}) for k in CURVES):
         plt = _deps.pyplot("attnroll evaluate")
         fig = result.plot()
         buf = io.BytesIO()

@@ -119,3 +119,28 @@ def test_bad_pixel_values(data):
         evaluate_methods(model, torch.zeros(0, 3, 64, 64), ["rollout"])
     with pytest.raises(ValueError, match="float"):
         evaluate_methods(model, torch.zeros(2, 64, 64), ["rollout"])
+
+
+def test_text_inputs_get_the_aopc_metrics():
+    T = pytest.importorskip("transformers")
+    from attnroll.evaluate import comprehensiveness, sufficiency
+
+    torch.manual_seed(0)
+    cfg = T.BertConfig(vocab_size=30, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                       intermediate_size=37, max_position_embeddings=32, num_labels=3, initializer_range=0.3)
+    model = T.BertForSequenceClassification(cfg).eval()
+    ids = torch.tensor([[2, 7, 8, 9, 10, 3], [2, 11, 12, 3, 0, 0], [2, 13, 14, 15, 3, 0]])
+    am = (ids != 0).long()
+    keep = (ids == 2) | (ids == 3)
+    enc = {"input_ids": ids, "attention_mask": am}
+    r = evaluate_methods(model, enc, ["rollout", "random"], keep=keep, bins=(0.25, 0.5), batch_size=2)
+    assert r.metrics == ["comprehensiveness", "sufficiency"]
+    for m in ("rollout", "random"):
+        s = explain(model, enc, m).scores
+        c = comprehensiveness(model, enc, s, keep=keep, bins=(0.25, 0.5))
+        assert r.values[m]["comprehensiveness"] == pytest.approx(c.value, abs=1e-6)
+        assert r.values[m]["sufficiency"] == pytest.approx(
+            sufficiency(model, enc, s, keep=keep, bins=(0.25, 0.5)).value, abs=1e-6)
+        assert np.allclose(r.curves[m]["comprehensiveness"][0], [0.25, 0.5])
+    with pytest.raises(ValueError, match="do not apply to a text classifier"):
+        evaluate_methods(model, enc, ["rollout"], metrics=["deletion"])

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -27,12 +27,16 @@ METRICS: dict[str, tuple[str, bool]] = {
     "insertion": ("insertion AUC (Petsiuk et al. 2018): target probability as the most relevant patches are restored", True),
     "positive": ("positive-perturbation AUC x100 (Chefer et al. 2021): accuracy, 0-90% most relevant removed", False),
     "negative": ("negative-perturbation AUC x100 (Chefer et al. 2021): accuracy, 0-90% least relevant removed", True),
+    "comprehensiveness": ("AOPC comprehensiveness (DeYoung et al. 2020): probability drop without the top tokens", True),
+    "sufficiency": ("AOPC sufficiency (DeYoung et al. 2020): probability drop with only the top tokens", False),
     "pointing": ("pointing game: share of maps whose top patch lies on the object", True),
     "mass": ("relevance mass inside the object mask (Arras et al. 2022)", True),
     "iou": ("IoU of the top-k patches with the object mask (k = mask size)", True),
 }
 PERTURBATION = ("deletion", "insertion", "positive", "negative")
+TEXT = ("comprehensiveness", "sufficiency")
 LOCALISATION = ("pointing", "mass", "iou")
+CURVES = PERTURBATION + TEXT
 
 
 @dataclass
@@ -123,16 +127,19 @@ class EvaluationResult:
         from ..viz import _deps
 
         plt = _deps.pyplot("EvaluationResult.plot")
-        kinds = [k for k in self.metrics if k in PERTURBATION]
+        kinds = [k for k in self.metrics if k in CURVES]
         if not kinds:
-            raise ValueError("no perturbation metric was computed, so there are no curves to plot")
+            raise ValueError("no perturbation or AOPC metric was computed, so there are no curves to plot")
         if fig is None:
             fig = plt.figure(figsize=(4.2 * len(kinds), 3.6))
         axes = fig.subplots(1, len(kinds), squeeze=False)[0]
         xlabel = {"deletion": "share of patches removed", "insertion": "share of patches restored",
-                  "positive": "share removed (most relevant first)", "negative": "share removed (least relevant first)"}
+                  "positive": "share removed (most relevant first)", "negative": "share removed (least relevant first)",
+                  "comprehensiveness": "share of tokens deleted (top first)",
+                  "sufficiency": "share of tokens kept (top first)"}
         ylabel = {"deletion": "target probability", "insertion": "target probability",
-                  "positive": "accuracy", "negative": "accuracy"}
+                  "positive": "accuracy", "negative": "accuracy",
+                  "comprehensiveness": "probability drop", "sufficiency": "probability drop"}
         for ax, k in zip(axes, kinds):
             for m in self.methods:
                 f, c = self.curves[m][k]
@@ -141,24 +148,25 @@ class EvaluationResult:
             ax.set_title(f"{k} ({'higher' if METRICS[k][1] else 'lower'} is better)", fontsize=10)
             ax.set_xlabel(xlabel[k], fontsize=9)
             ax.set_ylabel(ylabel[k], fontsize=9)
-            ax.set_ylim(-0.02, 1.02)
+            if k in PERTURBATION:
+                ax.set_ylim(-0.02, 1.02)
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7, loc="best")
         fig.tight_layout()
         return fig
 
 
-def explain_scores(model: Any, pixel_values: torch.Tensor, method: str, *, target: Any = None,
+def explain_scores(model: Any, pixel_values: Any, method: str, *, target: Any = None,
                    batch_size: int = 64, **options: Any) -> tuple[torch.Tensor, tuple[int, int] | None]:
-    """Explain ``pixel_values`` (B, 3, H, W) in chunks with one method; returns scores (B, units) float32 and the
-    patch grid. Gradient methods run with gradients enabled (and only they). ``target`` None / int / list of B
+    """Explain ``pixel_values`` (B, 3, H, W) — or a tokenizer's dict of (B, n) tensors — in chunks with one
+    method; returns scores (B, units) float32 and the patch grid (None for text). Gradient methods run with gradients enabled (and only they). ``target`` None / int / list of B
     ints; the ``random`` control gets a distinct seed per example (``seed`` + index), so chunking does not
     repeat maps."""
     from ..methods.base import _get, _load_all, explain
 
     _load_all()
     m = _get(method)
-    B = pixel_values.shape[0]
+    B = _batch_size(pixel_values)
     if isinstance(target, torch.Tensor):
         target = target.tolist()
     out, grid = [], None
@@ -168,7 +176,7 @@ def explain_scores(model: Any, pixel_values: torch.Tensor, method: str, *, targe
         if m.name == "random":
             opts["seed"] = int(options.get("seed", 0)) + sl.start
         with torch.set_grad_enabled(m.needs_grad):
-            e = explain(model, pixel_values[sl], method=m.name, target=t, **opts)
+            e = explain(model, _take(pixel_values, sl), method=m.name, target=t, **opts)
         out.append(e.scores.detach().float().cpu())
         grid = e.grid
     return torch.cat(out), grid
@@ -176,7 +184,7 @@ def explain_scores(model: Any, pixel_values: torch.Tensor, method: str, *, targe
 
 def evaluate_methods(
     model: Any,
-    pixel_values: Any,
+    inputs: Any,
     methods: Sequence[str] = DEFAULT_METHODS,
     *,
     labels: Any = None,
@@ -186,43 +194,65 @@ def evaluate_methods(
     method_options: dict[str, dict[str, Any]] | None = None,
     fill: Any = 0.0,
     steps: int | None = None,
+    bins: Sequence[float] | None = None,
+    keep: Any = None,
     batch_size: int = 64,
     progress: Callable[[str], None] | None = None,
 ) -> EvaluationResult:
-    """Score several methods' maps on one image model with perturbation and (given masks) localisation metrics.
+    """Score several methods' maps on one classifier, side by side.
+
+    Image models (``inputs`` = pixel values (B, C, H, W)): deletion / insertion AUC and positive / negative
+    perturbation AUC over patches. Text classifiers (``inputs`` = a tokenizer's dict / BatchEncoding with
+    ``input_ids``): AOPC comprehensiveness and sufficiency over tokens. Either kind, given ``masks``: the
+    pointing game, relevance mass and top-k IoU against them (object patches, or rationale tokens).
 
     Args:
-        model: an image classifier ``explain`` supports, in eval mode.
-        pixel_values: (B, 3, H, W) model inputs (already preprocessed).
-        methods: registered method names (see ``attnroll.methods()``).
-        labels: (B,) true classes: reported as the model's accuracy; the perturbation metrics still explain and
-            score the *predicted* class (Chefer et al.'s "predicted class" protocol).
-        masks: (B, h, w) or (B, units) bool patch masks of the object (e.g. ``patch_masks(masks)`` on the shapes
+        model: a classifier ``explain`` supports, in eval mode.
+        inputs: (B, 3, H, W) preprocessed pixel values, or a dict of (B, n) tensors (``input_ids``,
+            ``attention_mask``, optionally ``token_type_ids`` / ``special_tokens_mask``).
+        methods: registered method names (see ``attnroll.methods()``), or one comma-separated string.
+        labels: (B,) true classes: reported as the model's accuracy; the metrics still explain and score the
+            *predicted* class (Chefer et al.'s "predicted class" protocol).
+        masks: (B, h, w) or (B, units) bool masks over the units (e.g. ``patch_masks(masks)`` on the shapes
             data); enables the localisation metrics.
-        metrics: subset of :data:`METRICS` (default: the four perturbation metrics, plus the three localisation
-            metrics when ``masks`` is given).
-        target: classes to explain and score (None = predicted class).
+        metrics: subset of :data:`METRICS` (default: every faithfulness metric of the input kind, plus the
+            localisation metrics when ``masks`` is given).
+        target: classes to explain and score (None = predicted class; an int or B ints).
         method_options: method name -> options for that method (e.g. ``{"flow": {"n_jobs": 2}}``).
-        fill: what replaces removed patches (deletion, positive, negative), in model-input space: a float
-            (0.0 = the mean for inputs normalised to zero mean) or a tensor broadcastable to one image, e.g. a
-            black picture run through the model's preprocessing (Chefer et al. zero pixels before
+        fill: images: what replaces removed patches (deletion, positive, negative), in model-input space: a
+            float (0.0 = the mean for inputs normalised to zero mean) or a tensor broadcastable to one image,
+            e.g. a black picture run through the model's preprocessing (Chefer et al. zero pixels before
             normalisation; ``attnroll evaluate`` does that by default). Insertion starts from a blurred image.
-        steps: deletion / insertion steps (None = one per patch).
-        batch_size: images per forward pass, for explaining and for scoring.
+        steps: images: deletion / insertion steps (None = one per patch).
+        bins, keep: text: the AOPC bins (default ERASER's 1, 5, 10, 20, 50%) and the (B, n) tokens never
+            removed (default the special tokens); see :mod:`attnroll.evaluate.text`.
+        batch_size: inputs per forward pass, for explaining and for scoring.
         progress: called with a short message before each method (e.g. ``print``).
 
     Returns:
         an :class:`EvaluationResult` (``summary()``, ``to_csv()``, ``plot()``, ``best(metric)``).
     """
     from . import perturbation as pert
+    from . import text as aopc
+    from ._common import batched_logits, image_forward, logits_of
     from .localisation import localisation as localise  # (the package's `localisation` is this function)
 
-    x, _ = _checks.as_tensor("pixel_values", pixel_values)
-    if x.ndim != 4 or not x.is_floating_point():
-        raise ValueError(f"pixel_values must be a float (B, C, H, W) tensor, got {_checks.describe(pixel_values)}")
-    B = x.shape[0]
+    is_text = isinstance(inputs, Mapping)
+    if is_text:
+        enc = _checks.check_text_inputs(inputs)
+        full = dict(inputs)  # the AOPC metrics read special_tokens_mask from it; the model must not see it
+        x: Any = {k: v for k, v in full.items() if k != "special_tokens_mask"}
+        B = int(enc["input_ids"].shape[0])
+    else:
+        x, _ = _checks.as_tensor("inputs", inputs)
+        if x.ndim != 4 or not x.is_floating_point():
+            raise ValueError(
+                "inputs must be float pixel values (B, C, H, W) or a tokenizer's dict with input_ids, got "
+                f"{_checks.describe(inputs)}"
+            )
+        B = int(x.shape[0])
     if B == 0:
-        raise ValueError("pixel_values holds no examples (B = 0); nothing to evaluate")
+        raise ValueError("inputs hold no examples (B = 0); nothing to evaluate")
     if isinstance(methods, str):
         methods = [m.strip() for m in methods.split(",") if m.strip()]
     methods = list(dict.fromkeys(methods))
@@ -233,28 +263,35 @@ def evaluate_methods(
     _load_all()
     for m in methods:
         _get(m)  # an unknown name fails here, before any work, with the list of methods
+    faithful = TEXT if is_text else PERTURBATION
     if metrics is None:
-        metrics = list(PERTURBATION) + (list(LOCALISATION) if masks is not None else [])
+        metrics = list(faithful) + (list(LOCALISATION) if masks is not None else [])
     metrics = [_checks.check_choice("metrics", k, tuple(METRICS)) for k in metrics]
     if not metrics:
         raise ValueError(f"metrics is empty; choose from {', '.join(METRICS)}")
+    wrong = [k for k in metrics if k in CURVES and k not in faithful]
+    if wrong:
+        kind = "a text classifier's tokens" if is_text else "image patches"
+        raise ValueError(f"metrics {wrong} do not apply to {kind}; use {', '.join(faithful + LOCALISATION)}")
     if any(k in LOCALISATION for k in metrics) and masks is None:
-        raise ValueError("the localisation metrics (pointing, mass, iou) need masks= (object masks per patch)")
+        raise ValueError("the localisation metrics (pointing, mass, iou) need masks= (object masks per unit)")
     method_options = dict(method_options or {})
     unknown = set(method_options) - set(methods)
     if unknown:
         raise ValueError(f"method_options names methods that are not evaluated: {sorted(unknown)}")
     batch_size = _checks.check_int("batch_size", batch_size, low=1)
 
-    from ._common import batched_logits, image_forward
-
-    logits = batched_logits(image_forward(model), x, batch_size)
+    if is_text:
+        with torch.no_grad():
+            logits = torch.cat([logits_of(model(**_take(x, sl))).float().cpu() for sl in chunks(B, batch_size)])
+    else:
+        logits = batched_logits(image_forward(model), x, batch_size)
     pred = logits.argmax(dim=1)
     accuracy = None
     if labels is not None:
         lab = torch.as_tensor(labels).reshape(-1)
         if lab.shape[0] != B:
-            raise ValueError(f"labels has {lab.shape[0]} entries but pixel_values holds B={B} examples")
+            raise ValueError(f"labels has {lab.shape[0]} entries but the inputs hold B={B} examples")
         accuracy = float((pred == lab).float().mean())
     tgt = pred.tolist() if target is None else target
 
@@ -264,6 +301,7 @@ def evaluate_methods(
     curves: dict[str, dict[str, tuple[np.ndarray, np.ndarray]]] = {}
     seconds: dict[str, float] = {}
     chance: dict[str, float] = {}
+    text_kw = {"target": tgt, "keep": keep, "batch_size": batch_size, **({"bins": bins} if bins is not None else {})}
     for m in methods:
         if progress is not None:
             progress(f"{m}: explaining {B} inputs")
@@ -274,29 +312,47 @@ def evaluate_methods(
         curves[m] = {}
         common = dict(target=tgt, grid=grid, batch_size=batch_size)
         for k in metrics:
-            if k in PERTURBATION:
-                if k == "deletion":
-                    r = pert.deletion(model, x, scores, steps=steps, fill=fill, **common)
-                elif k == "insertion":
-                    r = pert.insertion(model, x, scores, steps=steps, **common)
-                elif k == "positive":
-                    r = pert.positive_perturbation(model, x, scores, fill=fill, **common)
-                else:
-                    r = pert.negative_perturbation(model, x, scores, fill=fill, **common)
-                per[k] = np.asarray(r.per_example, dtype=np.float64)
-                curves[m][k] = (np.asarray(r.fractions), np.asarray(r.mean_curve()))
+            if k not in CURVES:
+                continue
+            if k == "deletion":
+                r = pert.deletion(model, x, scores, steps=steps, fill=fill, **common)
+            elif k == "insertion":
+                r = pert.insertion(model, x, scores, steps=steps, **common)
+            elif k == "positive":
+                r = pert.positive_perturbation(model, x, scores, fill=fill, **common)
+            elif k == "negative":
+                r = pert.negative_perturbation(model, x, scores, fill=fill, **common)
+            elif k == "comprehensiveness":
+                r = aopc.comprehensiveness(model, full, scores, **text_kw)
+            else:
+                r = aopc.sufficiency(model, full, scores, **text_kw)
+            per[k] = np.asarray(r.per_example, dtype=np.float64)
+            curves[m][k] = (np.asarray(r.fractions), np.asarray(r.mean_curve()))
         if any(k in LOCALISATION for k in metrics):
             lr = localise(scores, masks)
             got = {"pointing": lr.pointing, "mass": lr.mass, "iou": lr.iou}
+            chance_all = {"pointing": lr.chance_pointing, "mass": lr.chance_mass, "iou": lr.chance_iou}
             for k in LOCALISATION:
                 if k in metrics:
                     per[k] = np.asarray(got[k], dtype=np.float64)
-            chance_all = {"pointing": lr.chance_pointing, "mass": lr.chance_mass, "iou": lr.chance_iou}
-            chance = {k: float(np.nanmean(chance_all[k])) for k in LOCALISATION if k in metrics}
-        per_example[m] = per
+                    chance[k] = float(np.nanmean(chance_all[k]))
+        per_example[m] = {k: per[k] for k in metrics}
         values[m] = {k: float(np.nanmean(v)) if np.isfinite(v).any() else float("nan") for k, v in per.items()}
         stderr[m] = {k: _stderr(v) for k, v in per.items()}
     return EvaluationResult(methods, list(metrics), values, stderr, per_example, curves, chance, seconds, B, accuracy)
+
+
+def _batch_size(inputs: Any) -> int:
+    if isinstance(inputs, Mapping):
+        return int(inputs["input_ids"].shape[0])
+    return int(inputs.shape[0])
+
+
+def _take(inputs: Any, sl: slice) -> Any:
+    """Rows ``sl`` of a pixel tensor, or of every batched tensor in a tokenizer's dict."""
+    if isinstance(inputs, Mapping):
+        return {k: v[sl] if isinstance(v, torch.Tensor) and v.ndim >= 1 else v for k, v in inputs.items()}
+    return inputs[sl]
 
 
 def _stderr(v: np.ndarray) -> float:
