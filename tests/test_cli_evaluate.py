@@ -108,6 +108,12 @@ def test_evaluate_folder_has_no_masks(tmp_path):
     assert "pointing" not in rows[0] and float(rows[0]["deletion"]) >= 0
 
 
+def test_evaluate_method_that_cannot_serve_the_model(tmp_path):
+    line = one_line_error(run("evaluate", "--n", 2, "--methods", "rollout,encdec_rollout", "--out", tmp_path), 1)
+    assert "'encdec_rollout' cannot explain this model" in line and "encoder-decoder" in line
+    assert os.listdir(tmp_path) == []
+
+
 def test_evaluate_empty_folder(tmp_path):
     (tmp_path / "empty").mkdir()
     line = one_line_error(run("evaluate", "--data", tmp_path / "empty", "--out", tmp_path / "o"), 1)

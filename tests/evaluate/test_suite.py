@@ -106,6 +106,7 @@ def test_method_options_are_passed(data):
     (dict(methods=["rollout"], metrics=["speed"]), ValueError, "metrics must be one of"),
     (dict(methods=["rollout"], method_options={"gae": {}}), ValueError, "not evaluated"),
     (dict(methods=["rollout"], labels=[0, 1]), ValueError, "labels has 2 entries"),
+    (dict(methods=["rollout", "encdec_rollout"]), ValueError, "'encdec_rollout' cannot explain this model"),
 ])
 def test_errors(data, kwargs, err, words):
     model, x, _, _ = data

@@ -294,6 +294,14 @@ def evaluate_methods(
             raise ValueError(f"labels has {lab.shape[0]} entries but the inputs hold B={B} examples")
         accuracy = float((pred == lab).float().mean())
     tgt = pred.tolist() if target is None else target
+    # A method that cannot serve this model (an encoder-decoder method on a ViT, CLIP's on a classifier) fails
+    # here on one example, before minutes of work on the others.
+    t0_ = tgt[:1] if isinstance(tgt, (list, tuple)) else (tgt.tolist()[:1] if isinstance(tgt, torch.Tensor) else tgt)
+    for m in methods:
+        try:
+            explain_scores(model, _take(x, slice(0, 1)), m, target=t0_, **method_options.get(m, {}))
+        except (ValueError, TypeError, RuntimeError) as e:
+            raise ValueError(f"method {m!r} cannot explain this model: {e}") from e
 
     values: dict[str, dict[str, float]] = {}
     stderr: dict[str, dict[str, float]] = {}
