@@ -34,6 +34,7 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/bench_rollout.py
 	$(PY) benchmarks/bench_flow.py
+	$(PY) benchmarks/bench_evaluate.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache .hypothesis
