@@ -19,6 +19,9 @@ from .capture import AttentionRecord, capture
 from .methods import Explainer, Explanation, explain, methods
 # --- end explain ---
 
+# --- evaluate (issue 7): the subpackage, as attnroll.evaluate.deletion(...), attnroll.evaluate.audit(...) ---
+from . import evaluate
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -35,5 +38,6 @@ __all__ = [
     "Explainer",
     "Explanation",
     "methods",
+    "evaluate",
     "__version__",
 ]

@@ -191,3 +191,14 @@ def test_missing_extra_names_viz(monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(ImportError, match=r"'viz' extra"):
         viz.plot_heads(torch.rand(2, 5), grid=(2, 2))
+
+
+def test_grid_map_kinds_on_raw_maps():
+    from attnroll.viz.overlay import grid_map
+
+    g = np.array([[0.1, 0.4], [-0.2, 1.5]])
+    assert np.allclose(grid_map(g, kind="none"), [[0.1, 0.4], [0.0, 1.0]])  # clipped only: maps can share a scale
+    assert np.allclose(grid_map(g, kind="max"), [[0.1 / 1.5, 0.4 / 1.5], [0.0, 1.0]])
+    assert np.allclose(grid_map(g, kind="minmax"), (g + 0.2) / 1.7)
+    with pytest.raises(ValueError, match="'minmax', 'max' or 'none'"):
+        grid_map(g, kind="sum")

@@ -130,8 +130,9 @@ class AuditReport:
 
     def figure(self, images: Any = None, n: int = 8, class_names: Any = None) -> Any:
         """A matplotlib ``Figure``: one row per example for the ``n`` most changed ones (highest JS), columns
-        = the image (when ``images`` is given), map A and map B over it (each scaled by its own maximum,
-        patches shown as blocks). Titles give the example index, each model's predicted class
+        = the image (when ``images`` is given), map A and map B beside it (jet colours on one scale per example:
+        both divided by the larger of their two maxima, so a map that lost mass looks fainter; one block per
+        patch). Titles give the example index, each model's predicted class
         (``class_names[c]`` when given) and the map mass in the region with the largest mean |shift|.
 
         ``images``: the B input images as pictures ((B, 3, H, W) in [0, 1] or uint8, or a sequence of images),
@@ -145,7 +146,7 @@ class AuditReport:
         from matplotlib.figure import Figure
 
         from ..viz import _deps
-        from ..viz.overlay import overlay, to_rgb_array
+        from ..viz.overlay import to_rgb_array
 
         _deps.pyplot("AuditReport.figure")  # the Agg backend, and one clear error without matplotlib
         rows = [int(i) for i in self.order[:n]]
@@ -163,16 +164,16 @@ class AuditReport:
             if images is not None:
                 img = to_rgb_array(images[b])
                 cells.append((img, f"#{b}  JS {self.js[b]:.3f}"))
+            top = max(float(self.maps_a[b].max()), float(self.maps_b[b].max()))
             for tag, maps, pred, mass in (
                 ("A", self.maps_a, self.pred_a, self.mass_a),
                 ("B", self.maps_b, self.pred_b, self.mass_b),
             ):
-                g = maps[b].reshape(h, w)
+                g = maps[b].reshape(h, w) / (top if top > 0 else 1.0)  # one scale for A and B
                 title = f"{tag}: {name(int(pred[b]))}" + (f", {key} {mass[key][b]:.2f}" if key else "")
-                if images is not None:
-                    pic = np.asarray(overlay(g, img, kind="max", size=128, resample="nearest"))
-                else:
-                    pic = _deps.colormap("jet")(g / g.max() if g.max() > 0 else g)[..., :3]
+                # Bare maps beside the picture rather than overlays: a blend with the image hides a small bright
+                # cue (a red patch over a green marker reads as olive).
+                pic = _deps.colormap("jet")(g)[..., :3]
                 cells.append((pic, title))
             for c, (pic, title) in enumerate(cells):
                 ax = fig.add_subplot(len(rows), cols, r * cols + c + 1)

@@ -44,7 +44,8 @@ def grid_map(source: Any, index: int = 0, kind: str = "minmax") -> np.ndarray:
 
     ``source``: an :class:`~attnroll.Explanation` of an image model (its ``as_grid()``, rescaled with
     ``normalized(kind)``), or a 2-D array / tensor (h, w) rescaled the same way ("minmax": min to 0 and max
-    to 1; "max": divided by the largest absolute value, negatives clipped to 0).
+    to 1; "max": divided by the largest absolute value, negatives clipped to 0; "none": taken as already on
+    a [0, 1] scale, only clipped, so that several maps can share one scale).
     """
     from ..methods.explanation import Explanation
 
@@ -60,8 +61,10 @@ def grid_map(source: Any, index: int = 0, kind: str = "minmax") -> np.ndarray:
             d = g.max()
         elif kind == "max":
             d = np.abs(g).max()
+        elif kind == "none":
+            d = 1.0
         else:
-            raise ValueError(f"kind must be 'minmax' or 'max' for a raw map, got {kind!r}")
+            raise ValueError(f"kind must be 'minmax', 'max' or 'none' for a raw map, got {kind!r}")
         g = g / d if d > 0 else np.zeros_like(g)
     return np.clip(np.nan_to_num(g), 0.0, 1.0)
 
