@@ -138,6 +138,12 @@ def test_audit_flags_the_spurious_cue(tmp_path):
     assert "<img" in page and "marker" in page
     # without --fail-if-flagged the same finding is a report, not a failure
     assert run("audit", "shapes", "shapes-marker", "--n", 8, "--out", tmp_path / "b").exit_code == 0
+    # thresholds above every observed value flag nothing
+    res = run("audit", "shapes", "shapes-marker", "--n", 24, "--js-threshold", 1, "--shift-threshold", 1,
+              "--fail-if-flagged", "--out", tmp_path / "c")
+    assert res.exit_code == 0, res.output
+    rec = json.loads((tmp_path / "c" / "audit.json").read_text())
+    assert rec["flagged"] is False and rec["settings"]["js_threshold"] == 1.0
 
 
 def test_audit_errors(tmp_path):
@@ -206,3 +212,25 @@ def test_evaluate_text_errors(bert_dir, tmp_path):
     assert "no text" in line
     line = one_line_error(run("evaluate", "--metrics", "sufficiency", "--n", 2, "--out", tmp_path / "o"), 2)
     assert "do not apply" in line
+
+
+def test_shipped_weights_load_as_a_classifier_folder(tmp_path):
+    # config.json names the architecture, so a plain transformers folder load builds the classifier (with its
+    # head), and the audit against the embedded model sees the same model
+    res = run("audit", "shapes", shapes.WEIGHTS_DIR, "--n", 6, "--fail-if-flagged", "--out", tmp_path)
+    assert res.exit_code == 0, res.output
+    rec = json.loads((tmp_path / "audit.json").read_text())
+    assert rec["flagged"] is False and max(rec["js"]) < 1e-6
+
+
+def test_console_script_passes_the_exit_code_to_the_shell():
+    import subprocess
+    import sys
+
+    def code(*args):
+        cmd = [sys.executable, "-c", "from attnroll._entry import main; main()", *args]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=120).returncode
+
+    assert code("methods") == 0
+    assert code("evaluate", "--methods", "nope") == 2
+    assert code("audit", "shapes", "no/such/model") == 1

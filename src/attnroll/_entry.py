@@ -14,7 +14,7 @@ def main() -> None:
         sys.exit(1)
     from .cli import main as cli_main
 
-    cli_main()
+    sys.exit(cli_main())  # the exit code (0, 1, 2 or 3) must reach the shell
 
 
 if __name__ == "__main__":

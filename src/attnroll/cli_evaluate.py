@@ -305,8 +305,13 @@ def _write_results(out: Path, result: Any, meta: dict) -> None:
               help="Report format.")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("attnroll-audit"), show_default=True,
               help="Output folder (created): audit.html or audit.png, and audit.json.")
+@click.option("--js-threshold", default=0.05, show_default=True, type=click.FloatRange(0, 1),
+              help="Flag when the mean Jensen-Shannon divergence exceeds this (raise it for noisy gradient maps).")
+@click.option("--shift-threshold", default=0.05, show_default=True, type=click.FloatRange(0, 1),
+              help="Flag when a region's mean mass shift exceeds this and its 95% CI excludes 0.")
 @click.option("--fail-if-flagged", is_flag=True, help="Exit with code 3 when the audit flags a shift (for CI).")
-def audit_cmd(model_a, model_b, data, n, seed, method, options, examples, fmt, out, fail_if_flagged) -> int:
+def audit_cmd(model_a, model_b, data, n, seed, method, options, examples, fmt, out, js_threshold, shift_threshold,
+              fail_if_flagged) -> int:
     """Explain the same inputs with MODEL_A and MODEL_B (shapes | shapes-marker | a transformers image-model
     folder) and report how the maps differ: per example Jensen-Shannon divergence, rank correlation and top-k
     overlap; the mass moving between regions with bootstrap confidence intervals; a verdict; and a picture of the
@@ -324,7 +329,8 @@ def audit_cmd(model_a, model_b, data, n, seed, method, options, examples, fmt, o
         regions = shapes_regions(d["masks"], d["marker"])
     else:
         regions = None  # audit() falls back to grid_regions (centre / border / corners)
-    report = audit(la.model, lb.model, d["x"], method=method, regions=regions, **opts)
+    report = audit(la.model, lb.model, d["x"], method=method, regions=regions, js_threshold=js_threshold,
+                   shift_threshold=shift_threshold, **opts)
     click.echo(f"A = {la.name}\nB = {lb.name}\ndata = {data} ({d['x'].shape[0]} images), method = {method}")
     click.echo(report.summary())
     names = [la.labels.get(i, str(i)) for i in range(max(la.labels or {0: 0}) + 1)] if la.labels else None

@@ -177,6 +177,7 @@ def _save(model: torch.nn.Module, out: Path, *, float16: bool) -> None:
     save_file(state, str(tmp), metadata={"format": "pt", "source": "attnroll.models.train_shapes"})
     tmp.replace(out / "model.safetensors")
     cfg = model.config.to_dict()
+    cfg["architectures"] = [type(model).__name__]  # so that transformers' Auto* loaders build the classifier
     for k in ("transformers_version", "_attn_implementation_autoset", "torch_dtype", "dtype"):
         cfg.pop(k, None)
     tmp = out / "config.json.tmp"
