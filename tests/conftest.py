@@ -20,3 +20,19 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="session")
+def bert_dir(tmp_path_factory):
+    """A tiny random BERT sequence classifier (2 labels) with its tokenizer, saved as a transformers folder."""
+    T = pytest.importorskip("transformers")
+    d = tmp_path_factory.mktemp("bert")
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "cat", "sat", "on", "mat", "a", "dog", "ran"]
+    (d / "vocab.txt").write_text("\n".join(words) + "\n")
+    tok = T.BertTokenizer(str(d / "vocab.txt"))
+    torch.manual_seed(0)
+    cfg = T.BertConfig(vocab_size=len(words), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                       intermediate_size=37, max_position_embeddings=64, num_labels=2, initializer_range=0.3)
+    T.BertForSequenceClassification(cfg).eval().save_pretrained(d)
+    tok.save_pretrained(d)
+    return d

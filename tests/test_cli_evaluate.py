@@ -162,18 +162,6 @@ def test_audit_errors(tmp_path):
     assert "no images" in line
 
 
-@pytest.fixture(scope="module")
-def bert_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("bert")
-    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "cat", "sat", "on", "mat", "a", "dog", "ran"]
-    (d / "vocab.txt").write_text("\n".join(words) + "\n")
-    tok = T.BertTokenizer(str(d / "vocab.txt"))
-    torch.manual_seed(0)
-    cfg = T.BertConfig(vocab_size=len(words), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                       intermediate_size=37, max_position_embeddings=64, num_labels=2, initializer_range=0.3)
-    T.BertForSequenceClassification(cfg).eval().save_pretrained(d)
-    tok.save_pretrained(d)
-    return d
 
 
 TEXTS = ["the cat sat on the mat", "a dog ran", "", "the dog sat on a cat mat", "a cat ran on the mat"]
