@@ -222,3 +222,33 @@ def test_console_script_passes_the_exit_code_to_the_shell():
     assert code("methods") == 0
     assert code("evaluate", "--methods", "nope") == 2
     assert code("audit", "shapes", "no/such/model") == 1
+
+
+def test_sanity_matches_the_library(tmp_path):
+    from attnroll.evaluate import cascading_randomization
+
+    res = run("sanity", "--n", 4, "--methods", "rollout,gae", "--components", "value", "--seeds", "0,1",
+              "--out", tmp_path)
+    assert res.exit_code == 0, res.output
+    assert sorted(os.listdir(tmp_path)) == ["sanity.csv", "sanity.json", "sanity.png"]
+    rows = list(csv.DictReader(io.StringIO((tmp_path / "sanity.csv").read_text())))
+    x = shapes.preprocess(shapes.make_dataset(4, 12345)[0])
+    runs = [cascading_randomization(shapes.load_shapes_model(), x, ["rollout", "gae"], component="value", seed=s)
+            for s in (0, 1)]
+    for r in rows:
+        i = runs[0].steps.index(r["step"])
+        vals = [run_.correlations[r["method"]][i] for run_ in runs]
+        assert float(r["mean"]) == pytest.approx(np.mean(vals), abs=1e-5)
+        assert float(r["min_over_seeds"]) == pytest.approx(min(vals), abs=1e-5)
+    top = {r["method"]: float(r["mean"]) for r in rows if r["step"] == "classifier"}
+    assert top["rollout"] == pytest.approx(1.0) and top["gae"] < 0.99  # rollout never reads the head
+
+
+@pytest.mark.parametrize("args, words", [
+    (("--components", "heads"), "--components"),
+    (("--seeds", "a,b"), "--seeds"),
+    (("--methods", "nope"), "unknown"),
+])
+def test_sanity_usage_errors(tmp_path, args, words):
+    line = one_line_error(run("sanity", "--n", 2, "--out", tmp_path / "o", *args), 2)
+    assert words in line

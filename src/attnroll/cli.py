@@ -1,5 +1,5 @@
-"""The ``attnroll`` command: ``attnroll demo``, ``explain``, ``methods``, ``evaluate`` and ``audit`` (the last
-two in :mod:`attnroll.cli_evaluate`).
+"""The ``attnroll`` command: ``attnroll demo``, ``explain``, ``methods``, ``evaluate``, ``audit`` and ``sanity``
+(the last three in :mod:`attnroll.cli_evaluate`).
 
 Exit codes: 0 success, 2 usage error (a wrong or missing argument), 1 failure (a file that cannot be read or
 written, a model that cannot be loaded, a method that fails), 3 ``attnroll audit --fail-if-flagged`` flagged a
@@ -95,6 +95,7 @@ def cli(debug: bool) -> None:
     attnroll methods                      the registered methods, with references
     attnroll evaluate                     score methods: deletion/insertion, perturbation AUC, localisation
     attnroll audit shapes shapes-marker   how reliance shifts between two checkpoints
+    attnroll sanity                       cascading randomisation: do the maps depend on the weights?
     """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a model hub
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
