@@ -19,7 +19,6 @@ from attnroll.cli import cli  # noqa: E402
 from attnroll.methods.explanation import Explanation  # noqa: E402
 
 
-
 @pytest.fixture(scope="module")
 def vit_dir(tmp_path_factory):
     torch.manual_seed(0)
@@ -29,8 +28,6 @@ def vit_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("vit")
     T.ViTForImageClassification(cfg).eval().save_pretrained(d)
     return d
-
-
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,6 @@ from attnroll.evaluate.suite import evaluate_methods  # noqa: E402
 from attnroll.models import shapes  # noqa: E402
 
 
-
 def run(*args):
     return CliRunner().invoke(cli, [str(a) for a in args])
 
@@ -160,8 +159,6 @@ def test_audit_errors(tmp_path):
     (tmp_path / "empty").mkdir()
     line = one_line_error(run("audit", "shapes", "shapes", "--data", tmp_path / "empty", "--out", tmp_path / "o"), 1)
     assert "no images" in line
-
-
 
 
 TEXTS = ["the cat sat on the mat", "a dog ran", "", "the dog sat on a cat mat", "a cat ran on the mat"]

@@ -16,8 +16,6 @@ from attnroll.evaluate import perturbation as P
 from attnroll.methods.explanation import Explanation
 
 
-
-
 H = W = 8
 GRID = (4, 4)
 U = 16

@@ -18,10 +18,10 @@ from attnroll.evaluate.sanity import (
     find_head,
 )
 
+from ..methods.test_explain_timm_mha import EncoderClassifier  # the same tiny nn.TransformerEncoder classifier
+
 ALL4 = ("rollout", "gae", "grad_rollout", "raw")
 EXACT = dict(abs=1e-12)
-
-
 
 
 @pytest.fixture(scope="module")
@@ -44,20 +44,6 @@ def tiny_timm():
         "vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, depth=2, embed_dim=32, num_heads=4,
         num_classes=3,
     ).eval()
-
-
-class EncoderClassifier(nn.Module):
-    """Token embeddings -> nn.TransformerEncoder -> linear head on position 0."""
-
-    def __init__(self, vocab=20, d=16, heads=4, layers=2, classes=3):
-        super().__init__()
-        self.emb = nn.Embedding(vocab, d)
-        layer = nn.TransformerEncoderLayer(d, heads, dim_feedforward=24, dropout=0.0, batch_first=True)
-        self.encoder = nn.TransformerEncoder(layer, num_layers=layers, enable_nested_tensor=False)
-        self.head = nn.Linear(d, classes)
-
-    def forward(self, ids):
-        return self.head(self.encoder(self.emb(ids))[:, 0])
 
 
 # ----------------------------------------------------------------------------------------------- shapes model

@@ -23,7 +23,6 @@ from attnroll.evaluate import (  # noqa: E402
 from attnroll.models import shapes  # noqa: E402
 
 
-
 @pytest.fixture(scope="module")
 def data():
     images, labels, masks = shapes.make_dataset(6, 21)

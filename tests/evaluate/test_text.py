@@ -13,8 +13,6 @@ from torch import nn
 from attnroll.evaluate import text as T
 
 
-
-
 CLS, SEP, PAD, KEY = 1, 2, 0, 7
 VOCAB = 20
 
