@@ -13,23 +13,12 @@ import torch
 pytest.importorskip("click")
 pytest.importorskip("matplotlib")
 T = pytest.importorskip("transformers")
-from click.testing import CliRunner  # noqa: E402
 from PIL import Image  # noqa: E402
 
-from attnroll.cli import cli  # noqa: E402
 from attnroll.evaluate.suite import evaluate_methods  # noqa: E402
 from attnroll.models import shapes  # noqa: E402
 
-
-def run(*args):
-    return CliRunner().invoke(cli, [str(a) for a in args])
-
-
-def one_line_error(res, code):
-    assert res.exit_code == code, (res.exit_code, res.output)
-    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), res.stderr
-    return lines[0]
+from .test_cli import one_line_error, run  # noqa: E402  (the same runner and one-line-error check)
 
 
 def test_evaluate_csv_matches_the_library(tmp_path):
