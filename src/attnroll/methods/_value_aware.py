@@ -1,0 +1,108 @@
+"""Shared wiring of the value-aware methods (norm, norm_rollout, globenc, alti, value_zeroing, decompx):
+one forward pass recording attention and layer states (``capture.anatomy``), the per-layer value vectors,
+and the rollout of per-layer contribution matrices. No model-family knowledge here: weights come only
+through :mod:`attnroll.capture.anatomy`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from .. import _checks
+from ..capture.anatomy import LayerStates, ModelAnatomy, record_states
+from ..capture.record import AttentionRecord
+from ..core.rollout import rollout as core_rollout
+from ..core.value_aware import Block, apply_norm, normalize_rows, value_outputs
+from .base import Context, register, rollout_rows
+
+#: Options every value-aware method takes.
+COMMON = {"dtype": None}
+ROLLOUT = {"start_layer": 0, "end_layer": None, "return_layers": False}
+REFUSE = {
+    "alpha": "the residual share is measured from the value and residual vectors, not a fixed alpha",
+    "head_fusion": "the heads are summed as vectors (Σ_h α^h f^h), not fused as weights",
+    "stream": "the value-aware methods explain the self-attention stream of one stack of blocks",
+}
+
+
+@dataclass
+class Layer:
+    """One layer's tensors in the working dtype: ``x`` the block input, ``alpha`` (B, H, n, n), ``F`` the
+    per-head value-output vectors f^h (B, n, H, d), ``attn`` the attention branch's actual output (b_O
+    included), ``out`` the block output, ``n1`` / ``n2`` the actual inputs of its two norms."""
+
+    block: Block
+    x: torch.Tensor
+    alpha: torch.Tensor
+    F: torch.Tensor
+    attn: torch.Tensor
+    out: torch.Tensor
+    n1: torch.Tensor
+    n2: torch.Tensor
+
+
+def working_dtype(dtype: Any, like: torch.Tensor) -> torch.dtype:
+    """``dtype`` option: None = float64 for a float64 model, else float32; or torch.float32 / float64."""
+    dt = _checks.check_dtype(dtype)
+    if dt is not None:
+        return dt
+    return torch.float64 if like.dtype == torch.float64 else torch.float32
+
+
+def record(ctx: Context) -> tuple[AttentionRecord, LayerStates, ModelAnatomy]:
+    """One forward pass recording attention and layer states; sets ``ctx.rec``."""
+    rec, states, anat = record_states(ctx.model, ctx.inputs, tokenizer=ctx.tokenizer)
+    ctx.rec = rec
+    return rec, states, anat
+
+
+def layers(rec: AttentionRecord, states: LayerStates, anat: ModelAnatomy, dt: torch.dtype) -> list[Layer]:
+    """Per-layer tensors (see :class:`Layer`)."""
+    out = []
+    for i, blk in enumerate(anat.blocks(dt)):
+        x = states.inputs[i].to(dt)
+        n1, n2 = states.norm1_in[i].to(dt), states.norm2_in[i].to(dt)
+        xv = apply_norm(x, blk.norm1) if blk.pre_norm else x
+        attn = (n2 if blk.pre_norm else n1) - x
+        out.append(Layer(blk, x, rec.attentions[i].to(dt), value_outputs(xv, blk), attn,
+                         states.outputs[i].to(dt), n1, n2))
+    return out
+
+
+def explain_matrices(ctx: Context, matrices: Callable[[list[Layer], LayerStates, ModelAnatomy, Any], list],
+                     *, start_layer: Any, end_layer: Any, return_layers: bool, dtype: Any):
+    """Record, build one (B, n, n) contribution matrix per layer with ``matrices``, normalise its rows
+    (zero rows stay zero, padding masked) and roll them out with no extra identity: R = C_end ⋯ C_start."""
+    rec, states, anat = record(ctx)
+    dt = working_dtype(dtype, states.inputs[0])
+    s = "self" if "self" in rec.streams else next(iter(rec.streams))
+    mask = ctx.mask(rec, s)
+    pos = ctx.positions(rec, s)
+    with torch.no_grad():
+        Ls = layers(rec, states, anat, dt)
+        Cs = [normalize_rows(C, mask) for C in matrices(Ls, states, anat, mask)]
+    row, lay = rollout_rows(
+        core_rollout, Cs, pos, mask, return_layers=return_layers, head_fusion=None, alpha=0.0,
+        check_stochastic=False, start_layer=start_layer, end_layer=end_layer, dtype=dt,
+    )
+    return ctx.build(rec, row, pos, s, layers=lay)
+
+
+def chunk_rows(B: int, n: int, width: int, budget: int = 1 << 24) -> int:
+    """Rows per chunk so that a (B, rows, n, width) intermediate holds about ``budget`` elements."""
+    return max(1, budget // max(1, B * n * width))
+
+
+def register_rolled(name: str, matrices: Callable, *, description: str, reference: str, cost: str) -> None:
+    """Register a method whose map is the rollout of ``matrices(layers, states, anat, mask)`` (one
+    (B, n, n) non-negative matrix per layer; rows normalised here), with the layer-range options."""
+
+    def method(ctx: Context, *, start_layer, end_layer, return_layers, dtype):
+        return explain_matrices(ctx, matrices, start_layer=start_layer, end_layer=end_layer,
+                                return_layers=return_layers, dtype=dtype)
+
+    method.__doc__ = f"full_row[b] = row position_b of C_end ⋯ C_start, C_l from {name}'s per-layer matrices."
+    register(name, description=description, options={**ROLLOUT, **COMMON}, cost=cost, reference=reference,
+             refuse=REFUSE)(method)

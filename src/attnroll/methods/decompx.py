@@ -1,0 +1,66 @@
+"""``decompx``: DecompX (Modarressi, Fayyaz, Aghazadeh, Yaghoobzadeh & Pilehvar, ACL 2023). Every token's
+share of every hidden vector is carried through all blocks (attention, norms, the MLP with its activation
+linearised per element) and through the head, so a token's score is its signed share of the target logit;
+biases are spread over the tokens by AbsDot (``bias="absdot"``) or kept apart (``bias="separate"``). The
+token shares plus the bias share (``extra["bias_share"]``) add up to the target logit exactly."""
+
+from __future__ import annotations
+
+import torch
+
+from .. import _checks
+from ..core.decompx import block_shares, head_shares, initial_shares
+from . import _value_aware as va
+from .base import Context, register
+
+
+def _target_classes(ctx: Context, rec) -> torch.Tensor:
+    """The logit index explained per example (B,) long; a callable target is refused."""
+    if callable(ctx.target) and not isinstance(ctx.target, (int, list, tuple)):
+        raise ValueError(
+            "target: decompx decomposes one logit of the model's head; it takes None, a class / token index or "
+            f"one per example, not a callable ({getattr(ctx.target, '__qualname__', type(ctx.target).__name__)})"
+        )
+    with torch.no_grad():
+        ctx.target_scores(rec)
+    return torch.tensor(ctx.target_desc, dtype=torch.long)
+
+
+def shares(ctx: Context, bias: str, dtype) -> tuple:
+    """(rec, positions, logit shares (B, n + 1): tokens then the bias share)."""
+    _checks.check_choice("bias", bias, ("absdot", "separate"))
+    rec, states, anat = va.record(ctx)
+    dt = va.working_dtype(dtype, states.inputs[0])
+    head = anat.head(dt)  # raises for a model without a head, before any work
+    pos = ctx.positions(rec, "self")
+    classes = _target_classes(ctx, rec)
+    rows = sorted(set(pos))
+    with torch.no_grad():
+        S = initial_shares(states.inputs[0].to(dt))
+        blocks = anat.blocks(dt)
+        for i, blk in enumerate(blocks):
+            B, n, K, d = S.shape
+            last = i == len(blocks) - 1
+            R = torch.tensor(rows, device=S.device) if last else None
+            chunk = va.chunk_rows(B, K, max(d, blk.mlp.w1.shape[0]))
+            S = block_shares(S, rec.attentions[i].to(dt), blk, rows=R, bias=bias, chunk=chunk)
+        idx = torch.tensor([rows.index(p) for p in pos])
+        read = S[torch.arange(S.shape[0]), idx]  # (B, K, d)
+        out = head_shares(read, bias=bias, classes=classes.to(S.device), **head)
+    return rec, pos, out
+
+
+@register(
+    "decompx",
+    description="DecompX: each token's signed share of the target logit, decomposed through attention, norms, MLP and head (class-specific)",
+    options={"bias": "absdot", **va.COMMON},
+    class_specific=True,
+    cost="1 forward + O(n) times the block's linear work (every token's share carried through every block)",
+    reference="Modarressi, Fayyaz, Aghazadeh, Yaghoobzadeh & Pilehvar, DecompX: Explaining Transformers "
+              "Decisions by Propagating Token Decomposition, ACL 2023",
+    refuse={**va.REFUSE, "start_layer": "decompx decomposes the whole network; there is no layer range"},
+)
+def decompx(ctx: Context, *, bias, dtype):
+    """full_row[b, k] = token k's share of the target logit; ``extra["bias_share"]`` (B,) the rest."""
+    rec, pos, out = shares(ctx, bias, dtype)
+    return ctx.build(rec, out[:, :-1], pos, "self", extra={"bias_share": out[:, -1].detach().float().cpu()})
