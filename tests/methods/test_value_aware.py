@@ -227,3 +227,26 @@ def test_unsupported_models_are_refused_with_the_supported_families():
         attnroll.explain(bare, torch.randn(1, 3, 16, 16, dtype=torch.float64), "decompx")
     with pytest.raises(ValueError, match="measured"):
         attnroll.explain(R.build("vit"), R.inputs_for("vit"), "alti", alpha=0.5)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_decompx_separate_fast_path_equals_the_carried_shares(kind):
+    from attnroll.core.decompx import head_shares, separate_bias_shares
+
+    m, x = R.build(kind), R.inputs_for(kind)
+    rec, st, anat = record_states(m, x)
+    blocks, head = anat.blocks(torch.float64), anat.head(torch.float64)
+    S = initial_shares(st.inputs[0])
+    for i, blk in enumerate(blocks):
+        S = block_shares(S, rec.attentions[i], blk, bias="separate")
+    n = S.shape[1]
+    pos = torch.tensor([0, 0] if kind in ("bert", "vit") else [n - 1, n - 1])
+    classes = torch.tensor([1, 2])
+    carried = head_shares(S[torch.arange(2), pos], bias="separate", classes=classes, **head)
+    tok, y = separate_bias_shares(st.inputs[0], list(rec.attentions), blocks, positions=pos, classes=classes, **head)
+    torch.testing.assert_close(tok, carried[:, :-1], atol=1e-9, rtol=1e-9)
+    torch.testing.assert_close(y - tok.sum(-1), carried[:, -1], atol=1e-9, rtol=1e-9)
+    with torch.no_grad():
+        out = m(**x) if isinstance(x, dict) else m(x)
+    logits = out.logits if out.logits.ndim == 2 else out.logits[torch.arange(2), pos]
+    torch.testing.assert_close(y, logits[torch.arange(2), classes], atol=_TOL, rtol=0)

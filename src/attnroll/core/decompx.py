@@ -4,8 +4,8 @@ Shares are a tensor S (B, n, K, d) with K = n + 1: S[b, i, k] is the part of tok
 input token k, and the last slot (k = n) is the *bias share*, what no token is given. Σ_k S[b, i, k] equals
 the actual vector exactly. Per block (see :class:`~attnroll.core.value_aware.Block` for the layout):
 
-* attention: z_{i←k} = Σ_h Σ_j α^h_ij (s_{j←k} W_V^h) W_O^h + s_{i←k}; the bias W_O b_V + b_O (the value
-  bias passes through because attention rows sum to 1) is spread by AbsDot;
+* attention: z_{i←k} = Σ_h Σ_j α^h_ij (s_{j←k} W_V^h) W_O^h + s_{i←k}; the bias Σ_h (Σ_j α^h_ij) W_O^h b_V^h
+  + b_O (W_O b_V + b_O, as attention rows sum to 1) is spread by AbsDot;
 * a norm: g(s) = (s − mean(s)) / σ_actual ⊙ γ (no centring for RMSNorm), β spread by AbsDot;
 * the MLP: fc1 shares (+ b1 by AbsDot), the activation linearised per element with the *actual*
   pre-activation ζ: θ = act(ζ) / ζ, the same θ for every share (gated MLPs: the gate act(ζ_gate) is held
@@ -24,7 +24,8 @@ import torch
 
 from .value_aware import Block, Mlp, Norm, norm_scale, norm_share
 
-__all__ = ["initial_shares", "add_bias", "norm_shares", "mlp_shares", "block_shares", "head_shares"]
+__all__ = ["initial_shares", "add_bias", "norm_shares", "mlp_shares", "block_shares", "head_shares",
+           "separate_bias_shares"]
 
 _BIAS_MODES = ("absdot", "separate")
 
@@ -92,14 +93,17 @@ def _value_shares(S: torch.Tensor, block: Block, bias: str) -> torch.Tensor:
     return v
 
 
-def _attention_bias(block: Block) -> torch.Tensor | None:
-    """W_O b_V + b_O: what the biases add to every row of the attention output (rows of α sum to 1)."""
+def _attention_bias(block: Block, alpha_rows: torch.Tensor) -> torch.Tensor | None:
+    """What the biases add to each row of the attention output, (B, r, d): Σ_h (Σ_j α^h_ij) W_O^h b_V^h + b_O
+    (the value bias passes through weighted by the row sums of α, 1 up to the softmax's rounding)."""
     out = block.bo
     if block.bv is not None:
         bv = block.bv.view(block.kv_heads, block.head_dim)
         if block.heads != block.kv_heads:
             bv = bv.repeat_interleave(block.heads // block.kv_heads, dim=0)
-        vb = block.wo @ bv.reshape(-1)
+        wo = block.wo.view(block.wo.shape[0], block.heads, block.head_dim)
+        per_head = torch.einsum("dhe,he->hd", wo, bv)
+        vb = torch.einsum("bhr,hd->brd", alpha_rows.sum(-1), per_head)
         out = vb if out is None else out + vb
     return out
 
@@ -112,12 +116,11 @@ def block_shares(S: torch.Tensor, alpha: torch.Tensor, block: Block, *, rows: to
     v = _value_shares(S, block, bias)
     rows = torch.arange(S.shape[1], device=S.device) if rows is None else rows
     step = len(rows) if chunk is None else max(1, int(chunk))
-    b_att = _attention_bias(block)
     parts = []
     for start in range(0, len(rows), step):
         R = rows[start:start + step]
         a = torch.einsum("bhij,bjkhe->bikhe", alpha[:, :, R], v)
-        z = add_bias(a.flatten(-2) @ block.wo.T + S[:, R], b_att, bias)
+        z = add_bias(a.flatten(-2) @ block.wo.T + S[:, R], _attention_bias(block, alpha[:, :, R]), bias)
         if block.pre_norm:
             parts.append(z + mlp_shares(norm_shares(z, block.norm2, bias), block.mlp, bias))
         else:
@@ -149,3 +152,71 @@ def head_shares(S: torch.Tensor, *, final_norm: Norm | None, pooler: tuple | Non
     if classes is None:
         return out
     return out[torch.arange(out.shape[0], device=out.device), :, classes]
+
+
+# ------------------------------------------------------------------------------------------- fast exact path
+def _frozen_norm(v: torch.Tensor, norm: Norm) -> torch.Tensor:
+    """The norm with its divisor frozen at the actual value (no gradient through the statistics)."""
+    scale = norm_scale(v, norm).detach()
+    out = (v if norm.rms else v - v.mean(-1, keepdim=True)) / scale
+    out = out if norm.weight is None else out * norm.weight
+    return out if norm.bias is None else out + norm.bias
+
+
+def _frozen_mlp(u: torch.Tensor, mlp: Mlp) -> torch.Tensor:
+    z = u @ mlp.w1.T
+    if mlp.b1 is not None:
+        z = z + mlp.b1
+    if mlp.wg is not None:
+        g = u @ mlp.wg.T
+        coef = mlp.act(g if mlp.bg is None else g + mlp.bg).detach()
+    else:
+        coef = _linearised(mlp.act, z).detach()
+    out = (coef * z) @ mlp.w2.T
+    return out if mlp.b2 is None else out + mlp.b2
+
+
+def _frozen_block(x: torch.Tensor, alpha: torch.Tensor, block: Block) -> torch.Tensor:
+    """The block with attention, norm divisors and activation slopes frozen: affine in x."""
+    B, n, _ = x.shape
+    xv = _frozen_norm(x, block.norm1) if block.pre_norm else x
+    v = xv @ block.wv.T
+    if block.bv is not None:
+        v = v + block.bv
+    v = v.view(B, n, block.kv_heads, block.head_dim).transpose(1, 2)
+    if block.heads != block.kv_heads:
+        v = v.repeat_interleave(block.heads // block.kv_heads, dim=1)
+    o = (alpha.detach() @ v).transpose(1, 2).reshape(B, n, -1) @ block.wo.T
+    z = x + (o if block.bo is None else o + block.bo)
+    if block.pre_norm:
+        return z + _frozen_mlp(_frozen_norm(z, block.norm2), block.mlp)
+    h = _frozen_norm(z, block.norm1)
+    return _frozen_norm(h + _frozen_mlp(h, block.mlp), block.norm2)
+
+
+def separate_bias_shares(x0: torch.Tensor, alphas: list[torch.Tensor], blocks: list[Block], *,
+                         positions: torch.Tensor, classes: torch.Tensor, final_norm: Norm | None,
+                         pooler: tuple | None, classifier: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    """DecompX with every bias in the bias share (``bias="separate"``) in one forward + one backward pass.
+
+    With attention, norm divisors and activation slopes frozen at their actual values the network is affine
+    in the input embeddings x0 (B, n, d), y = Σ_k J_k x0_k + c, so token k's share of the logit,
+    J_k x0_k = Σ_d ∂y/∂x0_kd · x0_kd, is exactly what :func:`block_shares` / :func:`head_shares` carry
+    forward, and c is the bias share. Returns (token shares (B, n), logits y (B,)) at ``positions`` (B,)
+    for ``classes`` (B,)."""
+    x = x0.detach().clone().requires_grad_(True)
+    with torch.enable_grad():
+        h = x
+        for blk, a in zip(blocks, alphas):
+            h = _frozen_block(h, a, blk)
+        v = h[torch.arange(h.shape[0], device=h.device), positions]
+        if final_norm is not None:
+            v = _frozen_norm(v, final_norm)
+        if pooler is not None:
+            W, b, act = pooler
+            z = v @ W.T + (0 if b is None else b)
+            v = _linearised(act, z).detach() * z
+        W, b = classifier
+        y = (v * W[classes]).sum(-1) + (0 if b is None else b[classes])
+        (g,) = torch.autograd.grad(y.sum(), x)
+    return (g * x0).sum(-1), y.detach()

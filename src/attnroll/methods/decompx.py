@@ -1,15 +1,18 @@
 """``decompx``: DecompX (Modarressi, Fayyaz, Aghazadeh, Yaghoobzadeh & Pilehvar, ACL 2023). Every token's
 share of every hidden vector is carried through all blocks (attention, norms, the MLP with its activation
 linearised per element) and through the head, so a token's score is its signed share of the target logit;
-biases are spread over the tokens by AbsDot (``bias="absdot"``) or kept apart (``bias="separate"``). The
-token shares plus the bias share (``extra["bias_share"]``) add up to the target logit exactly."""
+biases are spread over the tokens by AbsDot (``bias="absdot"``, the paper's default: every token's share is
+carried through every block, O(n) blocks' linear work) or kept apart (``bias="separate"``, DecompX's bias
+token: then the network with frozen coefficients is affine in the embeddings and the same shares come from
+one forward + one backward pass). The token shares plus the bias share (``extra["bias_share"]``) add up to
+the target logit exactly."""
 
 from __future__ import annotations
 
 import torch
 
 from .. import _checks
-from ..core.decompx import block_shares, head_shares, initial_shares
+from ..core.decompx import block_shares, head_shares, initial_shares, separate_bias_shares
 from . import _value_aware as va
 from .base import Context, register
 
@@ -35,6 +38,12 @@ def shares(ctx: Context, bias: str, dtype) -> tuple:
     pos = ctx.positions(rec, "self")
     classes = _target_classes(ctx, rec)
     rows = sorted(set(pos))
+    if bias == "separate":  # affine once the coefficients are frozen: one forward + backward (exact)
+        blocks = anat.blocks(dt)
+        alphas = [a.to(dt) for a in rec.attentions]
+        tok, y = separate_bias_shares(states.inputs[0].to(dt), alphas, blocks, positions=torch.tensor(pos),
+                                      classes=classes, **head)
+        return rec, pos, torch.cat([tok, (y - tok.sum(-1)).unsqueeze(-1)], dim=-1)
     with torch.no_grad():
         S = initial_shares(states.inputs[0].to(dt))
         blocks = anat.blocks(dt)
