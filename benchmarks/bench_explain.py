@@ -10,7 +10,8 @@ Each entry is the median of --repeat runs after one warm-up (integrated gradient
 Goal (issue 5): rollout <= 1.10x the plain forward.
 Goals (issue 15, value-aware methods, batch 8): norm, globenc, alti <= 3x; decompx <= 10x. They are not in the
 default list (value_zeroing re-runs every block n times, decompx carries n shares): ``--methods value_aware``
-runs VALUE_AWARE (add ``--batches 8 --repeat 1`` for the goal's setting).
+runs VALUE_AWARE (add ``--batches 8 --repeat 1`` for the goal's setting); ``name:key=value`` passes an option
+(``decompx:bias=separate``, the one-backward exact path).
 
 Usage: python benchmarks/bench_explain.py [--batches 1,8] [--repeat 3] [--ig-max-batch 8] [--threads N]
 """
@@ -29,7 +30,10 @@ import attnroll
 
 ATTENTION = ["raw", "rollout", "per_head_rollout", "grad_rollout", "gae", "attn_gradcam"]
 CAPTUM = ["saliency", "input_x_gradient", "integrated_gradients"]
-VALUE_AWARE = ["rollout", "norm", "norm_rollout", "globenc", "alti", "decompx", "value_zeroing"]
+VALUE_AWARE = ["rollout", "norm", "norm_rollout", "globenc", "alti", "decompx:bias=separate", "decompx",
+               "value_zeroing"]
+#: O(n)-forward methods, timed only up to --slow-max-batch.
+SLOW = {"decompx", "value_zeroing"}
 
 
 def timed(fn, repeat: int, warm: bool = True) -> float:
@@ -50,6 +54,7 @@ def main() -> None:
     ap.add_argument("--ig-max-batch", type=int, default=8, help="skip integrated gradients above this batch size")
     ap.add_argument("--ig-steps", type=int, default=50)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--slow-max-batch", type=int, default=1, help=f"skip {sorted(SLOW)} above this batch size")
     ap.add_argument("--methods", default=",".join(ATTENTION + CAPTUM))
     args = ap.parse_args()
     if args.threads:
@@ -77,14 +82,19 @@ def main() -> None:
 
         base = timed(fwd, args.repeat)
         print(f"{B:>5} {'forward (sdpa)':<22} {base:>9.3f} {1.0:>9.2f}x", flush=True)
-        for m in wanted:
-            opts = {"n_steps": args.ig_steps, "internal_batch_size": 50} if m == "integrated_gradients" else {}
-            if m == "integrated_gradients" and B > args.ig_max_batch:
-                print(f"{B:>5} {m:<22} {'skipped':>9}")
+        for entry in wanted:
+            m, _, opt = entry.partition(":")
+            opts = dict(kv.split("=", 1) for kv in opt.split(";")) if opt else {}
+            if m == "integrated_gradients":
+                opts = {"n_steps": args.ig_steps, "internal_batch_size": 50}
+            slow = m in SLOW and not opts
+            if (m == "integrated_gradients" and B > args.ig_max_batch) or (slow and B > args.slow_max_batch):
+                print(f"{B:>5} {entry:<22} {'skipped':>9}")
                 continue
             ig = m == "integrated_gradients"
-            t = timed(lambda: attnroll.explain(model, x, m, target=7, **opts), 1 if ig else args.repeat, warm=not ig)
-            label = f"{m} ({args.ig_steps} steps)" if ig else m
+            t = timed(lambda: attnroll.explain(model, x, m, target=7, **opts), 1 if ig or slow else args.repeat,
+                      warm=not (ig or slow))
+            label = f"{m} ({args.ig_steps} steps)" if ig else entry
             print(f"{B:>5} {label:<22} {t:>9.3f} {t / base:>9.2f}x", flush=True)
 
 

@@ -20,7 +20,7 @@ import torch
 
 __all__ = [
     "Norm", "Mlp", "Block", "norm_scale", "norm_share", "apply_norm", "value_outputs", "head_mix",
-    "pairwise_norms", "l1_contributions", "normalize_rows", "cosine_distance", "mask_pairs",
+    "pairwise_norms", "normalize_rows", "cosine_distance", "mask_pairs",
 ]
 
 
@@ -155,12 +155,6 @@ def pairwise_norms(alpha: torch.Tensor, F: torch.Tensor, x: torch.Tensor | None 
     return sq.clamp(min=0).sqrt()
 
 
-def l1_contributions(T: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """ALTI's c_ij = max(0, ‖y_i‖₁ − ‖y_i − T_i(x_j)‖₁): T (B, r, n, d) the shares of rows r, y (B, r, d)
-    the rows' actual vectors -> (B, r, n)."""
-    return (y.abs().sum(-1, keepdim=True) - (y.unsqueeze(-2) - T).abs().sum(-1)).clamp(min=0)
-
-
 def mask_pairs(C: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
     """Zero the rows and columns of padded tokens of C (B, n, n) (mask (B, n) of 0/1; None = keep all)."""
     if attention_mask is None:
@@ -213,23 +207,35 @@ def norm_matrix(alpha: torch.Tensor, F: torch.Tensor, x: torch.Tensor | None = N
     return N
 
 
+def _mixed_by_key(alpha: torch.Tensor, F: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Σ_h α^h_ij f^h_j laid out (B, n_j, r, d) for the rows i in ``rows``: one batched matmul over (b, j)
+    with the heads as the inner dimension, written contiguously (no permuted copy)."""
+    a = alpha[:, :, rows].permute(0, 3, 2, 1)  # (B, n_j, r, H)
+    return torch.matmul(a, F)  # (B, n_j, H, d) -> (B, n_j, r, d)
+
+
 def alti_matrix(alpha: torch.Tensor, F: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
                 norm: tuple[Norm, torch.Tensor] | None = None, chunk: int | None = None) -> torch.Tensor:
     """ALTI's contributions (B, n, n), rows not yet normalised.
 
     T_i(x_j) = g(z_{i←j}) (``norm`` = (norm, its actual input) for post-LN blocks; None for pre-LN blocks,
     where T_i(x_j) = z_{i←j} on the residual stream) and c_ij = max(0, ‖y_i‖₁ − ‖y_i − T_i(x_j)‖₁) with
-    y (B, n, d) the actual output the shares add up to (b_O and β included). ``chunk`` rows at a time."""
-    n = x.shape[1]
+    y (B, n, d) the actual output the shares add up to (b_O and β included). ``chunk`` rows at a time; the
+    one (B, n, chunk, d) intermediate is reused in place."""
+    B, n, _ = x.shape
     step = n if chunk is None else max(1, int(chunk))
-    scale = None if norm is None else norm_scale(norm[1], norm[0])
+    scale = None if norm is None else norm_scale(norm[1], norm[0])  # (B, n, 1)
+    y1 = y.abs().sum(-1)  # (B, n)
     out = []
     for start in range(0, n, step):
         rows = torch.arange(start, min(n, start + step), device=x.device)
-        T = head_mix(alpha, F, x, rows=rows)
+        T = _mixed_by_key(alpha, F, rows)  # (B, n_j, r, d)
+        local = torch.arange(len(rows), device=x.device)
+        T[:, rows, local] += x[:, rows]  # the residual: j = i
         if norm is not None:
-            T = norm_share(T, scale[:, rows], norm[0])
-        out.append(l1_contributions(T, y[:, rows]))
+            T = norm_share(T.transpose(1, 2), scale[:, rows], norm[0]).transpose(1, 2)
+        dist = T.sub_(y[:, rows].unsqueeze(1)).abs_().sum(-1)  # ‖T_i(x_j) − y_i‖₁, (B, n_j, r)
+        out.append((y1[:, rows].unsqueeze(1) - dist).clamp_(min=0).transpose(1, 2))
     return torch.cat(out, dim=1)
 
 
@@ -247,7 +253,7 @@ def value_zeroing_matrix(alpha: torch.Tensor, F: torch.Tensor, x: torch.Tensor, 
     cols = []
     for start in range(0, n, step):
         js = torch.arange(start, min(n, start + step), device=x.device)
-        removed = torch.einsum("bhij,bjhd->bjid", alpha[:, :, :, js], F[:, js])  # (B, c, n_i, d)
+        removed = torch.matmul(alpha[:, :, :, js].permute(0, 3, 2, 1), F[:, js])  # (B, c, n_i, d)
         new = finish(x.unsqueeze(1).expand(B, len(js), n, d), attn.unsqueeze(1) - removed)
         cols.append(cosine_distance(new, out.unsqueeze(1)).transpose(1, 2))
     return torch.cat(cols, dim=2)
