@@ -250,3 +250,12 @@ def test_decompx_separate_fast_path_equals_the_carried_shares(kind):
         out = m(**x) if isinstance(x, dict) else m(x)
     logits = out.logits if out.logits.ndim == 2 else out.logits[torch.arange(2), pos]
     torch.testing.assert_close(y, logits[torch.arange(2), classes], atol=_TOL, rtol=0)
+
+
+def test_decompx_separate_under_inference_mode_carries_the_shares_instead():
+    m, x = R.build("gpt2"), R.inputs_for("gpt2")
+    fast = attnroll.explain(m, x, "decompx", bias="separate")
+    with torch.inference_mode():
+        carried = attnroll.explain(m, x, "decompx", bias="separate")
+    torch.testing.assert_close(carried.full_row, fast.full_row, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(carried.extra["bias_share"], fast.extra["bias_share"], atol=1e-5, rtol=1e-5)

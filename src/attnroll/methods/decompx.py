@@ -38,7 +38,8 @@ def shares(ctx: Context, bias: str, dtype) -> tuple:
     pos = ctx.positions(rec, "self")
     classes = _target_classes(ctx, rec)
     rows = sorted(set(pos))
-    if bias == "separate":  # affine once the coefficients are frozen: one forward + backward (exact)
+    if bias == "separate" and not torch.is_inference_mode_enabled():
+        # affine once the coefficients are frozen: one forward + backward gives the same shares exactly
         blocks = anat.blocks(dt)
         alphas = [a.to(dt) for a in rec.attentions]
         tok, y = separate_bias_shares(states.inputs[0].to(dt), alphas, blocks, positions=torch.tensor(pos),
