@@ -42,8 +42,9 @@ def shares(ctx: Context, bias: str, dtype) -> tuple:
         # affine once the coefficients are frozen: one forward + backward gives the same shares exactly
         blocks = anat.blocks(dt)
         alphas = [a.to(dt) for a in rec.attentions]
-        tok, y = separate_bias_shares(states.inputs[0].to(dt), alphas, blocks, positions=torch.tensor(pos),
-                                      classes=classes, **head)
+        x0 = states.inputs[0].to(dt)
+        tok, y = separate_bias_shares(x0, alphas, blocks, positions=torch.tensor(pos, device=x0.device),
+                                      classes=classes.to(x0.device), **head)
         return rec, pos, torch.cat([tok, (y - tok.sum(-1)).unsqueeze(-1)], dim=-1)
     with torch.no_grad():
         S = initial_shares(states.inputs[0].to(dt))
@@ -54,8 +55,8 @@ def shares(ctx: Context, bias: str, dtype) -> tuple:
             R = torch.tensor(rows, device=S.device) if last else None
             chunk = va.chunk_rows(B, K, max(d, blk.mlp.w1.shape[0]))
             S = block_shares(S, rec.attentions[i].to(dt), blk, rows=R, bias=bias, chunk=chunk)
-        idx = torch.tensor([rows.index(p) for p in pos])
-        read = S[torch.arange(S.shape[0]), idx]  # (B, K, d)
+        idx = torch.tensor([rows.index(p) for p in pos], device=S.device)
+        read = S[torch.arange(S.shape[0], device=S.device), idx]  # (B, K, d)
         out = head_shares(read, bias=bias, classes=classes.to(S.device), **head)
     return rec, pos, out
 
