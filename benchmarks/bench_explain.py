@@ -54,6 +54,9 @@ def main() -> None:
     ap.add_argument("--ig-max-batch", type=int, default=8, help="skip integrated gradients above this batch size")
     ap.add_argument("--ig-steps", type=int, default=50)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--paired", action="store_true",
+                    help="time a forward right before each method run and report the ratio of the pair (median over "
+                         "--repeat pairs): robust to load that drifts while the benchmark runs")
     ap.add_argument("--slow-max-batch", type=int, default=1, help=f"skip {sorted(SLOW)} above this batch size")
     ap.add_argument("--methods", default=",".join(ATTENTION + CAPTUM))
     args = ap.parse_args()
@@ -92,9 +95,15 @@ def main() -> None:
                 print(f"{B:>5} {entry:<22} {'skipped':>9}")
                 continue
             ig = m == "integrated_gradients"
-            t = timed(lambda: attnroll.explain(model, x, m, target=7, **opts), 1 if ig or slow else args.repeat,
-                      warm=not (ig or slow))
+            run = lambda: attnroll.explain(model, x, m, target=7, **opts)  # noqa: E731
             label = f"{m} ({args.ig_steps} steps)" if ig else entry
+            if args.paired:
+                pairs = [(timed(fwd, 1, warm=False), timed(run, 1, warm=False)) for _ in range(args.repeat)]
+                f, t = statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs)
+                ratio = statistics.median(p[1] / p[0] for p in pairs)
+                print(f"{B:>5} {label:<22} {t:>9.3f} {ratio:>9.2f}x  (paired forward {f:.3f} s)", flush=True)
+                continue
+            t = timed(run, 1 if ig or slow else args.repeat, warm=not (ig or slow))
             print(f"{B:>5} {label:<22} {t:>9.3f} {t / base:>9.2f}x", flush=True)
 
 
