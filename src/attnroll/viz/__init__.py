@@ -9,6 +9,8 @@ extra (matplotlib on the Agg backend, pillow, rich), imported only when a functi
 - :func:`plot_layers` — the rollout row after each layer (``explain(..., return_layers=True)``).
 - :func:`plot_heads` — one map per head (``per_head_rollout``, or a layer's raw attention).
 - :func:`tokens_html` / :func:`print_tokens` / :func:`tokens_text` — token highlights (HTML page / terminal).
+- :func:`view` — the interactive viewer: one self-contained HTML page (layers, methods, heads, pointer
+  values, long prompts, encoder-decoder matrices, two models side by side); :func:`explain_targets`.
 - :func:`save_image` / :func:`atomic_write` — atomic file writes (temporary file, then rename).
 """
 
@@ -18,6 +20,7 @@ from .layers import plot_layers
 from .overlay import overlay
 from .panel import panel
 from .text import print_tokens, token_scores, tokens_html, tokens_text
+from .viewer import ViewerPage, explain_targets, view
 
 __all__ = [
     "overlay",
@@ -28,6 +31,9 @@ __all__ = [
     "tokens_text",
     "print_tokens",
     "token_scores",
+    "view",
+    "ViewerPage",
+    "explain_targets",
     "save_image",
     "atomic_write",
 ]
