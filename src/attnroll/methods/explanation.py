@@ -148,9 +148,20 @@ class Explanation:
         )
 
     # ---------------------------------------------------------------------------------------- display
-    def to_html(self, index: int | None = None, kind: str = "max") -> str:
+    def to_html(self, index: int | None = None, kind: str = "max", *, interactive: bool = False,
+                **view_options: Any) -> str:
         """A self-contained HTML snippet: each token (or patch cell) on a background whose strength is its
-        score (``normalized(kind)``; negative scores in blue). ``index`` picks one example (default: all)."""
+        score (``normalized(kind)``; negative scores in blue). ``index`` picks one example (default: all).
+
+        ``interactive=True``: instead, the complete page of the interactive viewer (one file, no network;
+        layer slider when ``layers`` were kept, per-head grid, values under the pointer); ``view_options``
+        go to :func:`attnroll.viz.view` (``images=``, ``masks=``, ``segments=``, ``skip=``, ``title=``...)."""
+        if interactive:
+            from ..viz.viewer import view
+
+            return view(self, index=index, **view_options).html
+        if view_options:
+            raise TypeError(f"to_html() got options {sorted(view_options)} that only interactive=True takes")
         norm = self.normalized(kind).scores
         which = range(self.batch_size) if index is None else [int(index)]
         parts = [

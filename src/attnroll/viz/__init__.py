@@ -20,7 +20,8 @@ from .layers import plot_layers
 from .overlay import overlay
 from .panel import panel
 from .text import print_tokens, token_scores, tokens_html, tokens_text
-from .viewer import ViewerPage, explain_targets, view
+from .targets import explain_targets
+from .viewer import ViewerPage, view
 
 __all__ = [
     "overlay",

@@ -2,11 +2,12 @@
 
 - :func:`view` — explanations (several methods, layers, heads, long prompts, encoder-decoder matrices, an
   audit's two models) -> a :class:`ViewerPage`.
-- :func:`explain_targets` — an encoder-decoder explained at every target position (the matrix rows).
+
+It imports nothing from the package above ``viz`` (explanations are recognised by their fields), so that
+``Explanation.to_html(interactive=True)`` can build a page without an import cycle.
 """
 
 from .page import ViewerPage
-from .targets import explain_targets
 from .view import view
 
-__all__ = ["view", "ViewerPage", "explain_targets"]
+__all__ = ["view", "ViewerPage"]

@@ -13,10 +13,10 @@ import torch
 def image_uri(image: Any) -> tuple[str, int, int]:
     """An image (PIL, (H, W, 3) / (3, H, W) array or tensor, uint8 or float in [0, 1]) -> (PNG data URI,
     width, height). Needs pillow."""
-    from .. import _deps
-    from ..overlay import to_rgb_array
+    from .. import deps
+    from ..pixels import to_rgb_array
 
-    Image = _deps.pil("attnroll.viz.view (images)")
+    Image = deps.pil("attnroll.viz.view (images)")
     arr = to_rgb_array(image)
     buf = io.BytesIO()
     Image.fromarray(arr, mode="RGB").save(buf, format="PNG", optimize=True)

@@ -28,12 +28,21 @@ def _np(t: Any) -> np.ndarray:
     return np.asarray(t, dtype=np.float64)
 
 
+def is_explanation(x: Any) -> bool:
+    """An :class:`~attnroll.Explanation` (checked by its fields: the viewer imports nothing above viz, so
+    that ``Explanation.to_html(interactive=True)`` can use it)."""
+    return all(hasattr(x, a) for a in ("scores", "full_row", "layers", "grid", "prefix", "method", "extra"))
+
+
+def is_audit_report(x: Any) -> bool:
+    """An :class:`~attnroll.evaluate.audit.AuditReport` (by its fields)."""
+    return all(hasattr(x, a) for a in ("maps_a", "maps_b", "js", "spearman", "order", "pred_a", "pred_b"))
+
+
 def named_explanations(explanations: Any) -> dict[str, Any]:
     """One Explanation, a list of them, or {name: Explanation | [Explanation per decoder position]} ->
     an ordered {name: value}; names default to the method, made unique."""
-    from ...methods.explanation import Explanation
-
-    if isinstance(explanations, Explanation):
+    if is_explanation(explanations):
         items = [(explanations.method, explanations)]
     elif isinstance(explanations, Mapping):
         items = [(str(k), v) for k, v in explanations.items()]
@@ -49,7 +58,7 @@ def named_explanations(explanations: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, e in items:
         for x in (e if isinstance(e, (list, tuple)) else [e]):
-            if not isinstance(x, Explanation):
+            if not is_explanation(x):
                 raise TypeError(f"explanations[{name!r}] must be an Explanation (or a list of them for "
                                 f"encoder-decoder positions), got {type(x).__name__}")
         key, k = name, 2

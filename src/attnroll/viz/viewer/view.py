@@ -6,6 +6,7 @@ from typing import Any
 
 from .build import audit_payload, explanations_payload
 from .page import ViewerPage, render
+from .payload import is_audit_report
 
 
 def view(
@@ -54,9 +55,7 @@ def view(
     Returns:
         a :class:`ViewerPage` (``.html``, ``.save(path)``, ``.nbytes``).
     """
-    from ...evaluate.audit import AuditReport
-
-    if isinstance(explanations, AuditReport):
+    if is_audit_report(explanations):
         if segments is not None or skip is not None or labels is not None:
             raise ValueError("segments=, skip= and labels= are for Explanations, not for an AuditReport")
         payload = audit_payload(explanations, images=images, masks=masks, names=names, index=index,

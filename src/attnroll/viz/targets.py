@@ -10,7 +10,7 @@ def explain_targets(model: Any, inputs: Any, method: str = "encdec_rollout", pos
     """One Explanation per decoder position (``explain(..., position=t)``), the rows the viewer's source ×
     target matrix shows. ``inputs`` must hold ``decoder_input_ids``; ``positions`` defaults to every decoder
     position. Other keyword arguments go to :func:`attnroll.explain` (``target=``, ``tokenizer=``, ...)."""
-    from ...methods.base import explain
+    from ..methods.base import explain
 
     dec = inputs.get("decoder_input_ids") if hasattr(inputs, "get") else None
     if dec is None:
