@@ -89,7 +89,7 @@ def explanations_payload(explanations: Any, *, images: Any = None, masks: Any = 
     """The payload's "methods" and "examples" for Explanations (see :func:`attnroll.viz.view`)."""
     named = named_explanations(explanations)
     kind, batch = check_same_inputs(named)
-    images, masks = media.as_list(images), media.as_list(masks)
+    images, masks = media.as_list(images, 3), media.as_list(masks, 2)
     if kind != "image" and (images is not None or masks is not None):
         raise ValueError(f"images= and masks= are for image models; these explanations are over {kind}")
     if kind != "tokens" and segments is not None:
@@ -113,6 +113,24 @@ def explanations_payload(explanations: Any, *, images: Any = None, masks: Any = 
     return {"methods": list(named), "examples": examples}
 
 
+def sections_payload(sections: Any, *, skip: Any = None, precision: str = "uint16") -> dict:
+    """``{section: {name: Explanation}}``: several groups of explanations over different inputs (e.g. each
+    sentence of a pair explained for its similarity to the other) on one page, one method switcher; each
+    example's heading starts with its section."""
+    methods: list[str] = []
+    examples: list[dict] = []
+    for title, group in sections.items():
+        part = explanations_payload(group, skip=skip, precision=precision)
+        methods += [m for m in part["methods"] if m not in methods]
+        for ex in part["examples"]:
+            own = ex["label"].split(" · ", 1)[1] if len(part["examples"]) == 1 and " · " in ex["label"] else ex["label"]
+            ex["label"] = f"{title} · {own}"
+        examples += part["examples"]
+    if not examples:
+        raise ValueError("explanations is empty: give at least one section with an Explanation")
+    return {"methods": methods, "examples": examples}
+
+
 def audit_payload(report: Any, *, images: Any = None, masks: Any = None, names: tuple[str, str] = ("model A", "model B"),
                   index: Any = None, precision: str = "uint16") -> dict:
     """Two models side by side from an :class:`~attnroll.evaluate.audit.AuditReport`: per example the map of
@@ -120,7 +138,7 @@ def audit_payload(report: Any, *, images: Any = None, masks: Any = None, names: 
     a_name, b_name = (str(n) for n in names)
     diff = f"{b_name} − {a_name}"
     batch = int(report.maps_a.shape[0])
-    images, masks = media.as_list(images), media.as_list(masks)
+    images, masks = media.as_list(images, 3), media.as_list(masks, 2)
     order = [int(i) for i in report.order] if index is None else _indices(index, batch)
     examples = []
     for b in order:

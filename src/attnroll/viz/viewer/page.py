@@ -34,6 +34,17 @@ def render(payload: dict[str, Any]) -> str:
     )
 
 
+def read_payload(page: str) -> dict[str, Any]:
+    """The data a viewer page carries (the inverse of :func:`render`'s embedding), e.g. to check a page or
+    to take its rows back out (:func:`~attnroll.viz.viewer.quant.decode_rows`)."""
+    start_tag = "<script type='application/json' id='attnroll-data'>"
+    i = page.find(start_tag)
+    if i < 0:
+        raise ValueError("page is not an attnroll viewer page (no attnroll-data block)")
+    j = page.index("</script>", i)
+    return json.loads(page[i + len(start_tag):j])
+
+
 class ViewerPage:
     """An interactive viewer page. ``html``: the page (str); ``save(path)`` writes it; in a notebook the
     object displays itself (``_repr_html_``: the page in a sandboxed ``iframe srcdoc``, so that several

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .build import audit_payload, explanations_payload
+from collections.abc import Mapping
+
+from .build import audit_payload, explanations_payload, sections_payload
 from .page import ViewerPage, render
 from .payload import is_audit_report
 
@@ -32,8 +34,9 @@ def view(
         explanations: an Explanation; a list of them or ``{name: Explanation}`` (several methods on the same
             inputs: the page gets a method switcher); for an encoder-decoder, ``{name: [Explanation, ...]}``
             with one Explanation per explained target position (see :func:`explain_targets`): the page shows
-            the source × target matrix; or an :class:`~attnroll.evaluate.audit.AuditReport`: two models side
-            by side with their difference.
+            the source × target matrix; ``{section: {name: Explanation}}`` for groups over different inputs
+            (e.g. both sentences of a pair, each explained for its similarity to the other); or an
+            :class:`~attnroll.evaluate.audit.AuditReport`: two models side by side with their difference.
         images: the pictures of image explanations, one per example ((B, 3, H, W) / (B, H, W, 3) tensor or
             array in [0, 1] or uint8, or a list of PIL images), drawn under the map; optional.
         masks: ground-truth masks (B, H, W) bool, drawn as an outline (e.g. ``shapes.make_dataset``'s).
@@ -60,6 +63,11 @@ def view(
             raise ValueError("segments=, skip= and labels= are for Explanations, not for an AuditReport")
         payload = audit_payload(explanations, images=images, masks=masks, names=names, index=index,
                                 precision=precision)
+    elif isinstance(explanations, Mapping) and explanations and all(isinstance(v, Mapping) for v in explanations.values()):
+        if any(x is not None for x in (images, masks, segments, labels, index)):
+            raise ValueError("sections ({section: {name: Explanation}}) take only skip= and precision=; "
+                             "give images, masks, segments, labels or index to one group at a time")
+        payload = sections_payload(explanations, skip=skip, precision=precision)
     else:
         payload = explanations_payload(explanations, images=images, masks=masks, segments=segments, skip=skip,
                                        labels=labels, index=index, precision=precision)
