@@ -152,6 +152,11 @@ def test_per_head_grid_draws_each_head(d, data, page_url):
     for k, cv in enumerate(canvases):
         px = browser.canvas_rgba(d, cv)[..., 0].reshape(-1).astype(float)
         np.testing.assert_allclose(px, browser.grey_expected(heads[k]), atol=1)
+    side = canvases[2].size["width"] / GRID
+    browser.hover(d, canvases[2], 5.5 * side, 2.5 * side)
+    where, shown = browser.readout(d, d.find_element("css selector", "#ar-ex-0"))
+    want = float(heads[2, 2 * GRID + 5])
+    assert "head 2" in where and abs(shown - want) <= 5e-4 * want + float(np.ptp(heads[2])) / 65535
 
 
 def test_opacity_is_the_map_layers_opacity(d, page_url):
@@ -190,3 +195,33 @@ def test_audit_shows_both_models_and_their_difference(d, data, tmp_path):
     np.testing.assert_array_equal(np.sign(px[clear, 0] - px[clear, 2]), np.sign(t[clear]))
     j = int(np.argmax(np.abs(t)))
     assert abs(px[j, 0] - px[j, 2]) > 150  # the strongest difference is a saturated colour
+
+
+def test_colour_scales_min_max_and_one_scale_over_the_layers(d, data, page_url):
+    _fresh(d, page_url)
+    e = data["E"]["rollout"]
+    v = e.scores[0].double().numpy()
+    browser.set_control(d, "ar-scale", "minmax")
+    np.testing.assert_allclose(_map(d, 0), np.rint(255 * (v - v.min()) / np.ptp(v)), atol=1)
+    browser.set_control(d, "ar-scale", "layers")  # 0 -> the largest value of any layer's row or the final one
+    rows = e.layers[:, 0, e.prefix:].double().numpy()
+    top = max(rows.max(), v.max())
+    np.testing.assert_allclose(_map(d, 0), np.rint(255 * v / top), atol=1)
+    browser.set_control(d, "ar-layer", "1")
+    np.testing.assert_allclose(_map(d, 0), np.rint(255 * rows[0] / top), atol=1)
+
+
+def test_without_pictures_the_maps_and_values_still_show(d, data, tmp_path):
+    e = data["E"]["gae"]
+    browser.open_page(d, viz.view(e), tmp_path / "bare.html")
+    assert browser.console_messages(d) == []
+    browser.set_control(d, "ar-cmap", "grey")
+    assert d.find_elements("css selector", "img") == []
+    np.testing.assert_allclose(_map(d, 1), browser.grey_expected(e.scores[1].numpy()), atol=1)
+    card = d.find_element("css selector", "#ar-ex-1")
+    stack = card.find_element("css selector", ".stack")
+    side = stack.size["width"] / GRID
+    browser.hover(d, stack, 6.5 * side, 1.5 * side)
+    _, shown = browser.readout(d, card)
+    want = float(e.scores[1, 1 * GRID + 6])
+    assert abs(shown - want) <= 5e-4 * abs(want) + float(np.ptp(e.scores[1].numpy())) / 65535
