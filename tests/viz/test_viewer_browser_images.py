@@ -225,3 +225,20 @@ def test_without_pictures_the_maps_and_values_still_show(d, data, tmp_path):
     _, shown = browser.readout(d, card)
     want = float(e.scores[1, 1 * GRID + 6])
     assert abs(shown - want) <= 5e-4 * abs(want) + float(np.ptp(e.scores[1].numpy())) / 65535
+
+
+def test_all_methods_side_by_side(d, data, page_url):
+    _fresh(d, page_url)
+    browser.set_control(d, "ar-method", "*")
+    card = d.find_element("css selector", "#ar-ex-1")
+    shown = [s for s in card.find_elements("css selector", ".stack") if s.is_displayed()]
+    names = list(data["E"])
+    assert len(shown) == len(names)
+    caps = [c.text.split(" · ")[0] for c in card.find_elements("css selector", "figcaption") if c.is_displayed()
+            and c.find_elements("xpath", "following-sibling::div[contains(@class,'stack')]")]
+    assert caps == names
+    for name, stack in zip(names, shown):
+        px = browser.canvas_rgba(d, stack.find_element("css selector", "canvas.map"))[..., 0].reshape(-1)
+        np.testing.assert_allclose(px.astype(float), browser.grey_expected(data["E"][name].scores[1].numpy()), atol=1)
+    browser.set_control(d, "ar-method", "gae")
+    assert sum(s.is_displayed() for s in card.find_elements("css selector", ".stack")) == 1

@@ -88,7 +88,9 @@
   }
 
   // ------------------------------------------------------------------ which row is shown
-  function mapOf(ex, key) { return ex.maps[key || S.method] || null; }
+  var ALL = "*";  // the method switcher's "all side by side" choice
+  function M() { return S.method === ALL ? DATA.methods[0] : S.method; }
+  function mapOf(ex, key) { return ex.maps[key || M()] || null; }
   function current(ex, key) {
     var m = mapOf(ex, key);
     if (!m) return null;
@@ -159,7 +161,7 @@
     var cur = null;
     function update() {
       cur = current(ex, panel[1]);
-      cap.textContent = (panel[0] || S.method) + (cur ? " · " + cur.what : "");
+      cap.textContent = (panel[0] || M()) + (cur ? " · " + cur.what : "");
       cv.style.opacity = S.opacity; cv.classList.toggle("px", !S.smooth);
       if (oc) oc.style.display = S.outline ? "" : "none";
       if (!cur) { cv.style.visibility = "hidden"; scale.textContent = "not computed for this method"; return; }
@@ -173,7 +175,7 @@
       var r = stack.getBoundingClientRect();
       var col = Math.min(w - 1, Math.max(0, Math.floor((e.clientX - r.left) / r.width * w)));
       var row = Math.min(h - 1, Math.max(0, Math.floor((e.clientY - r.top) / r.height * h)));
-      say((panel[0] || S.method) + " · " + cur.what + " · patch (row " + row + ", col " + col + "):", cur.v[row * w + col]);
+      say((panel[0] || M()) + " · " + cur.what + " · patch (row " + row + ", col " + col + "):", cur.v[row * w + col]);
     });
     return { update: update, canvas: cv };
   }
@@ -217,13 +219,13 @@
     ts.onChunk(function (a, b) { if (cur) colourSpans(ts, cur.v, sc, skip, a, b); });
     function update() {
       cur = current(ex, panel[1]);
-      cap.textContent = (panel[0] || S.method) + (cur ? " · " + cur.what : " · not computed for this method");
+      cap.textContent = (panel[0] || M()) + (cur ? " · " + cur.what : " · not computed for this method");
       if (!cur) return;
       sc = scaleOf(cur.v, panel[2] || cur.m.signed, skip, sharedRows(cur.m));
       colourSpans(ts, cur.v, sc, skip, 0, ts.done());
       scale.textContent = "colour: " + fmt(sc.lo) + " → " + fmt(sc.hi) + (skip ? " (special tokens uncoloured)" : "");
     }
-    hoverTokens(strip, ex, function () { return cur; }, function () { return (panel[0] || S.method) + " · " + cur.what; }, say);
+    hoverTokens(strip, ex, function () { return cur; }, function () { return (panel[0] || M()) + " · " + cur.what; }, say);
     ts.start();
     return { update: update };
   }
@@ -245,12 +247,12 @@
           g.strip.start();
         }
       });
-      hoverTokens(body, ex, function () { return cur; }, function () { return S.method + " · " + cur.what + " · " + s[0]; }, say);
+      hoverTokens(body, ex, function () { return cur; }, function () { return M() + " · " + cur.what + " · " + s[0]; }, say);
       return g;
     });
     function update() {
       cur = current(ex, null);
-      cap.textContent = S.method + (cur ? " · " + cur.what : " · not computed for this method") +
+      cap.textContent = M() + (cur ? " · " + cur.what : " · not computed for this method") +
         " · " + segs.length + " segments ranked by their share of the positive relevance (click to open)";
       if (!cur) return;
       sc = scaleOf(cur.v, cur.m.signed, skip, sharedRows(cur.m));
@@ -289,10 +291,10 @@
     var tgtStrip = tokenStrip(ex, ex.target_tokens, tgt, tIdx);
     srcStrip.onChunk(function () { update(); }); tgtStrip.onChunk(function () { update(); });
     srcStrip.start(); tgtStrip.start();
-    function m() { return ex.maps[S.method] || null; }
+    function m() { return ex.maps[M()] || null; }
     function update() {
       var e = m();
-      cap.textContent = S.method + " · source × target (row = explained target position)";
+      cap.textContent = M() + " · source × target (row = explained target position)";
       if (!e) { scale.textContent = "not computed for this method"; return; }
       var R = rows(e.rows), all = [];
       for (var r = 0; r < R.count; r++) all.push(R.row(r));
@@ -320,16 +322,16 @@
       var q = m(); if (!q) return;
       var r = cv.getBoundingClientRect(), c = Math.min(nS - 1, Math.floor((e.clientX - r.left) / r.width * nS)),
           t = Math.min(P.length - 1, Math.floor((e.clientY - r.top) / r.height * P.length));
-      say(S.method + " · target " + JSON.stringify(ex.target_tokens[P[t]]) + " × source " + JSON.stringify(ex.tokens[c]) + ":", rows(q.rows).row(t)[c]);
+      say(M() + " · target " + JSON.stringify(ex.target_tokens[P[t]]) + " × source " + JSON.stringify(ex.tokens[c]) + ":", rows(q.rows).row(t)[c]);
     });
     hoverTokens(src, ex, function () { var q = m(); return q ? { v: rows(q.rows).row(sel) } : null; },
-                function () { return S.method + " · source of target #" + P[sel]; }, say);
+                function () { return M() + " · source of target #" + P[sel]; }, say);
     return { update: update };
   }
 
   // ------------------------------------------------------------------ per-head grid
   function headsOf(ex) {
-    if (ex.maps[S.method] && ex.maps[S.method].heads) return [S.method, ex.maps[S.method].heads];
+    if (ex.maps[M()] && ex.maps[M()].heads) return [M(), ex.maps[M()].heads];
     for (var k in ex.maps) if (ex.maps[k].heads) return [k, ex.maps[k].heads];
     return null;
   }
@@ -376,7 +378,10 @@
     var bar = el("div", "bar"), kinds = DATA.examples.map(function (e) { return e.kind; });
     var hasImage = kinds.indexOf("image") >= 0 || kinds.indexOf("matrix") >= 0;
     if (!DATA.fixed) {
-      control(bar, "method", select("ar-method", DATA.methods.map(function (m) { return [m, m]; }), S.method))
+      var choices = DATA.methods.map(function (m) { return [m, m]; });
+      var sideBySide = DATA.methods.length > 1 && DATA.examples.some(function (e) { return e.kind !== "matrix" && !e.segments; });
+      if (sideBySide) choices.push([ALL, "all side by side"]);
+      control(bar, "method", select("ar-method", choices, S.method))
         .addEventListener("change", function (e) { S.method = e.target.value; redraw(); });
     }
     if (LAYERS > 0) {
@@ -406,6 +411,27 @@
   }
 
   // ------------------------------------------------------------------ cards
+  // An example's panels: its own (one following the switcher, or the audit's fixed three); with "all side by
+  // side" one per method instead, built the first time they are asked for.
+  function panelGroup(ex, host, say) {
+    function make(list) {
+      var box = el("div", "group");
+      host.appendChild(box);
+      return { box: box, views: list.map(function (p) {
+        return ex.kind === "image" ? imagePanel(ex, p, box, say) : tokenPanel(ex, p, box, say);
+      }) };
+    }
+    var own = make(ex.panels), all = null;
+    function update() {
+      var wide = S.method === ALL && !DATA.fixed;
+      if (wide && !all) all = make(DATA.methods.filter(function (m) { return ex.maps[m]; })
+                                     .map(function (m) { return [m, m, null]; }));
+      own.box.style.display = wide ? "none" : "";
+      if (all) all.box.style.display = wide ? "" : "none";
+      (wide ? all : own).views.forEach(function (v) { v.update(); });
+    }
+    return { update: update };
+  }
   function card(ex, i) {
     var c = el("section", ex.kind === "image" ? "card" : "card wide"); c.id = "ar-ex-" + i;
     c.appendChild(el("h2", null, ex.label));
@@ -413,9 +439,7 @@
     var say = readout(c), made = [];
     if (ex.kind === "matrix") made.push(matrixPanel(ex, panels, say));
     else if (ex.kind === "tokens" && ex.segments) made.push(segmentPanel(ex, panels, say));
-    else ex.panels.forEach(function (p) {
-      made.push(ex.kind === "image" ? imagePanel(ex, p, panels, say) : tokenPanel(ex, p, panels, say));
-    });
+    else made.push(panelGroup(ex, panels, say));
     var hp = ex.kind !== "matrix" ? headsPanel(ex, c, say) : null;
     if (hp) made.push(hp);
     return { node: c, views: made };
