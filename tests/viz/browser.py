@@ -110,3 +110,14 @@ def grey_expected(values: np.ndarray, how: str = "max") -> np.ndarray:
     hi = v.max()
     t = np.clip(v / hi, 0, 1) if hi > 0 else np.zeros_like(v)
     return np.rint(t * 255)
+
+
+def wait_for(d, css: str, at_least: int = 1, timeout: float = 5.0) -> list:
+    """The elements matching ``css`` once there are ``at_least`` of them (a details' toggle event, which
+    builds what it opens, arrives after the click returns)."""
+    t_end = time.monotonic() + timeout
+    while True:
+        found = d.find_elements("css selector", css)
+        if len(found) >= at_least or time.monotonic() > t_end:
+            return found
+        time.sleep(0.02)

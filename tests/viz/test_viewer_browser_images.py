@@ -147,7 +147,7 @@ def test_per_head_grid_draws_each_head(d, data, page_url):
     det = d.find_element("css selector", "#ar-ex-0 details.heads")
     assert det.find_elements("css selector", "canvas") == []  # built only when opened
     det.find_element("css selector", "summary").click()
-    canvases = det.find_elements("css selector", "canvas.hmap")
+    canvases = browser.wait_for(d, "#ar-ex-0 details.heads canvas.hmap", heads.shape[0])
     assert len(canvases) == heads.shape[0]
     for k, cv in enumerate(canvases):
         px = browser.canvas_rgba(d, cv)[..., 0].reshape(-1).astype(float)

@@ -170,7 +170,7 @@ def test_long_prompt_segments_are_ranked_and_built_on_opening(d, tmp_path):
     k = int(closed[0].get_attribute("data-k"))
     closed[0].find_element("css selector", "summary").click()
     _, a, z = segs[k]
-    got = [s.get_attribute("textContent") for s in closed[0].find_elements("css selector", ".t")]
+    got = [s.get_attribute("textContent") for s in browser.wait_for(d, f".seg[data-k='{k}'] .t", z - a)]
     assert got == E["gae"].tokens[0][a:z]
 
 
@@ -219,3 +219,24 @@ def test_notebook_frame_runs_the_viewer(d, bert, tmp_path):
         assert shown == E["rollout"].tokens[0][:real]
     finally:
         d.switch_to.default_content()
+
+
+def test_per_head_strips_of_a_text_model(d, bert, bert_dir, tmp_path):
+    tok = T.AutoTokenizer.from_pretrained(bert_dir)
+    model = T.AutoModelForSequenceClassification.from_pretrained(bert_dir).eval()
+    enc = tok(["the cat sat on the mat"], return_tensors="pt")
+    e = attnroll.explain(model, enc, "per_head_rollout", tokenizer=tok)
+    browser.open_page(d, viz.view(e), tmp_path / "heads.html")
+    d.find_element("css selector", "details.heads summary").click()
+    heads = e.extra["heads"][0].double().numpy()
+    strips = browser.wait_for(d, "canvas.hstrip", heads.shape[0])
+    assert len(strips) == heads.shape[0]
+    for k, cv in enumerate(strips):
+        px = browser.canvas_rgba(d, cv)
+        assert px.shape[:2] == (1, heads.shape[1])
+        # heat colours: the largest value of each head is its brightest (highest red + green) token
+        assert int(np.argmax(px[0, :, :3].astype(int).sum(-1))) == int(np.argmax(heads[k]))
+    cell = strips[1].size["width"] / heads.shape[1]
+    browser.hover(d, strips[1], 2.5 * cell, 3)
+    where, shown = browser.readout(d, d.find_element("css selector", "#ar-ex-0"))
+    assert "head 1" in where and abs(shown - heads[1, 2]) <= 5e-4 * heads[1, 2] + np.ptp(heads[1]) / 65535
