@@ -121,3 +121,13 @@ def wait_for(d, css: str, at_least: int = 1, timeout: float = 5.0) -> list:
         if len(found) >= at_least or time.monotonic() > t_end:
             return found
         time.sleep(0.02)
+
+
+def value_tol(row, j: int) -> float:
+    """How far the readout may be from ``row[j]``: the page's uint16 code of that row (its documented bound,
+    :func:`attnroll.viz.viewer.quant.error_bound`) plus the 4 significant digits it prints."""
+    from attnroll.viz.viewer.quant import encode_rows, error_bound
+
+    r = np.asarray(row, dtype=np.float64).reshape(-1)
+    bound = error_bound(encode_rows(r), r[None])[0, j]
+    return float(bound + 5e-4 * (abs(r[j]) + bound) + 1e-12)

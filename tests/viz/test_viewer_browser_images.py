@@ -122,8 +122,7 @@ def test_value_under_the_pointer_is_the_explanations_value(d, data, page_url, me
         row = e.scores[2] if layer is None else e.layers[layer - 1, 2, e.prefix:]
         want = float(row[r * GRID + c])
         assert f"patch (row {r}, col {c})" in where
-        step = float(row.max() - row.min()) / 65535
-        assert abs(shown - want) <= step + 5e-4 * abs(want) + 1e-12, (where, shown, want)
+        assert abs(shown - want) <= browser.value_tol(row.numpy(), r * GRID + c), (where, shown, want)
 
 
 def test_ground_truth_outline_follows_the_mask(d, data, page_url):
@@ -156,7 +155,7 @@ def test_per_head_grid_draws_each_head(d, data, page_url):
     browser.hover(d, canvases[2], 5.5 * side, 2.5 * side)
     where, shown = browser.readout(d, d.find_element("css selector", "#ar-ex-0"))
     want = float(heads[2, 2 * GRID + 5])
-    assert "head 2" in where and abs(shown - want) <= 5e-4 * want + float(np.ptp(heads[2])) / 65535
+    assert "head 2" in where and abs(shown - want) <= browser.value_tol(heads[2], 2 * GRID + 5)
 
 
 def test_opacity_is_the_map_layers_opacity(d, page_url):
@@ -186,7 +185,7 @@ def test_audit_shows_both_models_and_their_difference(d, data, tmp_path):
             browser.hover(d, panel, (c + 0.5) * side, (r + 0.5) * side)
             _, shown = browser.readout(d, card)
             w = float(want[r * GRID + c])
-            assert abs(shown - w) <= float(np.ptp(want)) / 65535 + 5e-4 * abs(w) + 1e-12
+            assert abs(shown - w) <= browser.value_tol(want, r * GRID + c)
     # the difference panel is signed: white at 0, red where B has more, blue where it has less
     px = browser.canvas_rgba(d, stacks[2].find_element("css selector", "canvas.map")).reshape(-1, 4).astype(int)
     t = diff / np.abs(diff).max()
@@ -224,7 +223,7 @@ def test_without_pictures_the_maps_and_values_still_show(d, data, tmp_path):
     browser.hover(d, stack, 6.5 * side, 1.5 * side)
     _, shown = browser.readout(d, card)
     want = float(e.scores[1, 1 * GRID + 6])
-    assert abs(shown - want) <= 5e-4 * abs(want) + float(np.ptp(e.scores[1].numpy())) / 65535
+    assert abs(shown - want) <= browser.value_tol(e.scores[1].numpy(), 1 * GRID + 6)
 
 
 def test_all_methods_side_by_side(d, data, page_url):

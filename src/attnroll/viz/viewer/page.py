@@ -78,8 +78,5 @@ class ViewerPage:
             raise RuntimeError("show() needs IPython (a notebook); use .save('viewer.html') and open the file") from None
         display(self)
 
-    def __str__(self) -> str:
-        return self.html
-
     def __repr__(self) -> str:
         return f"ViewerPage({self.nbytes:,} bytes)"

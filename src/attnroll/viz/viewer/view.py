@@ -47,7 +47,10 @@ def view(
             colour scale and the segment ranking.
         labels: one heading per example; ``index``: an example index or list of them (default all);
             ``names``: the two models of an AuditReport.
-        precision: "uint16" (default; error at most 1/131070 of each row's range) or "uint8" (half the size).
+        precision: "uint16" (default: square-root companded, so a value v of a row whose largest |value| is
+            a is off by at most sqrt(a·|v|)/65535, about 1/65535 of a at the top and 0.15% of v at v = a/10⁴;
+            see :mod:`attnroll.viz.viewer.quant`), "uint8" (half the size, 256 codes) or "float32" (exact, twice
+            the size).
         path: also write the page there (atomically).
         height: the notebook frame's height in pixels.
 
@@ -82,4 +85,4 @@ def view(
 
 def _layer_count(entry: dict) -> int:
     lay = entry.get("layers")
-    return len(lay["lo"]) if lay else 0
+    return len(lay["a"]) if lay else 0

@@ -26,12 +26,16 @@
     if (d) return d;
     var s = atob(p.data), u8 = new Uint8Array(s.length);
     for (var i = 0; i < s.length; i++) u8[i] = s.charCodeAt(i);
-    var q = p.bits === 8 ? u8 : new Uint16Array(u8.buffer), qmax = p.bits === 8 ? 255 : 65535;
-    var done = [];
-    d = { n: p.n, count: p.lo.length, row: function (r) {
+    var q = p.float ? new Float32Array(u8.buffer) : p.bits === 8 ? u8 : new Uint16Array(u8.buffer);
+    var Q = p.bits === 8 ? 255 : 65535, done = [];
+    d = { n: p.n, count: p.a.length, row: function (r) {
       if (done[r]) return done[r];
-      var out = new Float64Array(p.n), lo = p.lo[r], span = p.hi[r] - p.lo[r], off = r * p.n;
-      for (var j = 0; j < p.n; j++) out[j] = lo + span * q[off + j] / qmax;
+      var out = new Float64Array(p.n), a = p.a[r], signed = p.s[r], off = r * p.n;
+      for (var j = 0; j < p.n; j++) {
+        if (p.float) { out[j] = q[off + j]; continue; }
+        var x = signed ? 2 * q[off + j] / (Q - 1) - 1 : q[off + j] / Q;
+        out[j] = a * x * Math.abs(x);
+      }
       done[r] = out;
       return out;
     } };
@@ -71,7 +75,16 @@
     if (lo === Infinity) { lo = 0; hi = 0; }
     if (signed) { var a = Math.max(Math.abs(lo), Math.abs(hi)); return { signed: true, lo: -a, hi: a }; }
     if (S.scale === "minmax") return { lo: lo, hi: hi };
+    if (S.scale === "p99") hi = percentile(list, skip, 0.99);
     return { lo: 0, hi: Math.max(hi, 0) };
+  }
+  // The q-quantile of the values (skipped units left out): a scale that one dominant unit cannot wash out.
+  function percentile(list, skip, q) {
+    var all = [];
+    list.forEach(function (v) { for (var j = 0; j < v.length; j++) if (!(skip && skip.has(j))) all.push(v[j]); });
+    if (!all.length) return 0;
+    var s = Float64Array.from(all).sort();
+    return s[Math.min(s.length - 1, Math.floor(q * (s.length - 1)))];
   }
   function tOf(sc, x) {
     if (!(sc.hi > sc.lo)) return 0;
@@ -95,10 +108,10 @@
     var m = mapOf(ex, key);
     if (!m) return null;
     if (m.layers && S.layer < LAYERS) {
-      var L = m.layers.lo.length, k = Math.min(S.layer, L);
+      var L = m.layers.a.length, k = Math.min(S.layer, L);
       return { v: rows(m.layers).row(k - 1), what: "after layer " + k + " of " + L, m: m };
     }
-    return { v: rows(m.final).row(0), what: m.layers ? "final (layer " + m.layers.lo.length + ")" : "final", m: m };
+    return { v: rows(m.final).row(0), what: m.layers ? "final (layer " + m.layers.a.length + ")" : "final", m: m };
   }
   function sharedRows(m) {
     if (S.scale !== "layers" || !m.layers) return null;
@@ -392,7 +405,8 @@
       r.addEventListener("input", function () { S.layer = +r.value; show(); redraw(); });
       show();
     }
-    var scales = [["max", "each map: 0 → max"], ["minmax", "each map: min → max"], ["layers", "one scale over the layers"]];
+    var scales = [["max", "each map: 0 → max"], ["minmax", "each map: min → max"], ["layers", "one scale over the layers"],
+                  ["p99", "each map: 0 → 99th percentile"]];
     control(bar, "scale", select("ar-scale", scales, S.scale))
       .addEventListener("change", function (e) { S.scale = e.target.value; redraw(); });
     if (hasImage) {
