@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from attnroll import viz
+from attnroll.methods import explain_targets
 from attnroll.methods.explanation import Explanation
 from attnroll.viz.viewer import decode_rows, read_payload
 from attnroll.viz.viewer.quant import encode_rows, error_bound, max_error
@@ -193,8 +194,8 @@ def test_bad_inputs_say_what_was_expected():
 
 def test_explain_targets_needs_a_decoder():
     with pytest.raises(ValueError, match="decoder_input_ids"):
-        viz.explain_targets(None, {"input_ids": torch.zeros(1, 3, dtype=torch.long)})
+        explain_targets(None, {"input_ids": torch.zeros(1, 3, dtype=torch.long)})
     with pytest.raises(TypeError, match="positions="):
-        viz.explain_targets(None, {"decoder_input_ids": torch.zeros(1, 3, dtype=torch.long)}, position=1)
+        explain_targets(None, {"decoder_input_ids": torch.zeros(1, 3, dtype=torch.long)}, position=1)
     with pytest.raises(ValueError, match=r"decoder positions in \[0, 3\)"):
-        viz.explain_targets(None, {"decoder_input_ids": torch.zeros(1, 3, dtype=torch.long)}, positions=[3])
+        explain_targets(None, {"decoder_input_ids": torch.zeros(1, 3, dtype=torch.long)}, positions=[3])

@@ -13,6 +13,7 @@ T = pytest.importorskip("transformers")
 
 import attnroll  # noqa: E402
 from attnroll import viz  # noqa: E402
+from attnroll.methods import explain_targets  # noqa: E402
 from attnroll.methods.explanation import Explanation  # noqa: E402
 
 from . import browser  # noqa: E402
@@ -104,7 +105,7 @@ def test_layer_slider_recolours_tokens_and_ends_at_the_final_row(d, bert, tmp_pa
 def test_encoder_decoder_matrix_and_clicking_a_target_token(d, tmp_path):
     model = M.model("bart")
     x = M.example(M.inputs_for("bart", batch=1, pad=False), 0)
-    rows = viz.explain_targets(model, x, "encdec_rollout")
+    rows = explain_targets(model, x, "encdec_rollout")
     assert [r.positions[0] for r in rows] == list(range(x["decoder_input_ids"].shape[1]))
     page = viz.view({"encdec_rollout": rows})
     browser.open_page(d, page, tmp_path / "encdec.html")

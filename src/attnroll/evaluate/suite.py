@@ -17,7 +17,7 @@ import torch
 
 from .. import _checks
 from ..methods import batch_size_of, explain_batches, method_info, take_rows
-from ._common import batched_logits, chunks, image_forward, logits_of
+from ._common import batched_logits, chunks, image_forward, logits_of, nanmean
 from .registry import METRICS, MetricInputs, metric_info, metric_names
 
 #: Default methods of ``attnroll evaluate`` (the random control last).
@@ -302,9 +302,9 @@ def evaluate_methods(
             if v.curve is not None:
                 res.curves[m][k] = v.curve
             if v.chance is not None:
-                res.chance[k] = float(np.nanmean(v.chance))
+                res.chance[k] = nanmean(v.chance)
         res.per_example[m] = per
-        res.values[m] = {k: float(np.nanmean(v)) if np.isfinite(v).any() else float("nan") for k, v in per.items()}
+        res.values[m] = {k: nanmean(v) for k, v in per.items()}
         res.stderr[m] = {k: _stderr(v) for k, v in per.items()}
     return res
 

@@ -19,6 +19,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
+from .._explanation import is_explanation
 from .quant import encode_rows
 
 
@@ -26,12 +27,6 @@ def _np(t: Any) -> np.ndarray:
     if isinstance(t, torch.Tensor):
         return t.detach().to(torch.float64).cpu().numpy()
     return np.asarray(t, dtype=np.float64)
-
-
-def is_explanation(x: Any) -> bool:
-    """An :class:`~attnroll.Explanation` (checked by its fields: the viewer imports nothing above viz, so
-    that ``Explanation.to_html(interactive=True)`` can use it)."""
-    return all(hasattr(x, a) for a in ("scores", "full_row", "layers", "grid", "prefix", "method", "extra"))
 
 
 def is_audit_report(x: Any) -> bool:

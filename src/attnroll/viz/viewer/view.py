@@ -33,7 +33,7 @@ def view(
     Args:
         explanations: an Explanation; a list of them or ``{name: Explanation}`` (several methods on the same
             inputs: the page gets a method switcher); for an encoder-decoder, ``{name: [Explanation, ...]}``
-            with one Explanation per explained target position (see :func:`explain_targets`): the page shows
+            with one Explanation per explained target position (see :func:`attnroll.methods.explain_targets`): the page shows
             the source × target matrix; ``{section: {name: Explanation}}`` for groups over different inputs
             (e.g. both sentences of a pair, each explained for its similarity to the other); or an
             :class:`~attnroll.evaluate.audit.AuditReport`: two models side by side with their difference.
