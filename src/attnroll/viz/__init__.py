@@ -19,8 +19,8 @@ extra (matplotlib on the Agg backend, pillow, rich), imported only when a functi
 from ._io import atomic_write, save_image
 from .heads import plot_heads
 from .layers import plot_layers
-from .overlay import overlay
-from .panel import panel
+# `overlay` and `panel` are the modules, callable as their functions (see attnroll._callable)
+from . import overlay, panel
 from .text import explanation_html, print_tokens, score_color, token_scores, tokens_html, tokens_text
 from .viewer import ViewerPage, view
 

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from . import deps
+from .._callable import make_callable as _make_callable
 from ._explanation import is_explanation
 from .pixels import to_rgb_array  # noqa: F401 - its old home; overlays use it
 
@@ -115,3 +116,6 @@ def overlay(
     if outline is not None:
         out[outline_pixels(outline, out_size)] = np.asarray(outline_color, dtype=np.uint8)
     return Image.fromarray(out, mode="RGB")
+
+
+_make_callable(__name__)  # attnroll._callable: the module is callable as its function of the same name
