@@ -7,8 +7,8 @@ It imports nothing from the package above ``viz`` (explanations are recognised b
 ``Explanation.to_html(interactive=True)`` can build a page without an import cycle.
 """
 
+from .api import view
 from .page import ViewerPage, read_payload
 from .quant import decode_rows
-from .view import view
 
 __all__ = ["view", "ViewerPage", "read_payload", "decode_rows"]

@@ -1,4 +1,4 @@
-"""``view``: explanations -> one interactive, self-contained HTML page."""
+"""``view``: explanations -> one interactive, self-contained HTML page (the public entry of the viewer)."""
 
 from __future__ import annotations
 
