@@ -104,5 +104,7 @@ def register_rolled(name: str, matrices: Callable, *, description: str, referenc
                                 return_layers=return_layers, dtype=dtype)
 
     method.__doc__ = f"full_row[b] = row position_b of C_end ⋯ C_start, C_l from {name}'s per-layer matrices."
+    method.__module__ = matrices.__module__  # the method file that registers it (the registry test reads this)
+    method.__qualname__ = name
     register(name, description=description, options={**ROLLOUT, **COMMON}, cost=cost, reference=reference,
              refuse=REFUSE)(method)
