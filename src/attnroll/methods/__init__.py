@@ -11,11 +11,11 @@ import pkgutil as _pkgutil
 
 from .._callable import make_callable as _make_callable
 from .base import Context, Explainer, Method, check_options, explain, method_info, methods, register
-from .batches import BatchScores, batch_size_of, explain_batches, iter_explanations, take_rows
+from .batches import BatchScores, batch_size_of, explain_batches, explain_targets, iter_explanations, take_rows
 from .explanation import Explanation
 
 __all__ = ["explain", "Explainer", "Explanation", "methods", "method_info", "check_options", "register", "Method",
-           "Context", "explain_batches", "iter_explanations", "BatchScores"]
+           "Context", "explain_batches", "iter_explanations", "BatchScores", "explain_targets"]
 
 #: The built-in method files, in the order of ``methods()``.
 _BUILT_IN = ("raw", "rollout", "per_head_rollout", "flow", "grad_rollout", "gae", "attn_gradcam", "encdec", "clip",
