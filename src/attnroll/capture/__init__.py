@@ -83,6 +83,7 @@ def capture(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {_checks.describe(model)}")
+    _checks.check_model_device(model)
     fuse = _checks.check_fuse_heads(fuse_heads)
     keep_grad = _checks.check_bool("keep_grad", keep_grad)
     eval_mode = _checks.check_bool("eval_mode", eval_mode)
@@ -110,6 +111,7 @@ def capture(
     )
     if inputs is None:
         return session
+    session.adapter.check_inputs(inputs)
     with session as record:
         with torch.enable_grad() if keep_grad else torch.no_grad():
             run_forward(model, inputs, session.adapter.input_hint)

@@ -220,9 +220,11 @@ class Context:
         full_row = full_row.detach().to(torch.float32).cpu()
         mask = self.mask(rec, stream)
         if mask is not None:
-            full_row = full_row * mask.cpu()
+            # where, not a product: a model may leave NaN at padding (an example that is all padding).
+            real = mask.cpu().bool()
+            full_row = torch.where(real, full_row, torch.zeros((), dtype=full_row.dtype))
             if layers is not None:
-                layers = layers * mask.cpu()
+                layers = torch.where(real, layers.cpu(), torch.zeros((), dtype=layers.dtype))
         p = (rec.prefix or 0) if prefix is None else prefix
         if stream in ("encoder", "decoder", "text", "cross"):
             p = 0
@@ -337,19 +339,18 @@ def require_grad_mode(name: str) -> None:
 
 @contextlib.contextmanager
 def _params_require_grad(model: nn.Module):
-    """If no parameter requires grad (a frozen model), let them for the duration so that the attention is
-    part of a graph; restored afterwards. Only attention gradients are computed (.grad is never written)."""
-    params = [p for p in model.parameters() if p.is_floating_point()]
-    frozen = bool(params) and not any(p.requires_grad for p in params)
-    if frozen:
-        for p in params:
-            p.requires_grad_(True)
+    """Let every frozen floating parameter require grad for the duration, so that the attention is part of
+    a graph whether the model is wholly frozen or partly (a linear probe: only the head requires grad, and
+    the attention then depends on no parameter that does). Restored afterwards, each to its own flag. Only
+    attention gradients are computed (``torch.autograd.grad`` on the attention: .grad is never written)."""
+    frozen = [p for p in model.parameters() if p.is_floating_point() and not p.requires_grad]
+    for p in frozen:
+        p.requires_grad_(True)
     try:
         yield
     finally:
-        if frozen:
-            for p in params:
-                p.requires_grad_(False)
+        for p in frozen:
+            p.requires_grad_(False)
 
 
 # ------------------------------------------------------------------------------------------- entry points
@@ -437,7 +438,8 @@ def rollout_rows(fn: Callable, attentions: Any, positions: list[int], mask: torc
     """Run a core rollout function (``rollout`` / ``per_head_rollout``) for only the rows explained and
     give each example its own row: (B, [H,] n) and, with ``return_layers``, (L', B, [H,] n)."""
     rows = sorted(set(positions))
-    R = fn(attentions, rows=rows, return_layers=bool(return_layers), attention_mask=mask, **options)
+    return_layers = _checks.check_bool("return_layers", return_layers)
+    R = fn(attentions, rows=rows, return_layers=return_layers, attention_mask=mask, **options)
     idx = torch.tensor([rows.index(p) for p in positions], device=R.device)
     if return_layers:
         # (L', B, [H,] r, n): pick row idx[b] of example b in every layer.

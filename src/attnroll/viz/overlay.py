@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .. import _checks
 from . import _deps
 
 _RESAMPLE = ("nearest", "bilinear", "bicubic")
@@ -125,15 +126,15 @@ def overlay(
         a PIL RGB image of ``size`` (W, H) pixels.
     """
     Image = _deps.pil()
-    if not 0.0 <= float(alpha) <= 1.0:
-        raise ValueError(f"alpha must be in [0, 1], got {alpha!r}")
+    alpha = _checks.check_real("alpha", alpha, low=0.0, high=1.0)
     base = Image.fromarray(to_rgb_array(image))
     if size is None:
         out_size = base.size
-    elif isinstance(size, int):
-        out_size = (size, size)
+    elif isinstance(size, (tuple, list)) and len(size) == 2:
+        out_size = (_checks.check_int("size[0]", size[0], low=1), _checks.check_int("size[1]", size[1], low=1))
     else:
-        out_size = (int(size[0]), int(size[1]))
+        side = _checks.check_int("size", size, low=1)
+        out_size = (side, side)
     if base.size != out_size:
         base = base.resize(out_size, Image.BICUBIC)
     heat = colorize(grid_map(source, index, kind), out_size, cmap, resample)
