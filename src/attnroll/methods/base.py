@@ -112,7 +112,20 @@ class Context:
     def record(self, fuse_heads: Any = None) -> AttentionRecord:
         """Capture the attention of one forward pass (no gradients), resolving the target for the record."""
         self.rec = _capture(self.model, self.inputs, fuse_heads=fuse_heads, tokenizer=self.tokenizer)
+        self.check_attention(self.rec)
         return self.rec
+
+    def check_attention(self, rec: AttentionRecord) -> None:
+        """Refuse NaN / infinite attention at real tokens (what every method reads); padded query rows may
+        hold anything (an example that is all padding gives NaN rows) and are zeroed by the methods."""
+        for s, layers in rec.streams.items():
+            mask = self.mask(rec, s)
+            for i, t in enumerate(layers):
+                x = t.detach()
+                if mask is not None and x.shape[-2] == mask.shape[-1]:
+                    rows = mask.to(device=x.device, dtype=torch.bool)[:, None, :, None]
+                    x = torch.where(rows if x.ndim == 4 else rows[:, 0], x, torch.zeros((), dtype=x.dtype, device=x.device))
+                _checks.check_finite(f"the attention of {type(self.model).__name__} (stream {s!r}, layer {i})", x)
 
     def grad_record(self, streams: list[str] | None = None, scores: Callable | None = None):
         """Forward with autograd, the target scores y (B,), and dy/dA for every layer of ``streams``.
@@ -124,6 +137,7 @@ class Context:
         with _params_require_grad(self.model):
             rec = _capture(self.model, self.inputs, keep_grad=True, tokenizer=self.tokenizer)
         self.rec = rec
+        self.check_attention(rec)
         names = list(rec.streams) if streams is None else streams
         y = scores(rec) if scores is not None else self.target_scores(rec)
         flat = [t for s in names for t in rec.streams[s]]
