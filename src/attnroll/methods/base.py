@@ -8,7 +8,6 @@ attention gradients) and calls the method. Methods are each one file in this pac
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -16,11 +15,13 @@ import torch
 from torch import nn
 
 from .. import _checks
+from .._modes import params_require_grad
 from ..capture import capture as _capture
 from ..capture.record import AttentionRecord
 from .explanation import Explanation
 
-__all__ = ["Explanation", "Explainer", "explain", "methods", "register", "Method", "Context"]
+__all__ = ["Explanation", "Explainer", "explain", "methods", "method_info", "check_options", "register", "Method",
+           "Context"]
 
 #: Options every method takes (besides its own): the output position to explain (row of the map).
 COMMON_OPTIONS = {"position": None}
@@ -58,6 +59,10 @@ def register(
 ) -> Callable:
     """Decorator registering ``fn(ctx, **options) -> Explanation`` under ``name``."""
 
+    if name in _REGISTRY:
+        raise ValueError(f"method name {name!r} is already registered (by {_REGISTRY[name].fn.__module__}); "
+                         "choose another name")
+
     def deco(fn: Callable) -> Callable:
         _REGISTRY[name] = Method(
             name, fn, description, dict(options or {}), needs_grad, class_specific, cost, reference, dict(refuse or {})
@@ -68,14 +73,12 @@ def register(
 
 
 def methods() -> dict[str, str]:
-    """Registered method names -> one-line descriptions."""
-    _load_all()
+    """Registered method names -> one-line descriptions (in registration order)."""
     return {name: m.description for name, m in _REGISTRY.items()}
 
 
 def method_info(name: str) -> Method:
-    """The registry entry of ``name`` (options, cost, reference...)."""
-    _load_all()
+    """The registry entry of ``name`` (options, cost, reference...); ValueError listing the methods if unknown."""
     return _get(name)
 
 
@@ -84,10 +87,6 @@ def _get(name: Any) -> Method:
         listing = "; ".join(f"{k}: {m.description}" for k, m in _REGISTRY.items())
         raise ValueError(f"method must be one of the registered methods, got {name!r}. Methods: {listing}")
     return _REGISTRY[name]
-
-
-def _load_all() -> None:
-    from . import _registry  # noqa: F401  (imports every method file, which registers it)
 
 
 # ------------------------------------------------------------------------------------------- context
@@ -134,7 +133,7 @@ class Context:
         order of the attention modules in the model, never hook order). ``scores(record) -> (B,)`` replaces
         the default target resolution (CLIP, encoder-decoders)."""
         require_grad_mode(self.method.name)
-        with _params_require_grad(self.model):
+        with params_require_grad(self.model, partly=True):
             rec = _capture(self.model, self.inputs, keep_grad=True, tokenizer=self.tokenizer)
         self.rec = rec
         self.check_attention(rec)
@@ -351,24 +350,12 @@ def require_grad_mode(name: str) -> None:
         )
 
 
-@contextlib.contextmanager
-def _params_require_grad(model: nn.Module):
-    """Let every frozen floating parameter require grad for the duration, so that the attention is part of
-    a graph whether the model is wholly frozen or partly (a linear probe: only the head requires grad, and
-    the attention then depends on no parameter that does). Restored afterwards, each to its own flag. Only
-    attention gradients are computed (``torch.autograd.grad`` on the attention: .grad is never written)."""
-    frozen = [p for p in model.parameters() if p.is_floating_point() and not p.requires_grad]
-    for p in frozen:
-        p.requires_grad_(True)
-    try:
-        yield
-    finally:
-        for p in frozen:
-            p.requires_grad_(False)
-
-
 # ------------------------------------------------------------------------------------------- entry points
-def _resolve_options(m: Method, options: dict) -> dict:
+def check_options(method: str | Method, options: dict) -> dict:
+    """Validate ``options`` for ``method`` (a name or its registry entry) and return them completed with the
+    defaults. ValueError for an unknown method, an option it does not take (naming the methods that do) or
+    an option it refuses (saying why)."""
+    m = method if isinstance(method, Method) else _get(method)
     allowed = {**COMMON_OPTIONS, **m.options}
     for k in options:
         if k in allowed:
@@ -416,9 +403,8 @@ def explain(
             out of range or a callable returning the wrong shape.
         RuntimeError: a gradient method under ``torch.no_grad()`` / ``torch.inference_mode()``.
     """
-    _load_all()
     m = _get(method)
-    opts = _resolve_options(m, options)
+    opts = check_options(m, options)
     if m.needs_grad:
         require_grad_mode(m.name)
     ctx = Context(model, inputs, target, m, opts, tokenizer)
@@ -431,10 +417,9 @@ class Explainer:
     Options are validated once, at construction."""
 
     def __init__(self, model: nn.Module, method: str = "rollout", *, tokenizer: Any = None, **options: Any):
-        _load_all()
         self.model = model
         self.method = _get(method).name
-        _resolve_options(_get(method), options)
+        check_options(self.method, options)
         self.tokenizer = tokenizer
         self.options = options
 
