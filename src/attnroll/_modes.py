@@ -4,11 +4,12 @@ attnroll changes a caller's model for good. A leaf module: it imports nothing fr
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+import functools
+from typing import Any, Callable, Iterator
 
 from torch import nn
 
-__all__ = ["eval_mode", "params_require_grad"]
+__all__ = ["eval_mode", "in_eval_mode", "params_require_grad"]
 
 
 @contextlib.contextmanager
@@ -46,3 +47,17 @@ def params_require_grad(model: nn.Module, *, partly: bool = False) -> Iterator[N
     finally:
         for p in frozen:
             p.requires_grad_(False)
+
+
+def in_eval_mode(fn: Callable) -> Callable:
+    """Decorator for functions that run a model given as their first argument (``model``): the call runs
+    under :func:`eval_mode` of that model (dropout off, so results do not change from call to call), and
+    the caller's flags are restored afterwards."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        model = args[0] if args else kwargs.get("model")
+        with eval_mode(model):
+            return fn(*args, **kwargs)
+
+    return wrapper

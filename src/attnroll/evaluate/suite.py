@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from .. import _checks
+from .._modes import in_eval_mode
 from ._common import chunks
 
 #: Default methods of ``attnroll evaluate`` (the random control last).
@@ -181,6 +182,7 @@ def explain_scores(model: Any, pixel_values: Any, method: str, *, target: Any = 
     return torch.cat(out), grid
 
 
+@in_eval_mode
 def evaluate_methods(
     model: Any,
     inputs: Any,

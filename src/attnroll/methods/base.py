@@ -18,6 +18,7 @@ from .. import _checks
 from .._modes import params_require_grad
 from ..capture import capture as _capture
 from ..capture.record import AttentionRecord
+from . import _option_checks
 from .explanation import Explanation
 
 __all__ = ["Explanation", "Explainer", "explain", "methods", "method_info", "check_options", "register", "Method",
@@ -367,6 +368,7 @@ def check_options(method: str | Method, options: dict) -> dict:
         raise ValueError(
             f"method {m.name!r} has no option {k!r}. Its options: {', '.join(sorted(allowed))}.{hint}"
         )
+    _option_checks.check_values(m.name, options)  # values too, before any model runs
     return {**allowed, **options}
 
 
