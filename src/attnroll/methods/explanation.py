@@ -131,8 +131,10 @@ class Explanation:
         """
         path = os.fspath(path)
         with reading(path, "attnroll Explanation file (.npz)"):
-            with open(path, "rb"):
-                pass  # a missing file or a folder raises here, unchanged
+            with open(path, "rb") as fh:  # a missing file or a folder raises here, unchanged
+                magic = fh.read(6)
+            if magic and not magic.startswith((b"PK", b"\x93NUMPY")):
+                raise ValueError(f"{path} is not an .npz archive (not a zip file): not an attnroll Explanation file")
             z = np.load(path, allow_pickle=False)
             if not isinstance(z, np.lib.npyio.NpzFile):
                 raise ValueError(f"{path} is a plain .npy array, not an attnroll Explanation file (.npz)")
