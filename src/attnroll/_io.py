@@ -2,10 +2,10 @@
 the model loaders and the command line alike.
 
 Writes go to a temporary file in the destination folder, then a rename, so that a failure never leaves a
-half-written file under the final name. Interrupts included: SIGINT and SIGTERM are held back (blocked)
-from before the temporary file exists until the clean-up handler that removes it is in place, and while
-a write runs SIGTERM raises :class:`Terminated` (instead of killing the process on the spot) so that the
-clean-up runs; a process that had SIGTERM's default action is then terminated by the signal as before.
+half-written file under the final name. Interrupts included: SIGINT and SIGTERM are held from before the
+temporary file exists until the clean-up that removes it is armed, and while a write runs SIGTERM raises
+:class:`Terminated` (instead of killing the process on the spot) so that the clean-up runs; a process that
+had SIGTERM's default action is then terminated by the signal as before.
 """
 
 from __future__ import annotations
@@ -53,16 +53,37 @@ def _sigterm_raises() -> Iterator[bool]:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
-def _block() -> Any:
-    """Hold SIGINT and SIGTERM back in this thread (they stay pending); returns the previous mask."""
-    if hasattr(signal, "pthread_sigmask"):
-        return signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)
-    return None  # pragma: no cover - Windows: no signal masks
+@contextlib.contextmanager
+def _held_signals() -> Iterator[None]:
+    """In the main thread: SIGINT and SIGTERM arriving during the block are held (recorded, not acted on)
+    and delivered when it ends, through the handlers they had. Python runs signal handlers in the main
+    thread whichever thread the OS picked, so this, unlike a thread's signal mask, holds them in a process
+    with other threads (torch's, a progress bar's). Elsewhere: a no-op (signals interrupt the main thread,
+    not this one)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending: list[int] = []
+    old = {s: signal.getsignal(s) for s in _SIGNALS}
+    for s in _SIGNALS:
+        signal.signal(s, lambda signum, frame: pending.append(signum))
+    try:
+        yield
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+        if pending:
+            _deliver(pending[0], old[pending[0]])
 
 
-def _unblock(previous: Any) -> None:
-    if previous is not None:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+def _deliver(signum: int, handler: Any) -> None:
+    """Act on a held signal as its handler would have."""
+    if callable(handler):
+        handler(signum, None)
+    elif handler == signal.SIG_DFL:
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        os.kill(os.getpid(), signum)  # the default action (terminate)
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[Any], None] | bytes | str, *, mode: str = "wb") -> str:
@@ -71,17 +92,17 @@ def atomic_write(path: str | os.PathLike, write: Callable[[Any], None] | bytes |
     ``write`` is the content (bytes or str) or a function ``write(fileobj)`` filling an open binary file.
     The data go to ``.<name>.<random>.tmp`` in the same folder, which is renamed over ``path`` only when
     everything was written; on any error or interrupt (KeyboardInterrupt, SIGTERM) the temporary file is
-    removed and the exception re-raised — at no instant is an interrupt able to leave it behind. Returns
-    the path written.
+    removed and the exception re-raised — at no instant is an interrupt able to leave it behind: signals
+    are held from before the temporary file is created until its clean-up is armed. Returns the path
+    written.
     """
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
     tmp = None
     with _sigterm_raises() as temporary:
-        original = _block()  # before the temporary file exists: no interrupt until `tmp` is known
         try:
-            fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=folder)
-            _unblock(original)  # pending signals are delivered here, inside the clean-up's reach
+            with _held_signals():  # a signal held here is delivered at the end of the block, with `tmp` known
+                fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=folder)
             with os.fdopen(fd, "wb") as f:
                 if callable(write):
                     write(f)
@@ -92,17 +113,13 @@ def atomic_write(path: str | os.PathLike, write: Callable[[Any], None] | bytes |
             os.chmod(tmp, 0o644)
             os.replace(tmp, path)
         except BaseException as exc:
-            _block()  # no second interrupt while cleaning up
-            try:
+            with _held_signals():  # no second interrupt while cleaning up
                 if tmp is not None and os.path.exists(tmp):
                     os.unlink(tmp)
-                if temporary and isinstance(exc, Terminated):
-                    # The process had SIGTERM's default action: die by the signal (delivered when the
-                    # mask is lifted below), as it would have without this write.
-                    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-                    os.kill(os.getpid(), signal.SIGTERM)
-            finally:
-                _unblock(original)
+            if temporary and isinstance(exc, Terminated):
+                # The process had SIGTERM's default action: die by the signal, as it would have.
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                os.kill(os.getpid(), signal.SIGTERM)
             raise
     return path
 
