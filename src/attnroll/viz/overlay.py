@@ -9,6 +9,7 @@ import torch
 
 from .. import _checks
 from . import deps
+from ._explanation import is_explanation
 
 _RESAMPLE = ("nearest", "bilinear", "bicubic")
 
@@ -48,9 +49,8 @@ def grid_map(source: Any, index: int = 0, kind: str = "minmax") -> np.ndarray:
     to 1; "max": divided by the largest absolute value, negatives clipped to 0; "none": taken as already on
     a [0, 1] scale, only clipped, so that several maps can share one scale).
     """
-    from ..methods.explanation import Explanation
-
-    if isinstance(source, Explanation):
+    if is_explanation(source):
+        index = _checks.check_index("index", index, source.batch_size, "examples")
         g = source.normalized(kind).as_grid()[index].to(torch.float64).numpy()
     else:
         g = source.detach().cpu().numpy() if isinstance(source, torch.Tensor) else np.asarray(source)
