@@ -402,6 +402,13 @@ def check_model_device(model: Any) -> None:
             )
 
 
+def check_figure(*, cell: Any, dpi: Any, max_cols: Any = 1, alpha: Any = 0.0) -> tuple[int, int, int, float]:
+    """The layout options of the figure functions: ``cell`` (pixels per map), ``dpi`` and ``max_cols``
+    positive integers, ``alpha`` (the map's weight) in [0, 1]."""
+    return (check_int("cell", cell, low=1), check_int("dpi", dpi, low=1), check_int("max_cols", max_cols, low=1),
+            check_real("alpha", alpha, low=0.0, high=1.0))
+
+
 # ---- explain checks ----
 def check_positions(value: Any, batch: int, n: int) -> list[int]:
     """``position`` for explain: one output token index for every example, or one per example (a list /

@@ -97,7 +97,10 @@ def _quiet_transformers() -> None:
 def load_shapes(marker: bool = False) -> LoadedModel:
     """The embedded image model (``attnroll.models.shapes``); ``marker=True``: the copy fine-tuned to follow a
     class-coded corner marker (``attnroll.models.spurious``)."""
+    from .. import _checks
     from . import shapes
+
+    marker = _checks.check_bool("marker", marker)
 
     try:
         model = shapes.load_shapes_model()
