@@ -254,11 +254,12 @@ def check_finite(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name} contains {bad} values; attention must be finite")
 
 
-def check_binary(name: str, t: torch.Tensor, meaning: str = "bool or 0/1") -> torch.Tensor:
-    """A mask: every entry 0 or 1 (bool, integer or float); returns it as a bool tensor."""
+def check_binary(name: str, t: torch.Tensor, meaning: str = "bool or 0/1 values") -> torch.Tensor:
+    """A mask: every entry 0 or 1 (bool, integer or float); returns it as a bool tensor. ``meaning`` says
+    what the values stand for in the message."""
     if t.numel() and t.dtype != torch.bool and not bool(((t == 0) | (t == 1)).all()):
         vals = torch.unique(t.detach().cpu())[:6].tolist()
-        raise ValueError(f"{name} must hold only {meaning} values, got values {vals}")
+        raise ValueError(f"{name} must hold only {meaning}, got values {vals}")
     return t.to(torch.bool)
 
 
@@ -386,6 +387,12 @@ def check_model_inputs(
             f"inputs for {model} have keys {keys}: {'; '.join(parts)}. Expected keys: {expect} (its forward takes "
             f"{', '.join(params) or 'no named arguments'}).{tail}"
         )
+    for k in required_any:
+        if k in inputs and inputs[k] is not None and not isinstance(inputs[k], torch.Tensor):
+            raise TypeError(
+                f"inputs[{k!r}] for {model} must be a torch.Tensor (batch first), got {describe(inputs[k])}; "
+                "call the processor / tokenizer with return_tensors='pt'"
+            )
     for k, v in inputs.items():
         if isinstance(v, torch.Tensor):
             check_device(f"inputs[{k!r}]", v)
@@ -504,7 +511,7 @@ def check_unit_masks(name: str, masks: Any, batch: int, units: int) -> torch.Ten
             f"{name} must be (B, units) = ({batch}, {units}) or (B, h, w) patch masks matching the scores, got "
             f"shape {tuple(t.shape)}. Pool pixel masks to the patch grid first (attnroll.models.shapes.patch_masks)."
         )
-    t = check_binary(name, t, "0/1 or bool").to("cpu")
+    t = check_binary(name, t, "0/1 or bool values").to("cpu")
     empty = (~t.any(dim=1)).nonzero().flatten().tolist()
     if empty:
         raise ValueError(f"{name}: examples {empty[:10]} have an empty mask; each needs at least one unit inside")
@@ -663,7 +670,7 @@ def check_keep(keep: Any, batch: int, n: int) -> torch.Tensor:
             f"keep must be a (B, n) = ({batch}, {n}) mask over input_ids (True = never removed), got shape "
             f"{tuple(t.shape)}"
         )
-    return check_binary("keep", t, "0/1 or bool")
+    return check_binary("keep", t, "0/1 or bool values")
 
 
 # ---- evaluate: localisation/sanity checks ----

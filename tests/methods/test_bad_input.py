@@ -65,6 +65,14 @@ def test_hf_inputs_are_checked_before_the_forward_and_name_the_expected_keys(nam
     assert key in str(err.value) and calls == []
 
 
+def test_untensored_tokenizer_output_is_refused_with_the_fix():
+    m = model("bert")
+    calls = forward_calls(m)
+    with pytest.raises(TypeError, match=r"inputs\['input_ids'\] .* must be a torch.Tensor .* got list .*return_tensors='pt'"):
+        attnroll.explain(m, {"input_ids": [[5, 6, 7]], "attention_mask": [[1, 1, 1]]})
+    assert calls == []
+
+
 def test_a_wrong_modality_key_names_the_right_one():
     m = model("vit")
     with pytest.raises(ValueError, match=r"'input_ids' is not an argument .* Expected keys: 'pixel_values'"):

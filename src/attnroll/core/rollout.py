@@ -64,7 +64,8 @@ class Layers:
             rows = (self.mask if self.fused else self.mask.unsqueeze(1)).unsqueeze(-1)
             t = torch.where(rows, t, torch.zeros((), dtype=t.dtype, device=t.device))
         if self.validate and t.numel():
-            self.check(i, float(t.amin()), t.sum(dim=-1), t)
+            d = t.detach()  # statistics only: no autograd graph, no warning for grad-tracking input
+            self.check(i, float(d.amin()), d.sum(dim=-1), d)
         return t
 
     def check(self, i: int, minimum: float, sums: torch.Tensor, source: torch.Tensor | None = None) -> None:
@@ -354,7 +355,8 @@ def _streamed_contract(V: torch.Tensor, layers: Layers, i: int, how: Any) -> tor
             r1 = min(n, r0 + rows_per_block)
             blk = raw[:, h0:h1, r0:r1, :].to(dtype)  # (B, h, rows, n)
             if layers.validate:
-                layers.defer(i, blk.amin(), blk.sum(dim=-1))
+                d = blk.detach()
+                layers.defer(i, d.amin(), d.sum(dim=-1))
             u = wv[..., r0:r1].expand(B, V.shape[1], h1 - h0, r1 - r0).reshape(B, V.shape[1], -1)
             part = u @ blk.reshape(B, -1, n)  # sums over the heads of the block and its rows
             acc = part if acc is None else acc.add_(part)
