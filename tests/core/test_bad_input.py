@@ -230,13 +230,16 @@ def test_row_sums_that_overflow_are_refused_clearly():
 # ------------------------------------------------------------------ memory: checked before allocating
 def test_flow_memory_guard_fires_before_the_dense_capacities_are_built(monkeypatch):
     built = []
-    monkeypatch.setattr(flow_mod, "_available_memory", lambda: 10_000)
-    monkeypatch.setattr(flow_mod, "augmented_layers", lambda *a, **k: built.append(1) or (_ for _ in ()).throw(
-        AssertionError("dense capacities built before the memory check")))
+
+    def augmented_layers(*a, **k):
+        built.append(1)
+        raise AssertionError("dense capacities built before the memory check")
+
+    monkeypatch.setattr(flow_mod, "augmented_layers", augmented_layers)
     # A stacked float16 array keeps the test input small; the estimate uses the shapes only.
     atts = torch.full((4, 1, 1, 30, 30), 1 / 30, dtype=torch.float16)
     with pytest.raises(MemoryError, match=r"4 layers x 30 tokens"):
-        attention_flow(atts)
+        flow_mod.attention_flow(atts, available_memory=10_000)
     assert built == []
 
 

@@ -107,6 +107,27 @@ class Layers:
         return out.numpy() if self.was_numpy else out
 
 
+def _layer_items(attentions: Any, fused: bool, name: str, hint: str) -> list:
+    """The per-layer arrays of a list / tuple, or of one stacked array (its leading layer axis)."""
+    if isinstance(attentions, (list, tuple)):
+        if len(attentions) == 0:
+            raise ValueError(f"{name} is empty: expected one attention tensor per layer")
+        return list(attentions)
+    if isinstance(attentions, (torch.Tensor,)) or type(attentions).__module__ == "numpy":
+        t, _ = _checks.as_tensor(name, attentions)
+        if t.ndim == 0 or t.shape[0] == 0:
+            raise ValueError(f"{name} is empty: expected a leading layer axis with at least one layer")
+        want = (4, 3) if fused else (5, 4)
+        if t.ndim not in want:
+            stacked = "(L, B, n, n) or (L, n, n)" if fused else "(L, B, H, n, n) or (L, H, n, n)"
+            raise ValueError(f"{name} as one stacked array must have shape {stacked}, got {tuple(t.shape)}.{hint}")
+        return [attentions[i] for i in range(t.shape[0])]
+    raise TypeError(
+        f"{name} must be a list/tuple of per-layer arrays or one stacked array (torch or numpy), "
+        f"got {_checks.describe(attentions)}"
+    )
+
+
 def parse_attentions(
     attentions: Any,
     *,
@@ -129,25 +150,7 @@ def parse_attentions(
         if not fused
         else " Per-head input needs a head_fusion ('mean', 'max', 'min' or weights)."
     )
-    if isinstance(attentions, (list, tuple)):
-        if len(attentions) == 0:
-            raise ValueError(f"{name} is empty: expected one attention tensor per layer")
-        items = list(attentions)
-    elif isinstance(attentions, (torch.Tensor,)) or type(attentions).__module__ == "numpy":
-        t, _ = _checks.as_tensor(name, attentions)
-        if t.ndim == 0 or t.shape[0] == 0:
-            raise ValueError(f"{name} is empty: expected a leading layer axis with at least one layer")
-        want = (4, 3) if fused else (5, 4)
-        if t.ndim not in want:
-            stacked = "(L, B, n, n) or (L, n, n)" if fused else "(L, B, H, n, n) or (L, H, n, n)"
-            raise ValueError(f"{name} as one stacked array must have shape {stacked}, got {tuple(t.shape)}.{hint}")
-        items = [attentions[i] for i in range(t.shape[0])]
-    else:
-        raise TypeError(
-            f"{name} must be a list/tuple of per-layer arrays or one stacked array (torch or numpy), "
-            f"got {_checks.describe(attentions)}"
-        )
-
+    items = _layer_items(attentions, fused, name, hint)
     tensors, kinds = [], set()
     for i, item in enumerate(items):
         t, was_numpy = _checks.as_tensor(f"{name}[{i}]", item)
@@ -476,9 +479,8 @@ def rollout(
         attention_mask: (B, n) — or (n,) unbatched — of 0/1, 1 = real token. Padded tokens neither give nor
             receive: their rows and columns of R are exactly 0; real rows are rescaled as if the padding
             had been cropped away.
-        check_stochastic: require rows of the input (real tokens) to sum to 1 within 1e-3, or 4 machine
-            epsilons of a lower-precision input dtype (bfloat16: 0.031, float16: 0.0039). False accepts any
-            non-negative matrices.
+        check_stochastic: rows of the input (real tokens) must sum to 1 within 1e-3 (4 machine epsilons for
+            bfloat16 / float16 input); False accepts any non-negative matrices.
         dtype: working and output dtype, float32 or float64; default float64 for float64 input, else float32.
         validate: check the values of the input (finite, non-negative, and stochastic rows when
             ``check_stochastic``). These checks cost two extra in-cache passes over the attention; ``False``
