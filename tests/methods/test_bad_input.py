@@ -316,3 +316,17 @@ def test_file_readers_share_the_rule(tmp_path):
 
             json.loads(open(path).read())
     assert os.path.exists(path)
+
+
+@pytest.mark.parametrize("which, content", [("config.json", b""), ("config.json", b"{not json"),
+                                            ("model.safetensors", b""), ("model.safetensors", b"\x00" * 40)])
+def test_the_shapes_model_loader_names_a_malformed_file(tmp_path, which, content):
+    import shutil
+
+    from attnroll.models import shapes
+
+    for f in ("config.json", "model.safetensors"):
+        shutil.copy(shapes.WEIGHTS_DIR / f, tmp_path / f)
+    _write(tmp_path / which, content)
+    with pytest.raises(ValueError, match=rf"{tmp_path / which} is not a valid shapes model"):
+        shapes.load_shapes_model(tmp_path)
