@@ -6,7 +6,7 @@ Model: ViT-B/16 (transformers default config, 197 tokens, random weights) for ra
 and 8; a BERT-base-sized text classifier with one padded example for the masked path.
 Each entry: the median of --repeat interleaved pairs after a warm-up; the ratio is checks-on / checks-off.
 
-Usage: python benchmarks/bench_checks.py [--repeat 5] [--threads N]
+Usage: python benchmarks/bench_checks.py [--repeat 5] [--threads N] [--batches 1,8]
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--batches", default="1,8")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -65,7 +66,7 @@ def main() -> None:
     print(f"load {os.getloadavg()[0]:.2f}, threads {torch.get_num_threads()}, torch {torch.__version__}")
     print("| model | batch | method | checks on (s) | off (s) | on / off |")
     print("|---|---|---|---|---|---|")
-    for B in (1, 8):
+    for B in [int(b) for b in args.batches.split(",")]:
         x = {"pixel_values": torch.randn(B, 3, 224, 224)}
         for m in ("raw", "rollout", "gae"):
             a, b = pair(lambda: attnroll.explain(vit, x, m), args.repeat)
