@@ -441,6 +441,8 @@ def check_target(target: Any, batch: int, num_classes: int, *, default: list[int
     what = "classes" if num_classes < 1000 else "output indices (vocabulary)"
     if isinstance(target, torch.Tensor) and target.ndim <= 1 and not target.is_floating_point():
         target = target.tolist()
+    if isinstance(target, np.ndarray) and target.ndim <= 1 and target.dtype.kind in "iu":
+        target = target.tolist()
     if isinstance(target, (list, tuple)):
         if len(target) != batch:
             raise ValueError(

@@ -143,6 +143,21 @@ def test_option_values_are_refused_before_the_model_runs(method, options, exc, p
     assert calls == []
 
 
+def test_targets_and_positions_in_any_integer_container_agree_and_floats_are_refused():
+    m, x = model("vit"), inputs_for("vit")
+    ref = attnroll.explain(m, x, "gae", target=[1, 0, 2], position=[0, 0, 0])
+    for t, p in ((np.array([1, 0, 2]), np.array([0, 0, 0])), (torch.tensor([1, 0, 2]), (0, 0, 0)),
+                 ([np.int64(1), 0, 2], np.int64(0))):
+        got = attnroll.explain(m, x, "gae", target=t, position=p)
+        torch.testing.assert_close(got.scores, ref.scores, rtol=0, atol=0)
+    with pytest.raises(TypeError, match=r"target\[0\] must be an integer"):
+        attnroll.explain(m, x, "gae", target=[1.0, 0, 2])
+    with pytest.raises(TypeError, match="target must be None"):
+        attnroll.explain(m, x, "gae", target=np.array([1.0, 0.0, 2.0]))
+    with pytest.raises(TypeError, match=r"position\[1\] must be an integer"):
+        attnroll.explain(m, x, "gae", position=[0, 0.5, 0])
+
+
 @pytest.mark.parametrize("method", ["rollout", "raw", "flow"])
 def test_head_weights_as_an_array_work_in_explain(method):
     m, x = model("vit"), inputs_for("vit")

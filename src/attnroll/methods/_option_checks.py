@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import numpy as np
+import torch
+
 from .. import _checks
 from ..core import residual, sparsify
 
@@ -24,7 +27,7 @@ def _n_jobs(name: str, v: Any) -> Any:
 
 
 def _position(name: str, v: Any) -> Any:
-    if isinstance(v, (list, tuple)):
+    if isinstance(v, (list, tuple)) or (isinstance(v, (np.ndarray, torch.Tensor)) and v.ndim == 1):
         return [_checks.check_int(f"{name}[{i}]", p) for i, p in enumerate(v)]
     return _checks.check_int(name, v)
 
