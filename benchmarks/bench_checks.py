@@ -1,12 +1,13 @@
-"""What the bad-input checks of issue 13 cost inside explain(): the check of the captured attention at real
-tokens (``Context.check_attention``, one read of every layer) and the zeroing of padded query rows, timed side
-by side with the checks switched off (monkeypatched to no-ops) in the same process, interleaved run by run.
+"""What the bad-input checks of issue 13 add to explain(), measured directly: the check of the captured
+attention at real tokens (``Context.check_attention``: one read of every layer) and the zeroing of padded
+query rows in rollout (``Layers.layer`` with a mask), each timed on its own and set against the plain
+forward pass of the same model and batch (the unit of explain's cost), in one process.
 
-Model: ViT-B/16 (transformers default config, 197 tokens, random weights) for raw / rollout / gae at batch 1
-and 8; a BERT-base-sized text classifier with one padded example for the masked path.
-Each entry: the median of --repeat interleaved pairs after a warm-up; the ratio is checks-on / checks-off.
+Models: ViT-B/16 (transformers default config, 197 tokens, random weights), per-head attention as gae /
+raw see it and head-fused as rollout keeps it; BERT-base (128 tokens, batch 8, one example half padding) for
+the masked path. Medians of --repeat runs after a warm-up.
 
-Usage: python benchmarks/bench_checks.py [--repeat 5] [--threads N] [--batches 1,8]
+Usage: python benchmarks/bench_checks.py [--repeat 20] [--threads N]
 """
 
 from __future__ import annotations
@@ -23,60 +24,53 @@ from attnroll.core import rollout as core_rollout
 from attnroll.methods import base
 
 
-def pair(fn, repeat: int) -> tuple[float, float]:
-    """(median seconds with the checks, median without), interleaved."""
-    on, off = [], []
-    real_check, real_layer = base.Context.check_attention, core_rollout.Layers.layer
-
-    def raw_layer(self, i):  # the layer read without the padding zeroing (values still checked as before)
-        t = self.tensors[i].to(self.dtype)
-        if self.validate and t.numel():
-            self.check(i, float(t.amin()), t.sum(dim=-1))
-        return t
-
+def median_time(fn, repeat: int) -> float:
     fn()
+    ts = []
     for _ in range(repeat):
         t0 = time.perf_counter()
         fn()
-        on.append(time.perf_counter() - t0)
-        base.Context.check_attention = lambda self, rec: None
-        core_rollout.Layers.layer = raw_layer
-        try:
-            t0 = time.perf_counter()
-            fn()
-            off.append(time.perf_counter() - t0)
-        finally:
-            base.Context.check_attention, core_rollout.Layers.layer = real_check, real_layer
-    return statistics.median(on), statistics.median(off)
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--repeat", type=int, default=20)
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--batches", default="1,8")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     import transformers as T
 
     torch.manual_seed(0)
-    vit = T.ViTForImageClassification(T.ViTConfig()).eval()
-    bert = T.BertForSequenceClassification(T.BertConfig()).eval()
     print(f"load {os.getloadavg()[0]:.2f}, threads {torch.get_num_threads()}, torch {torch.__version__}")
-    print("| model | batch | method | checks on (s) | off (s) | on / off |")
-    print("|---|---|---|---|---|---|")
-    for B in [int(b) for b in args.batches.split(",")]:
+    print("| model | batch | what | seconds | / forward |")
+    print("|---|---|---|---|---|")
+    vit = T.ViTForImageClassification(T.ViTConfig()).eval()
+    for B in (1, 8):
         x = {"pixel_values": torch.randn(B, 3, 224, 224)}
-        for m in ("raw", "rollout", "gae"):
-            a, b = pair(lambda: attnroll.explain(vit, x, m), args.repeat)
-            print(f"| ViT-B/16 | {B} | {m} | {a:.3f} | {b:.3f} | {a / b:.3f} |", flush=True)
+        with torch.no_grad():
+            fwd = median_time(lambda: vit(**x), max(3, args.repeat // 4))
+        ctx = base.Context(vit, x, None, base.method_info("raw"), {}, None)
+        for label, fuse in (("per-head (raw, gae)", None), ("head-fused (rollout)", "mean")):
+            rec = attnroll.capture(vit, x, fuse_heads=fuse)
+            t = median_time(lambda: ctx.check_attention(rec), args.repeat)
+            print(f"| ViT-B/16 | {B} | check_attention, {label} | {t:.4f} | {t / fwd:.4f} |", flush=True)
+        print(f"| ViT-B/16 | {B} | forward (sdpa, no_grad) | {fwd:.3f} | 1 |", flush=True)
+    bert = T.BertForSequenceClassification(T.BertConfig()).eval()
     ids = torch.randint(5, 1000, (8, 128))
     mask = torch.ones(8, 128, dtype=torch.long)
     mask[-1, 64:] = 0
-    for m in ("rollout", "gae"):
-        a, b = pair(lambda: attnroll.explain(bert, {"input_ids": ids, "attention_mask": mask}, m), args.repeat)
-        print(f"| BERT-base, padded | 8 | {m} | {a:.3f} | {b:.3f} | {a / b:.3f} |", flush=True)
+    inputs = {"input_ids": ids, "attention_mask": mask}
+    with torch.no_grad():
+        fwd = median_time(lambda: bert(**inputs), max(3, args.repeat // 4))
+    rec = attnroll.capture(bert, inputs, fuse_heads="mean")
+    layers = core_rollout.parse_attentions(rec.attentions, fused=True, attention_mask=mask)
+    t = median_time(lambda: [layers.layer(i) for i in range(len(rec.attentions))], args.repeat)
+    print(f"| BERT-base, 1 of 8 half padded | 8 | masked layer reads incl. zeroing (12 layers) | {t:.4f} | "
+          f"{t / fwd:.4f} |")
+    print(f"| BERT-base | 8 | forward (sdpa, no_grad) | {fwd:.3f} | 1 |")
 
 
 if __name__ == "__main__":
