@@ -54,7 +54,7 @@ def _sigterm_raises() -> Iterator[bool]:
 
 
 @contextlib.contextmanager
-def _held_signals() -> Iterator[None]:
+def held_signals() -> Iterator[None]:
     """In the main thread: SIGINT and SIGTERM arriving during the block are held (recorded, not acted on)
     and delivered when it ends, through the handlers they had. Python runs signal handlers in the main
     thread whichever thread the OS picked, so this, unlike a thread's signal mask, holds them in a process
@@ -101,7 +101,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[Any], None] | bytes |
     tmp = None
     with _sigterm_raises() as temporary:
         try:
-            with _held_signals():  # a signal held here is delivered at the end of the block, with `tmp` known
+            with held_signals():  # a signal held here is delivered at the end of the block, with `tmp` known
                 fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=folder)
             with os.fdopen(fd, "wb") as f:
                 if callable(write):
@@ -113,7 +113,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[Any], None] | bytes |
             os.chmod(tmp, 0o644)
             os.replace(tmp, path)
         except BaseException as exc:
-            with _held_signals():  # no second interrupt while cleaning up
+            with held_signals():  # no second interrupt while cleaning up
                 if tmp is not None and os.path.exists(tmp):
                     os.unlink(tmp)
             if temporary and isinstance(exc, Terminated):
