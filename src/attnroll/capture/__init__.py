@@ -22,11 +22,14 @@ from torch import nn
 from .. import _checks
 from .hf import HFAdapter, is_hf_model
 from .hooks import SUPPORTED_FAMILIES, Adapter, Capture, ModulesAdapter, run_forward
-from .record import AttentionRecord
+from .record import AttentionRecord, ModelFacts, Readout, StreamInfo, config_token_ids
 from .timm import TimmAdapter, is_timm_model
 from .torch_mha import MHAAdapter, has_mha
 
-__all__ = ["capture", "AttentionRecord", "Capture", "CaptureError", "SUPPORTED_FAMILIES"]
+__all__ = [
+    "capture", "model_facts", "AttentionRecord", "StreamInfo", "Readout", "ModelFacts", "Capture", "CaptureError",
+    "SUPPORTED_FAMILIES",
+]
 
 CaptureError = _checks.CaptureError
 
@@ -118,6 +121,24 @@ def capture(
             "the forward pass finished without the model's own forward returning (no pass was recorded)"
         )
     return record
+
+
+def model_facts(model: nn.Module) -> ModelFacts:
+    """Facts about ``model`` that need no forward pass (how it is called, its embedding layer, its special
+    tokens; see :class:`ModelFacts`). Works for models the capture refuses too (evaluation only runs them)."""
+    from .hf import hf_facts
+
+    if is_hf_model(model):
+        return hf_facts(model)
+    if is_timm_model(model):
+        return ModelFacts(family="timm", input_key="x", keyword_call=False)
+    try:
+        facts = _select_adapter(model, None, None).facts()
+    except _checks.UnsupportedModelError:
+        facts = ModelFacts(family="module", keyword_call=False)
+    # A plain module may still carry a config object with token ids (duck-typed).
+    facts.special_token_ids, facts.pad_token_id = config_token_ids(getattr(model, "config", None))
+    return facts
 
 
 def _select_adapter(model: nn.Module, modules: Any, to_probs: Callable | None) -> Adapter:

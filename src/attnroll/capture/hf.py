@@ -23,7 +23,7 @@ from torch import nn
 
 from .. import _checks
 from .hooks import SUPPORTED_FAMILIES, Adapter, Recorder, Site, make_sites, stream_names
-from .record import AttentionRecord
+from .record import AttentionRecord, ModelFacts, config_token_ids
 
 #: Prefix tokens of the image stream by ``config.model_type`` (CLS, distillation token, registers).
 _VISION_PREFIX = {
@@ -37,6 +37,16 @@ _VISION_PREFIX = {
     "vit_msn": 1,
     "vit_mae": 1,
 }
+
+#: Text towers that pool their end-of-text token (the first EOS; the argmax id for the original configs).
+_EOT_POOLING = ("clip", "clip_text_model", "owlvit", "owlvit_text_model", "x_clip", "groupvit", "clipseg")
+#: Text towers that pool the last position (SigLIP: inputs padded to max_length).
+_LAST_POSITION = ("siglip", "siglip_text_model", "siglip2", "siglip2_text_model")
+#: Image models whose pooler means the patch tokens when ``config.use_mean_pooling``.
+_MEAN_POOLING_FLAG = ("beit", "data2vec-vision")
+#: Speech encoders: their classification heads mean-pool the frames.
+_AUDIO = ("wav2vec2", "hubert", "wavlm", "data2vec-audio", "sew", "sew-d", "unispeech", "unispeech-sat",
+          "wav2vec2-conformer", "wav2vec2-bert")
 
 #: Windowed models: attention is computed inside local (shifted) windows, so no (n x n) token matrix exists.
 _WINDOWED = ("swin", "swinv2", "donut-swin", "maskformer-swin", "swin2sr")
@@ -133,6 +143,9 @@ class HFAdapter(Adapter):
             return output[idx] if -len(output) <= idx < len(output) else None
         return output
 
+    def facts(self) -> ModelFacts:
+        return hf_facts(self.model, self.family)
+
     def input_hint(self, inputs: Any) -> str:
         keys = set(inputs) if isinstance(inputs, dict) or hasattr(inputs, "keys") else set()
         if getattr(self.model.config, "is_encoder_decoder", False) and not keys & {
@@ -146,8 +159,33 @@ class HFAdapter(Adapter):
             )
         return ""
 
+    # ------------------------------------------------------------------------------------- readout
+    def readout_spec(self, stream: str, record: AttentionRecord, info: Any, inputs: dict[str, Any]) -> tuple[Any, str]:
+        cfg, mt = self.model.config, self.model_type
+        if record.extra.get(f"{stream}_eot") is not None:
+            return "eot", f"{mt}'s text tower pools its end-of-text token"
+        if info.kind == "text" and mt in _LAST_POSITION:
+            return -1, f"{mt}'s text tower pools the last position"
+        if info.kind == "text" and stream == "self":
+            from .sentence_transformers import pooling_of_folder
+
+            pool = pooling_of_folder(getattr(cfg, "_name_or_path", None))
+            if pool is not None:
+                return pool
+        if mt in _MEAN_POOLING_FLAG and getattr(cfg, "use_mean_pooling", False) and stream in ("self", "vision"):
+            return "mean", f"{mt} config.use_mean_pooling: the pooler means the patch tokens"
+        if mt in _AUDIO:
+            return "mean", f"{mt} classification heads mean-pool the frames"
+        if info.causal:
+            return "last", "causal attention: the last real token predicts"
+        return "cls", "the first token (CLS), which the model's pooler / classifier reads"
+
     # ------------------------------------------------------------------------------------- metadata
     def metadata(self, record: AttentionRecord, inputs: dict[str, Any]) -> None:
+        ids = inputs.get("input_ids")
+        text_stream = "text" if "text" in record.streams else "self"
+        if self.model_type in _EOT_POOLING and isinstance(ids, torch.Tensor) and text_stream in record.streams:
+            record.extra[f"{text_stream}_eot"] = _eot_positions(self.model.config, ids)
         mask = inputs.get("attention_mask")
         if isinstance(mask, torch.Tensor):
             record.attention_mask = mask.detach()
@@ -183,6 +221,39 @@ class HFAdapter(Adapter):
         if self.model_type == "dinov2_with_registers":
             return 1 + int(cfg.num_register_tokens)
         return _VISION_PREFIX.get(self.model_type)
+
+
+def hf_facts(model: nn.Module, family: str = "") -> ModelFacts:
+    """What evaluation and gradient baselines need from a transformers model, without a forward pass."""
+    config = model.config
+    text_cfg = getattr(config, "text_config", None) or config
+    try:
+        emb = model.get_input_embeddings()
+    except (NotImplementedError, AttributeError):
+        emb = None
+    ids, pad = config_token_ids(text_cfg)
+    similarity = None
+    if hasattr(model, "get_image_features") and hasattr(model, "get_text_features"):
+        similarity = lambda outputs: outputs.logits_per_image  # noqa: E731  (dual towers: (images, texts))
+    return ModelFacts(
+        family=family or f"hf:{getattr(config, 'model_type', '')}",
+        input_key=getattr(model, "main_input_name", None),
+        keyword_call=True,
+        embedding=emb if isinstance(emb, nn.Module) else None,
+        special_token_ids=ids,
+        pad_token_id=pad,
+        similarity=similarity,
+    )
+
+
+def _eot_positions(config: Any, ids: torch.Tensor) -> list[int]:
+    """The token a CLIP-style text tower pools: the argmax id for the original configs (eos id 2), else the
+    first end-of-text token (as transformers does)."""
+    eos = getattr(getattr(config, "text_config", None) or config, "eos_token_id", None)
+    ids = ids.to(torch.int).reshape(-1, ids.shape[-1])
+    if eos == 2 or eos is None:
+        return ids.argmax(dim=-1).tolist()
+    return (ids == eos).int().argmax(dim=-1).tolist()
 
 
 def _patch_size(config: Any) -> tuple[int, int] | None:

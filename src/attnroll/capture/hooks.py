@@ -21,7 +21,7 @@ from torch import nn
 
 from .. import _checks
 from ..core.fusion import fuse_tensor
-from .record import AttentionRecord
+from .record import AttentionRecord, ModelFacts, StreamInfo, is_causal, resolve_readout
 
 SUPPORTED_FAMILIES = (
     "Hugging Face transformers: ViT, DeiT (incl. distilled ...WithTeacher), BEiT, DINOv2, DINOv2 with "
@@ -235,6 +235,76 @@ class Adapter:
         """A family-specific hint added to the error when the forward rejects ``inputs`` ("" = none)."""
         return ""
 
+    # -- the contract ---------------------------------------------------------------------------------
+    def stream_infos(self, record: AttentionRecord, inputs: dict[str, Any]) -> dict[str, StreamInfo]:
+        """One :class:`StreamInfo` per recorded stream, from the flat metadata :meth:`metadata` filled in.
+
+        The conventional stream names mean: "self" / "encoder" / "text" take ``record.attention_mask``,
+        "decoder" ``extra["decoder_attention_mask"]``; only "self" and "vision" streams have prefix tokens
+        and a patch grid; the decoder's tokens are ``extra["decoder_tokens"]``. Adapters refine this
+        through :meth:`stream_kind`, :meth:`affixes` and :meth:`readout_spec`."""
+        out = {}
+        for s, layers in record.streams.items():
+            B, n = layers[0].shape[0], layers[0].shape[-1]
+            mask = record.extra.get("decoder_attention_mask") if s == "decoder" else (
+                record.attention_mask if s in ("self", "encoder", "text") else None
+            )
+            if not isinstance(mask, torch.Tensor) or mask.shape[-1] != n or mask.shape[0] != B:
+                mask = None
+            image = s in ("self", "vision")
+            info = StreamInfo(
+                kind=self.stream_kind(s, record, inputs),
+                mask=None if mask is None else mask.detach().to(torch.long),
+                prefix=(record.prefix or 0) if image else 0,
+                grid=record.grid if image else None,
+                tokens=record.extra.get("decoder_tokens") if s == "decoder" else record.tokens,
+                causal=s == "decoder" or is_causal(layers[0]),
+                input_key=self.input_key(s, inputs),
+            )
+            info.prefix, info.suffix = self.affixes(s, record, info)
+            if info.kind == "image" and info.grid is None:
+                info.grid_reason = record.extra.get("grid_reason", "the patch grid is unknown for this model")
+            if s != "cross" and layers[0].shape[-2] == n:
+                spec, source = self.readout_spec(s, record, info, inputs)
+                info.readout = resolve_readout(
+                    spec, batch=B, n=n, mask=info.mask, prefix=info.prefix, suffix=info.suffix, source=source,
+                    eot=record.extra.get(f"{s}_eot"),
+                )
+            out[s] = info
+        return out
+
+    def stream_kind(self, stream: str, record: AttentionRecord, inputs: dict[str, Any]) -> str:
+        """"image", "text", "audio" or "tokens" for a stream."""
+        if stream == "vision" or (stream == "self" and record.grid is not None):
+            return "image"
+        if stream in ("text", "encoder", "decoder") or inputs.get("input_ids") is not None:
+            return "text"
+        return "tokens"
+
+    def affixes(self, stream: str, record: AttentionRecord, info: StreamInfo) -> tuple[int, int]:
+        """(prefix, suffix) token counts of a stream (default: as filled in, no suffix)."""
+        return info.prefix, int(record.extra.get(f"{stream}_suffix", 0))
+
+    def input_key(self, stream: str, inputs: dict[str, Any]) -> str | None:
+        """The forward argument carrying a stream's input."""
+        for key in ("pixel_values", "input_ids", "input_values", "inputs_embeds", "x", "src"):
+            if inputs.get(key) is not None and (key != "pixel_values" or stream in ("self", "vision", "encoder")):
+                return key
+        return None
+
+    def readout_spec(
+        self, stream: str, record: AttentionRecord, info: StreamInfo, inputs: dict[str, Any]
+    ) -> tuple[Any, str]:
+        """The default readout of a stream and where it comes from: the last real token of causal
+        streams, else the first token (CLS)."""
+        return ("last", "default: causal attention reads the last real token") if info.causal else (
+            "cls", "default: the first token"
+        )
+
+    def facts(self) -> ModelFacts:
+        """Facts about the model that need no forward pass (see :class:`ModelFacts`)."""
+        return ModelFacts(family=self.family)
+
 
 class forward_hook:
     """Context manager: a forward hook registered on enter and removed on exit."""
@@ -418,6 +488,7 @@ class Capture:
                 rec.extra["decoder_tokens"] = tokens_of(
                     self.tokenizer, self._inputs["decoder_input_ids"], "decoder_input_ids"
                 )
+        rec.info = self.adapter.stream_infos(rec, self._inputs)
         self.passes += 1
         self.recorder.reset()
 

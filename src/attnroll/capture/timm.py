@@ -18,7 +18,7 @@ from torch import nn
 
 from .. import _checks
 from .hooks import SUPPORTED_FAMILIES, Adapter, Recorder, Site, make_sites, set_attr_temporarily
-from .record import AttentionRecord
+from .record import AttentionRecord, ModelFacts
 
 
 def is_timm_model(model: nn.Module) -> bool:
@@ -55,6 +55,9 @@ class TimmAdapter(Adapter):
         for _, m in self.attn_modules:
             set_attr_temporarily(stack, m, "fused_attn", False)
         super().install(stack, recorder, sites)
+
+    def facts(self) -> ModelFacts:
+        return ModelFacts(family=self.family, input_key="x", keyword_call=False)
 
     def metadata(self, record: AttentionRecord, inputs: dict[str, Any]) -> None:
         record.prefix = int(getattr(self.model, "num_prefix_tokens", 0))

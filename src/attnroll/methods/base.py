@@ -17,13 +17,14 @@ from torch import nn
 
 from .. import _checks
 from ..capture import capture as _capture
-from ..capture.record import AttentionRecord
+from ..capture.record import AttentionRecord, Readout, StreamInfo, is_causal, last_real, resolve_readout
 from .explanation import Explanation
 
 __all__ = ["Explanation", "Explainer", "explain", "methods", "register", "Method", "Context"]
 
-#: Options every method takes (besides its own): the output position to explain (row of the map).
-COMMON_OPTIONS = {"position": None}
+#: Options every method takes (besides its own): the output position to explain (row of the map, and the
+#: position of a token-level target), and the readout (which rows, with what weights; overrides the model's).
+COMMON_OPTIONS = {"position": None, "readout": None}
 
 
 @dataclass
@@ -156,32 +157,47 @@ class Context:
             + (f", or use method={hint}, which composes them" if hint else "")
         )
 
+    def info(self, rec: AttentionRecord, stream: str) -> StreamInfo:
+        """The adapter's :class:`StreamInfo` of ``stream`` (mask, prefix, grid, tokens, causal, readout)."""
+        return rec.stream_info(stream)
+
     def mask(self, rec: AttentionRecord, stream: str) -> torch.Tensor | None:
         """(B, n) 0/1 padding mask of ``stream``, or None when every token is real."""
-        n = rec.streams[stream][0].shape[-1]
-        if stream == "decoder":
-            m = rec.extra.get("decoder_attention_mask")
-        elif stream in ("self", "encoder", "text"):
-            m = rec.attention_mask
-        else:
-            m = None
-        if m is None or m.shape[-1] != n:
-            return None
-        return m.to(torch.long)
+        return self.info(rec, stream).mask
 
     def positions(self, rec: AttentionRecord, stream: str) -> list[int]:
-        """The output position (row) explained for each example: the ``position`` option (an int or one
-        per example), else the last real token for causal attention or token-level outputs (decoder-only
-        LMs), else 0 (the CLS token)."""
+        """The output position of a token-level target (and the row of one-hot readouts): the ``position``
+        option (an int or one per example), else the last real token for causal attention or token-level
+        outputs (decoder-only LMs), else the row of the stream's readout when it is one row, else 0."""
         layer0 = rec.streams[stream][0]
         B, n = layer0.shape[0], layer0.shape[-1]
         pos = self.options.get("position")
         if pos is not None:
             return _checks.check_positions(pos, B, n)
-        mask = self.mask(rec, stream)
-        if is_causal(layer0) or (stream in ("self", "decoder") and _token_level(rec.outputs)):
-            return last_real(mask, B, n)
-        return [0] * B
+        info = self.info(rec, stream)
+        if info.causal or is_causal(layer0) or (stream in ("self", "decoder") and _token_level(rec.outputs)):
+            return last_real(info.mask, B, n)
+        one = info.readout.positions() if info.readout is not None else None
+        return one if one is not None else [0] * B
+
+    def readout(self, rec: AttentionRecord, stream: str) -> Readout:
+        """The rows explained: the ``readout`` option (a position, "cls", "mean", "last", "eot", a weight
+        vector), else ``position``, else the adapter's declared readout of the stream (the rows the model's
+        prediction reads), else the first token (the last real one for causal streams)."""
+        layer0 = rec.streams[stream][0]
+        B, n = layer0.shape[0], layer0.shape[-1]
+        info = self.info(rec, stream)
+        spec = self.options.get("readout")
+        common = dict(batch=B, n=n, mask=info.mask, prefix=info.prefix, suffix=info.suffix)
+        if spec is not None:
+            eot = info.readout.positions() if info.readout is not None and info.readout.kind == "eot" else None
+            return resolve_readout(spec, source="readout= option", eot=eot, **common)
+        if self.options.get("position") is not None:
+            return resolve_readout(self.positions(rec, stream), source="position= option", **common)
+        if info.readout is not None and not _token_level(rec.outputs):
+            return info.readout
+        # Token-level outputs (a language model's next-token logits): the rows of the explained position.
+        return resolve_readout(self.positions(rec, stream), source="the explained token's position", **common)
 
     def target_scores(self, rec: AttentionRecord) -> torch.Tensor:
         """y (B,): the target's score per example from the recorded outputs (see :func:`resolve_target`)."""
@@ -209,40 +225,45 @@ class Context:
         self,
         rec: AttentionRecord,
         full_row: torch.Tensor,
-        positions: list[int],
+        readout: Readout | list[int] | None,
         stream: str = "self",
         layers: torch.Tensor | None = None,
         extra: dict | None = None,
         prefix: int | None = None,
         options: dict | None = None,
     ) -> Explanation:
-        """Assemble the Explanation: padded tokens zeroed, prefix tokens dropped from ``scores``."""
+        """Assemble the Explanation: padded tokens zeroed, prefix (and suffix) tokens dropped from ``scores``.
+
+        ``readout``: the :class:`Readout` that chose the rows, a list of one position per example, or None
+        (input-gradient baselines, which have no rows)."""
         full_row = full_row.detach().to(torch.float32).cpu()
-        mask = self.mask(rec, stream)
+        info = self.info(rec, stream)
+        mask = info.mask
         if mask is not None:
             full_row = full_row * mask.cpu()
             if layers is not None:
                 layers = layers * mask.cpu()
-        p = (rec.prefix or 0) if prefix is None else prefix
-        if stream in ("encoder", "decoder", "text", "cross"):
-            p = 0
-        grid = rec.grid if stream in ("self", "vision") else None
-        tokens = rec.tokens
-        if stream == "decoder":
-            tokens = rec.extra.get("decoder_tokens")
+        p = info.prefix if prefix is None else prefix
+        stop = full_row.shape[-1] - info.suffix
+        if isinstance(readout, (list, tuple)):
+            readout = resolve_readout(list(readout), batch=full_row.shape[0], n=full_row.shape[-1], mask=mask,
+                                      source="position")
         return Explanation(
-            scores=full_row[:, p:].clone(),
+            scores=full_row[:, p:stop].clone(),
             full_row=full_row,
             layers=None if layers is None else layers.detach().to(torch.float32).cpu(),
-            tokens=tokens,
-            grid=grid,
+            tokens=info.tokens,
+            grid=info.grid,
             prefix=p,
             method=self.method.name,
             options=dict(self.options if options is None else options),
             target=self.describe_target(rec),
-            positions=list(positions),
+            positions=None if readout is None else readout.positions(),
             attention_mask=None if mask is None else mask.cpu(),
             extra=extra or {},
+            readout=None if readout is None else readout.describe(),
+            readout_weights=None if readout is None else readout.weights.detach().cpu(),
+            suffix=info.suffix,
         )
 
 
@@ -253,23 +274,6 @@ def gather_rows(R: torch.Tensor, rows: list[int], positions: list[int], row_axis
     if R.ndim == 3:
         return R[torch.arange(R.shape[0], device=R.device), idx]
     return R[:, torch.arange(R.shape[1], device=R.device), idx]
-
-
-def is_causal(layer: torch.Tensor) -> bool:
-    """Whether attention (B, [H,] n, n) never looks ahead (every entry above the diagonal is exactly 0)."""
-    n = layer.shape[-1]
-    if n < 2:
-        return False
-    return bool(torch.triu(layer.detach(), diagonal=1).abs().amax() == 0)
-
-
-def last_real(mask: torch.Tensor | None, B: int, n: int) -> list[int]:
-    """Index of the last real token per example (n − 1 without a mask)."""
-    if mask is None:
-        return [n - 1] * B
-    idx = torch.arange(n, device=mask.device).expand(B, n)
-    last = torch.where(mask.bool(), idx, torch.full_like(idx, -1)).amax(dim=-1)
-    return [int(v) if v >= 0 else n - 1 for v in last.tolist()]
 
 
 def _token_level(outputs: Any) -> bool:
@@ -432,15 +436,26 @@ class Explainer:
         return f"Explainer({type(self.model).__name__}, method={self.method!r}, options={self.options!r})"
 
 
-def rollout_rows(fn: Callable, attentions: Any, positions: list[int], mask: torch.Tensor | None, *,
+def rollout_rows(fn: Callable, attentions: Any, readout: Readout | list[int], mask: torch.Tensor | None, *,
                  return_layers: bool = False, **options: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Run a core rollout function (``rollout`` / ``per_head_rollout``) for only the rows explained and
-    give each example its own row: (B, [H,] n) and, with ``return_layers``, (L', B, [H,] n)."""
-    rows = sorted(set(positions))
+    """Run a core rollout function (``rollout`` / ``per_head_rollout``) for only the rows the readout reads
+    and combine them with its weights: (B, [H,] n) and, with ``return_layers``, (L', B, [H,] n).
+
+    ``readout`` may also be a list of one position per example (a one-hot readout)."""
+    if not isinstance(readout, Readout):
+        B = len(readout)
+        n = (attentions[0] if isinstance(attentions, (list, tuple)) else attentions[0]).shape[-1]
+        readout = resolve_readout(list(readout), batch=B, n=n, mask=None)
+    rows = readout.rows()
     R = fn(attentions, rows=rows, return_layers=bool(return_layers), attention_mask=mask, **options)
-    idx = torch.tensor([rows.index(p) for p in positions], device=R.device)
-    if return_layers:
-        # (L', B, [H,] r, n): pick row idx[b] of example b in every layer.
-        sel = torch.stack([R[:, b, ..., int(idx[b]), :] for b in range(R.shape[1])], dim=1)
+    return combine_rows(R, readout, rows, layered=bool(return_layers))
+
+
+def combine_rows(R: torch.Tensor, readout: Readout, rows: list[int], *, layered: bool = False):
+    """Weighted sum of rows: R (B, [H,] r, n) computed for ``rows`` -> (B, [H,] n) (and with ``layered``,
+    R (L', B, [H,] r, n) -> (last (B, [H,] n), all (L', B, [H,] n)))."""
+    w = readout.weights[:, rows].to(device=R.device, dtype=R.dtype)
+    if layered:
+        sel = torch.einsum("br,lb...rn->lb...n", w, R)
         return sel[-1], sel
-    return torch.stack([R[b, ..., int(idx[b]), :] for b in range(R.shape[0])]), None
+    return torch.einsum("br,b...rn->b...n", w, R), None

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from .. import _checks
+from ..capture import model_facts
 from .base import Context, main_logits, register
 
 
@@ -71,15 +72,17 @@ def _run(ctx: Context, kind: str, n_steps: int = 50, internal_batch_size: Any = 
 
     inputs = ctx.inputs
     model = ctx.model
+    info, facts = ctx.info(rec, s), model_facts(model)
+    key = info.input_key
     is_dict = isinstance(inputs, dict) or hasattr(inputs, "keys")
-    pixels = inputs.get("pixel_values") if is_dict else inputs if isinstance(inputs, torch.Tensor) else None
+    pixels = inputs.get(key) if is_dict and key else inputs if isinstance(inputs, torch.Tensor) else None
     n_steps = _checks.check_int("n_steps", n_steps, low=1)
     with _eval(model):
         if pixels is not None and pixels.is_floating_point() and pixels.ndim == 4:
-            rest = {k: v for k, v in inputs.items() if k != "pixel_values"} if is_dict else {}
+            rest = {k: v for k, v in inputs.items() if k != key} if is_dict else {}
 
             def fwd(px):
-                return score(model(pixel_values=px, **rest) if is_dict else model(px))
+                return score(model(**{key: px}, **rest) if is_dict else model(px))
 
             px = pixels.detach().clone().requires_grad_(kind != "integrated_gradients")
             if kind == "integrated_gradients":
@@ -92,29 +95,32 @@ def _run(ctx: Context, kind: str, n_steps: int = 50, internal_batch_size: Any = 
                 attr = ca.Saliency(fwd).attribute(px, abs=True)
             else:
                 attr = ca.InputXGradient(fwd).attribute(px)
-            if rec.grid is None:
-                raise ValueError("cannot sum pixel attributions to patches: the model's patch grid is unknown")
-            gh, gw = rec.grid
+            if info.grid is None:
+                raise ValueError(
+                    f"cannot sum pixel attributions to patches: {info.grid_reason or 'the patch grid is unknown'}"
+                )
+            gh, gw = info.grid
             H, W = px.shape[-2:]
             ph, pw = H // gh, W // gw
             a = attr[..., : gh * ph, : gw * pw].reshape(B, attr.shape[1], gh, ph, gw, pw).sum(dim=(1, 3, 5))
-            p = rec.prefix or 0
-            row = torch.cat([torch.zeros(B, p, dtype=a.dtype), a.reshape(B, gh * gw).cpu()], dim=1)
+            zeros = lambda k: torch.zeros(B, k, dtype=a.dtype)  # noqa: E731  (prefix / suffix: no pixels)
+            row = torch.cat([zeros(info.prefix), a.reshape(B, gh * gw).cpu(), zeros(info.suffix)], dim=1)
         else:
-            if not is_dict or "input_ids" not in inputs:
+            if not is_dict or key is None or key not in inputs or facts.embedding is None:
                 raise ValueError(
-                    f"method {ctx.method.name!r} needs pixel_values (B, 3, H, W) or input_ids in the inputs"
+                    f"method {ctx.method.name!r} needs image pixels (B, 3, H, W) or token ids in the inputs of a "
+                    f"model whose input embedding layer is known; {type(model).__name__} gave neither"
                 )
-            emb = model.get_input_embeddings()
-            keys = [k for k in inputs if k != "input_ids" and isinstance(inputs[k], torch.Tensor)]
+            emb = facts.embedding
+            keys = [k for k in inputs if k != key and isinstance(inputs[k], torch.Tensor)]
             others = tuple(inputs[k] for k in keys)
 
             def fwd_ids(ids, *rest):
-                return score(model(input_ids=ids, **dict(zip(keys, rest))))
+                return score(model(**{key: ids}, **dict(zip(keys, rest))))
 
-            ids = inputs["input_ids"]
+            ids = inputs[key]
             if kind == "integrated_gradients":
-                pad = getattr(model.config, "pad_token_id", None) if baseline == "pad" else baseline
+                pad = facts.pad_token_id if baseline == "pad" else baseline
                 if baseline == "zeros":
                     raise ValueError("baseline='zeros' is for images; text baselines are token ids: 'pad' or an int id")
                 pad = _checks.check_int("baseline", 0 if pad is None else pad, low=0)
@@ -129,7 +135,7 @@ def _run(ctx: Context, kind: str, n_steps: int = 50, internal_batch_size: Any = 
                 if kind == "saliency":
                     attr = attr.abs()
             row = attr.sum(dim=-1).detach().cpu()
-    return ctx.build(rec, row.to(torch.float32), pos, s)
+    return ctx.build(rec, row.to(torch.float32), None, s)
 
 
 _COMMON = dict(needs_grad=True, class_specific=True)
