@@ -77,13 +77,24 @@ def stream_names(names: Sequence[str], *, towers: bool = True) -> list[str]:
     return ["self"] * len(names)
 
 
-def make_sites(entries: Sequence[tuple[str, nn.Module, str]]) -> list[Site]:
-    """Number the layers of each stream in the order given (callers pass module order)."""
+def make_sites(entries: Sequence[tuple]) -> list[Site]:
+    """Number the layers of each stream in the order given (callers pass module order).
+
+    An entry is (name, module, stream) or (name, module, stream, group): consecutive entries of one stream
+    with the same non-None group are branches of ONE layer (timm parallel blocks); their heads are
+    concatenated into that layer's tensor."""
     counters: dict[str, int] = {}
+    last_group: dict[str, Any] = {}
     sites = []
-    for name, module, stream in entries:
-        layer = counters.get(stream, 0)
-        counters[stream] = layer + 1
+    for entry in entries:
+        name, module, stream = entry[:3]
+        group = entry[3] if len(entry) > 3 else None
+        if group is not None and last_group.get(stream) == group:
+            layer = counters[stream] - 1
+        else:
+            layer = counters.get(stream, 0)
+            counters[stream] = layer + 1
+        last_group[stream] = group
         sites.append(Site(module=module, name=name, stream=stream, layer=layer))
     return sites
 
@@ -101,12 +112,19 @@ class Recorder:
         self.keep_grad = keep_grad
         self.dtype = dtype
         self.layout: dict[str, list[str]] = {}
+        self.branches: dict[tuple[str, int], list[str]] = {}
         for s in self.sites:
-            self.layout.setdefault(s.stream, []).append(s.name)
+            names = self.layout.setdefault(s.stream, [])
+            if s.layer < len(names):
+                names[s.layer] += "+" + s.name  # a parallel branch of the same layer
+            else:
+                names.append(s.name)
+            self.branches.setdefault((s.stream, s.layer), []).append(s.name)
         self.reset()
 
     def reset(self) -> None:
         self.slots: dict[str, list[torch.Tensor | None]] = {k: [None] * len(v) for k, v in self.layout.items()}
+        self.parts: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
         self.fired: dict[tuple[str, int], int] = {}
         self.returned_none: list[str] = []
         self.dirty = False
@@ -115,6 +133,9 @@ class Recorder:
         """Keep ``probs`` (B, H, n_q, n_k) — or (B, n_q, n_k), read as one head — for ``site``."""
         self.dirty = True
         key = (site.stream, site.layer)
+        branches = self.branches.get(key, [site.name])
+        if len(branches) > 1:
+            key = (site.stream, site.layer, site.name)  # type: ignore[assignment]
         self.fired[key] = self.fired.get(key, 0) + 1
         if probs is None:
             self.returned_none.append(site.name)
@@ -130,33 +151,52 @@ class Recorder:
             raise _checks.CaptureError(
                 f"module {site.name!r} gave attention of shape {tuple(probs.shape)}; expected (B, H, n_q, n_k)"
             )
+        if len(branches) > 1:
+            # Parallel branches of one layer (timm parallel blocks): each adds its attention's output to the
+            # same residual, so the layer mixes tokens with all their heads together: heads concatenated,
+            # then treated as one layer. The branch tensors stay in `parts` for their gradients.
+            got = self.parts.setdefault((site.stream, site.layer), {})
+            got[site.name] = probs
+            if len(got) < len(branches):
+                return
+            for t in got.values():
+                if self.keep_grad and t.requires_grad:
+                    t.retain_grad()
+            probs = torch.cat([got[b] for b in branches], dim=1)
+            if self.keep_grad:
+                self.slots[site.stream][site.layer] = probs
+                return
+        self.slots[site.stream][site.layer] = self._kept(site, probs)
+
+    def _kept(self, site: Site, probs: torch.Tensor) -> torch.Tensor:
+        """The tensor kept for a layer: in the graph (keep_grad), or detached, head-fused and cast."""
         if self.keep_grad:
             if probs.requires_grad:
                 # retain_grad makes .grad appear on this very tensor after backward (it is a non-leaf).
                 probs.retain_grad()
-            t = probs
-        else:
-            t = probs.detach()
-            if self.fuse is not None:
-                how = self.fuse
-                if isinstance(how, torch.Tensor):
-                    if how.numel() != t.shape[1]:
-                        raise ValueError(
-                            f"fuse_heads weights must have one entry per head: module {site.name!r} has "
-                            f"H={t.shape[1]} heads, got {how.numel()} weights"
-                        )
-                    how = how.to(device=t.device, dtype=t.dtype if t.is_floating_point() else torch.float32)
-                t = fuse_tensor(t, how)
-            if self.dtype is not None:
-                t = t.to(self.dtype)
-        self.slots[site.stream][site.layer] = t
+            return probs
+        t = probs.detach()
+        if self.fuse is not None:
+            how = self.fuse
+            if isinstance(how, torch.Tensor):
+                if how.numel() != t.shape[1]:
+                    raise ValueError(
+                        f"fuse_heads weights must have one entry per head: module {site.name!r} has "
+                        f"H={t.shape[1]} heads, got {how.numel()} weights"
+                    )
+                how = how.to(device=t.device, dtype=t.dtype if t.is_floating_point() else torch.float32)
+            t = fuse_tensor(t, how)
+        if self.dtype is not None:
+            t = t.to(self.dtype)
+        return t
 
     def finish(self) -> dict[str, list[torch.Tensor]]:
         """The complete streams of this pass; raises CaptureError naming missing or repeated layers.
 
         Streams of which no layer ran are left out (e.g. only the vision tower of CLIP was called)."""
         repeated = [
-            f"{self.layout[s][i]} ({n} times)" for (s, i), n in sorted(self.fired.items()) if n > 1
+            f"{key[2] if len(key) > 2 else self.layout[key[0]][key[1]]} ({n} times)"
+            for key, n in sorted(self.fired.items()) if n > 1
         ]
         if repeated:
             raise _checks.CaptureError(
@@ -266,10 +306,13 @@ class Adapter:
                 info.grid_reason = record.extra.get("grid_reason", "the patch grid is unknown for this model")
             if s != "cross" and layers[0].shape[-2] == n:
                 spec, source = self.readout_spec(s, record, info, inputs)
-                info.readout = resolve_readout(
-                    spec, batch=B, n=n, mask=info.mask, prefix=info.prefix, suffix=info.suffix, source=source,
-                    eot=record.extra.get(f"{s}_eot"),
-                )
+                if spec is None:
+                    info.readout_reason = source
+                else:
+                    info.readout = resolve_readout(
+                        spec, batch=B, n=n, mask=info.mask, prefix=info.prefix, suffix=info.suffix, source=source,
+                        eot=record.extra.get(f"{s}_eot"),
+                    )
             out[s] = info
         return out
 
@@ -481,6 +524,8 @@ class Capture:
         rec.outputs = outputs
         rec.prefix, rec.grid, rec.tokens, rec.attention_mask = None, None, None, None
         rec.extra = {}
+        if self.recorder.keep_grad and self.recorder.parts:
+            rec.extra["branches"] = {k: list(v.values()) for k, v in self.recorder.parts.items()}
         self.adapter.metadata(rec, self._inputs)
         if self.tokenizer is not None:
             rec.tokens = tokens_of(self.tokenizer, self._inputs.get("input_ids"), "input_ids")

@@ -76,12 +76,15 @@ def resolve_readout(
 
     ``spec``: "cls" | "mean" | "last" | "eot" (needs ``eot`` positions) | an int position | a list of one
     position per example | a weight vector (n,) or (B, n) (non-negative, normalised to sum 1 per row) |
-    a :class:`Readout` (returned as is). Padded tokens (``mask`` 0) never get weight."""
+    a :class:`Readout` (returned as is) | ("attention_pool", weights) for an attention-pooling head's own
+    attention weights. Padded tokens (``mask`` 0) never get weight."""
     from .. import _checks
 
     if isinstance(spec, Readout):
         return spec
     real = torch.ones(batch, n) if mask is None else mask.detach().to("cpu", torch.float32).reshape(batch, n)
+    if isinstance(spec, tuple) and len(spec) == 2 and spec[0] == "attention_pool":
+        return Readout("attention_pool", _check_weights(spec[1], batch, n, real), source)
     if isinstance(spec, str):
         _checks.check_choice("readout", spec, ("cls", "mean", "last", "eot"))
         if spec == "mean":
@@ -161,8 +164,9 @@ class StreamInfo:
             when an image stream has none.
         tokens: token strings per example (with a tokenizer), else None.
         causal: queries never attend ahead (decoders).
-        readout: the rows the model's prediction reads (:class:`Readout`), or None when the adapter
-            cannot tell (then methods fall back to the first token, or the last for causal streams).
+        readout: the rows the model's prediction reads (:class:`Readout`), or None when no weighted set of
+            rows describes it (max pooling; ``readout_reason`` says why): methods then need ``readout=``.
+        readout_reason: why ``readout`` is None ("" otherwise).
         input_key: the forward argument carrying this stream's input ("pixel_values", "input_ids", "x", ...),
             or None.
     """
@@ -176,6 +180,7 @@ class StreamInfo:
     tokens: list[list[str]] | None = None
     causal: bool = False
     readout: Readout | None = None
+    readout_reason: str = ""
     input_key: str | None = None
 
     @property

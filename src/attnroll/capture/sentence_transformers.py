@@ -29,8 +29,8 @@ _MODES = (
 def pooling_from_config(cfg: dict[str, Any], where: str) -> tuple[str, str] | None:
     """(readout kind, source) from a Pooling config dict; None when it uses none of the linear modes.
 
-    Raises ValueError for pooling that is not a weighted sum of rows (max pooling) when it is the only
-    mode: no readout would be honest."""
+    Pooling that is not one weighted sum of rows (max pooling, several modes concatenated) gives
+    (None, reason): no default readout would be honest."""
     kinds = [kind for flag, kind in _MODES if cfg.get(flag)]
     mode = cfg.get("pooling_mode")
     if isinstance(mode, str):
@@ -39,10 +39,9 @@ def pooling_from_config(cfg: dict[str, Any], where: str) -> tuple[str, str] | No
     if len(set(kinds)) == 1:
         return kinds[0], f"sentence-transformers pooling ({where})"
     if cfg.get("pooling_mode_max_tokens") or cfg.get("pooling_mode_weightedmean_tokens") or len(set(kinds)) > 1:
-        raise ValueError(
+        return None, (
             f"the sentence-transformers pooling in {where} ({', '.join(k for k, v in cfg.items() if v is True)}) is "
-            "not one weighted set of token rows, so attnroll has no default readout for it: pass readout= "
-            "('cls', 'mean', 'last', a position or a weight vector)"
+            "not one weighted set of token rows: pass readout= ('cls', 'mean', 'last', a position or a weight vector)"
         )
     return None
 

@@ -127,17 +127,30 @@ class Context:
         self.rec = rec
         names = list(rec.streams) if streams is None else streams
         y = scores(rec) if scores is not None else self.target_scores(rec)
-        flat = [t for s in names for t in rec.streams[s]]
-        grads = torch.autograd.grad(y.sum(), flat, allow_unused=True)
+        # Parallel branches of one layer are separate tensors in the graph: differentiate each, then
+        # concatenate their heads as the layer's tensor was.
+        branches = rec.extra.get("branches", {})
+        parts = [(s, i, branches.get((s, i)) or [t]) for s in names for i, t in enumerate(rec.streams[s])]
+        flat = [p for _, _, ps in parts for p in ps]
+        grads = list(torch.autograd.grad(y.sum(), flat, allow_unused=True))
         # Examples of a batch are independent (eval mode), so d(sum_b y_b)/dA_b = dy_b/dA_b.
-        out_a, out_g, i = {}, {}, 0
-        for s in names:
-            k = len(rec.streams[s])
-            out_a[s] = [t.detach() for t in rec.streams[s]]
-            out_g[s] = [
-                torch.zeros_like(a) if g is None else g.detach() for a, g in zip(out_a[s], grads[i : i + k])
-            ]
-            i += k
+        out_a = {s: [t.detach() for t in rec.streams[s]] for s in names}
+        out_g: dict[str, list[torch.Tensor]] = {s: [] for s in names}
+        unreached = []
+        for s, i, ps in parts:
+            gs = [grads.pop(0) for _ in ps]
+            if any(g is None for g in gs):
+                unreached.append(f"{s} layer {i}")
+            gs = [torch.zeros_like(p) if g is None else g for p, g in zip(ps, gs)]
+            out_g[s].append(torch.cat([g.detach() for g in gs], dim=1) if len(gs) > 1 else gs[0].detach())
+        if unreached:
+            raise _checks.CaptureError(
+                f"method {self.method.name!r}: the gradient of the target never reaches the captured attention of "
+                f"{type(self.model).__name__} ({', '.join(unreached[:6])}{', ...' if len(unreached) > 6 else ''}): "
+                "the probabilities this model returns are not the tensor its output is computed from (e.g. "
+                "block-sparse or re-computed attention), so a gradient method would return zeros. Use a "
+                "gradient-free method ('rollout', 'raw') or capture with modules=/to_probs= on the tensor used."
+            )
         return rec, out_a, out_g
 
     # -- positions and targets ----------------------------------------------------------------------
@@ -196,6 +209,8 @@ class Context:
             return resolve_readout(self.positions(rec, stream), source="position= option", **common)
         if info.readout is not None and not _token_level(rec.outputs):
             return info.readout
+        if info.readout is None and info.readout_reason and not _token_level(rec.outputs):
+            raise ValueError(f"readout: {type(self.model).__name__} has no default readout: {info.readout_reason}")
         # Token-level outputs (a language model's next-token logits): the rows of the explained position.
         return resolve_readout(self.positions(rec, stream), source="the explained token's position", **common)
 
