@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from .. import _checks
+from .hf_public import accepts_output_attentions, ask_for_attentions, eager_forwards, output_streams
 from .hooks import SUPPORTED_FAMILIES, Adapter, Recorder, Site, make_sites, stream_names
 from .record import AttentionRecord, ModelFacts, config_token_ids
 
@@ -61,10 +62,29 @@ def is_hf_model(model: nn.Module) -> bool:
     return isinstance(model, PreTrainedModel)
 
 
+class PrivateChanged(Exception):
+    """transformers' private output-recorder declaration has a shape this attnroll does not know."""
+
+
+def _declared(pm: nn.Module) -> dict:
+    """The class's output-recorder declaration (transformers 5.x, private): the registry of newer
+    releases, else the class attribute."""
+    try:
+        from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
+
+        raw = _CAN_RECORD_REGISTRY.get(pm)
+    except (ImportError, AttributeError, TypeError):
+        raw = None
+    raw = raw or getattr(pm, "_can_record_outputs", None) or {}
+    if not isinstance(raw, dict):
+        raise PrivateChanged(f"_can_record_outputs is a {type(raw).__name__}, not a dict")
+    return raw
+
+
 def _specs(pm: nn.Module) -> list[tuple[str, type | None, str | None, int, str | None]]:
     """(key, target class, class-name suffix, output index, layer name) for the attention outputs a
-    transformers model class declares."""
-    raw = getattr(pm, "_can_record_outputs", None) or {}
+    transformers model class declares. Raises PrivateChanged when the declaration's shape is unknown."""
+    raw = _declared(pm)
     out = []
     for key in ("attentions", "cross_attentions"):
         if key not in raw:
@@ -72,11 +92,16 @@ def _specs(pm: nn.Module) -> list[tuple[str, type | None, str | None, int, str |
         val = raw[key]
         for spec in val if isinstance(val, list) else [val]:
             if hasattr(spec, "target_class"):  # transformers' OutputRecorder
-                out.append((key, spec.target_class, spec.class_name, spec.index, spec.layer_name))
+                try:
+                    out.append((key, spec.target_class, spec.class_name, int(spec.index), spec.layer_name))
+                except (AttributeError, TypeError, ValueError) as e:
+                    raise PrivateChanged(f"OutputRecorder fields changed ({e})") from None
             elif isinstance(spec, str):
                 out.append((key, None, spec, 1, None))
-            else:
+            elif isinstance(spec, type):
                 out.append((key, spec, None, 1, None))
+            else:
+                raise PrivateChanged(f"unknown recorder entry {type(spec).__name__}")
     return out
 
 
@@ -114,7 +139,18 @@ class HFAdapter(Adapter):
                     found.append((name, mod, key, index))
                     break
 
-        walk(model, "", _specs(model))
+        try:
+            walk(model, "", _specs(model))
+        except PrivateChanged as e:
+            import transformers
+
+            # Models that declare recorders also route output_attentions=True through them (transformers
+            # installs its own hooks for good), so the public path is no way out here: say what changed.
+            raise _checks.UnsupportedModelError(
+                f"transformers {transformers.__version__} changed its private output-recorder declaration ({e}), "
+                f"which attnroll reads to find the attention modules of {type(model).__name__}; this attnroll "
+                "knows the transformers 5.x shape. Install a transformers 5.x release, or pass modules=/to_probs="
+            ) from None
         order = {id(m): i for i, (_, m) in enumerate(model.named_modules())}
         found.sort(key=lambda f: order.get(id(f[1]), -1))
         self.index = {id(m): idx for _, m, _, idx in found}
@@ -124,10 +160,15 @@ class HFAdapter(Adapter):
         entries = [(n, m, stream_of.get(id(m), "cross")) for n, m, key, _ in found]
         self._sites = make_sites(entries)
         if not self._sites:
-            raise _checks.UnsupportedModelError(
-                f"{type(model).__name__} does not declare which of its modules output attention weights "
-                f"(transformers' _can_record_outputs), so attnroll cannot find them. Supported: {SUPPORTED_FAMILIES}"
-            )
+            if not accepts_output_attentions(model):
+                raise _checks.UnsupportedModelError(
+                    f"{type(model).__name__} neither declares which of its modules output attention weights "
+                    "(transformers' output recorders) nor takes output_attentions=, so attnroll cannot find them. "
+                    f"Supported: {SUPPORTED_FAMILIES}"
+                )
+            # The public path: the model's own output_attentions=True on the eager path.
+            self.from_outputs = True
+            self.family = f"hf:{self.model_type} (output_attentions)"
 
     def sites(self) -> list[Site]:
         return self._sites
@@ -135,7 +176,13 @@ class HFAdapter(Adapter):
     def install(self, stack: ExitStack, recorder: Recorder, sites: list[Site]) -> None:
         for config in _all_configs(self.model):
             _force_eager(stack, config)
+        if self.from_outputs:
+            eager_forwards(stack, self.model)
+            ask_for_attentions(stack, self.model)
         super().install(stack, recorder, sites)
+
+    def output_streams(self, output: Any) -> dict[str, list[Any]]:
+        return output_streams(self.model, output)
 
     def extract(self, site: Site, args: tuple, output: Any) -> Any:
         if isinstance(output, (tuple, list)):

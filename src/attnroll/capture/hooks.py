@@ -246,6 +246,14 @@ class Adapter:
     """Base class of the family adapters (see module docstring)."""
 
     family = "?"
+    #: True for adapters that read the attention from the model's own return value (transformers'
+    #: public ``output_attentions=True`` path) instead of hooking modules: :meth:`sites` is empty and
+    #: :meth:`output_streams` names the tensors after each pass.
+    from_outputs = False
+
+    def output_streams(self, output: Any) -> dict[str, list[Any]]:
+        """Stream name -> per-layer attention tensors found in the model's output (``from_outputs``)."""
+        return {}
 
     def __init__(self, model: nn.Module):
         self.model = model
@@ -498,7 +506,8 @@ class Capture:
         self.tokenizer = tokenizer
         self.eval_mode = eval_mode
         self.site_list = adapter.sites()
-        if not self.site_list:
+        self._recorder_args = dict(fuse=fuse, keep_grad=keep_grad, dtype=dtype)
+        if not self.site_list and not adapter.from_outputs:
             raise _checks.UnsupportedModelError(
                 f"found no attention module in {type(model).__name__}. Supported: {SUPPORTED_FAMILIES}"
             )
@@ -515,7 +524,17 @@ class Capture:
         self._inputs = bind_inputs(self.model, args, kwargs)
 
     def _post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if self.adapter.from_outputs:
+            self._collect(output)
         self._finalize(output)
+
+    def _collect(self, output: Any) -> None:
+        """Public path: the attention tensors the model returned become this pass's layers."""
+        streams = self.adapter.output_streams(output)
+        entries = [(f"outputs.{s}[{i}]", self.model, s) for s, ts in streams.items() for i in range(len(ts))]
+        self.recorder = Recorder(make_sites(entries), **self._recorder_args)
+        for site in self.recorder.sites:
+            self.recorder.store(site, streams[site.stream][site.layer])
 
     def _finalize(self, outputs: Any) -> None:
         streams = self.recorder.finish()
@@ -599,7 +618,7 @@ def run_forward(model: nn.Module, inputs: Any, hint: Callable[[Any], str] | None
     try:
         return call()
     except (TypeError, ValueError, RuntimeError, AssertionError) as e:
-        if isinstance(e, _checks.CaptureError):
+        if isinstance(e, (_checks.CaptureError, _checks.UnsupportedModelError)):
             raise
         what = (
             "keys " + ", ".join(map(str, inputs.keys())) if isinstance(inputs, Mapping) else _checks.describe(inputs)
