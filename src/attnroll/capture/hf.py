@@ -14,7 +14,6 @@ exactly afterwards.
 from __future__ import annotations
 
 import sys
-import warnings
 from contextlib import ExitStack
 from typing import Any
 
@@ -22,22 +21,10 @@ import torch
 from torch import nn
 
 from .. import _checks
+from .hf_vision import input_size, mae_restore, patch_layout
 from .hf_public import accepts_output_attentions, ask_for_attentions, eager_forwards, output_streams
 from .hooks import SUPPORTED_FAMILIES, Adapter, Recorder, Site, make_sites, stream_names
-from .record import AttentionRecord, ModelFacts, config_token_ids
-
-#: Prefix tokens of the image stream by ``config.model_type`` (CLS, distillation token, registers).
-_VISION_PREFIX = {
-    "vit": 1,
-    "deit": 2,  # CLS + distillation token, in every DeiT head class (the embeddings always add both)
-    "dinov2": 1,
-    "beit": 1,
-    "data2vec-vision": 1,
-    "clip": 1,
-    "clip_vision_model": 1,
-    "vit_msn": 1,
-    "vit_mae": 1,
-}
+from .record import AttentionRecord, ModelFacts, config_token_ids, resolve_readout
 
 #: Text towers that pool their end-of-text token (the first EOS; the argmax id for the original configs).
 _EOT_POOLING = ("clip", "clip_text_model", "owlvit", "owlvit_text_model", "x_clip", "groupvit", "clipseg")
@@ -219,6 +206,14 @@ class HFAdapter(Adapter):
             pool = pooling_of_folder(getattr(cfg, "_name_or_path", None))
             if pool is not None:
                 return pool
+        if mt == "audio-spectrogram-transformer" and stream == "self":
+            w = torch.zeros(n := record.streams[stream][0].shape[-1])
+            w[:2] = 0.5
+            return w, "AST's pooler averages the CLS and distillation tokens"
+        if info.suffix and stream == "self":  # YOLOS: each detection token predicts one object
+            w = torch.zeros(n := record.streams[stream][0].shape[-1])
+            w[n - info.suffix:] = 1.0
+            return w, "the detection tokens (one object each; pick one with position=)"
         if mt in _MEAN_POOLING_FLAG and getattr(cfg, "use_mean_pooling", False) and stream in ("self", "vision"):
             return "mean", f"{mt} config.use_mean_pooling: the pooler means the patch tokens"
         if mt in _AUDIO:
@@ -229,6 +224,8 @@ class HFAdapter(Adapter):
 
     # ------------------------------------------------------------------------------------- metadata
     def metadata(self, record: AttentionRecord, inputs: dict[str, Any]) -> None:
+        if getattr(self.model.config, "attention_type", None) == "block_sparse":
+            self._refuse_block_sparse(record)
         ids = inputs.get("input_ids")
         text_stream = "text" if "text" in record.streams else "self"
         if self.model_type in _EOT_POOLING and isinstance(ids, torch.Tensor) and text_stream in record.streams:
@@ -239,35 +236,56 @@ class HFAdapter(Adapter):
         dmask = inputs.get("decoder_attention_mask")
         if isinstance(dmask, torch.Tensor):
             record.extra["decoder_attention_mask"] = dmask.detach()
-        pixels = inputs.get("pixel_values")
-        image_stream = "vision" if "vision" in record.streams else "self"
-        if not isinstance(pixels, torch.Tensor) or image_stream not in record.streams:
-            record.prefix = 0 if inputs.get("input_ids") is not None else None
-            return
-        patch = _patch_size(self.model.config)
-        n_keys = record.streams[image_stream][0].shape[-1]
-        prefix = self._vision_prefix()
-        if patch is None or pixels.ndim != 4:
-            record.prefix = prefix
-            return
-        grid = (pixels.shape[-2] // patch[0], pixels.shape[-1] // patch[1])
-        if prefix is None and n_keys >= grid[0] * grid[1]:
-            prefix = n_keys - grid[0] * grid[1]  # unknown family: whatever precedes the patches
-        if prefix is not None and prefix + grid[0] * grid[1] != n_keys:
-            warnings.warn(
-                f"attnroll.capture: {self.model_type} attention has {n_keys} tokens, but {prefix} prefix tokens + a "
-                f"{grid[0]}x{grid[1]} patch grid make {prefix + grid[0] * grid[1]}; grid left unset",
-                stacklevel=2,
-            )
-            record.prefix = prefix
-            return
-        record.prefix, record.grid = prefix, grid
+        record.prefix = 0 if ids is not None else None
+        for stream in ("self", "vision", "encoder"):
+            if stream in record.streams and input_size(self.model_type, inputs) is not None:
+                self._layout(record, stream, inputs)
 
-    def _vision_prefix(self) -> int | None:
-        cfg = self.model.config
-        if self.model_type == "dinov2_with_registers":
-            return 1 + int(cfg.num_register_tokens)
-        return _VISION_PREFIX.get(self.model_type)
+    def _refuse_block_sparse(self, record: AttentionRecord) -> None:
+        """BigBird's block-sparse path returns a dense matrix rebuilt from its blocks, whose rows do not sum
+        to 1 and which its output is not computed from: refuse rather than roll it out."""
+        for layers in record.streams.values():
+            t = layers[0].detach()
+            sums = t.sum(dim=-1)
+            if not bool(((sums - 1).abs() < 1e-3).all()):
+                raise _checks.UnsupportedModelError(
+                    f"{type(self.model).__name__} ran its block-sparse attention (config.attention_type="
+                    "'block_sparse'): the matrix it returns is rebuilt from blocks (rows sum to "
+                    f"{float(sums.min()):.3g}..{float(sums.max()):.3g}) and is not the tensor its output uses. Set "
+                    "model.config.attention_type = 'original_full' (or load with attention_type='original_full')."
+                )
+
+    def _layout(self, record: AttentionRecord, stream: str, inputs: dict[str, Any]) -> None:
+        """Prefix, suffix and grid of a vision stream from the model's embeddings (see hf_vision)."""
+        if stream == "encoder" and inputs.get("pixel_values") is None and inputs.get("input_values") is None:
+            return
+        n = record.streams[stream][0].shape[-1]
+        lay = patch_layout(self.model, stream, self.model_type, inputs, n)
+        ids_restore = getattr(record.outputs, "ids_restore", None)
+        if lay["grid"] is not None and self.model_type == "vit_mae" and isinstance(ids_restore, torch.Tensor):
+            if record.keep_grad:
+                lay = {**lay, "grid": None, "reason": "ViTMAE shuffles its patches; with gradients the record keeps "
+                       "the model's own (shuffled) tensors: pass noise=torch.arange(patches).expand(B, -1)"}
+            else:
+                record.streams[stream] = mae_restore(record.streams[stream], ids_restore, lay["prefix"])
+        record.extra[f"{stream}_layout"] = lay
+        if stream in ("self", "vision"):
+            record.prefix, record.grid = lay["prefix"], lay["grid"]
+            record.extra["grid_reason"] = lay["reason"]
+
+    def stream_infos(self, record: AttentionRecord, inputs: dict[str, Any]) -> dict[str, Any]:
+        infos = super().stream_infos(record, inputs)
+        for s, info in infos.items():
+            lay = record.extra.get(f"{s}_layout")
+            if lay is not None:
+                info.kind, info.prefix, info.suffix, info.grid = "image", lay["prefix"], lay["suffix"], lay["grid"]
+                info.grid_reason = lay["reason"]
+                # The readout again, now that prefix and suffix are known.
+                spec, source = self.readout_spec(s, record, info, inputs)
+                B, n = record.streams[s][0].shape[0], record.streams[s][0].shape[-1]
+                info.readout = None if spec is None else resolve_readout(
+                    spec, batch=B, n=n, mask=info.mask, prefix=info.prefix, suffix=info.suffix, source=source)
+        return infos
 
 
 def hf_facts(model: nn.Module, family: str = "") -> ModelFacts:
@@ -301,16 +319,6 @@ def _eot_positions(config: Any, ids: torch.Tensor) -> list[int]:
     if eos == 2 or eos is None:
         return ids.argmax(dim=-1).tolist()
     return (ids == eos).int().argmax(dim=-1).tolist()
-
-
-def _patch_size(config: Any) -> tuple[int, int] | None:
-    for cfg in (config, getattr(config, "vision_config", None)):
-        p = getattr(cfg, "patch_size", None) if cfg is not None else None
-        if isinstance(p, int):
-            return (p, p)
-        if isinstance(p, (tuple, list)) and len(p) == 2:
-            return (int(p[0]), int(p[1]))
-    return None
 
 
 def _all_configs(model: nn.Module) -> list[Any]:

@@ -187,7 +187,7 @@ class Context:
         if pos is not None:
             return _checks.check_positions(pos, B, n)
         info = self.info(rec, stream)
-        if info.causal or is_causal(layer0) or (stream in ("self", "decoder") and _token_level(rec.outputs)):
+        if info.causal or is_causal(layer0) or (stream in ("self", "decoder") and _token_level(rec.outputs, n)):
             return last_real(info.mask, B, n)
         one = info.readout.positions() if info.readout is not None else None
         return one if one is not None else [0] * B
@@ -206,9 +206,9 @@ class Context:
             return resolve_readout(spec, source="readout= option", eot=eot, **common)
         if self.options.get("position") is not None:
             return resolve_readout(self.positions(rec, stream), source="position= option", **common)
-        if info.readout is not None and not _token_level(rec.outputs):
+        if info.readout is not None and not _token_level(rec.outputs, n):
             return info.readout
-        if info.readout is None and info.readout_reason and not _token_level(rec.outputs):
+        if info.readout is None and info.readout_reason and not _token_level(rec.outputs, n):
             raise ValueError(f"readout: {type(self.model).__name__} has no default readout: {info.readout_reason}")
         # Token-level outputs (a language model's next-token logits): the rows of the explained position.
         return resolve_readout(self.positions(rec, stream), source="the explained token's position", **common)
@@ -218,7 +218,14 @@ class Context:
         stream = "decoder" if "decoder" in rec.streams else self.stream(rec)
         pos = None
         logits = main_logits(rec.outputs)
-        if logits is not None and logits.ndim == 3:
+        if logits is not None and logits.ndim == 3 and not callable(self.target):
+            n = rec.streams[stream][0].shape[-1]
+            if logits.shape[1] != n:
+                raise ValueError(
+                    f"target: the model's logits {tuple(logits.shape)} have one row per query ({logits.shape[1]}), "
+                    f"not per token ({n}), e.g. object-detection queries; pass target=a callable "
+                    "f(outputs) -> (B,) (e.g. lambda o: o.logits[:, 0].max(-1).values)"
+                )
             pos = self.positions(rec, stream)
         y, self.target_desc = resolve_target(rec.outputs, self.target, positions=pos)
         return y
@@ -230,6 +237,11 @@ class Context:
             logits = main_logits(rec.outputs)
             if logits is None and self.target is None:
                 return None
+            stream = "decoder" if "decoder" in rec.streams else self.stream(rec)
+            if logits is not None and logits.ndim == 3 and self.target is None and (
+                logits.shape[1] != rec.streams[stream][0].shape[-1]
+            ):
+                return None  # per-query outputs (detection): no single class to name for a class-agnostic map
             with torch.no_grad():
                 self.target_scores(rec)
         return self.target_desc
@@ -290,9 +302,10 @@ def gather_rows(R: torch.Tensor, rows: list[int], positions: list[int], row_axis
     return R[:, torch.arange(R.shape[1], device=R.device), idx]
 
 
-def _token_level(outputs: Any) -> bool:
+def _token_level(outputs: Any, n: int | None = None) -> bool:
+    """Whether the main logits are per token (B, n, V) — not per query (detection heads, other lengths)."""
     logits = main_logits(outputs)
-    return logits is not None and logits.ndim == 3
+    return logits is not None and logits.ndim == 3 and (n is None or logits.shape[1] == n)
 
 
 def main_logits(outputs: Any) -> torch.Tensor | None:
