@@ -79,3 +79,33 @@ def test_minilm_default_readout_is_the_mean_of_its_real_tokens_rows(minilm):
     w = e.readout_weights
     torch.testing.assert_close(w.sum(-1), torch.ones(2))
     assert bool(((w > 0) == enc["attention_mask"].bool()).all())
+
+
+def test_sentence_transformer_object_reads_its_pooling_module(minilm):
+    """explain(st_model, st_model.tokenize(texts)): the Pooling module says mean, so the map equals the
+    transformers model's from the same folder; gae through the sentence embedding equals Chefer's rule on
+    transformers' own eager attentions with the same scalar (mean-pooled, normalised embedding, dim 0)."""
+    S = pytest.importorskip("sentence_transformers")
+    tok, model = minilm
+    st = S.SentenceTransformer(str(model.config._name_or_path), device="cpu")
+    texts = ["A man is playing a guitar.", "Stocks fell sharply on Monday after the report."]
+    feats = st.tokenize(texts)
+    e = attnroll.explain(st, feats, tokenizer=st.tokenizer)
+    assert e.readout["kind"] == "mean" and "Pooling" in e.readout["source"]
+    enc = {k: feats[k] for k in ("input_ids", "attention_mask", "token_type_ids")}
+    torch.testing.assert_close(e.scores, attnroll.explain(model, enc).scores, atol=1e-6, rtol=1e-5)
+
+    def target(o):
+        return o["sentence_embedding"][:, 0]
+
+    g = attnroll.explain(st, feats, "gae", target=target)
+    one = {k: v[:1, : int(enc["attention_mask"][0].sum())] for k, v in enc.items()}
+    out = M.eager(model)(**one, output_attentions=True)
+    pooled = out.last_hidden_state.mean(dim=1)
+    y = torch.nn.functional.normalize(pooled, dim=-1)[:, 0]
+    grads = torch.autograd.grad(y.sum(), out.attentions)
+    n = one["input_ids"].shape[1]
+    R = torch.eye(n)
+    for a, gr in zip(out.attentions, grads):
+        R = R + (gr * a).clamp(min=0).mean(dim=1)[0].detach() @ R
+    torch.testing.assert_close(g.scores[0, :n], R.mean(dim=0), atol=1e-5, rtol=1e-4)

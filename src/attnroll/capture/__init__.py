@@ -22,6 +22,7 @@ from torch import nn
 from .. import _checks
 from .hf import HFAdapter, is_hf_model
 from .hooks import SUPPORTED_FAMILIES, Adapter, Capture, ModulesAdapter, run_forward
+from .sentence_transformers import is_sentence_transformer, make_adapter
 from .record import AttentionRecord, ModelFacts, Readout, StreamInfo, config_token_ids
 from .timm import TimmAdapter, is_timm_model
 from .torch_mha import MHAAdapter, has_mha
@@ -115,7 +116,7 @@ def capture(
         return session
     with session as record:
         with torch.enable_grad() if keep_grad else torch.no_grad():
-            run_forward(model, inputs, session.adapter.input_hint)
+            run_forward(model, session.adapter.call_inputs(inputs), session.adapter.input_hint)
     if session.passes == 0:
         raise CaptureError(
             "the forward pass finished without the model's own forward returning (no pass was recorded)"
@@ -128,6 +129,8 @@ def model_facts(model: nn.Module) -> ModelFacts:
     tokens; see :class:`ModelFacts`). Works for models the capture refuses too (evaluation only runs them)."""
     from .hf import hf_facts
 
+    if is_sentence_transformer(model):
+        return make_adapter(model).facts()
     if is_hf_model(model):
         return hf_facts(model)
     if is_timm_model(model):
@@ -144,6 +147,8 @@ def model_facts(model: nn.Module) -> ModelFacts:
 def _select_adapter(model: nn.Module, modules: Any, to_probs: Callable | None) -> Adapter:
     if modules is not None:
         return ModulesAdapter(model, modules, to_probs)
+    if is_sentence_transformer(model):
+        return make_adapter(model)
     if is_hf_model(model):
         return HFAdapter(model)
     if is_timm_model(model):

@@ -255,6 +255,14 @@ class Adapter:
         """Stream name -> per-layer attention tensors found in the model's output (``from_outputs``)."""
         return {}
 
+    def call_inputs(self, inputs: Any) -> Any:
+        """How the function form calls the model with ``inputs`` (see :func:`run_forward`)."""
+        return inputs
+
+    def bound_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        """The forward arguments by name, as the metadata reads them (a family may unwrap them)."""
+        return inputs
+
     def __init__(self, model: nn.Module):
         self.model = model
 
@@ -521,7 +529,7 @@ class Capture:
     # -- hooks on the model itself delimit passes
     def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         self.recorder.reset()
-        self._inputs = bind_inputs(self.model, args, kwargs)
+        self._inputs = self.adapter.bound_inputs(bind_inputs(self.model, args, kwargs))
 
     def _post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         if self.adapter.from_outputs:
