@@ -25,6 +25,7 @@ from .hf_vision import input_size, mae_restore, patch_layout
 from .hf_public import accepts_output_attentions, ask_for_attentions, eager_forwards, output_streams
 from .hooks import SUPPORTED_FAMILIES, Adapter, Recorder, Site, make_sites, stream_names
 from .record import AttentionRecord, ModelFacts, config_token_ids, resolve_readout
+from .st_pooling import pooling_of_folder
 
 #: Text towers that pool their end-of-text token (the first EOS; the argmax id for the original configs).
 _EOT_POOLING = ("clip", "clip_text_model", "owlvit", "owlvit_text_model", "x_clip", "groupvit", "clipseg")
@@ -201,8 +202,6 @@ class HFAdapter(Adapter):
         if info.kind == "text" and mt in _LAST_POSITION:
             return -1, f"{mt}'s text tower pools the last position"
         if info.kind == "text" and stream == "self":
-            from .sentence_transformers import pooling_of_folder
-
             pool = pooling_of_folder(getattr(cfg, "_name_or_path", None))
             if pool is not None:
                 return pool
