@@ -25,7 +25,7 @@ import torch
 from .. import _checks
 from .._modes import eval_mode
 from .._io import atomic_write
-from ._common import batched_logits, chunks, image_forward, relevance_order, spearman_rows
+from ._common import batched_logits, image_forward, nanmean, relevance_order, spearman_rows
 
 __all__ = ["AuditReport", "audit", "shapes_regions", "grid_regions", "js_divergence"]
 
@@ -86,7 +86,7 @@ class AuditReport:
             f"audit of {self.method!r} maps, model A -> model B, {self.n} examples{grid}: {verdict}",
             f"  Jensen-Shannon divergence: mean {self.js.mean():.4f}, median {np.median(self.js):.4f}, max "
             f"{self.js.max():.4f} (threshold {self.settings.get('js_threshold', float('nan'))})",
-            f"  Spearman rank correlation: mean {_nanmean(self.spearman):.3f}; top-{self.k} overlap: mean "
+            f"  Spearman rank correlation: mean {nanmean(self.spearman):.3f}; top-{self.k} overlap: mean "
             f"{self.topk.mean():.3f}",
             f"  predictions: A and B agree on {np.mean(self.pred_a == self.pred_b):.1%} of the examples",
         ]
@@ -110,7 +110,7 @@ class AuditReport:
             "n": self.n,
             "k": self.k,
             "mean_js": float(self.js.mean()),
-            "mean_spearman": _nanmean(self.spearman),
+            "mean_spearman": nanmean(self.spearman),
             "mean_topk": float(self.topk.mean()),
             "prediction_agreement": float(np.mean(self.pred_a == self.pred_b)),
             "mass_a": {r: float(v.mean()) for r, v in self.mass_a.items()},
@@ -248,11 +248,6 @@ def _figure_png(report: AuditReport, images: Any, n: int, class_names: Any) -> b
     return buf.getvalue()
 
 
-def _nanmean(a: np.ndarray) -> float:
-    a = np.asarray(a, dtype=np.float64)
-    return float(np.nanmean(a)) if np.any(~np.isnan(a)) else float("nan")
-
-
 # ------------------------------------------------------------------------------------------------ audit
 def audit(
     model_a: Any,
@@ -378,21 +373,14 @@ def _explain_all(
     model: Any, x: torch.Tensor, info: Any, target: Any, batch_size: int, options: dict
 ) -> tuple[np.ndarray, tuple[int, int] | None, np.ndarray]:
     """Scores (B, units) float64, grid and predicted classes (B,) of one model, explained in chunks."""
-    from ..methods.base import explain
+    from ..methods import explain_batches
 
-    scores, grid, preds = [], None, []
-    for sl in chunks(x.shape[0], batch_size):
-        t = target[sl] if isinstance(target, list) else target
-        # Gradient methods refuse no_grad (and need autograd); the others need none, so skip the graph.
-        with torch.set_grad_enabled(info.needs_grad):
-            e = explain(model, x[sl], method=info.name, target=t, **options)
-        scores.append(e.scores.detach().to("cpu", torch.float64).numpy())
-        grid = None if e.grid is None else (int(e.grid[0]), int(e.grid[1]))
-        if target is None and isinstance(e.target, list) and len(e.target) == sl.stop - sl.start:
-            preds.append(np.asarray(e.target, dtype=np.int64))  # the target *is* the predicted class
-        else:
-            preds.append(batched_logits(image_forward(model), x[sl], batch_size).argmax(dim=1).numpy())
-    return np.concatenate(scores), grid, np.concatenate(preds)
+    r = explain_batches(model, x, info.name, target=target, batch_size=batch_size, **options)
+    if target is None and r.targets is not None:
+        preds = np.asarray(r.targets, dtype=np.int64)  # the target *is* the predicted class
+    else:
+        preds = batched_logits(image_forward(model), x, batch_size).argmax(dim=1).numpy()
+    return r.scores.to(torch.float64).numpy(), r.grid, preds
 
 
 # ------------------------------------------------------------------------------------------- statistics

@@ -17,11 +17,12 @@ from torch import nn
 from .. import _checks
 from .._modes import params_require_grad
 from ..capture import capture as _capture
+from ..capture.outputs import main_logits
 from ..capture.record import AttentionRecord, Readout, StreamInfo, is_causal, last_real, resolve_readout
 from .explanation import Explanation
 
 __all__ = ["Explanation", "Explainer", "explain", "methods", "method_info", "check_options", "register", "Method",
-           "Context"]
+           "Context", "main_logits", "gather_rows"]
 
 #: Options every method takes (besides its own): the output position to explain (row of the map, and the
 #: position of a token-level target), and the readout (which rows, with what weights; overrides the model's).
@@ -293,32 +294,19 @@ class Context:
         )
 
 
-def gather_rows(R: torch.Tensor, rows: list[int], positions: list[int], row_axis: int = -2) -> torch.Tensor:
+def gather_rows(R: torch.Tensor, rows: list[int], positions: list[int], *, layer_axis: bool = False) -> torch.Tensor:
     """Pick, for example b, the row ``positions[b]`` out of R computed for the sorted distinct ``rows``:
-    R (B, r, n) -> (B, n); with a leading layer axis (L, B, r, n) -> (L, B, n)."""
-    idx = torch.tensor([rows.index(p) for p in positions], device=R.device)
-    if R.ndim == 3:
-        return R[torch.arange(R.shape[0], device=R.device), idx]
-    return R[:, torch.arange(R.shape[1], device=R.device), idx]
+    R (B, [H,] r, n) -> (B, [H,] n); with ``layer_axis`` (L, B, [H,] r, n) -> (L, B, [H,] n)."""
+    idx = [rows.index(p) for p in positions]
+    if layer_axis:
+        return torch.stack([R[:, b, ..., i, :] for b, i in enumerate(idx)], dim=1)
+    return torch.stack([R[b, ..., i, :] for b, i in enumerate(idx)])
 
 
 def _token_level(outputs: Any, n: int | None = None) -> bool:
     """Whether the main logits are per token (B, n, V) — not per query (detection heads, other lengths)."""
     logits = main_logits(outputs)
     return logits is not None and logits.ndim == 3 and (n is None or logits.shape[1] == n)
-
-
-def main_logits(outputs: Any) -> torch.Tensor | None:
-    """The model's main output scores: ``.logits`` of a transformers output, a tensor output itself, or
-    the first tensor of a tuple; None when there is none (e.g. a bare encoder's hidden states)."""
-    if isinstance(outputs, torch.Tensor):
-        return outputs
-    logits = getattr(outputs, "logits", None)
-    if logits is None and isinstance(outputs, dict):
-        logits = outputs.get("logits")
-    if logits is None and isinstance(outputs, (tuple, list)) and outputs and isinstance(outputs[0], torch.Tensor):
-        logits = outputs[0]
-    return logits if isinstance(logits, torch.Tensor) else None
 
 
 def resolve_target(outputs: Any, target: Any, *, positions: list[int] | None = None) -> tuple[torch.Tensor, Any]:
