@@ -96,3 +96,17 @@ def test_vision_encoder_decoder_encoder_stream_has_its_prefix_and_grid():
     e, d = rec.info["encoder"], rec.info["decoder"]
     assert (e.kind, e.prefix, e.grid) == ("image", 1, (4, 4)) and e.readout.kind == "cls"
     assert d.causal and d.readout.kind == "last" and d.grid is None
+
+
+def test_vision_language_models_are_refused_with_the_reason():
+    torch.manual_seed(0)
+    cfg = T.LlavaConfig(
+        vision_config=T.CLIPVisionConfig(**C, **V),
+        text_config=T.LlamaConfig(**C, vocab_size=99, max_position_embeddings=64, num_key_value_heads=2),
+        image_token_index=98,
+    )
+    model = T.LlavaForConditionalGeneration(cfg).eval()
+    before = snapshot(model)
+    with pytest.raises(attnroll.UnsupportedModelError, match="vision-language model"):
+        attnroll.capture(model, {"input_ids": torch.randint(3, 90, (1, 6))})
+    assert snapshot(model) == before

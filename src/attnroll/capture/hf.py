@@ -111,6 +111,17 @@ class HFAdapter(Adapter):
                 "roll out; attnroll refuses rather than invent one. Use a global-attention model or "
                 f"modules=/to_probs= if you have your own composition. Supported: {SUPPORTED_FAMILIES}"
             )
+        vlm_token = next((k for k in ("image_token_index", "image_token_id") if hasattr(config, k)), None)
+        if vlm_token is not None and getattr(config, "vision_config", None) is not None and (
+            getattr(config, "text_config", None) is not None
+        ):
+            raise _checks.UnsupportedModelError(
+                f"{type(model).__name__} ({self.model_type}) is a vision-language model: its image patches enter "
+                "the language model as tokens (config." + vlm_token + "), so the vision tower and the language "
+                "model would be merged into one stream and the image tokens could not be mapped back to the patch "
+                "grid. attnroll does not compose VLMs yet; explain the vision tower (model.vision_tower / "
+                f"model.model.vision_tower) or the language model on its own. Supported: {SUPPORTED_FAMILIES}"
+            )
         found: list[tuple[str, nn.Module, str, int]] = []
 
         def walk(mod: nn.Module, name: str, specs: list) -> None:
