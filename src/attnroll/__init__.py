@@ -8,7 +8,7 @@ from .core.fusion import fuse_heads
 from .core.residual import add_residual
 from .core.sparsify import sparsify
 from .core.rollout import rollout, per_head_rollout
-from .core.flow import attention_flow
+from ._system import attention_flow  # core.flow.attention_flow with a progress bar and a memory check
 
 # --- capture (issue 4) ---
 # (binds the name `capture` to the function; the subpackage stays importable as attnroll.capture.*)

@@ -15,8 +15,8 @@ import torch
 
 from ..capture import model_facts
 from ..core.rollout import rollout as core_rollout
-from .base import Context, combine_rows, register, require_grad_mode
-from .grad_rollout import weighted_layers
+from ..core.gradients import gradient_weighted
+from .base import Context, combine_rows, register, require_grad_mode, resolve_target
 
 
 def _pairs(inputs):
@@ -55,8 +55,6 @@ def clip(ctx: Context, *, start_layer, start_layer_text):
 
     def sim(rec):
         if callable(ctx.target):
-            from .base import resolve_target
-
             y, ctx.target_desc = resolve_target(rec.outputs, ctx.target)
             return y
         similarity = model_facts(ctx.model).similarity
@@ -67,8 +65,8 @@ def clip(ctx: Context, *, start_layer, start_layer_text):
 
     rec, atts, grads = ctx.grad_record(["vision", "text"], scores=sim)
     B = atts["vision"][0].shape[0]
-    Wv = weighted_layers(atts["vision"], grads["vision"])
-    Wt = weighted_layers(atts["text"], grads["text"])
+    Wv = gradient_weighted(atts["vision"], grads["vision"])
+    Wt = gradient_weighted(atts["text"], grads["text"])
     common = dict(head_fusion=None, residual_mode="add", alpha=0.5, check_stochastic=False)
     ro_v, ro_t = ctx.readout(rec, "vision"), ctx.info(rec, "text").readout
     img = combine_rows(core_rollout(Wv, rows=ro_v.rows(), start_layer=start_layer, **common), ro_v, ro_v.rows())[0]
