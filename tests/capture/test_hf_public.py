@@ -129,3 +129,18 @@ def test_a_reshaped_private_declaration_fails_naming_the_version(monkeypatch):
     with pytest.raises(attnroll.UnsupportedModelError, match=f"transformers {T.__version__} changed"):
         attnroll.capture(bert, inputs("bert"))
     assert snapshot(bert) == before
+
+
+def test_bigbird_switching_to_full_attention_on_its_first_call_is_captured():
+    """On a short input BigBird replaces its block-sparse attention modules by full ones inside its first
+    forward; the capture finds the new modules and equals the eager attentions of that forward."""
+    torch.manual_seed(0)
+    cfg = T.BigBirdConfig(**C, attention_type="block_sparse", block_size=4, num_random_blocks=1)
+    model = T.BigBirdModel(cfg).eval()
+    inp = inputs("bigbird")
+    rec = attnroll.capture(model, inp)
+    assert model.attention_type == "original_full"  # transformers' own switch
+    with torch.no_grad():
+        expect = eager_copy(model)(**inp, output_attentions=True).attentions
+    for got, ref in zip(rec.attentions, expect):
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)

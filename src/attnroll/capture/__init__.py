@@ -103,20 +103,28 @@ def capture(
         )
     if to_probs is not None and modules is None:
         raise ValueError("to_probs needs modules=: the modules whose (args, output) it turns into probabilities")
-    session = Capture(
-        model,
-        _select_adapter(model, modules, to_probs),
-        fuse=fuse,
-        keep_grad=keep_grad,
-        dtype=dt,
-        eval_mode=eval_mode,
-        tokenizer=tokenizer,
-    )
+    def new_session() -> Capture:
+        return Capture(
+            model, _select_adapter(model, modules, to_probs), fuse=fuse, keep_grad=keep_grad, dtype=dt,
+            eval_mode=eval_mode, tokenizer=tokenizer,
+        )
+
+    session = new_session()
     if inputs is None:
         return session
-    with session as record:
-        with torch.enable_grad() if keep_grad else torch.no_grad():
-            run_forward(model, session.adapter.call_inputs(inputs), session.adapter.input_hint)
+    for attempt in range(2):
+        try:
+            with session as record:
+                with torch.enable_grad() if keep_grad else torch.no_grad():
+                    run_forward(model, session.adapter.call_inputs(inputs), session.adapter.input_hint)
+            break
+        except CaptureError:
+            # A model that replaces its attention modules inside its forward (BigBird switching from block-sparse
+            # to full attention on short inputs) left the hooked modules behind: find the new ones, once.
+            live = {id(m) for m in model.modules()}
+            if attempt or all(id(s.module) in live for s in session.site_list):
+                raise
+            session = new_session()
     if session.passes == 0:
         raise CaptureError(
             "the forward pass finished without the model's own forward returning (no pass was recorded)"
