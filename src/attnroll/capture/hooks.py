@@ -25,13 +25,15 @@ from ..core.fusion import fuse_tensor
 from .record import AttentionRecord, ModelFacts, StreamInfo, is_causal, resolve_readout
 
 SUPPORTED_FAMILIES = (
-    "Hugging Face transformers: ViT, DeiT (incl. distilled ...WithTeacher), BEiT, DINOv2, DINOv2 with "
-    "registers, BERT, RoBERTa, DistilBERT, ELECTRA, GPT-2, Llama-family decoders, CLIP (vision and text "
-    "towers), T5, BART, Marian (and other transformers models that declare attention outputs); "
-    "timm VisionTransformer models (vit_*, deit_* incl. distilled, register-token variants); "
-    "models built from torch.nn.MultiheadAttention (nn.TransformerEncoder, nn.TransformerDecoder, "
-    "nn.Transformer). Any other model: pass modules=[...] (modules, their names, or a regular "
-    "expression over module names) and to_probs=f(module, args, output) -> (B, H, n, n) probabilities."
+    "Hugging Face transformers: ViT, DeiT (incl. distilled ...WithTeacher), BEiT, DINOv2 (with registers), YOLOS, "
+    "ViTMAE, AST, BERT-likes, GPT-2, Llama-family decoders, CLIP (vision and text towers), T5, BART, Marian, "
+    "VisionEncoderDecoder (and other transformers models that declare attention outputs), plus families without "
+    "a declaration through output_attentions=True (DeBERTa, MPNet, BLOOM, Falcon, GPT-Neo, RoFormer, XLM, ...); "
+    "sentence-transformers SentenceTransformer objects; timm VisionTransformer models (vit_*, deit_* incl. "
+    "distilled, register-token variants, parallel blocks, attention pooling), EVA / EVA02 / RoPE ViTs, BEiT, "
+    "relpos ViT, NaFlexViT; models built from torch.nn.MultiheadAttention (nn.TransformerEncoder, "
+    "nn.TransformerDecoder, nn.Transformer). Any other model: pass modules=[...] (modules, their names, or a "
+    "regular expression over module names) and to_probs=f(module, args, output) -> (B, H, n, n) probabilities."
 )
 
 

@@ -1,4 +1,6 @@
-"""timm VisionTransformer adapter (vit_*, deit_* including distilled, variants with register tokens).
+"""timm adapter: VisionTransformer (vit_*, deit_* including distilled, register tokens, parallel blocks, attention
+pooling) and the other global-attention ViTs built the same way (EVA / EVA02 and the RoPE ViTs, BEiT, relpos
+ViT, NaFlexViT): every attention module with a ``fused_attn`` switch and an ``attn_drop`` module.
 
 timm's ``Attention`` uses ``F.scaled_dot_product_attention`` when ``fused_attn`` is set (the default on
 recent torch), and then never calls ``attn_drop`` — the module every hook-based tool listens to. For the
@@ -30,17 +32,18 @@ class TimmAdapter(Adapter):
 
     def __init__(self, model: nn.Module):
         super().__init__(model)
-        from timm.models.vision_transformer import VisionTransformer
-
-        if not isinstance(model, VisionTransformer):
-            windowed = "swin" in type(model).__name__.lower()
-            why = (
-                " Swin computes attention inside shifted local windows, so there is no global token-to-token "
-                "matrix to roll out." if windowed else ""
-            )
+        name = type(model).__name__
+        if "swin" in name.lower():
             raise _checks.UnsupportedModelError(
-                f"timm model {type(model).__name__} is not a timm VisionTransformer.{why} Supported: "
-                f"{SUPPORTED_FAMILIES}"
+                f"timm model {name}: Swin computes attention inside shifted local windows, so there is no global "
+                f"token-to-token matrix to roll out. Supported: {SUPPORTED_FAMILIES}"
+            )
+        kinds = {type(m).__name__ for m in model.modules()}
+        if kinds & {"ClassAttn", "TalkingHeadAttn"}:
+            raise _checks.UnsupportedModelError(
+                f"timm model {name} (CaiT) mixes heads with talking-heads attention and reads the class token "
+                "through class-attention blocks (a query of one token over the patches); attnroll does not compose "
+                "them yet and refuses rather than roll out part of the model."
             )
         self.attn_modules = [
             (n, m)
@@ -48,6 +51,14 @@ class TimmAdapter(Adapter):
             if hasattr(m, "fused_attn") and isinstance(getattr(m, "attn_drop", None), nn.Module)
             and not n.startswith("attn_pool")
         ]
+        if not self.attn_modules:
+            raise _checks.UnsupportedModelError(
+                f"timm model {name} has no attention module with a switchable fused path (fused_attn + attn_drop), "
+                f"so attnroll cannot read its probabilities. Supported: {SUPPORTED_FAMILIES}"
+            )
+        from timm.models.vision_transformer import VisionTransformer
+
+        self.family = "timm:vit" if isinstance(model, VisionTransformer) else f"timm:{name}"
         diff = [n for n, m in self.attn_modules if type(m).__name__ == "DiffAttention"]
         if diff:
             raise _checks.UnsupportedModelError(
@@ -117,14 +128,25 @@ class TimmAdapter(Adapter):
             "readout= ('cls', 'mean', a position or a weight vector)"
         )
 
+    def stream_kind(self, stream: str, record: AttentionRecord, inputs: dict[str, Any]) -> str:
+        return "image"
+
     def facts(self) -> ModelFacts:
         return ModelFacts(family=self.family, input_key="x", keyword_call=False)
 
     def metadata(self, record: AttentionRecord, inputs: dict[str, Any]) -> None:
+        shapes = {tuple(t.shape[-2:]) for t in record.streams["self"]}
+        if len(shapes) != 1 or any(q != k for q, k in shapes):
+            raise _checks.UnsupportedModelError(
+                f"timm model {type(self.model).__name__}: its attention layers have shapes {sorted(shapes)}: tokens "
+                "are pooled, windowed or queried by a subset between layers, so there is no single token-to-token "
+                "product to roll out"
+            )
         record.prefix = int(getattr(self.model, "num_prefix_tokens", 0))
         x = inputs.get("x")
-        pe = getattr(self.model, "patch_embed", None)
-        if not isinstance(x, torch.Tensor) or x.ndim != 4 or pe is None:
+        pe = getattr(self.model, "patch_embed", None) or getattr(self.model, "embeds", None)
+        record.extra["grid_reason"] = "no patch embedding with a known patch size"
+        if not isinstance(x, torch.Tensor) or x.ndim != 4 or pe is None or not hasattr(pe, "patch_size"):
             return
         size = (int(x.shape[-2]), int(x.shape[-1]))
         if hasattr(pe, "dynamic_feat_size"):
@@ -135,3 +157,5 @@ class TimmAdapter(Adapter):
         n = record.streams["self"][0].shape[-1]
         if record.prefix + grid[0] * grid[1] == n:
             record.grid = grid  # type: ignore[assignment]
+        else:
+            record.extra["grid_reason"] = f"{n} tokens, but {record.prefix} prefix + {grid[0]}x{grid[1]} patches"
