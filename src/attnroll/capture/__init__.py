@@ -112,6 +112,14 @@ def capture(
     session = new_session()
     if inputs is None:
         return session
+    return _run_once(model, inputs, session, new_session, keep_grad)
+
+
+def _run_once(model: nn.Module, inputs: Any, session: Capture, new_session: Callable[[], Capture],
+              keep_grad: bool) -> AttentionRecord:
+    """One forward pass under ``session``. A model that replaces its attention modules inside its forward
+    (BigBird switching from block-sparse to full attention on short inputs) leaves the hooked modules behind:
+    then the new ones are found and the pass is run once more."""
     for attempt in range(2):
         try:
             with session as record:
@@ -119,8 +127,6 @@ def capture(
                     run_forward(model, session.adapter.call_inputs(inputs), session.adapter.input_hint)
             break
         except CaptureError:
-            # A model that replaces its attention modules inside its forward (BigBird switching from block-sparse
-            # to full attention on short inputs) left the hooked modules behind: find the new ones, once.
             live = {id(m) for m in model.modules()}
             if attempt or all(id(s.module) in live for s in session.site_list):
                 raise
