@@ -194,3 +194,20 @@ def test_the_io_finder_finds_io(tmp_path):
 def test_core_does_no_io():
     bad = {str(f.relative_to(SRC)): io_uses(f) for f in (PKG / "core").glob("*.py") if io_uses(f)}
     assert bad == {}
+
+
+def long_functions(limit: int = 80) -> list[str]:
+    """Functions (and methods) of src/attnroll longer than ``limit`` lines, from ``def`` to their last line."""
+    out = []
+    for f in PKG.rglob("*.py"):
+        for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > limit:
+                    out.append(f"{f.relative_to(SRC)}:{node.lineno} {node.name} ({lines} lines)")
+    return out
+
+
+def test_every_function_is_at_most_80_lines():
+    assert long_functions() == []
+    assert long_functions(limit=40)  # the measure sees functions at all

@@ -91,6 +91,22 @@ def capture(
     keep_grad = _checks.check_bool("keep_grad", keep_grad)
     eval_mode = _checks.check_bool("eval_mode", eval_mode)
     dt = _checks.check_dtype(dtype)
+    _check_combination(keep_grad, fuse, fuse_heads, dt, dtype, modules, to_probs)
+
+    def new_session() -> Capture:
+        return Capture(model, _select_adapter(model, modules, to_probs), fuse=fuse, keep_grad=keep_grad, dtype=dt,
+                       eval_mode=eval_mode, tokenizer=tokenizer)
+
+    session = new_session()
+    if inputs is None:
+        return session
+    return _run_once(model, inputs, session, new_session, keep_grad)
+
+
+def _check_combination(keep_grad: bool, fuse: Any, fuse_heads: Any, dt: Any, dtype: Any, modules: Any,
+                       to_probs: Any) -> None:
+    """The options of ``capture`` that exclude each other: keep_grad with fusion or a dtype, to_probs
+    without modules."""
     if keep_grad and fuse is not None:
         raise ValueError(
             f"keep_grad=True keeps the per-head tensors for their gradients; it cannot be combined with "
@@ -103,16 +119,6 @@ def capture(
         )
     if to_probs is not None and modules is None:
         raise ValueError("to_probs needs modules=: the modules whose (args, output) it turns into probabilities")
-    def new_session() -> Capture:
-        return Capture(
-            model, _select_adapter(model, modules, to_probs), fuse=fuse, keep_grad=keep_grad, dtype=dt,
-            eval_mode=eval_mode, tokenizer=tokenizer,
-        )
-
-    session = new_session()
-    if inputs is None:
-        return session
-    return _run_once(model, inputs, session, new_session, keep_grad)
 
 
 def _run_once(model: nn.Module, inputs: Any, session: Capture, new_session: Callable[[], Capture],

@@ -583,6 +583,23 @@ def _solve_in_workers(per_example: list, tasks: list, workers: int, out: np.ndar
             _FORKED.clear()
 
 
+def _solve(per_example: list, tasks: list, workers: int, shape: tuple[int, int, int],
+           progress: Callable[[int, int], Any] | None) -> np.ndarray:
+    """The raw max-flow values (B, rows, n) of every task, in this process or in workers."""
+    total = sum(len(t[3]) for t in tasks)
+    tick = (lambda k: progress(k, total)) if progress is not None else (lambda k: None)  # noqa: E731
+    tick(0)
+    out = np.zeros(shape)
+    if workers == 1 or len(tasks) <= 1:
+        for b, q, src, chunk in tasks:
+            keep, caps = per_example[b]
+            values, _ = _RowSolver(caps, src).solve(chunk.tolist(), tick=tick)
+            out[b, q, keep[chunk]] = values
+    else:
+        _solve_in_workers(per_example, tasks, workers, out, tick)
+    return out
+
+
 def attention_flow(
     attentions: Any,
     *,
@@ -650,26 +667,14 @@ def attention_flow(
             protect_prefix=protect_prefix, start_layer=start_layer, end_layer=end_layer,
             attention_mask=attention_mask, check_stochastic=check_stochastic, dtype=dtype,
         )
-    n, batch = layers.n, layers.batch
-    out_dtype = mats[0].dtype
+    n, batch, out_dtype = layers.n, layers.batch, mats[0].dtype
     row_idx = parse_rows(rows, n)
-    if row_idx is None:
-        row_idx = list(range(n))
+    row_idx = list(range(n)) if row_idx is None else row_idx
     _check_memory(len(mats), n, workers, available_memory)
     stack = np.stack([t.detach().cpu().numpy() for t in mats], axis=1).astype(np.float64)  # (B, L', n, n)
     mask = None if layers.mask is None else layers.mask.cpu().numpy()
     per_example, tasks, workers = _plan(stack, mask, row_idx, workers, len(mats))
-    total = sum(len(t[3]) for t in tasks)
-    tick = (lambda k: progress(k, total)) if progress is not None else (lambda k: None)  # noqa: E731
-    tick(0)
-    out = np.zeros((batch, len(row_idx), n))
-    if workers == 1 or len(tasks) <= 1:
-        for b, q, src, chunk in tasks:
-            keep, caps = per_example[b]
-            values, _ = _RowSolver(caps, src).solve(chunk.tolist(), tick=tick)
-            out[b, q, keep[chunk]] = values
-    else:
-        _solve_in_workers(per_example, tasks, workers, out, tick)
+    out = _solve(per_example, tasks, workers, (batch, len(row_idx), n), progress)
     if normalize:
         total_flow = out.sum(axis=-1, keepdims=True)
         out = np.divide(out, total_flow, out=np.zeros_like(out), where=total_flow > 0)

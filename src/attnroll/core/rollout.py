@@ -99,6 +99,27 @@ class Layers:
         return out.numpy() if self.was_numpy else out
 
 
+def _layer_items(attentions: Any, fused: bool, name: str, hint: str) -> list:
+    """The per-layer arrays of a list / tuple, or of one stacked array (its leading layer axis)."""
+    if isinstance(attentions, (list, tuple)):
+        if len(attentions) == 0:
+            raise ValueError(f"{name} is empty: expected one attention tensor per layer")
+        return list(attentions)
+    if isinstance(attentions, (torch.Tensor,)) or type(attentions).__module__ == "numpy":
+        t, _ = _checks.as_tensor(name, attentions)
+        if t.ndim == 0 or t.shape[0] == 0:
+            raise ValueError(f"{name} is empty: expected a leading layer axis with at least one layer")
+        want = (4, 3) if fused else (5, 4)
+        if t.ndim not in want:
+            stacked = "(L, B, n, n) or (L, n, n)" if fused else "(L, B, H, n, n) or (L, H, n, n)"
+            raise ValueError(f"{name} as one stacked array must have shape {stacked}, got {tuple(t.shape)}.{hint}")
+        return [attentions[i] for i in range(t.shape[0])]
+    raise TypeError(
+        f"{name} must be a list/tuple of per-layer arrays or one stacked array (torch or numpy), "
+        f"got {_checks.describe(attentions)}"
+    )
+
+
 def parse_attentions(
     attentions: Any,
     *,
@@ -121,25 +142,7 @@ def parse_attentions(
         if not fused
         else " Per-head input needs a head_fusion ('mean', 'max', 'min' or weights)."
     )
-    if isinstance(attentions, (list, tuple)):
-        if len(attentions) == 0:
-            raise ValueError(f"{name} is empty: expected one attention tensor per layer")
-        items = list(attentions)
-    elif isinstance(attentions, (torch.Tensor,)) or type(attentions).__module__ == "numpy":
-        t, _ = _checks.as_tensor(name, attentions)
-        if t.ndim == 0 or t.shape[0] == 0:
-            raise ValueError(f"{name} is empty: expected a leading layer axis with at least one layer")
-        want = (4, 3) if fused else (5, 4)
-        if t.ndim not in want:
-            stacked = "(L, B, n, n) or (L, n, n)" if fused else "(L, B, H, n, n) or (L, H, n, n)"
-            raise ValueError(f"{name} as one stacked array must have shape {stacked}, got {tuple(t.shape)}.{hint}")
-        items = [attentions[i] for i in range(t.shape[0])]
-    else:
-        raise TypeError(
-            f"{name} must be a list/tuple of per-layer arrays or one stacked array (torch or numpy), "
-            f"got {_checks.describe(attentions)}"
-        )
-
+    items = _layer_items(attentions, fused, name, hint)
     tensors, kinds = [], set()
     for i, item in enumerate(items):
         t, was_numpy = _checks.as_tensor(f"{name}[{i}]", item)

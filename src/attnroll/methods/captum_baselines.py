@@ -30,12 +30,8 @@ def _captum():
     return ca
 
 
-def _run(ctx: Context, kind: str, n_steps: int = 50, internal_batch_size: Any = None, baseline: Any = "pad"):
-    ca = _captum()
-    rec = ctx.record(fuse_heads="mean")  # metadata (grid, prefix, tokens, mask) and the resolved target
-    s = ctx.stream(rec)
-    B, n = rec.streams[s][0].shape[0], rec.streams[s][0].shape[-1]
-    pos = ctx.positions(rec, s)
+def _score_fn(ctx: Context, rec: Any, B: int, pos: list[int]) -> Any:
+    """The target score f(outputs) -> (m,) Captum differentiates, for m = B x (integration steps) rows."""
     target = ctx.target
     classes = None if callable(target) else ctx.describe_target(rec)
     if classes is None and not callable(target):
@@ -60,71 +56,96 @@ def _run(ctx: Context, kind: str, n_steps: int = 50, internal_batch_size: Any = 
             logits = logits[ar, pos_t.repeat(reps).to(logits.device)]
         return logits[ar, cls_t.repeat(reps).to(logits.device)]
 
+    return score
+
+
+def _pixel_row(ca: Any, kind: str, ctx: Context, info: Any, score: Any, pixels: torch.Tensor, B: int, opts: dict):
+    """(B, n) attributions of the pixels summed per patch (prefix and suffix tokens 0); ``info`` is the
+    stream's StreamInfo (grid, prefix, suffix, input key)."""
+    inputs, model, key = ctx.inputs, ctx.model, info.input_key
+    is_dict = isinstance(inputs, dict) or hasattr(inputs, "keys")
+    rest = {k: v for k, v in inputs.items() if k != key} if is_dict else {}
+
+    def fwd(px):
+        return score(model(**{key: px}, **rest) if is_dict else model(px))
+
+    px = pixels.detach().clone().requires_grad_(kind != "integrated_gradients")
+    if kind == "integrated_gradients":
+        if opts["baseline"] not in ("pad", "zeros"):
+            raise ValueError(f"baseline for images must be 'zeros' (black after normalisation), got {opts['baseline']!r}")
+        attr = ca.IntegratedGradients(fwd).attribute(
+            px, baselines=torch.zeros_like(px), n_steps=opts["n_steps"], internal_batch_size=opts["internal_batch_size"]
+        )
+    elif kind == "saliency":
+        attr = ca.Saliency(fwd).attribute(px, abs=True)
+    else:
+        attr = ca.InputXGradient(fwd).attribute(px)
+    if info.grid is None:
+        raise ValueError(f"cannot sum pixel attributions to patches: {info.grid_reason or 'the patch grid is unknown'}")
+    gh, gw = info.grid
+    H, W = px.shape[-2:]
+    ph, pw = H // gh, W // gw
+    a = attr[..., : gh * ph, : gw * pw].reshape(B, attr.shape[1], gh, ph, gw, pw).sum(dim=(1, 3, 5))
+    zeros = lambda k: torch.zeros(B, k, dtype=a.dtype)  # noqa: E731  (prefix / suffix tokens have no pixels)
+    return torch.cat([zeros(info.prefix), a.reshape(B, gh * gw).cpu(), zeros(info.suffix)], dim=1)
+
+
+def _token_row(ca: Any, kind: str, ctx: Context, key: str | None, score: Any, opts: dict) -> torch.Tensor:
+    """(B, n) attributions of the input embeddings summed over the embedding axis."""
+    inputs, model = ctx.inputs, ctx.model
+    facts = model_facts(model)
+    if not (isinstance(inputs, dict) or hasattr(inputs, "keys")) or key is None or key not in inputs or (
+        facts.embedding is None
+    ):
+        raise ValueError(
+            f"method {ctx.method.name!r} needs image pixels (B, 3, H, W) or token ids in the inputs of a model whose "
+            f"input embedding layer is known; {type(model).__name__} gave neither"
+        )
+    emb = facts.embedding
+    keys = [k for k in inputs if k != key and isinstance(inputs[k], torch.Tensor)]
+    others = tuple(inputs[k] for k in keys)
+
+    def fwd_ids(ids, *rest):
+        return score(model(**{key: ids}, **dict(zip(keys, rest))))
+
+    ids, baseline = inputs[key], opts["baseline"]
+    if kind == "integrated_gradients":
+        pad = facts.pad_token_id if baseline == "pad" else baseline
+        if baseline == "zeros":
+            raise ValueError("baseline='zeros' is for images; text baselines are token ids: 'pad' or an int id")
+        pad = _checks.check_int("baseline", 0 if pad is None else pad, low=0)
+        attr = ca.LayerIntegratedGradients(fwd_ids, emb).attribute(
+            ids, baselines=torch.full_like(ids, pad), additional_forward_args=others, n_steps=opts["n_steps"],
+            internal_batch_size=opts["internal_batch_size"],
+        )
+    else:
+        attr = ca.LayerGradientXActivation(fwd_ids, emb, multiply_by_inputs=kind == "input_x_gradient").attribute(
+            ids, additional_forward_args=others
+        )
+        if kind == "saliency":
+            attr = attr.abs()
+    return attr.sum(dim=-1).detach().cpu()
+
+
+def _run(ctx: Context, kind: str, n_steps: int = 50, internal_batch_size: Any = None, baseline: Any = "pad"):
+    ca = _captum()
+    rec = ctx.record(fuse_heads="mean")  # metadata (grid, prefix, tokens, mask) and the resolved target
+    s = ctx.stream(rec)
+    B = rec.streams[s][0].shape[0]
+    pos = ctx.positions(rec, s)
+    score = _score_fn(ctx, rec, B, pos)
     inputs = ctx.inputs
-    model = ctx.model
-    info, facts = ctx.info(rec, s), model_facts(model)
+    info = ctx.info(rec, s)
     key = info.input_key
     is_dict = isinstance(inputs, dict) or hasattr(inputs, "keys")
     pixels = inputs.get(key) if is_dict and key else inputs if isinstance(inputs, torch.Tensor) else None
-    n_steps = _checks.check_int("n_steps", n_steps, low=1)
-    with eval_mode(model):
+    opts = {"n_steps": _checks.check_int("n_steps", n_steps, low=1), "internal_batch_size": internal_batch_size,
+            "baseline": baseline}
+    with eval_mode(ctx.model):
         if pixels is not None and pixels.is_floating_point() and pixels.ndim == 4:
-            rest = {k: v for k, v in inputs.items() if k != key} if is_dict else {}
-
-            def fwd(px):
-                return score(model(**{key: px}, **rest) if is_dict else model(px))
-
-            px = pixels.detach().clone().requires_grad_(kind != "integrated_gradients")
-            if kind == "integrated_gradients":
-                if baseline not in ("pad", "zeros"):
-                    raise ValueError(f"baseline for images must be 'zeros' (black after normalisation), got {baseline!r}")
-                attr = ca.IntegratedGradients(fwd).attribute(
-                    px, baselines=torch.zeros_like(px), n_steps=n_steps, internal_batch_size=internal_batch_size
-                )
-            elif kind == "saliency":
-                attr = ca.Saliency(fwd).attribute(px, abs=True)
-            else:
-                attr = ca.InputXGradient(fwd).attribute(px)
-            if info.grid is None:
-                raise ValueError(
-                    f"cannot sum pixel attributions to patches: {info.grid_reason or 'the patch grid is unknown'}"
-                )
-            gh, gw = info.grid
-            H, W = px.shape[-2:]
-            ph, pw = H // gh, W // gw
-            a = attr[..., : gh * ph, : gw * pw].reshape(B, attr.shape[1], gh, ph, gw, pw).sum(dim=(1, 3, 5))
-            zeros = lambda k: torch.zeros(B, k, dtype=a.dtype)  # noqa: E731  (prefix / suffix: no pixels)
-            row = torch.cat([zeros(info.prefix), a.reshape(B, gh * gw).cpu(), zeros(info.suffix)], dim=1)
+            row = _pixel_row(ca, kind, ctx, info, score, pixels, B, opts)
         else:
-            if not is_dict or key is None or key not in inputs or facts.embedding is None:
-                raise ValueError(
-                    f"method {ctx.method.name!r} needs image pixels (B, 3, H, W) or token ids in the inputs of a "
-                    f"model whose input embedding layer is known; {type(model).__name__} gave neither"
-                )
-            emb = facts.embedding
-            keys = [k for k in inputs if k != key and isinstance(inputs[k], torch.Tensor)]
-            others = tuple(inputs[k] for k in keys)
-
-            def fwd_ids(ids, *rest):
-                return score(model(**{key: ids}, **dict(zip(keys, rest))))
-
-            ids = inputs[key]
-            if kind == "integrated_gradients":
-                pad = facts.pad_token_id if baseline == "pad" else baseline
-                if baseline == "zeros":
-                    raise ValueError("baseline='zeros' is for images; text baselines are token ids: 'pad' or an int id")
-                pad = _checks.check_int("baseline", 0 if pad is None else pad, low=0)
-                attr = ca.LayerIntegratedGradients(fwd_ids, emb).attribute(
-                    ids, baselines=torch.full_like(ids, pad), additional_forward_args=others, n_steps=n_steps,
-                    internal_batch_size=internal_batch_size,
-                )
-            else:
-                attr = ca.LayerGradientXActivation(fwd_ids, emb, multiply_by_inputs=kind == "input_x_gradient").attribute(
-                    ids, additional_forward_args=others
-                )
-                if kind == "saliency":
-                    attr = attr.abs()
-            row = attr.sum(dim=-1).detach().cpu()
+            row = _token_row(ca, kind, ctx, key, score, opts)
     return ctx.build(rec, row.to(torch.float32), None, s)
 
 
