@@ -1,7 +1,8 @@
 """Family matrix: build tiny random-weight configs of popular transformers / timm architectures and classify
 what attnroll does with each.
 
-    correct   captured attention equals the model's own eager attention (1e-5) on every stream, and the
+    correct   captured attention equals the model's own eager attention (1e-5) on every stream (timm: the
+              captured A reproduces each block's own fused output, A @ v), and the
               token layout is consistent: an image stream has a grid with prefix + rows·cols + suffix = n
               (and rows·cols = the config's (image_size / patch_size)²), every non-cross stream has a
               readout (the last token for causal streams), a padded text batch equals its cropped examples
@@ -248,13 +249,18 @@ def classify(run, expect, layout, padding):
 
 
 def timm_reference(model, x):
-    """Per attention module softmax(q·scale kᵀ) from its own qkv on its input, for timm Attention-like
-    modules (qkv, num_heads, scale); None when a block has another form."""
-    mods = [m for m in model.modules() if hasattr(m, "qkv") and hasattr(m, "num_heads") and hasattr(m, "scale")]
+    """Per attention module, (v, out): v (B, H, n, d) from the block's own projection and the tensor its output
+    projection (or the norm before it) receives on the model's default fused path. Captured probabilities A
+    are right when (A @ v) reproduces ``out`` (RoPE, relative-position biases and all)."""
+    mods = [m for m in model.modules() if hasattr(m, "fused_attn") and hasattr(m, "attn_drop")
+            and hasattr(m, "num_heads") and (getattr(m, "qkv", None) is not None or hasattr(m, "v_proj"))]
     if not mods:
         return None
-    seen = []
-    hooks = [m.register_forward_pre_hook(lambda mod, a: seen.append((mod, a[0]))) for m in mods]
+    seen, hooks = {}, []
+    for i, m in enumerate(mods):
+        hooks.append(m.register_forward_pre_hook(lambda mod, a, i=i: seen.setdefault(i, {}).update(x=a[0])))
+        after = m.norm if isinstance(getattr(m, "norm", None), torch.nn.LayerNorm) else m.proj
+        hooks.append(after.register_forward_pre_hook(lambda mod, a, i=i: seen[i].update(out=a[0])))
     try:
         with torch.no_grad():
             model(x)
@@ -262,13 +268,33 @@ def timm_reference(model, x):
         for h in hooks:
             h.remove()
     out = []
-    for m, inp in seen:
+    for i, m in enumerate(mods):
+        inp = seen[i]["x"]
         B, N, _ = inp.shape
-        q, k, _ = m.qkv(inp).reshape(B, N, 3, m.num_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
-        if hasattr(m, "q_norm"):
-            q, k = m.q_norm(q), m.k_norm(k)
-        out.append(((q * m.scale) @ k.transpose(-2, -1)).softmax(-1))
+        if getattr(m, "qkv", None) is not None:
+            v = m.qkv(inp).reshape(B, N, 3, m.num_heads, -1)[:, :, 2]
+        else:
+            v = m.v_proj(inp).reshape(B, N, m.num_heads, -1)
+        out.append((v.transpose(1, 2), seen[i]["out"]))
     return out
+
+
+def reproduces(rec, pairs):
+    """'' when every captured layer reproduces its block's output, else the first problem."""
+    layers = rec.attentions
+    if len(pairs) % len(layers):
+        return f"{len(layers)} layers for {len(pairs)} attention modules"
+    k = len(pairs) // len(layers)  # parallel branches: heads concatenated per layer
+    for li, A in enumerate(layers):
+        for j in range(k):
+            v, out = pairs[li * k + j]
+            H = v.shape[1]
+            a = A[:, j * H : (j + 1) * H]
+            B, _, n, d = v.shape
+            mixed = (a @ v).transpose(1, 2).reshape(B, n, H * d)
+            if not torch.allclose(mixed, out, atol=1e-5, rtol=1e-4):
+                return f"layer {li}: A @ v differs from the block's output by {float((mixed - out).abs().max()):.2g}"
+    return ""
 
 
 def check_timm(name, kw):
@@ -303,16 +329,18 @@ def check_timm(name, kw):
             problems.append("no readout")
         return problems
 
-    streams = None if expect is None else {"self": expect}
-    if streams is not None:  # parallel blocks: the adapter concatenates a block's branches' heads
-        try:
-            rec = attnroll.capture(model, x)
-            if len(rec.attentions) != len(expect) and len(expect) % len(rec.attentions) == 0:
-                k = len(expect) // len(rec.attentions)
-                streams = {"self": [torch.cat(expect[i : i + k], dim=1) for i in range(0, len(expect), k)]}
-        except Exception:  # noqa: BLE001 - classify() reports it
-            pass
-    return classify(lambda: attnroll.capture(model, x), streams or {}, layout, lambda: None)
+    try:
+        rec = attnroll.capture(model, x)
+    except (attnroll.UnsupportedModelError, CaptureError) as e:
+        return "refused", str(e).split(". ")[0][:160]
+    except Exception as e:  # noqa: BLE001
+        return "wrong", f"crash {type(e).__name__}: {str(e)[:120]}"
+    if expect is None:
+        return "wrong", "no reference (unverified)"
+    problem = reproduces(rec, expect) or "; ".join(layout(rec))
+    if problem:
+        return "wrong", problem
+    return "correct", f"{rec.family}: self({rec.info['self'].readout.kind if rec.info['self'].readout else '-'})"
 
 
 def main(argv=None):
