@@ -154,3 +154,28 @@ def test_beit_mean_pooling_and_clip_text_eot():
     # eos id 2 is the original configs' case: the pooled token is the argmax id (transformers' rule).
     assert rec.info["text"].readout.positions() == [3, 2] and rec.info["text"].readout.kind == "eot"
     assert rec.info["vision"].readout.kind == "cls" and rec.info["vision"].prefix == 1
+
+
+def test_siglip_attention_pool_head_is_the_vision_readout():
+    """SigLIP's MAP head: the readout is its probe's attention over the patches, recomputed here by hand from
+    the head's in_proj weights (softmax(q kᵀ/√d), mean over heads)."""
+    torch.manual_seed(0)
+    cfg = T.SiglipVisionConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=37,
+                               image_size=32, patch_size=8)
+    model = T.SiglipVisionModel(cfg).eval()
+    x = {"pixel_values": torch.randn(2, 3, 32, 32)}
+    seen = {}
+    head = model.head
+    before = snapshot(model)
+    h = head.register_forward_pre_hook(lambda m, a: seen.__setitem__("x", a[0]))
+    e = attnroll.explain(model, x, "rollout")
+    h.remove()
+    assert snapshot(model) == before
+    mha = head.attention
+    wq, wk, _ = mha.in_proj_weight.chunk(3)
+    bq, bk, _ = mha.in_proj_bias.chunk(3)
+    q = (head.probe @ wq.T + bq).reshape(1, 1, 4, 8).transpose(1, 2)  # (1, H, 1, d)
+    k = (seen["x"] @ wk.T + bk).reshape(2, -1, 4, 8).transpose(1, 2)  # (B, H, n, d)
+    expect = ((q @ k.transpose(-2, -1)) / 8**0.5).softmax(-1).mean(dim=1)[:, 0]
+    assert e.readout["kind"] == "attention_pool" and e.prefix == 0
+    torch.testing.assert_close(e.readout_weights, expect.detach(), atol=1e-5, rtol=1e-4)

@@ -178,10 +178,31 @@ class HFAdapter(Adapter):
         if self.from_outputs:
             eager_forwards(stack, self.model)
             ask_for_attentions(stack, self.model)
+        self.pool_attn: dict[str, torch.Tensor] = {}
+        for name, head in self.model.named_modules():
+            if isinstance(getattr(head, "attention", None), nn.MultiheadAttention) and isinstance(
+                getattr(head, "probe", None), torch.Tensor
+            ):
+                where = "vision" if "vision" in name.split(".")[0] or name.startswith("vision") else "self"
+                handle = head.register_forward_hook(self._pool_hook(where))
+                stack.callback(handle.remove)
         super().install(stack, recorder, sites)
 
     def output_streams(self, output: Any) -> dict[str, list[Any]]:
         return output_streams(self.model, output)
+
+    def _pool_hook(self, stream: str):
+        """An attention-pooling head (SigLIP's MAP head: a learned probe attending over the tokens): its own
+        attention weights, mean over heads, (B, n), become the stream's readout."""
+
+        def hook(head: nn.Module, args: tuple, output: Any) -> None:
+            x = args[0]
+            probe = head.probe.expand(x.shape[0], -1, -1)
+            with torch.no_grad():
+                _, w = head.attention(probe, x, x, need_weights=True, average_attn_weights=True)
+            self.pool_attn[stream] = w[:, 0].detach().float().cpu()
+
+        return hook
 
     def extract(self, site: Site, args: tuple, output: Any) -> Any:
         if isinstance(output, (tuple, list)):
@@ -208,6 +229,9 @@ class HFAdapter(Adapter):
     # ------------------------------------------------------------------------------------- readout
     def readout_spec(self, stream: str, record: AttentionRecord, info: Any, inputs: dict[str, Any]) -> tuple[Any, str]:
         cfg, mt = self.model.config, self.model_type
+        pooled = getattr(self, "pool_attn", {}).get(stream)
+        if pooled is not None:
+            return ("attention_pool", pooled), f"{mt}'s attention-pooling head: its probe's attention over the tokens"
         if record.extra.get(f"{stream}_eot") is not None:
             return "eot", f"{mt}'s text tower pools its end-of-text token"
         if info.kind == "text" and mt in _LAST_POSITION:
