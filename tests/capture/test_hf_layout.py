@@ -110,3 +110,23 @@ def test_vision_language_models_are_refused_with_the_reason():
     with pytest.raises(attnroll.UnsupportedModelError, match="vision-language model"):
         attnroll.capture(model, {"input_ids": torch.randint(3, 90, (1, 6))})
     assert snapshot(model) == before
+
+
+def test_spatial_reduction_attention_is_refused_and_no_class_token_reads_the_mean():
+    """SegFormer's keys are spatially reduced and its stages change the token count: refused, with the reason.
+    I-JEPA has no class token: its default readout is the mean of the patch rows (what its classifier pools)."""
+    torch.manual_seed(0)
+    seg = T.SegformerModel(T.SegformerConfig(num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1],
+                                             hidden_sizes=[16, 32], num_attention_heads=[1, 2],
+                                             patch_sizes=[7, 3], strides=[4, 2], mlp_ratios=[2, 2])).eval()
+    before = snapshot(seg)
+    with pytest.raises(attnroll.UnsupportedModelError, match="different token counts"):
+        attnroll.capture(seg, {"pixel_values": torch.randn(1, 3, 32, 32)})
+    assert snapshot(seg) == before
+    ijepa = T.IJepaForImageClassification(T.IJepaConfig(**C, **V, num_labels=3)).eval()
+    x = {"pixel_values": torch.randn(2, 3, 32, 32)}
+    e = attnroll.explain(ijepa, x, "rollout")
+    assert e.prefix == 0 and e.grid == (4, 4) and e.readout["kind"] == "mean"
+    with torch.no_grad():
+        atts = eager(ijepa)(**x, output_attentions=True).attentions
+    torch.testing.assert_close(e.full_row, attnroll.rollout(atts).mean(dim=1), atol=1e-5, rtol=1e-4)

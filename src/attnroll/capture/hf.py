@@ -22,7 +22,7 @@ from torch import nn
 
 from .. import _checks
 from .hf_vision import input_size, mae_restore, patch_layout
-from .hf_public import accepts_output_attentions, ask_for_attentions, eager_forwards, output_streams
+from .hf_public import accepts_output_attentions, ask_for_attentions, eager_forwards, output_streams, validate_layers
 from .hooks import SUPPORTED_FAMILIES, Adapter, Recorder, Site, make_sites, stream_names
 from .record import AttentionRecord, ModelFacts, config_token_ids, resolve_readout
 from .st_pooling import pooling_of_folder
@@ -254,12 +254,16 @@ class HFAdapter(Adapter):
             return "mean", f"{mt} classification heads mean-pool the frames"
         if info.causal:
             return "last", "causal attention: the last real token predicts"
+        if info.kind == "image" and info.prefix == 0:
+            return "mean", "no class token: the mean of the patch rows (what its classification heads pool)"
         return "cls", "the first token (CLS), which the model's pooler / classifier reads"
 
     # ------------------------------------------------------------------------------------- metadata
     def metadata(self, record: AttentionRecord, inputs: dict[str, Any]) -> None:
         if getattr(self.model.config, "attention_type", None) == "block_sparse":
             self._refuse_block_sparse(record)
+        for stream, layers in record.streams.items():
+            validate_layers(type(self.model).__name__, stream, layers)
         ids = inputs.get("input_ids")
         text_stream = "text" if "text" in record.streams else "self"
         if self.model_type in _EOT_POOLING and isinstance(ids, torch.Tensor) and text_stream in record.streams:

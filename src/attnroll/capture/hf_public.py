@@ -84,13 +84,15 @@ def output_streams(model: nn.Module, output: Any) -> dict[str, list[torch.Tensor
             f"{name} returned no attentions with output_attentions=True, so attnroll cannot read them"
         )
     for stream, layers in streams.items():
-        _validate(name, stream, layers)
+        validate_layers(name, stream, layers)
     return streams
 
 
-def _validate(name: str, stream: str, layers: list[torch.Tensor]) -> None:
+def validate_layers(name: str, stream: str, layers: list[torch.Tensor]) -> None:
+    """Refuse (UnsupportedModelError, with the reason) layers that are not one (B, H, n, n) row-stochastic
+    token-to-token matrix each, of one token count for the whole stream (cross attention: any n_q x n_k)."""
     shapes = {tuple(t.shape[-2:]) for t in layers}
-    bad = [i for i, t in enumerate(layers) if t.ndim != 4]
+    bad = [i for i, t in enumerate(layers) if t.ndim not in (3, 4)]  # 3-D: heads fused at capture time
     if bad:
         raise _checks.UnsupportedModelError(
             f"{name}: the {stream} attention of layer {bad[0]} has shape {tuple(layers[bad[0]].shape)}, not "
@@ -102,6 +104,8 @@ def _validate(name: str, stream: str, layers: list[torch.Tensor]) -> None:
             "is pooled or windowed between layers, so there is no single token-to-token product to roll out"
         )
     t = layers[0].detach()
+    if t.ndim == 3:  # heads fused at capture time (max / min fusion need not keep rows stochastic)
+        return
     sums = t.sum(dim=-1)
     rowsum_ok = bool(((sums - 1).abs() < 1e-3).any(dim=-1).all())
     if not rowsum_ok or bool((t < 0).any()):
