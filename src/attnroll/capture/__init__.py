@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from .. import _checks
+from .._callable import make_callable as _make_callable
 from .hf import HFAdapter, is_hf_model
 from .hooks import SUPPORTED_FAMILIES, Adapter, Capture, ModulesAdapter, run_forward
 from .sentence_transformers import is_sentence_transformer, make_adapter
@@ -179,3 +180,6 @@ def _select_adapter(model: nn.Module, modules: Any, to_probs: Callable | None) -
         f"attnroll.capture does not know where the attention of {type(model).__name__} is. "
         f"Supported: {SUPPORTED_FAMILIES}"
     )
+
+
+_make_callable(__name__)  # attnroll._callable: the module is callable as its function of the same name

@@ -307,7 +307,7 @@ class LayerPipeline:
         s = self.totals(P)
         return out if s is None else residual.divide_rows(out, s)
 
-    def streams(self, layers: Layers) -> bool:
+    def can_stream(self, layers: Layers) -> bool:
         """Whether V·Ã can be computed straight from the captured layer: mean or weighted fusion of per-head
         input, or already-fused input, with nothing that needs the fused matrix itself (no padding,
         sparsification or renorm row sums). Per-head rollout (head_fusion None on per-head input) does not."""
@@ -318,7 +318,7 @@ class LayerPipeline:
 
     def right(self, V: torch.Tensor, layers: Layers, i: int) -> torch.Tensor:
         """V·Ã(i) for (…, r, n) V, reading and checking layer i of ``layers``."""
-        if self.streams(layers):
+        if self.can_stream(layers):
             return self.a * _streamed_contract(V, layers, i, self.head_fusion) + self.c * V
         return Prepared(self, layers.layer(i)).right(V)
 

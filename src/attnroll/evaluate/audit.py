@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from .. import _checks
+from .._callable import make_callable as _make_callable
 from .._modes import eval_mode
 from .._io import atomic_write
 from ..methods import explain_batches, method_info
@@ -473,3 +474,6 @@ def grid_regions(grid: Any, batch: int) -> dict[str, np.ndarray]:
     corners = ((i < r) | (i >= h - r)) & ((j < r) | (j >= w - r))
     masks = {"centre": ~ring, "border": ring & ~corners, "corners": corners}
     return {k: np.tile(v.reshape(1, -1), (batch, 1)) for k, v in masks.items()}
+
+
+_make_callable(__name__)  # attnroll._callable: the module is callable as its function of the same name
