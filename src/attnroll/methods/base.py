@@ -396,8 +396,12 @@ def explain(
             one per example; a callable ``f(model_outputs) -> (B,)`` tensor for anything else.
         tokenizer: fills ``Explanation.tokens`` from ``input_ids``.
         **options: the method's options (see ``method_info(name).options``), plus ``position``: the output
-            row to explain (an int or one per example; default CLS = 0, or the last real token for causal
-            models).
+            row to explain (an int or one per example; also the position of a token-level target), and
+            ``readout``: which output rows, with what weights — "cls", "mean" (the real tokens after the
+            prefix), "last", "eot", a position, one position per example, or a weight vector (n,) / (B, n).
+            Default: the rows the model's prediction reads, as its adapter declares (CLS for CLS
+            classifiers, the mean for mean-pooled encoders, the last real token for decoders, ...); the
+            Explanation records it in ``readout`` / ``readout_weights``.
 
     Returns:
         an :class:`Explanation` (scores (B, units), full_row (B, n), ...).
