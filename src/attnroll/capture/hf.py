@@ -240,6 +240,10 @@ class HFAdapter(Adapter):
             pool = pooling_of_folder(getattr(cfg, "_name_or_path", None))
             if pool is not None:
                 return pool
+        if hasattr(self.model, "cls_classifier") and hasattr(self.model, "distillation_classifier"):
+            w = torch.zeros(record.streams[stream][0].shape[-1])
+            w[:2] = 0.5
+            return w, "DeiT with teacher: its logits average the CLS and distillation tokens' heads"
         if mt == "audio-spectrogram-transformer" and stream == "self":
             w = torch.zeros(n := record.streams[stream][0].shape[-1])
             w[:2] = 0.5

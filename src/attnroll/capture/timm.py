@@ -115,6 +115,10 @@ class TimmAdapter(Adapter):
                 w = torch.cat([torch.zeros(w.shape[0], n - w.shape[-1]), w], dim=-1)
             return ("attention_pool", w), "timm attention-pool head: its latent query's attention over the tokens (mean over heads)"
         pool = getattr(m, "global_pool", "token")
+        if pool == "token" and getattr(m, "head_dist", None) is not None:
+            w = torch.zeros(n)
+            w[:2] = 0.5
+            return w, "timm distilled ViT: its logits average the class and distillation tokens' heads"
         if pool == "token":
             return "cls", "timm global_pool='token': the class token"
         if pool == "avg":
