@@ -59,7 +59,7 @@ _EOT_POOLING = ("clip", "clip_text_model", "owlvit", "owlvit_text_model", "x_cli
 #: Text towers that pool the last position (SigLIP: inputs padded to max_length).
 _LAST_POSITION = ("siglip", "siglip_text_model", "siglip2", "siglip2_text_model")
 #: Image models whose pooler means the patch tokens when ``config.use_mean_pooling``.
-_MEAN_POOLING_FLAG = ("beit", "data2vec-vision")
+_MEAN_POOLING_FLAG = ("beit", "data2vec-vision", "videomae")
 #: Speech encoders: their classification heads mean-pool the frames.
 _AUDIO = ("wav2vec2", "hubert", "wavlm", "data2vec-audio", "sew", "sew-d", "unispeech", "unispeech-sat",
           "wav2vec2-conformer", "wav2vec2-bert")
