@@ -11,7 +11,7 @@ import torch
 
 import attnroll
 from attnroll._checks import UnsupportedModelError
-from attnroll.capture.anatomy import anatomy, record_states
+from attnroll.capture.value_path import anatomy, record_states
 from attnroll.core.decompx import block_shares, initial_shares
 from attnroll.core.value_aware import apply_norm, head_mix, norm_share, norm_scale, normalize_rows, value_outputs
 

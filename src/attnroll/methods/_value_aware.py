@@ -1,7 +1,7 @@
 """Shared wiring of the value-aware methods (norm, norm_rollout, globenc, alti, value_zeroing, decompx):
-one forward pass recording attention and layer states (``capture.anatomy``), the per-layer value vectors,
+one forward pass recording attention and layer states (``capture.value_path``), the per-layer value vectors,
 and the rollout of per-layer contribution matrices. No model-family knowledge here: weights come only
-through :mod:`attnroll.capture.anatomy`."""
+through :mod:`attnroll.capture.value_path`."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any, Callable
 import torch
 
 from .. import _checks
-from ..capture.anatomy import LayerStates, ModelAnatomy, record_states
+from ..capture.value_path import LayerStates, ModelAnatomy, record_states
 from ..capture.record import AttentionRecord
 from ..core.rollout import rollout as core_rollout
 from ..core.value_aware import Block, apply_norm, normalize_rows, value_outputs

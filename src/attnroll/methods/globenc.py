@@ -8,7 +8,7 @@ at the last layer (with the statistics of the final stream)."""
 
 from __future__ import annotations
 
-from ..capture.anatomy import norm_params
+from ..capture.value_path import norm_params
 from ..core.value_aware import norm_matrix
 from . import _value_aware as va
 
