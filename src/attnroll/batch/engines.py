@@ -4,6 +4,7 @@ explains, writes and commits it, so both produce the same rows."""
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -38,9 +39,20 @@ def chunks(items: list[Item], size: int) -> Iterator[list[Item]]:
 
 
 def run_local(worker: Worker, todo: list[Item], batch_size: int, progress: Callable[[dict], None]) -> None:
-    """Explain ``todo`` in this process, ``batch_size`` inputs per commit."""
-    for chunk in chunks(todo, batch_size):
-        progress(worker(chunk))
+    """Explain ``todo`` in this process, ``batch_size`` inputs per commit. A second thread reads and
+    preprocesses the next batch while the model explains the current one (image decoding releases the GIL)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    batches = list(chunks(todo, batch_size))
+    if not batches:
+        return
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="attnroll-read") as pool:
+        pending = pool.submit(worker.load, batches[0])
+        for nxt in batches[1:] + [None]:
+            loaded = pending.result()
+            if nxt is not None:
+                pending = pool.submit(worker.load, nxt)
+            progress(worker.finish(loaded))
 
 
 def import_ray() -> Any:
@@ -87,9 +99,10 @@ def run_ray(spec: ModelSpec, job: Job, todo: list[Item], batch_size: int, progre
     started = False
     if not ray.is_initialized():
         if address:
-            ray.init(address=address, include_dashboard=False, log_to_driver=False)
+            ray.init(address=address, log_to_driver=False, logging_level=logging.ERROR)
         else:
-            ray.init(num_cpus=num_workers * cpus_per_worker, include_dashboard=False, log_to_driver=False)
+            ray.init(num_cpus=num_workers * cpus_per_worker, include_dashboard=False, log_to_driver=False,
+                     logging_level=logging.ERROR)
         started = True
     try:
         ctx = ray.data.DataContext.get_current()
@@ -99,8 +112,13 @@ def run_ray(spec: ModelSpec, job: Job, todo: list[Item], batch_size: int, progre
                              compute=ray.data.ActorPoolStrategy(size=num_workers),
                              num_cpus=cpus_per_worker,
                              fn_constructor_kwargs={"spec": spec, "job": job, "threads": cpus_per_worker})
-        for counts in out.iter_rows():
-            progress({k: int(v) for k, v in counts.items()})
+        quiet = logging.getLogger("ray.data")
+        level, quiet.level = quiet.level, logging.ERROR  # no execution-plan chatter on the user's terminal
+        try:
+            for counts in out.iter_rows():
+                progress({k: int(v) for k, v in counts.items()})
+        finally:
+            quiet.setLevel(level)
     finally:
         if started:
             ray.shutdown()

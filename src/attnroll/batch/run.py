@@ -94,6 +94,7 @@ def run_batch(
     options: dict | None = None,
     model: str | None = None,
     weights: str | os.PathLike | None = None,
+    loaded: Any = None,
     engine: str = "local",
     batch_size: int = 16,
     num_workers: int = 1,
@@ -111,7 +112,9 @@ def run_batch(
             ``pair``, ``id``) or a Parquet / CSV table (``column``: its column of paths or texts, or
             "text,pair").
         out: the output folder (created); see :mod:`attnroll.batch.store` for its layout.
-        methods: method names; options: {method: {key: value}}. model / weights: as ``attnroll explain --model / --weights`` (None = embedded).
+        methods: method names; options: {method: {key: value}}.
+        model / weights: as ``attnroll explain --model / --weights`` (None = the embedded model); ``loaded``:
+            that model already loaded (``attnroll.models.load_model``), so that it is not loaded again here.
         engine: "local" (this process) or "ray" (Ray Data actors; ``num_workers`` of them; ``address`` joins
             a running cluster). batch_size: inputs per ``explain`` call and per committed shard.
         png: also write overlays to ``out/png/`` (images). overwrite: discard an existing output of a
@@ -135,7 +138,7 @@ def run_batch(
     items = list_items(source, column)
     names, resolved = resolve_methods(methods, options)
     spec = ModelSpec(model, None if weights is None else os.fspath(weights), items[0].kind)
-    lm = spec.load()
+    lm = spec.load() if loaded is None else loaded
     _check_model_fits(lm, items, names)
     fp = model_fingerprint(lm.model)
     key = run_key(source, column, fp, names, resolved)

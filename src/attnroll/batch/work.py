@@ -43,12 +43,11 @@ class Worker:
 
     def __call__(self, items: list[Item]) -> dict[str, int]:
         """Explain, write and commit ``items``; returns {"inputs", "rows", "failures"} counts."""
-        rows, failures = self.explain(items)
-        store.commit(self.out, rows, failures)
-        return {"inputs": len(items), "rows": len(rows), "failures": len({f["id"] for f in failures})}
+        return self.finish(self.load(items))
 
-    def explain(self, items: list[Item]) -> tuple[list[dict], list[dict]]:
-        """Rows (one per readable item and method) and failures (one per unreadable item, or item and method)."""
+    def load(self, items: list[Item]) -> tuple:
+        """Read and preprocess ``items`` (the part a prefetching thread can do while the model runs):
+        (items, readable items, their inputs, failures of the unreadable)."""
         ready, payloads, failures = [], [], []
         for it in items:
             try:
@@ -56,7 +55,23 @@ class Worker:
                 ready.append(it)
             except _Bad as e:
                 failures.append(failure(it, None, str(e)))
+        return items, ready, payloads, failures
+
+    def finish(self, loaded: tuple) -> dict[str, int]:
+        """Explain what :meth:`load` read with every method, commit the shard, return the counts."""
+        items, ready, payloads, failures = loaded
+        rows, failures = self.explain_loaded(ready, payloads, failures)
+        store.commit(self.out, rows, failures)
+        return {"inputs": len(items), "rows": len(rows), "failures": len({f["id"] for f in failures})}
+
+    def explain(self, items: list[Item]) -> tuple[list[dict], list[dict]]:
+        """Rows (one per readable item and method) and failures (one per unreadable item, or item and method)."""
+        _, ready, payloads, failures = self.load(items)
+        return self.explain_loaded(ready, payloads, failures)
+
+    def explain_loaded(self, ready: list[Item], payloads: list, failures: list[dict]) -> tuple[list[dict], list[dict]]:
         rows: list[dict] = []
+        failures = list(failures)
         if ready:
             for method in self.job.methods:
                 r, f = self._explain_method(method, ready, payloads)
