@@ -16,14 +16,14 @@ import base64
 import html
 import io
 import os
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch
 
 from .. import _checks
+from .._modes import eval_mode
 from .._io import atomic_write
 from ._common import batched_logits, chunks, image_forward, relevance_order, spearman_rows
 
@@ -145,7 +145,7 @@ class AuditReport:
             raise ValueError(f"images holds {len(images)} images but the audit has B={self.n} examples")
         from matplotlib.figure import Figure
 
-        from ..viz import _deps
+        from ..viz import deps as _deps
         from ..viz.overlay import to_rgb_array
 
         _deps.pyplot("AuditReport.figure")  # the Agg backend, and one clear error without matplotlib
@@ -314,7 +314,7 @@ def audit(
 
     info = method_info(method)
 
-    with _eval_mode(model_a, model_b):
+    with eval_mode(model_a, model_b):
         sa, grid_a, pred_a = _explain_all(model_a, x, info, target, batch_size, options)
         sb, grid_b, pred_b = _explain_all(model_b, x, info, target, batch_size, options)
     _checks.check_audit_maps(grid_a, grid_b, sa.shape[1], sb.shape[1])
@@ -372,24 +372,6 @@ def audit(
             "options": {k: v for k, v in options.items() if isinstance(v, (int, float, str, bool, type(None)))},
         },
     )
-
-
-@contextmanager
-def _eval_mode(*models: Any) -> Iterator[None]:
-    """Put the nn.Modules among ``models`` in eval mode; restore each submodule's own flag on exit."""
-    saved = []
-    for m in models:
-        if isinstance(m, torch.nn.Module):
-            saved.append([(sub, sub.training) for sub in m.modules()])
-    try:
-        for m in models:
-            if isinstance(m, torch.nn.Module):
-                m.eval()
-        yield
-    finally:
-        for states in saved:
-            for sub, was in states:
-                sub.training = was
 
 
 def _explain_all(
