@@ -22,6 +22,10 @@ from .methods import Explainer, Explanation, explain, methods
 # --- evaluate (issue 7): the subpackage, as attnroll.evaluate.deletion(...), attnroll.evaluate.audit(...) ---
 from . import evaluate
 
+# --- batch (issue 14): whole datasets, read back as a DataFrame ---
+from .batch import read_batch
+# --- end batch ---
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -39,5 +43,6 @@ __all__ = [
     "Explanation",
     "methods",
     "evaluate",
+    "read_batch",
     "__version__",
 ]

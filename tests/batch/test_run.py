@@ -196,18 +196,12 @@ def test_bad_arguments_name_what_was_expected(shapes_dir, tmp_path):
     assert not (tmp_path / "o" / "rows").exists()
 
 
-_KILLABLE = """
-import sys, torch
-torch.set_num_threads(1)
-from attnroll.batch import run_batch
-run_batch(sys.argv[1], sys.argv[2], methods=["rollout", "gae"], batch_size=1)
-"""
-
-
 def test_kill_9_mid_run_then_rerun_gives_every_input_once(shapes_dir, tmp_path):
     out = tmp_path / "o"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    proc = subprocess.Popen([sys.executable, "-c", _KILLABLE, str(shapes_dir), str(out)], env=env,
+    cmd = [sys.executable, "-m", "attnroll.commands", "batch", str(shapes_dir), "--out", str(out), "-m", "rollout,gae",
+           "--batch-size", "1"]  # the real `attnroll batch`, one input per commit
+    proc = subprocess.Popen(cmd, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.time() + 120
     while time.time() < deadline and proc.poll() is None:

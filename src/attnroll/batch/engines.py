@@ -26,11 +26,9 @@ class ModelSpec:
 
     def load(self) -> Any:
         """The loaded model (``.model``, ``.kind``, ``.prepare_image``, ``.tokenizer``, ``.labels``)."""
-        from pathlib import Path
+        from ..models import load_model
 
-        from ..cli import load_model
-
-        return load_model(self.name, None if self.weights is None else Path(self.weights), self.kind)
+        return load_model(self.name, self.weights, want=self.kind)
 
 
 def chunks(items: list[Item], size: int) -> Iterator[list[Item]]:

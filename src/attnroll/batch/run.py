@@ -58,20 +58,19 @@ class BatchResult:
 def resolve_methods(methods: Sequence[str] | str, options: dict | None) -> tuple[list[str], dict[str, dict]]:
     """Method names (validated, in order) and each one's options ({method: {key: value}}, checked by the
     method registry) with defaults filled in."""
-    from ..methods.base import _get, _load_all, _resolve_options
+    from ..methods import check_options
 
-    _load_all()
     names = _checks.check_method_names("methods", methods)
     options = _checks.check_method_options("options", options, names)
-    return names, {m: _resolve_options(_get(m), dict(options.get(m, {}))) for m in names}
+    return names, {m: check_options(m, dict(options.get(m, {}))) for m in names}
 
 
 def run_key(source: Any, column: str | None, fingerprint: str, names: list[str], options: dict) -> dict:
     """What must match for a rerun to add to an existing output (JSON-comparable)."""
-    from ..methods.explanation import _jsonable
+    from ..methods.explanation import jsonable
 
     return {"source": str(Path(source).resolve()), "column": column, "model": fingerprint, "methods": names,
-            "options": json.loads(json.dumps(_jsonable(options), sort_keys=True))}
+            "options": json.loads(json.dumps(jsonable(options), sort_keys=True))}
 
 
 def check_resumable(meta: dict | None, key: dict, out: Path) -> None:
@@ -177,7 +176,7 @@ class _Counter:
 
 
 def _needs_grad(names: list[str]) -> dict[str, bool]:
-    from ..methods.base import method_info
+    from ..methods import method_info
 
     return {m: bool(method_info(m).needs_grad) for m in names}
 
@@ -196,11 +195,11 @@ def _check_model_fits(lm: Any, items: list[Item], names: list[str]) -> None:
 
 
 def _manifest(key: dict, lm: Any, spec: ModelSpec, engine: str, command: str | None, n: int) -> dict:
+    from importlib import metadata
+
     import torch
 
-    from .. import __version__
-
-    versions = {"attnroll": __version__, "python": platform.python_version(), "torch": torch.__version__}
+    versions = {"attnroll": metadata.version("attnroll"), "python": platform.python_version(), "torch": torch.__version__}
     for mod in ("transformers", "pyarrow", "ray"):
         m = sys.modules.get(mod)
         if m is not None:

@@ -17,6 +17,7 @@ from typing import Any, Iterator
 import torch
 
 from . import store
+from ..targets import similarity_to
 from .sources import Item
 
 
@@ -142,7 +143,7 @@ class Worker:
         enc = tok(texts, pairs if joint else None, padding=True, truncation=True, return_tensors="pt")
         target = None
         if pairs is not None and not joint:
-            target = cosine_target(self.lm.model, tok, enc, pairs)
+            target = similarity_to(self.lm.model, tok, enc["attention_mask"], pairs)
         e, logits = self._run(method, enc, target)
         lengths = enc["attention_mask"].sum(dim=1).tolist()
         return [self._row(e, b, it, logits, int(lengths[b])) for b, it in enumerate(items)]
@@ -154,7 +155,7 @@ class Worker:
 
     # ---------------------------------------------------------------------------------------------- rows
     def _row(self, e: Any, b: int, it: Item, logits: torch.Tensor | None, length: int | None = None) -> dict:
-        from ..methods.explanation import _jsonable
+        from ..methods.explanation import jsonable
 
         full = e.full_row[b].to(torch.float32)
         if length is not None:
@@ -173,7 +174,7 @@ class Worker:
         labels = getattr(self.lm, "labels", {}) or {}
         return {
             "index": it.index, "id": it.id, "source": it.source, "method": e.method,
-            "options": json.dumps(_jsonable(e.options), sort_keys=True),
+            "options": json.dumps(jsonable(e.options), sort_keys=True),
             "target": target if is_class else None,
             "target_name": labels.get(target, None) if is_class else (None if target is None else str(target)),
             "prediction": pred, "probability": prob,
@@ -198,9 +199,9 @@ def _one_line(e: Any) -> str:
 
 def read_image(path: str) -> Any:
     """A fully decoded PIL RGB image; a missing, unreadable or corrupt file raises :class:`_Bad`."""
-    from ..viz import _deps
+    from ..viz import deps
 
-    Image = _deps.pil("attnroll batch")
+    Image = deps.pil("attnroll batch")
     try:
         with Image.open(path) as im:
             im.load()
@@ -267,24 +268,3 @@ def has_class_scores(lm: Any) -> bool:
     return lg is not None and lg.ndim == 2
 
 
-def mean_pool(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Sentence embeddings (B, d): token states (B, n, d) averaged over the real tokens (mask (B, n))."""
-    m = mask.to(hidden.dtype)[..., None]
-    return (hidden * m).sum(1) / m.sum(1).clamp_min(1)
-
-
-def cosine_target(model: Any, tok: Any, enc: Any, pairs: list[str]) -> Any:
-    """For a bare encoder and sentence pairs: a target ``f(outputs) -> (B,)``, the cosine similarity of each
-    text's mean-pooled embedding to its pair's (the pair's embedding held fixed)."""
-    import torch.nn.functional as F
-
-    other_enc = tok(pairs, padding=True, truncation=True, return_tensors="pt")
-    with torch.no_grad():
-        other = mean_pool(model(**other_enc).last_hidden_state, other_enc["attention_mask"])
-    mask = enc["attention_mask"]
-
-    def cosine(outputs: Any) -> torch.Tensor:
-        return F.cosine_similarity(mean_pool(outputs.last_hidden_state, mask), other, dim=-1)
-
-    cosine.__qualname__ = "cosine similarity to the pair"
-    return cosine

@@ -96,6 +96,7 @@ def batch_cmd(source, out, method_list, options, model_spec, weights, engine, nu
     Exit codes: 0 all explained, 3 some inputs failed (see DIR/failures/), 2 usage, 1 failure, 130 interrupted.
     """
     from ..batch import BatchMismatchError, list_items, run_batch
+    from ..batch.engines import import_ray
 
     names = methods_list(method_list)
     opts = method_options(options, names)
@@ -105,6 +106,11 @@ def batch_cmd(source, out, method_list, options, model_spec, weights, engine, nu
         raise click.UsageError(one_line(e)) from None
     if engine == "local" and (address or num_workers > 1):
         raise click.UsageError("--address and --num-workers are for --engine ray")
+    if engine == "ray":
+        try:
+            import_ray()
+        except ImportError as e:
+            raise Failure(one_line(e)) from None
     out = prepare_out(out)
     lm = load(model_spec, weights, items[0].kind)
     bar = _progress_bar()
@@ -119,8 +125,6 @@ def batch_cmd(source, out, method_list, options, model_spec, weights, engine, nu
                                command=command)
     except BatchMismatchError as e:
         raise click.UsageError(one_line(e)) from None
-    except ImportError as e:
-        raise Failure(one_line(e)) from None
     click.echo(result.summary())
     return SOME_FAILED if result.failed else 0
 
