@@ -25,7 +25,7 @@ import torch
 from .. import _checks
 from .._modes import eval_mode
 from .._io import atomic_write
-from ._common import batched_logits, chunks, image_forward, relevance_order, spearman_rows
+from ._common import batched_logits, image_forward, relevance_order, spearman_rows
 
 __all__ = ["AuditReport", "audit", "shapes_regions", "grid_regions", "js_divergence"]
 
@@ -378,21 +378,14 @@ def _explain_all(
     model: Any, x: torch.Tensor, info: Any, target: Any, batch_size: int, options: dict
 ) -> tuple[np.ndarray, tuple[int, int] | None, np.ndarray]:
     """Scores (B, units) float64, grid and predicted classes (B,) of one model, explained in chunks."""
-    from ..methods.base import explain
+    from ..methods import explain_batches
 
-    scores, grid, preds = [], None, []
-    for sl in chunks(x.shape[0], batch_size):
-        t = target[sl] if isinstance(target, list) else target
-        # Gradient methods refuse no_grad (and need autograd); the others need none, so skip the graph.
-        with torch.set_grad_enabled(info.needs_grad):
-            e = explain(model, x[sl], method=info.name, target=t, **options)
-        scores.append(e.scores.detach().to("cpu", torch.float64).numpy())
-        grid = None if e.grid is None else (int(e.grid[0]), int(e.grid[1]))
-        if target is None and isinstance(e.target, list) and len(e.target) == sl.stop - sl.start:
-            preds.append(np.asarray(e.target, dtype=np.int64))  # the target *is* the predicted class
-        else:
-            preds.append(batched_logits(image_forward(model), x[sl], batch_size).argmax(dim=1).numpy())
-    return np.concatenate(scores), grid, np.concatenate(preds)
+    r = explain_batches(model, x, info.name, target=target, batch_size=batch_size, **options)
+    if target is None and r.targets is not None:
+        preds = np.asarray(r.targets, dtype=np.int64)  # the target *is* the predicted class
+    else:
+        preds = batched_logits(image_forward(model), x, batch_size).argmax(dim=1).numpy()
+    return r.scores.to(torch.float64).numpy(), r.grid, preds
 
 
 # ------------------------------------------------------------------------------------------- statistics

@@ -162,23 +162,10 @@ def explain_scores(model: Any, pixel_values: Any, method: str, *, target: Any = 
     method; returns scores (B, units) float32 and the patch grid (None for text). Gradient methods run with gradients enabled (and only they). ``target`` None / int / list of B
     ints; the ``random`` control gets a distinct seed per example (``seed`` + index), so chunking does not
     repeat maps."""
-    from ..methods.base import explain, method_info
+    from ..methods import explain_batches
 
-    m = method_info(method)
-    B = _batch_size(pixel_values)
-    if isinstance(target, torch.Tensor):
-        target = target.tolist()
-    out, grid = [], None
-    for sl in chunks(B, batch_size):
-        t = target[sl] if isinstance(target, (list, tuple)) else target
-        opts = dict(options)
-        if m.name == "random":
-            opts["seed"] = int(options.get("seed", 0)) + sl.start
-        with torch.set_grad_enabled(m.needs_grad):
-            e = explain(model, _take(pixel_values, sl), method=m.name, target=t, **opts)
-        out.append(e.scores.detach().float().cpu())
-        grid = e.grid
-    return torch.cat(out), grid
+    r = explain_batches(model, pixel_values, method, target=target, batch_size=batch_size, **options)
+    return r.scores, r.grid
 
 
 def evaluate_methods(
