@@ -153,7 +153,7 @@ def run_batch(
         todo = [it for it in items if it.id not in done_rows and it.id not in done_failed]
         info = _manifest(key, lm, spec, engine, command, len(items))
         store.write_manifest(out, {**info, "status": "running"})
-        job = Job(names, resolved, fp, str(out.resolve()), png, _needs_grad(names))
+        job = Job(names, resolved, fp, str(out.resolve()), png)
         counter = _Counter(len(todo), progress)
         if engine == "local":
             run_local(Worker(lm, job), todo, batch_size, counter)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -31,7 +31,6 @@ class Job:
     fingerprint: str
     out: str
     png: bool = False
-    needs_grad: dict[str, bool] = field(default_factory=dict)
 
 
 class Worker:
@@ -114,7 +113,7 @@ class Worker:
     def _rows(self, method: str, items: list[Item], payloads: list[Any]) -> list[dict]:
         if self.lm.kind == "image":
             x = torch.cat([p[1] for p in payloads])
-            e, logits = self._run(method, x, None)
+            e, logits = self._run(method, x, None, items[0].index)
             rows = [self._row(e, b, it, logits) for b, it in enumerate(items)]
             if self.job.png:
                 for b, (it, p) in enumerate(zip(items, payloads)):
@@ -125,14 +124,18 @@ class Worker:
             rows += self._text_rows(method, group)
         return sorted(rows, key=lambda r: r["index"])
 
-    def _run(self, method: str, inputs: Any, target: Any) -> tuple[Any, torch.Tensor | None]:
-        """One batched ``explain`` with the job's options; also the model's class scores of that pass."""
-        from ..methods import explain
+    def _run(self, method: str, inputs: Any, target: Any, first: int) -> tuple[Any, torch.Tensor | None]:
+        """One batched ``explain`` (the shared batching helper, one chunk) with the job's options; also the
+        model's class scores of that pass. ``first``: the source index of the batch's first input."""
+        from ..methods import iter_explanations
 
         batch = _batch_len(inputs)
-        with torch.set_grad_enabled(self.job.needs_grad.get(method, False)), first_logits(self.lm.model, batch) as got:
-            e = explain(self.lm.model, inputs, method, target, tokenizer=self.lm.tokenizer,
-                        **self.job.options.get(method, {}))
+        opts = dict(self.job.options.get(method, {}))
+        if method == "random":  # a distinct seed per batch, so that batches do not repeat one map
+            opts["seed"] = int(opts.get("seed") or 0) + first
+        with first_logits(self.lm.model, batch) as got:
+            ((_, e),) = iter_explanations(self.lm.model, inputs, method, target=target, batch_size=batch,
+                                          tokenizer=self.lm.tokenizer, **opts)
         return e, got.get("logits")
 
     def _text_rows(self, method: str, items: list[Item]) -> list[dict]:
@@ -144,7 +147,7 @@ class Worker:
         target = None
         if pairs is not None and not joint:
             target = similarity_to(self.lm.model, tok, enc["attention_mask"], pairs)
-        e, logits = self._run(method, enc, target)
+        e, logits = self._run(method, enc, target, items[0].index)
         lengths = enc["attention_mask"].sum(dim=1).tolist()
         return [self._row(e, b, it, logits, int(lengths[b])) for b, it in enumerate(items)]
 
