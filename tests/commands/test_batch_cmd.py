@@ -76,3 +76,61 @@ def test_ray_engine_without_ray_says_how_to_install(folder, tmp_path, monkeypatc
     monkeypatch.setitem(sys.modules, "ray", None)
     msg = one_line_error(run("batch", folder, "--out", tmp_path / "o", "--engine", "ray"), 1)
     assert "pip install 'attnroll[ray]'" in msg
+
+
+@pytest.fixture(scope="module")
+def flat(tmp_path_factory):
+    """8 shapes images in one folder (what --data FOLDER reads), with batch outputs of two models."""
+    root = tmp_path_factory.mktemp("flat")
+    src = root / "imgs"
+    src.mkdir()
+    from attnroll.models import shapes
+
+    from ..batch.helpers import to_uint8
+
+    images, labels, _ = shapes.make_dataset(8, 21)
+    for i, im in enumerate(images):
+        Image.fromarray(to_uint8(im)).save(src / f"x{i}.png")
+    for name, model in (("a", "shapes"), ("b", "shapes-marker")):
+        assert run("batch", src, "--out", root / name, "-m", "rollout,gae", "--model", model).exit_code == 0
+    return root
+
+
+def _json(path):
+    import json
+
+    return json.loads(path.read_text())
+
+
+def test_evaluate_scores_a_batch_output_like_explaining_again(flat, tmp_path):
+    common = ["--metrics", "deletion,positive", "--steps", "8"]
+    res = run("evaluate", "--maps", flat / "a", "--out", tmp_path / "m", *common)
+    assert res.exit_code == 0, res.output
+    ref = run("evaluate", "--data", flat / "imgs", "--methods", "rollout,gae", "--out", tmp_path / "r", *common)
+    assert ref.exit_code == 0, ref.output
+    got, want = _json(tmp_path / "m" / "evaluation.json"), _json(tmp_path / "r" / "evaluation.json")
+    assert got["precomputed"] == ["rollout", "gae"] and got["n"] == want["n"] == 8
+    assert [r["method"] for r in got["rows"]] == [r["method"] for r in want["rows"]] == ["rollout", "gae"]
+    for a, b in zip(got["rows"], want["rows"]):
+        for k in ("deletion", "positive"):
+            assert a[k] == pytest.approx(b[k], abs=1e-6)
+    msg = one_line_error(run("evaluate", "--maps", flat / "a", "--model", "shapes-marker", "--out", tmp_path / "x"), 2)
+    assert "made by another model" in msg
+    assert "leave --data out" in one_line_error(run("evaluate", "--maps", flat / "a", "--data", "shapes"), 2)
+
+
+def test_audit_reads_two_batch_outputs_like_explaining_again(flat, tmp_path):
+    res = run("audit", flat / "a", flat / "b", "-m", "gae", "--format", "png", "--out", tmp_path / "m")
+    assert res.exit_code == 0, res.output
+    ref = run("audit", "shapes", "shapes-marker", "--data", flat / "imgs", "-m", "gae", "--format", "png",
+              "--out", tmp_path / "r")
+    assert ref.exit_code == 0, ref.output
+    got, want = _json(tmp_path / "m" / "audit.json"), _json(tmp_path / "r" / "audit.json")
+    for k in ("js", "spearman", "topk"):
+        np.testing.assert_allclose(got[k], want[k], atol=1e-6)
+    assert got["flagged"] == want["flagged"] and got["pred_b"] == want["pred_b"] and max(want["js"]) > 0.01
+    # one side precomputed, the other explained here
+    mixed = run("audit", flat / "a", "shapes-marker", "-m", "gae", "--format", "png", "--out", tmp_path / "x")
+    assert mixed.exit_code == 0, mixed.output
+    np.testing.assert_allclose(_json(tmp_path / "x" / "audit.json")["js"], want["js"], atol=1e-6)
+    assert "no 'flow' maps" in one_line_error(run("audit", flat / "a", flat / "b", "-m", "flow"), 2)

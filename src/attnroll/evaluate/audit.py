@@ -268,6 +268,8 @@ def audit(
     shift_threshold: float = 0.05,
     n_boot: int = 1000,
     seed: int = 0,
+    maps_a: Any = None,
+    maps_b: Any = None,
     **options: Any,
 ) -> AuditReport:
     """Compare the explanations of two checkpoints of an image model on the same inputs.
@@ -291,6 +293,9 @@ def audit(
             bootstrap CI excludes 0 (in [0, 1]).
         n_boot: bootstrap resamples of the examples (paired: the same resample for A and B and every region).
         seed: seed of the bootstrap (``numpy.random.default_rng``).
+        maps_a, maps_b: precomputed maps of the B inputs instead of running that model (which may then be
+            None): an :class:`~attnroll.Explanation` with the predicted class as its target, e.g.
+            ``attnroll.batch.explanations(DIR, method)[0]`` of an ``attnroll batch`` output.
         **options: the method's options, passed to ``explain`` for both models.
 
     Returns:
@@ -315,8 +320,10 @@ def audit(
     info = method_info(method)
 
     with eval_mode(model_a, model_b):
-        sa, grid_a, pred_a = _explain_all(model_a, x, info, target, batch_size, options)
-        sb, grid_b, pred_b = _explain_all(model_b, x, info, target, batch_size, options)
+        sa, grid_a, pred_a = _given(maps_a, B, "maps_a") if maps_a is not None else \
+            _explain_all(model_a, x, info, target, batch_size, options)
+        sb, grid_b, pred_b = _given(maps_b, B, "maps_b") if maps_b is not None else \
+            _explain_all(model_b, x, info, target, batch_size, options)
     _checks.check_audit_maps(grid_a, grid_b, sa.shape[1], sb.shape[1])
     units = sa.shape[1]
     if top_k > units:
@@ -372,6 +379,17 @@ def audit(
             "options": {k: v for k, v in options.items() if isinstance(v, (int, float, str, bool, type(None)))},
         },
     )
+
+
+def _given(maps: Any, B: int, name: str) -> tuple[np.ndarray, tuple[int, int] | None, np.ndarray]:
+    """Scores (B, units) float64, grid and predicted classes (B,) of precomputed maps (an Explanation)."""
+    scores = _checks.check_scores(name, maps, batch=B).numpy()
+    target = getattr(maps, "target", None)
+    if not (isinstance(target, list) and len(target) == B and all(isinstance(t, int) for t in target)):
+        raise ValueError(f"{name} must be an Explanation of the B={B} inputs whose target is the predicted class "
+                         f"of each (B ints), got target {str(target)[:60]}")
+    grid = getattr(maps, "grid", None)
+    return scores, None if grid is None else (int(grid[0]), int(grid[1])), np.asarray(target, dtype=np.int64)
 
 
 def _explain_all(

@@ -184,6 +184,7 @@ def evaluate_methods(
     keep: Any = None,
     batch_size: int = 64,
     progress: Callable[[str], None] | None = None,
+    maps: dict[str, Any] | None = None,
 ) -> EvaluationResult:
     """Score several methods' maps on one classifier, side by side.
 
@@ -214,6 +215,9 @@ def evaluate_methods(
             removed (default the special tokens); see :mod:`attnroll.evaluate.text`.
         batch_size: inputs per forward pass, for explaining and for scoring.
         progress: called with a short message before each method (e.g. ``print``).
+        maps: method name -> precomputed maps of these B inputs, an :class:`~attnroll.Explanation` (e.g.
+            ``attnroll.batch.explanations(DIR, method)[0]`` of an ``attnroll batch`` output) or a (B, units)
+            tensor: those methods are scored without being run (their ``seconds`` are 0).
 
     Returns:
         an :class:`EvaluationResult` (``summary()``, ``to_csv()``, ``plot()``, ``best(metric)``).
@@ -265,6 +269,7 @@ def evaluate_methods(
     if unknown:
         raise ValueError(f"method_options names methods that are not evaluated: {sorted(unknown)}")
     batch_size = _checks.check_int("batch_size", batch_size, low=1)
+    given = _given_maps(maps, methods, B)
 
     if is_text:
         with torch.no_grad():
@@ -282,7 +287,7 @@ def evaluate_methods(
     # A method that cannot serve this model (an encoder-decoder method on a ViT, CLIP's on a classifier) fails
     # here on one example, before minutes of work on the others.
     t0_ = tgt[:1] if isinstance(tgt, (list, tuple)) else (tgt.tolist()[:1] if isinstance(tgt, torch.Tensor) else tgt)
-    for m in methods:
+    for m in (m for m in methods if m not in given):
         try:
             explain_scores(model, _take(x, slice(0, 1)), m, target=t0_, **method_options.get(m, {}))
         except (ValueError, TypeError, RuntimeError) as e:
@@ -299,7 +304,10 @@ def evaluate_methods(
         if progress is not None:
             progress(f"{m}: explaining {B} inputs")
         t0 = time.perf_counter()
-        scores, grid = explain_scores(model, x, m, target=tgt, batch_size=batch_size, **method_options.get(m, {}))
+        if m in given:
+            scores, grid = given[m]
+        else:
+            scores, grid = explain_scores(model, x, m, target=tgt, batch_size=batch_size, **method_options.get(m, {}))
         seconds[m] = time.perf_counter() - t0
         per: dict[str, np.ndarray] = {}
         curves[m] = {}
@@ -333,6 +341,18 @@ def evaluate_methods(
         values[m] = {k: float(np.nanmean(v)) if np.isfinite(v).any() else float("nan") for k, v in per.items()}
         stderr[m] = {k: _stderr(v) for k, v in per.items()}
     return EvaluationResult(methods, list(metrics), values, stderr, per_example, curves, chance, seconds, B, accuracy)
+
+
+def _given_maps(maps: Any, methods: list[str], B: int) -> dict[str, tuple[torch.Tensor, Any]]:
+    """``maps=`` checked: method -> (scores (B, units) float32, grid or None); every key is an evaluated method."""
+    out = {}
+    for m, v in (maps or {}).items():
+        if m not in methods:
+            raise ValueError(f"maps has maps of {m!r}, which is not among the evaluated methods {methods}")
+        grid = getattr(v, "grid", None)
+        scores = _checks.check_scores(f"maps[{m!r}]", v, batch=B)
+        out[m] = (scores.detach().to(torch.float32).cpu(), None if grid is None else (int(grid[0]), int(grid[1])))
+    return out
 
 
 def _batch_size(inputs: Any) -> int:
