@@ -57,7 +57,7 @@ class _Bar:
         self.bar.update(self.task, completed=done, rate=rate)
 
 
-@cli.command("batch", short_help="Explain a whole dataset into resumable Parquet (local or Ray Data).")
+@cli.command("batch", short_help="Explain a whole dataset into resumable Parquet (local or Ray).")
 @click.argument("source", type=click.Path(exists=True, path_type=Path))
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="Output folder (created; reruns resume it).")
 @click.option("--method", "-m", "method_list", default="rollout", show_default=True,
