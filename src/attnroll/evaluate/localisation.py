@@ -37,6 +37,7 @@ import torch
 
 from .. import _checks
 from ._common import relevance_order
+from .registry import MetricInputs, MetricValues, register_metric
 
 __all__ = [
     "pointing_game",
@@ -242,3 +243,32 @@ def localisation(scores: Any, masks: Any, *, k: int | None = None) -> Localisati
         chance_iou=chance_iou(int(s.shape[1]), sizes, k),
         k=k,
     )
+
+
+# ------------------------------------------------------------------------------------------- registration
+def _mask_share(scores: Any, masks: Any) -> np.ndarray:
+    """(B,) the share of units inside each mask: the chance level of the pointing game and the mass."""
+    s, m = _inputs(scores, masks)
+    return (m.sum(dim=1).numpy().astype(np.int64) / s.shape[1]).astype(np.float64)
+
+
+@register_metric("pointing", kind="both", higher_is_better=True, needs_masks=True,
+                 description="pointing game: share of maps whose top patch lies on the object")
+def _pointing_metric(inp: MetricInputs, scores: Any, grid: Any) -> MetricValues:
+    return MetricValues(np.asarray(pointing_game(scores, inp.masks), dtype=np.float64),
+                        chance=_mask_share(scores, inp.masks))
+
+
+@register_metric("mass", kind="both", higher_is_better=True, needs_masks=True,
+                 description="relevance mass inside the object mask (Arras et al. 2022)")
+def _mass_metric(inp: MetricInputs, scores: Any, grid: Any) -> MetricValues:
+    return MetricValues(np.asarray(mask_mass(scores, inp.masks), dtype=np.float64),
+                        chance=_mask_share(scores, inp.masks))
+
+
+@register_metric("iou", kind="both", higher_is_better=True, needs_masks=True,
+                 description="IoU of the top-k patches with the object mask (k = mask size)")
+def _iou_metric(inp: MetricInputs, scores: Any, grid: Any) -> MetricValues:
+    s, m = _inputs(scores, inp.masks)
+    return MetricValues(np.asarray(topk_iou(s, m), dtype=np.float64),
+                        chance=chance_iou(int(s.shape[1]), m.sum(dim=1).numpy().astype(np.int64), None))
