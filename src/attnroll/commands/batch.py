@@ -104,6 +104,8 @@ def batch_cmd(source, out, method_list, options, model_spec, weights, engine, nu
         items = list_items(source, column)
     except ValueError as e:
         raise click.UsageError(one_line(e)) from None
+    if png and items[0].kind != "image":
+        raise click.UsageError("--png writes overlays of images; this source holds texts")
     if engine == "local" and (address or num_workers > 1):
         raise click.UsageError("--address and --num-workers are for --engine ray")
     if engine == "ray":
