@@ -10,12 +10,14 @@
 for ``rollout`` and ``gae`` on the embedded shapes ViT (64x64 input, 65 tokens) and a ViT-B/16 config with
 random weights (224x224, 197 tokens), on the same PNG files (generated shapes images; ViT-B resizes them).
 Every figure is end to end: model loading (in each Ray actor too), reading, explaining and writing. "steady"
-leaves start-up out: the rate between the first and the last batch (for the engines, between each worker's
-first committed shard and the last one, from the shards' modification times). Each configuration runs
+leaves start-up out: the rate between the first and the last batch (for the engines, between the first and
+the last committed shard, from the shards' modification times; one worker only). "interleaved" runs the plain
+loop's step and the local engine's step batch by batch on the same inputs, the ratio least disturbed by the
+load of a shared machine. Each configuration runs
 --repeat times, alternating, and the best run counts (the machine is shared).
 
-Usage: python benchmarks/bench_batch.py [--models shapes,vit-b16] [--n-shapes 512] [--n-vit 32] [--repeat 2]
-       [--skip-ray]
+Usage: python benchmarks/bench_batch.py [--models shapes,vit-b16] [--n-shapes 512] [--n-vit 32] [--vit-batch 8]
+       [--repeat 2] [--skip-ray]
 """
 
 from __future__ import annotations
@@ -74,6 +76,37 @@ def plain_loop(model_spec: str | None, files: list[Path], batch_size: int) -> tu
     return time.perf_counter() - t0, steady(marks)
 
 
+def interleaved(model_spec: str | None, files: list[Path], batch_size: int, method: str, work: Path) -> float:
+    """Per-batch cost ratio robust to a shared machine's load: batch by batch, the plain loop's step (read,
+    preprocess, forward) and the local engine's step (read, explain, rows, commit) run back to back on the same
+    inputs; returns plain seconds / engine seconds summed over the batches (= engine throughput / plain)."""
+    from attnroll.batch import model_fingerprint
+    from attnroll.batch.run import resolve_methods
+    from attnroll.batch.sources import list_items
+    from attnroll.batch.work import Job, Worker, read_image
+    from attnroll.models import load_model
+
+    lm = load_model(model_spec, None, want="image")
+    names, opts = resolve_methods([method], None)
+    out = work / f"out-interleaved-{method}"
+    shutil.rmtree(out, ignore_errors=True)
+    worker = Worker(lm, Job(names, opts, model_fingerprint(lm.model), str(out)))
+    items = list_items(files[0].parent)
+    t_plain = t_engine = 0.0
+    for i in range(0, len(items), batch_size):
+        chunk = items[i : i + batch_size]
+        t = time.perf_counter()
+        with torch.no_grad():
+            x = torch.cat([lm.prepare_image(read_image(it.path)) for it in chunk])
+            torch.softmax(lm.model(pixel_values=x).logits, dim=-1).max(dim=-1)
+        t_plain += time.perf_counter() - t
+        t = time.perf_counter()
+        worker(chunk)
+        t_engine += time.perf_counter() - t
+    shutil.rmtree(out, ignore_errors=True)
+    return t_plain / t_engine
+
+
 def steady(marks: list[tuple[float, int]]) -> float:
     """Inputs per second between the first and the last finished batch."""
     if len(marks) < 2:
@@ -84,8 +117,9 @@ def steady(marks: list[tuple[float, int]]) -> float:
 
 def batch_run(src: Path, model_spec: str | None, method: str, batch_size: int, engine: str, workers: int,
               work: Path) -> tuple[float, float]:
-    """(seconds end to end, steady rate); steady = inputs committed after each worker's first shard over the
-    time from the ``workers``-th shard to the last (shard modification times), so actor start-up is left out."""
+    """(seconds end to end, steady rate); steady = inputs committed after the first shard over the time from
+    the first shard to the last (shard modification times), start-up left out; only for one worker (with
+    several, actors start at different times and the shards of a short run land in bursts)."""
     import pyarrow.parquet as pq
 
     from attnroll.batch import run_batch
@@ -98,9 +132,8 @@ def batch_run(src: Path, model_spec: str | None, method: str, batch_size: int, e
     sec = time.perf_counter() - t0
     shards = sorted((out / "rows").glob("part-*.parquet"), key=lambda p: p.stat().st_mtime)
     counts = [pq.ParquetFile(p).metadata.num_rows for p in shards]
-    k = min(workers, len(shards)) - 1
-    span = shards[-1].stat().st_mtime - shards[k].stat().st_mtime
-    rate = sum(counts[k + 1:]) / span if span > 0 else float("nan")
+    span = shards[-1].stat().st_mtime - shards[0].stat().st_mtime
+    rate = sum(counts[1:]) / span if span > 0 and workers == 1 else float("nan")
     shutil.rmtree(out, ignore_errors=True)
     return sec, rate
 
@@ -110,24 +143,32 @@ def main() -> None:
     ap.add_argument("--models", default="shapes,vit-b16")
     ap.add_argument("--n-shapes", type=int, default=512)
     ap.add_argument("--n-vit", type=int, default=32)
+    ap.add_argument("--vit-batch", type=int, default=8)
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--skip-ray", action="store_true")
+    ap.add_argument("--interleaved-only", action="store_true",
+                    help="only the batch-by-batch ratio of the local engine to the plain loop")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="attnroll-bench-batch-"))
     print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cpus, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads; load before: {os.getloadavg()}")
-    if not args.skip_ray:
+    if not (args.skip_ray or args.interleaved_only):
         import ray
 
         ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     try:
         for name in args.models.split(","):
-            n, bs = (args.n_shapes, 32) if name == "shapes" else (args.n_vit, 8)
+            n, bs = (args.n_shapes, 32) if name == "shapes" else (args.n_vit, args.vit_batch)
             spec = None if name == "shapes" else str(vit_b16_dir(work / "vit-b16"))
             src = work / f"images-{n}"
             if not src.exists():
                 write_images(src, n)
             files = sorted(src.glob("*.png"))
+            for method in ("rollout", "gae"):
+                ratio = interleaved(spec, files, bs, method, work)
+                print(f"# {name} {method}: local engine / plain loop, batch by batch interleaved: {ratio:.2f}x")
+            if args.interleaved_only:
+                continue
             configs = [("plain", None, "local", 1)]
             for method in ("rollout", "gae"):
                 configs.append(("local", method, "local", 1))
