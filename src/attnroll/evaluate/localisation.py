@@ -27,7 +27,6 @@ Masks come as (B, units) or (B, h, w) patch masks; pool pixel masks to the model
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -36,7 +35,8 @@ import numpy as np
 import torch
 
 from .. import _checks
-from ._common import relevance_order
+from .._callable import make_callable as _make_callable
+from ._common import nanmean, relevance_order
 from .registry import MetricInputs, MetricValues, register_metric
 
 __all__ = [
@@ -145,14 +145,6 @@ def chance_iou(units: int, mask_sizes: Any, k: int | None = None) -> np.ndarray:
 
 
 # ----------------------------------------------------------------------------------------------- result
-def _nanmean(x: np.ndarray) -> float:
-    """Mean over the finite entries; NaN (without a warning) when there are none."""
-    x = np.asarray(x, dtype=np.float64)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        return float(np.nanmean(x)) if x.size else float("nan")
-
-
 def _json_float(v: float) -> float | None:
     return None if not np.isfinite(v) else float(v)
 
@@ -181,12 +173,12 @@ class LocalisationResult:
     def means(self) -> dict[str, float]:
         """Means over examples (NaN entries skipped): pointing, mass, iou and the three chance levels."""
         return {
-            "pointing": _nanmean(self.pointing.astype(np.float64)),
-            "mass": _nanmean(self.mass),
-            "iou": _nanmean(self.iou),
-            "chance_pointing": _nanmean(self.chance_pointing),
-            "chance_mass": _nanmean(self.chance_mass),
-            "chance_iou": _nanmean(self.chance_iou),
+            "pointing": nanmean(self.pointing.astype(np.float64)),
+            "mass": nanmean(self.mass),
+            "iou": nanmean(self.iou),
+            "chance_pointing": nanmean(self.chance_pointing),
+            "chance_mass": nanmean(self.chance_mass),
+            "chance_iou": nanmean(self.chance_iou),
         }
 
     def summary(self) -> str:
@@ -272,3 +264,6 @@ def _iou_metric(inp: MetricInputs, scores: Any, grid: Any) -> MetricValues:
     s, m = _inputs(scores, inp.masks)
     return MetricValues(np.asarray(topk_iou(s, m), dtype=np.float64),
                         chance=chance_iou(int(s.shape[1]), m.sum(dim=1).numpy().astype(np.int64), None))
+
+
+_make_callable(__name__)  # attnroll._callable: the module is callable as its function of the same name

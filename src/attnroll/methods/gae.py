@@ -7,8 +7,8 @@ the gradient-weighted matrices, computed here right to left for the one row (O(L
 from __future__ import annotations
 
 from ..core.rollout import rollout as core_rollout
+from ..core.gradients import gradient_weighted
 from .base import Context, register, rollout_rows
-from .grad_rollout import weighted_layers
 
 
 @register(
@@ -31,7 +31,7 @@ def gae(ctx: Context, *, start_layer, end_layer, return_layers, stream):
     s0 = ctx.options.get("stream")
     rec, atts, grads = ctx.grad_record([s0] if s0 else None)
     s = ctx.stream(rec)
-    W = weighted_layers(atts[s], grads[s], "per_head")
+    W = gradient_weighted(atts[s], grads[s], "per_head")
     pos = ctx.positions(rec, s)
     row, layers = rollout_rows(
         core_rollout, W, pos, ctx.mask(rec, s), return_layers=return_layers, head_fusion=None,

@@ -7,15 +7,15 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from . import deps
+from .._callable import make_callable as _make_callable
+from ._explanation import is_explanation
 from .overlay import overlay, to_rgb_array
 
 
 def _named(explanations: Any) -> list[tuple[str, Any]]:
     if isinstance(explanations, Mapping):
         return [(str(k), v) for k, v in explanations.items()]
-    from ..methods.explanation import Explanation
-
-    if isinstance(explanations, Explanation):
+    if is_explanation(explanations):
         explanations = [explanations]
     return [(e.method or f"map {i}", e) for i, e in enumerate(explanations)]
 
@@ -86,3 +86,6 @@ def panel(
             if c == 0 and row_labels:
                 ax.set_ylabel(str(row_labels[r]), fontsize=max(6, cell // 18))
     return deps.figure_to_image(fig)
+
+
+_make_callable(__name__)  # attnroll._callable: the module is callable as its function of the same name
