@@ -6,7 +6,7 @@ import torch
 
 from .. import _checks
 from ..core.fusion import fuse_tensor, head_weights
-from .base import Context, register
+from .base import Context, combine_rows, register
 
 
 @register(
@@ -19,8 +19,8 @@ from .base import Context, register
             "start_layer": "raw reads one layer; pass layer=k (or use method='rollout' for a range)"},
 )
 def raw(ctx: Context, *, layer: int, head_fusion, stream, return_layers: bool):
-    """full_row[b] = fuse_h(A_layer)[b, position_b, :]; ``return_layers`` gives that row for every layer
-    (L, B, n)."""
+    """full_row[b] = Σ_i w_bi · fuse_h(A_layer)[b, i, :] over the readout's rows (one row for CLS / last
+    token); ``return_layers`` gives that row for every layer (L, B, n)."""
     rec = ctx.record()
     s = ctx.stream(rec)
     atts = rec.streams[s]
@@ -28,14 +28,13 @@ def raw(ctx: Context, *, layer: int, head_fusion, stream, return_layers: bool):
     k = _checks.check_index("layer", layer, L, "layers")
     _checks.check_bool("return_layers", return_layers)
     head_weights(head_fusion, atts[0].shape[1], like=atts[0])  # validates
-    pos = ctx.positions(rec, s)
-    B = atts[0].shape[0]
-    ar = torch.arange(B)
-    pidx = torch.tensor(pos)
+    pos = ctx.readout(rec, s)
+    rows = pos.rows()
 
     def row(a: torch.Tensor) -> torch.Tensor:
+        # Fuse the heads on the readout's rows, then weight the rows: (B, n).
         a = a.to(torch.float32)
-        return fuse_tensor(a[ar, :, pidx].unsqueeze(-2), head_fusion).squeeze(-2)  # (B, n)
+        return combine_rows(fuse_tensor(a[:, :, rows], head_fusion), pos, rows)[0]
 
     layers = torch.stack([row(a) for a in atts]) if return_layers else None
     opts = {**ctx.options, "layer": k}
