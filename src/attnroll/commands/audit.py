@@ -8,8 +8,8 @@ from typing import Any
 
 import click
 
-from ._args import parse_options
-from ._data import load_data, load_files, load_image_model
+from ._args import method_and_options
+from ._data import check_data, load_data, load_files, load_image_model
 from ._group import cli
 from ._maps import batch_maps, batch_model, is_batch_output
 from ._output import Failure, prepare_out, write
@@ -58,7 +58,8 @@ def audit_cmd(model_a, model_b, data, n, seed, method, options, examples, fmt, o
 
     if method not in methods():
         raise click.UsageError(f"--method {method!r} is unknown; see 'attnroll methods'")
-    opts = parse_options(options)
+    opts = method_and_options(method, options)  # names and values, before any model is loaded
+    check_data(data)
     out = prepare_out(out)
     batches = [p for p in (model_a, model_b) if is_batch_output(p)]
     la, lb = (batch_model(Path(p), "MODEL") if is_batch_output(p) else load_image_model(p) for p in (model_a, model_b))

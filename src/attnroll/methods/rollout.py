@@ -3,6 +3,7 @@ through (see ``attnroll.rollout``)."""
 
 from __future__ import annotations
 
+from .. import _checks
 from ..core.rollout import rollout as core_rollout
 from .base import ROLLOUT_OPTIONS, ROLLOUT_REFUSE, Context, prefix_default, register, rollout_rows
 
@@ -18,7 +19,8 @@ def rollout(ctx: Context, *, stream, return_layers, protect_prefix, **opts):
     """full_row[b] = row position_b of R = Ã(end−1)···Ã(start) (``attnroll.rollout``)."""
     # Fusing the mean inside the capture hook keeps (B, n, n) per layer instead of (B, H, n, n); its rows
     # still sum to 1, so core rollout validates them as usual (max/min fusion would not: fused in core).
-    fuse = "mean" if opts["head_fusion"] == "mean" else None
+    opts["head_fusion"] = _checks.check_head_fusion("head_fusion", opts["head_fusion"], allow_none=False)
+    fuse = "mean" if isinstance(opts["head_fusion"], str) and opts["head_fusion"] == "mean" else None
     rec = ctx.record(fuse_heads=fuse)
     s = ctx.stream(rec)
     ro = ctx.readout(rec, s)
