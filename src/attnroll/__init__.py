@@ -25,6 +25,10 @@ from .methods import Explainer, Explanation, explain
 # --- evaluate (issue 7): the subpackage, as attnroll.evaluate.deletion(...), attnroll.evaluate.audit(...) ---
 from . import evaluate
 
+# --- batch (issue 14): whole datasets, read back as a DataFrame ---
+from .batch import read_batch
+# --- end batch ---
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -42,5 +46,6 @@ __all__ = [
     "Explanation",
     "methods",
     "evaluate",
+    "read_batch",
     "__version__",
 ]
