@@ -39,6 +39,9 @@ class AttentionRecord:
         family: which adapter captured this ("hf:vit", "timm:vit", "torch:mha", "modules", ...).
         layer_names: stream name -> qualified module names, aligned with ``streams``.
         extra: adapter-specific metadata (e.g. ``decoder_tokens``, ``decoder_attention_mask``).
+        operators: the matrix-free form (``attention="recompute"``): stream name -> per-layer
+            ``KernelInputs`` (queries, keys, mask... as the model's own kernel saw them); ``streams`` is then
+            empty, since no n×n tensor exists.
     """
 
     streams: dict[str, list[torch.Tensor]] = field(default_factory=dict)
@@ -52,9 +55,15 @@ class AttentionRecord:
     family: str = ""
     layer_names: dict[str, list[str]] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
+    operators: dict[str, list[Any]] = field(default_factory=dict)
 
     # ------------------------------------------------------------------------------------------- access
     def _default_stream(self) -> str:
+        if not self.streams and self.operators:
+            raise ValueError(
+                "this AttentionRecord is matrix-free (attention='recompute'): it holds per-layer queries and "
+                "keys in record.operators, not attention matrices; capture with attention='dense' for those"
+            )
         if not self.streams:
             raise ValueError(
                 "this AttentionRecord holds no attention: no forward pass of the model was recorded. With "
@@ -68,6 +77,16 @@ class AttentionRecord:
             f"this record has several attention streams ({', '.join(repr(s) for s in self.streams)}); "
             "pick one with record.streams[name] or record.stream(name)"
         )
+
+    def stream_names(self) -> list[str]:
+        """Names of the recorded streams, dense or matrix-free."""
+        return list(self.streams or self.operators)
+
+    def stream_shape(self, name: str) -> tuple[int, ...]:
+        """(B, H, n_q, n_k) of stream ``name``'s layers ((B, n_q, n_k) when fused), dense or matrix-free."""
+        if name in self.streams:
+            return tuple(self.streams[name][0].shape)
+        return tuple(self.operators[name][0].shape)
 
     @property
     def attentions(self) -> list[torch.Tensor]:

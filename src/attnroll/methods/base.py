@@ -146,19 +146,20 @@ class Context:
         if name is not None:
             rec.stream(name)  # validates
             return name
-        if "self" in rec.streams or len(rec.streams) == 1:
-            return next(s for s in rec.streams if s == "self") if "self" in rec.streams else next(iter(rec.streams))
+        names = rec.stream_names()
+        if "self" in names or len(names) == 1:
+            return "self" if "self" in names else names[0]
         special = {"encoder": "'encdec_rollout' or 'encdec_gae'", "vision": "'clip'"}
-        hint = next((v for k, v in special.items() if k in rec.streams), None)
+        hint = next((v for k, v in special.items() if k in names), None)
         raise ValueError(
-            f"{type(self.model).__name__} has several attention streams ({', '.join(rec.streams)}); method "
-            f"{self.method.name!r} explains one: pass stream=one of {list(rec.streams)}"
+            f"{type(self.model).__name__} has several attention streams ({', '.join(names)}); method "
+            f"{self.method.name!r} explains one: pass stream=one of {names}"
             + (f", or use method={hint}, which composes them" if hint else "")
         )
 
     def mask(self, rec: AttentionRecord, stream: str) -> torch.Tensor | None:
         """(B, n) 0/1 padding mask of ``stream``, or None when every token is real."""
-        n = rec.streams[stream][0].shape[-1]
+        n = rec.stream_shape(stream)[-1]
         if stream == "decoder":
             m = rec.extra.get("decoder_attention_mask")
         elif stream in ("self", "encoder", "text"):
@@ -173,19 +174,23 @@ class Context:
         """The output position (row) explained for each example: the ``position`` option (an int or one
         per example), else the last real token for causal attention or token-level outputs (decoder-only
         LMs), else 0 (the CLS token)."""
-        layer0 = rec.streams[stream][0]
-        B, n = layer0.shape[0], layer0.shape[-1]
+        shape = rec.stream_shape(stream)
+        B, n = shape[0], shape[-1]
         pos = self.options.get("position")
         if pos is not None:
             return _checks.check_positions(pos, B, n)
         mask = self.mask(rec, stream)
-        if is_causal(layer0) or (stream in ("self", "decoder") and _token_level(rec.outputs)):
+        if rec.streams:
+            causal = is_causal(rec.streams[stream][0])
+        else:
+            causal = rec.operators[stream][0].is_causal_model
+        if causal or (stream in ("self", "decoder") and _token_level(rec.outputs)):
             return last_real(mask, B, n)
         return [0] * B
 
     def target_scores(self, rec: AttentionRecord) -> torch.Tensor:
         """y (B,): the target's score per example from the recorded outputs (see :func:`resolve_target`)."""
-        stream = "decoder" if "decoder" in rec.streams else self.stream(rec)
+        stream = "decoder" if "decoder" in rec.stream_names() else self.stream(rec)
         pos = None
         logits = main_logits(rec.outputs)
         if logits is not None and logits.ndim == 3:

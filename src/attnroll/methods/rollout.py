@@ -3,7 +3,9 @@ through (see ``attnroll.rollout``)."""
 
 from __future__ import annotations
 
+from ..core.operators import fused_probs
 from ..core.rollout import rollout as core_rollout
+from . import _recompute
 from .base import Context, register, rollout_rows
 
 #: The options of ``attnroll.rollout`` that explain passes through (rows / attention_mask are set by explain).
@@ -36,13 +38,25 @@ def prefix_default(protect_prefix, rec) -> int:
 @register(
     "rollout",
     description="attention rollout: product of residual-augmented, head-fused attention over the layers (class-agnostic)",
-    options={**ROLLOUT_OPTIONS, "stream": None},
-    cost="1 forward (eager attention) + O(L·n²)",
+    options={**ROLLOUT_OPTIONS, "stream": None, "attention": None},
+    cost="1 forward (its own attention kernel) + O(L·n²) recomputed blockwise, O(n·d) memory",
     reference="Abnar & Zuidema, Quantifying Attention Flow in Transformers, ACL 2020",
     refuse=_REFUSE,
 )
-def rollout(ctx: Context, *, stream, return_layers, protect_prefix, **opts):
-    """full_row[b] = row position_b of R = Ã(end−1)···Ã(start) (``attnroll.rollout``)."""
+def rollout(ctx: Context, *, stream, return_layers, protect_prefix, attention, **opts):
+    """full_row[b] = row position_b of R = Ã(end−1)···Ã(start) (``attnroll.rollout``).
+
+    ``attention``: None picks the matrix-free route when it can, "recompute" insists, "dense" captures
+    the n×n matrices (eager)."""
+    if _recompute.choose(ctx, attention, _recompute.sparsity_refusal(opts)):
+        how = opts["head_fusion"]
+        out = _recompute.explain_rows(
+            ctx, attention, lambda rec: fused_probs(how), grad=False, stream_opt=stream, protect_prefix=protect_prefix,
+            alpha=opts["alpha"], residual_mode=opts["residual_mode"], start_layer=opts["start_layer"],
+            end_layer=opts["end_layer"], return_layers=return_layers, head_fusion=how, dtype=opts["dtype"],
+        )
+        if out is not None:
+            return out
     # Fusing the mean inside the capture hook keeps (B, n, n) per layer instead of (B, H, n, n); its rows
     # still sum to 1, so core rollout validates them as usual (max/min fusion would not: fused in core).
     fuse = "mean" if opts["head_fusion"] == "mean" else None
@@ -55,4 +69,4 @@ def rollout(ctx: Context, *, stream, return_layers, protect_prefix, **opts):
     row, layers = rollout_rows(
         core_rollout, rec.streams[s], pos, ctx.mask(rec, s), return_layers=return_layers, protect_prefix=pp, **opts
     )
-    return ctx.build(rec, row, pos, s, layers=layers, options={**ctx.options, "protect_prefix": pp})
+    return ctx.build(rec, row, pos, s, layers=layers, options={**ctx.options, "protect_prefix": pp, "attention": "dense"})
