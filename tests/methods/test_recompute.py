@@ -188,3 +188,42 @@ def test_same_model_copy_is_untouched():
     assert all(p.grad is None for p in m.parameters())
     for a, b in zip(m.state_dict().values(), ref.state_dict().values()):
         assert torch.equal(a, b)
+
+
+@pytest.fixture
+def flashlike():
+    """A kernel registered the way flash attention is: it gets no 4-D mask (None, or the (B, n) padding
+    mask) and builds causality and the sliding window from its flags, as flash does (keys i−w+1..i)."""
+    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+    from transformers.modeling_utils import AttentionInterface
+
+    def kernel(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None, **kw):
+        assert attention_mask is None or attention_mask.ndim == 2
+        n = query.shape[-2]
+        i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+        ok = j <= i
+        if sliding_window is not None:
+            ok = ok & (j > i - sliding_window)
+        ok = ok[None, None]
+        if attention_mask is not None:
+            ok = ok & attention_mask.bool()[:, None, None, :] | (i == j)  # padded rows keep themselves
+        g = query.shape[1] // key.shape[1]
+        k, v = key.repeat_interleave(g, dim=1), value.repeat_interleave(g, dim=1)
+        out = torch.nn.functional.scaled_dot_product_attention(query, k, v, attn_mask=ok, scale=scaling)
+        return out.transpose(1, 2).contiguous(), None
+
+    AttentionInterface.register("attnroll_windowed", kernel)
+    AttentionMaskInterface.register("attnroll_windowed", flash_attention_mask)
+    yield "attnroll_windowed"
+    AttentionInterface._global_mapping.pop("attnroll_windowed")
+    AttentionMaskInterface._global_mapping.pop("attnroll_windowed")
+
+
+@pytest.mark.parametrize("pad", [False, True])
+def test_flash_convention_window_and_padding(flashlike, pad):
+    m = build("mistral")
+    m.set_attn_implementation(flashlike)
+    x = inputs("mistral", 13, pad=pad)
+    for method in ("rollout", "gae"):
+        assert_same(attnroll.explain(m, x, method, attention="dense"),
+                    attnroll.explain(m, x, method, attention="recompute"))

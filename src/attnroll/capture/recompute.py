@@ -164,7 +164,8 @@ def _arguments(bound: inspect.BoundArguments | None, args: tuple, kwargs: dict) 
 def kernel_inputs(module: nn.Module, impl: str | None, a: dict[str, Any], keep_value: bool) -> KernelInputs:
     """What one kernel call sees, with transformers' conventions: ``scaling`` None = 1/√d; a missing mask
     means causal attention for the fused kernels (SDPA, flash: ``is_causal``, else the module's flag) and
-    no mask at all for eager; ``sliding_window`` acts only without a mask tensor (the mask already has it)."""
+    no mask at all for eager; a 2-D mask is flash's padding mask (causality and ``sliding_window`` then come
+    from the flags); a 4-D mask already carries causality and the window."""
     q, k, v, mask = a["query"], a["key"], a["value"], a.get("attention_mask")
     scaling = a.get("scaling")
     if scaling is None:
@@ -175,11 +176,16 @@ def kernel_inputs(module: nn.Module, impl: str | None, a: dict[str, Any], keep_v
             "which attnroll cannot recompute blockwise; use attention='dense' or an sdpa/eager/flash model"
         )
     module_causal = bool(getattr(module, "is_causal", False))
+    padding_2d = mask is not None and mask.ndim == 2  # flash kernels: (B, n_k) 1 = real token
+    if padding_2d:
+        mask = mask[:, None, None, :].bool()
+    # Fused kernels build causality and the window themselves when no 4-D mask carries them.
+    structural = (mask is None or padding_2d) and impl not in (None, "eager", "paged|eager")
     causal = False
-    if mask is None and impl not in (None, "eager", "paged|eager"):
+    if structural:
         flag = a.get("is_causal")
         causal = q.shape[-2] > 1 and bool(getattr(module, "is_causal", True) if flag is None else flag)
-    window = a.get("sliding_window") if mask is None else None
+    window = a.get("sliding_window") if structural else None
     sinks = a.get("s_aux")
     if sinks is None and isinstance(getattr(module, "sinks", None), torch.Tensor):
         sinks = module.sinks

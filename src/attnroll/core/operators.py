@@ -37,8 +37,8 @@ class KernelInputs:
         scaling: factor on q·k.
         mask: None, or broadcastable to (B, H, n_q, n_k): bool (True = may attend) or additive float
             (large negative = masked; ALiBi-style biases included).
-        causal: with ``mask`` None, query i sees keys j ≤ i only (the kernel's ``is_causal``).
-        window: with ``mask`` None, a sliding window: query i sees keys j > i − window only.
+        causal: query i sees keys j ≤ i only (the kernel's ``is_causal``, when no mask tensor carries it).
+        window: a sliding window: query i sees keys j > i − window only (flash's ``sliding_window``).
         softcap: logits become softcap·tanh(logits / softcap) before the mask (Gemma 2).
         sinks: (H,) per-head sink logits that join the softmax's denominator only (attention sinks).
         bias: additive position bias broadcastable to (B, H, n_q, n_k), added after softcapping.
@@ -90,18 +90,18 @@ def _allowed(m: torch.Tensor) -> torch.Tensor:
 def key_range(layer: KernelInputs, q0: int, q1: int) -> tuple[int, int]:
     """[k0, k1): the keys that any query of [q0, q1) may attend to; outside it every probability is 0."""
     nk = layer.k.shape[-2]
-    if layer.mask is None:
-        k1 = min(nk, q1) if layer.causal else nk
-        k0 = max(0, q0 - layer.window + 1) if layer.window is not None else 0
+    k1 = min(nk, q1) if layer.causal else nk
+    k0 = max(0, q0 - layer.window + 1) if layer.window is not None else 0
+    if layer.mask is None or k1 <= k0:
         return k0, max(k0, k1)
-    m = _mask_block(layer.mask, q0, q1, 0, nk)
+    m = _mask_block(layer.mask, q0, q1, k0, k1)
     cols = _allowed(m).reshape(-1, m.shape[-1]).any(dim=0)
     if cols.numel() == 1:  # broadcast over keys
-        return (0, nk) if bool(cols) else (0, 0)
+        return (k0, k1) if bool(cols) else (0, 0)
     idx = cols.nonzero()
     if idx.numel() == 0:
         return 0, 0
-    return int(idx[0]), int(idx[-1]) + 1
+    return k0 + int(idx[0]), k0 + int(idx[-1]) + 1
 
 
 def _structural_mask(layer: KernelInputs, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor | None:
@@ -136,10 +136,9 @@ def logits_block(layer: KernelInputs, q0: int, q1: int, k0: int, k1: int) -> tor
             s = s.masked_fill(~m, float("-inf"))
         else:
             s = s + m.to(torch.float32)
-    else:
-        ok = _structural_mask(layer, q0, q1, k0, k1)
-        if ok is not None:
-            s = s.masked_fill(~ok, float("-inf"))
+    ok = _structural_mask(layer, q0, q1, k0, k1)
+    if ok is not None:
+        s = s.masked_fill(~ok, float("-inf"))
     return s
 
 
