@@ -19,6 +19,10 @@ from .capture import AttentionRecord, capture
 from .methods import Explainer, Explanation, explain, methods
 # --- end explain ---
 
+# --- long prompts (issue 16): context attribution for decoders ---
+from .methods.context import ContextAttribution, context_attribution
+# --- end long prompts ---
+
 # --- evaluate (issue 7): the subpackage, as attnroll.evaluate.deletion(...), attnroll.evaluate.audit(...) ---
 from . import evaluate
 
@@ -38,6 +42,8 @@ __all__ = [
     "Explainer",
     "Explanation",
     "methods",
+    "context_attribution",
+    "ContextAttribution",
     "evaluate",
     "__version__",
 ]

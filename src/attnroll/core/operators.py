@@ -23,8 +23,9 @@ import torch
 
 from . import fusion
 
-#: Elements of one recomputed block (B·H·rows·keys): 8 Mi float32 = 32 MiB per temporary.
-BLOCK_ELEMENTS = 1 << 23
+#: Elements of one recomputed block (B·H·rows·keys): 1 Mi float32 = 4 MiB per temporary, so that the few
+#: passes over a block (product, softmax, head sum) stay in cache.
+BLOCK_ELEMENTS = 1 << 20
 
 
 @dataclass
@@ -104,30 +105,33 @@ def key_range(layer: KernelInputs, q0: int, q1: int) -> tuple[int, int]:
     return k0 + int(idx[0]), k0 + int(idx[-1]) + 1
 
 
-def _structural_mask(layer: KernelInputs, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor | None:
-    """Bool (rows, keys) for causal / sliding-window kernels without a mask tensor, else None."""
-    if not layer.causal and layer.window is None:
-        return None
-    qi = torch.arange(q0, q1, device=layer.q.device)[:, None]
-    kj = torch.arange(k0, k1, device=layer.q.device)[None, :]
-    ok = torch.ones(q1 - q0, k1 - k0, dtype=torch.bool, device=layer.q.device)
-    if layer.causal:
-        ok = ok & (kj <= qi)
-    if layer.window is not None:
-        ok = ok & (kj > qi - layer.window)
-    return ok
+def _structural_mask(layer: KernelInputs, s: torch.Tensor, q0: int, q1: int, k0: int, k1: int) -> None:
+    """Mask causal / sliding-window entries of the logits block ``s`` in place with −inf. Only the columns
+    where the rule can bite are touched: j > q0 (causal), j ≤ q1 − 1 − window (window)."""
+    dev = s.device
+    qi = torch.arange(q0, q1, device=dev)[:, None]
+    if layer.causal and k1 > q0 + 1:
+        c0 = max(k0, q0 + 1)
+        kj = torch.arange(c0, k1, device=dev)[None, :]
+        s[..., c0 - k0 :].masked_fill_(kj > qi, float("-inf"))
+    if layer.window is not None and k0 < q1 - layer.window:
+        c1 = min(k1, q1 - layer.window)
+        kj = torch.arange(k0, c1, device=dev)[None, :]
+        s[..., : c1 - k0].masked_fill_(kj <= qi - layer.window, float("-inf"))
 
 
 def logits_block(layer: KernelInputs, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
-    """(B, H, rows, keys) float32 attention logits of queries [q0, q1) on keys [k0, k1), masked with −inf."""
+    """(B, H, rows, keys) float32 attention logits of queries [q0, q1) on keys [k0, k1), masked with −inf.
+
+    Each key/value head is multiplied with its whole group of query heads at once (no repeated keys)."""
     B, H, _, d = layer.q.shape
     Hkv = layer.k.shape[1]
-    g = H // Hkv
-    q = layer.q[:, :, q0:q1].to(torch.float32).reshape(B, Hkv, g, q1 - q0, d)
-    k = layer.k[:, :, k0:k1].to(torch.float32).unsqueeze(2)  # (B, H_kv, 1, keys, d): shared by its group
-    s = (q @ k.transpose(-1, -2)).reshape(B, H, q1 - q0, k1 - k0) * layer.scaling
+    rows = q1 - q0
+    q = (layer.q[:, :, q0:q1].to(torch.float32) * layer.scaling).reshape(B, Hkv, (H // Hkv) * rows, d)
+    k = layer.k[:, :, k0:k1].to(torch.float32)
+    s = (q @ k.transpose(-1, -2)).view(B, H, rows, k1 - k0)
     if layer.softcap is not None:
-        s = torch.tanh(s / layer.softcap) * layer.softcap
+        s = torch.tanh(s.div_(layer.softcap)).mul_(layer.softcap)
     if layer.bias is not None:
         s = s + _mask_block(layer.bias, q0, q1, k0, k1).to(torch.float32)
     if layer.mask is not None:
@@ -136,9 +140,7 @@ def logits_block(layer: KernelInputs, q0: int, q1: int, k0: int, k1: int) -> tor
             s = s.masked_fill(~m, float("-inf"))
         else:
             s = s + m.to(torch.float32)
-    ok = _structural_mask(layer, q0, q1, k0, k1)
-    if ok is not None:
-        s = s.masked_fill(~ok, float("-inf"))
+    _structural_mask(layer, s, q0, q1, k0, k1)
     return s
 
 
@@ -146,16 +148,15 @@ def probs_block(layer: KernelInputs, q0: int, q1: int, k0: int, k1: int) -> torc
     """(B, H, rows, keys) float32 softmax probabilities; [k0, k1) must cover every key the rows may see
     (``key_range``). Fully masked rows give 0 (they belong to padding); sinks join the denominator."""
     s = logits_block(layer, q0, q1, k0, k1)
-    top = s.amax(dim=-1, keepdim=True)
-    if layer.sinks is not None:
-        sink = layer.sinks.to(torch.float32).reshape(1, -1, 1, 1)
-        top = torch.maximum(top, sink)
+    if layer.sinks is None:
+        p = torch.softmax(s, dim=-1)
+        return p.nan_to_num_(0.0) if layer.mask is not None else p
+    sink = layer.sinks.to(torch.float32).reshape(1, -1, 1, 1)
+    top = torch.maximum(s.amax(dim=-1, keepdim=True), sink)
     top = torch.where(torch.isfinite(top), top, torch.zeros((), dtype=s.dtype, device=s.device))
     p = torch.exp(s - top)
-    z = p.sum(dim=-1, keepdim=True)
-    if layer.sinks is not None:
-        z = z + torch.exp(sink - top)
-    return p / torch.where(z > 0, z, torch.ones_like(z))
+    z = p.sum(dim=-1, keepdim=True) + torch.exp(sink - top)
+    return p / z
 
 
 # ------------------------------------------------------------------------------------------ block rules
@@ -168,6 +169,8 @@ def fused_probs(how: Any) -> BlockRule:
     def rule(layer: KernelInputs, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
         return fusion.fuse_tensor(probs_block(layer, q0, q1, k0, k1), how)
 
+    if isinstance(how, str) and how == "mean":
+        rule.heads = probs_block  # type: ignore[attr-defined]  (r·mean_h(A) = mean_h(r·A): see apply_layer)
     return rule
 
 
@@ -223,7 +226,12 @@ def apply_layer(
         ident = torch.full((B, q1 - q0), c, dtype=r.dtype, device=r.device)
         if mask is not None:
             ident = ident * mask[:, q0:q1]
-        if k1 > k0:
+        if k1 > k0 and mask is None and not renorm and hasattr(rule, "heads"):
+            # One product over (head, row) pairs instead of forming the head mean first: one pass less.
+            A = rule.heads(layer, q0, q1, k0, k1).to(r.dtype)
+            u = rb.unsqueeze(2).expand(B, r.shape[1], H, q1 - q0).reshape(B, r.shape[1], -1)
+            out[..., k0:k1] += (a / H) * (u @ A.view(B, -1, k1 - k0))
+        elif k1 > k0:
             P = rule(layer, q0, q1, k0, k1).to(r.dtype)
             if mask is not None:
                 P = _restrict(P, mask[:, q0:q1], mask[:, k0:k1])
