@@ -12,7 +12,7 @@ def main() -> None:
     except ImportError:
         print("error: the attnroll command needs the cli extra: pip install 'attnroll[cli]'", file=sys.stderr)
         sys.exit(1)
-    from .cli import main as cli_main
+    from .commands import main as cli_main
 
     sys.exit(cli_main())  # the exit code (0, 1, 2 or 3) must reach the shell
 

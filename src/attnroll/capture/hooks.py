@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from .. import _checks
+from .._modes import eval_mode
 from ..core.fusion import fuse_tensor
 from .record import AttentionRecord
 
@@ -425,15 +426,7 @@ class Capture:
         stack = ExitStack()
         try:
             if self.eval_mode:
-                flags = [(m, m.training) for m in self.model.modules()]
-
-                def restore_modes() -> None:
-                    # Per-module flags: model.train() would also flip submodules the caller kept in eval.
-                    for m, flag in flags:
-                        m.training = flag
-
-                stack.callback(restore_modes)
-                self.model.eval()
+                stack.enter_context(eval_mode(self.model))
             self.adapter.install(stack, self.recorder, self.site_list)
             pre = self.model.register_forward_pre_hook(self._pre, with_kwargs=True)
             stack.callback(pre.remove)

@@ -16,16 +16,16 @@ import base64
 import html
 import io
 import os
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch
 
 from .. import _checks
+from .._modes import eval_mode
 from .._io import atomic_write
-from ._common import batched_logits, chunks, image_forward, relevance_order, spearman_rows
+from ._common import batched_logits, image_forward, relevance_order, spearman_rows
 
 __all__ = ["AuditReport", "audit", "shapes_regions", "grid_regions", "js_divergence"]
 
@@ -145,7 +145,7 @@ class AuditReport:
             raise ValueError(f"images holds {len(images)} images but the audit has B={self.n} examples")
         from matplotlib.figure import Figure
 
-        from ..viz import _deps
+        from ..viz import deps as _deps
         from ..viz.overlay import to_rgb_array
 
         _deps.pyplot("AuditReport.figure")  # the Agg backend, and one clear error without matplotlib
@@ -314,7 +314,7 @@ def audit(
 
     info = method_info(method)
 
-    with _eval_mode(model_a, model_b):
+    with eval_mode(model_a, model_b):
         sa, grid_a, pred_a = _explain_all(model_a, x, info, target, batch_size, options)
         sb, grid_b, pred_b = _explain_all(model_b, x, info, target, batch_size, options)
     _checks.check_audit_maps(grid_a, grid_b, sa.shape[1], sb.shape[1])
@@ -374,43 +374,18 @@ def audit(
     )
 
 
-@contextmanager
-def _eval_mode(*models: Any) -> Iterator[None]:
-    """Put the nn.Modules among ``models`` in eval mode; restore each submodule's own flag on exit."""
-    saved = []
-    for m in models:
-        if isinstance(m, torch.nn.Module):
-            saved.append([(sub, sub.training) for sub in m.modules()])
-    try:
-        for m in models:
-            if isinstance(m, torch.nn.Module):
-                m.eval()
-        yield
-    finally:
-        for states in saved:
-            for sub, was in states:
-                sub.training = was
-
-
 def _explain_all(
     model: Any, x: torch.Tensor, info: Any, target: Any, batch_size: int, options: dict
 ) -> tuple[np.ndarray, tuple[int, int] | None, np.ndarray]:
     """Scores (B, units) float64, grid and predicted classes (B,) of one model, explained in chunks."""
-    from ..methods.base import explain
+    from ..methods import explain_batches
 
-    scores, grid, preds = [], None, []
-    for sl in chunks(x.shape[0], batch_size):
-        t = target[sl] if isinstance(target, list) else target
-        # Gradient methods refuse no_grad (and need autograd); the others need none, so skip the graph.
-        with torch.set_grad_enabled(info.needs_grad):
-            e = explain(model, x[sl], method=info.name, target=t, **options)
-        scores.append(e.scores.detach().to("cpu", torch.float64).numpy())
-        grid = None if e.grid is None else (int(e.grid[0]), int(e.grid[1]))
-        if target is None and isinstance(e.target, list) and len(e.target) == sl.stop - sl.start:
-            preds.append(np.asarray(e.target, dtype=np.int64))  # the target *is* the predicted class
-        else:
-            preds.append(batched_logits(image_forward(model), x[sl], batch_size).argmax(dim=1).numpy())
-    return np.concatenate(scores), grid, np.concatenate(preds)
+    r = explain_batches(model, x, info.name, target=target, batch_size=batch_size, **options)
+    if target is None and r.targets is not None:
+        preds = np.asarray(r.targets, dtype=np.int64)  # the target *is* the predicted class
+    else:
+        preds = batched_logits(image_forward(model), x, batch_size).argmax(dim=1).numpy()
+    return r.scores.to(torch.float64).numpy(), r.grid, preds
 
 
 # ------------------------------------------------------------------------------------------- statistics

@@ -42,7 +42,6 @@ needed) and the copy is put in eval mode.
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,7 +50,7 @@ import torch
 from torch import nn
 
 from .. import _checks
-from ..methods.base import Explainer, explain, method_info
+from ..methods import Explainer, batch_size_of, explain_batches
 from ._common import spearman_rows
 
 __all__ = ["SanityResult", "cascading_randomization", "find_blocks", "find_head", "component_parameters"]
@@ -302,55 +301,12 @@ def _reinitialise(targets: list[Target], gen: torch.Generator) -> None:
 
 
 # ----------------------------------------------------------------------------------------------- inputs
-def _batch_of(inputs: Any) -> int:
-    if isinstance(inputs, torch.Tensor):
-        if inputs.ndim == 0:
-            raise ValueError("inputs must have a batch axis, got a 0-d tensor")
-        return int(inputs.shape[0])
-    if isinstance(inputs, Mapping):
-        for v in inputs.values():
-            if isinstance(v, torch.Tensor) and v.ndim >= 1:
-                return int(v.shape[0])
-    raise TypeError(
-        "inputs must be a pixel tensor (B, 3, H, W) or what the model's processor / tokenizer returns (a dict of "
-        f"batch-first tensors), got {_checks.describe(inputs)}"
-    )
-
-
-def _slice_inputs(inputs: Any, sl: slice, batch: int) -> Any:
-    if isinstance(inputs, torch.Tensor):
-        return inputs[sl]
-    # A plain dict of the batch-first tensors (a BatchEncoding is a Mapping; explain takes any Mapping).
-    return {
-        k: v[sl] if isinstance(v, torch.Tensor) and v.ndim >= 1 and v.shape[0] == batch else v
-        for k, v in inputs.items()
-    }
-
-
-def _slice_target(target: Any, sl: slice) -> Any:
-    if isinstance(target, torch.Tensor) and target.ndim == 1:
-        return target[sl].tolist()
-    if isinstance(target, (list, tuple)):
-        return list(target[sl])
-    return target  # None, an int or a callable
-
-
 def _maps(
-    model: nn.Module, inputs: Any, batch: int, method: str, target: Any, options: dict, batch_size: int
+    model: nn.Module, inputs: Any, method: str, target: Any, options: dict, batch_size: int
 ) -> tuple[np.ndarray, list | None]:
-    """The method's scores (B, units) over all inputs in chunks, and the resolved per-example target."""
-    grad = method_info(method).needs_grad
-    scores, targets = [], []
-    for start in range(0, batch, batch_size):
-        sl = slice(start, min(batch, start + batch_size))
-        with torch.enable_grad() if grad else torch.no_grad():
-            e = explain(model, _slice_inputs(inputs, sl, batch), method, _slice_target(target, sl), **options)
-        scores.append(torch.as_tensor(e.scores).detach().to("cpu", torch.float64).numpy())
-        targets.append(e.target)
-    resolved = None
-    if all(isinstance(t, list) for t in targets):
-        resolved = [int(v) for t in targets for v in t]
-    return np.concatenate(scores, axis=0), resolved
+    """The method's scores (B, units) float64 over all inputs in chunks, and the resolved per-example target."""
+    r = explain_batches(model, inputs, method, target=target, batch_size=batch_size, **options)
+    return r.scores.to(torch.float64).numpy(), r.targets
 
 
 def _nanmean_rows(a: np.ndarray) -> float:
@@ -399,7 +355,7 @@ def cascading_randomization(
     options = _checks.check_method_options("method_options", method_options, methods)
     for m in methods:
         Explainer(model, m, **options.get(m, {}))  # validates the name (lists the methods) and the options
-    batch = _batch_of(inputs)
+    batch = batch_size_of(inputs)
     if batch == 0:
         raise ValueError("inputs hold no examples (B=0)")
 
@@ -414,7 +370,7 @@ def cascading_randomization(
     original: dict[str, np.ndarray] = {}
     fixed = target
     for m in methods:
-        original[m], resolved = _maps(work, inputs, batch, m, fixed, options.get(m, {}), batch_size)
+        original[m], resolved = _maps(work, inputs, m, fixed, options.get(m, {}), batch_size)
         if fixed is None and resolved is not None:
             fixed = resolved  # the original model's predicted classes, for every later map
 
@@ -423,7 +379,7 @@ def cascading_randomization(
     for s, (_, targets) in enumerate(plan):
         _reinitialise(targets, gen)
         for m in methods:
-            maps, _ = _maps(work, inputs, batch, m, fixed, options.get(m, {}), batch_size)
+            maps, _ = _maps(work, inputs, m, fixed, options.get(m, {}), batch_size)
             per_example[m][s] = spearman_rows(original[m], maps)
     return SanityResult(
         methods=methods,

@@ -124,7 +124,7 @@ class EvaluationResult:
     def plot(self, fig: Any = None) -> Any:
         """A matplotlib figure of the mean perturbation curves: one panel per perturbation metric, one line per
         method (needs the ``viz`` extra)."""
-        from ..viz import _deps
+        from ..viz import deps as _deps
 
         plt = _deps.pyplot("EvaluationResult.plot")
         kinds = [k for k in self.metrics if k in CURVES]
@@ -162,24 +162,10 @@ def explain_scores(model: Any, pixel_values: Any, method: str, *, target: Any = 
     method; returns scores (B, units) float32 and the patch grid (None for text). Gradient methods run with gradients enabled (and only they). ``target`` None / int / list of B
     ints; the ``random`` control gets a distinct seed per example (``seed`` + index), so chunking does not
     repeat maps."""
-    from ..methods.base import _get, _load_all, explain
+    from ..methods import explain_batches
 
-    _load_all()
-    m = _get(method)
-    B = _batch_size(pixel_values)
-    if isinstance(target, torch.Tensor):
-        target = target.tolist()
-    out, grid = [], None
-    for sl in chunks(B, batch_size):
-        t = target[sl] if isinstance(target, (list, tuple)) else target
-        opts = dict(options)
-        if m.name == "random":
-            opts["seed"] = int(options.get("seed", 0)) + sl.start
-        with torch.set_grad_enabled(m.needs_grad):
-            e = explain(model, _take(pixel_values, sl), method=m.name, target=t, **opts)
-        out.append(e.scores.detach().float().cpu())
-        grid = e.grid
-    return torch.cat(out), grid
+    r = explain_batches(model, pixel_values, method, target=target, batch_size=batch_size, **options)
+    return r.scores, r.grid
 
 
 def evaluate_methods(
@@ -258,11 +244,10 @@ def evaluate_methods(
     methods = list(dict.fromkeys(methods))
     if not methods:
         raise ValueError("methods is empty; give at least one name from attnroll.methods()")
-    from ..methods.base import _get, _load_all
+    from ..methods.base import method_info
 
-    _load_all()
     for m in methods:
-        _get(m)  # an unknown name fails here, before any work, with the list of methods
+        method_info(m)  # an unknown name fails here, before any work, with the list of methods
     faithful = TEXT if is_text else PERTURBATION
     if metrics is None:
         metrics = list(faithful) + (list(LOCALISATION) if masks is not None else [])

@@ -8,7 +8,6 @@ attention gradients) and calls the method. Methods are each one file in this pac
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -16,11 +15,13 @@ import torch
 from torch import nn
 
 from .. import _checks
+from .._modes import params_require_grad
 from ..capture import capture as _capture
 from ..capture.record import AttentionRecord
 from .explanation import Explanation
 
-__all__ = ["Explanation", "Explainer", "explain", "methods", "register", "Method", "Context"]
+__all__ = ["Explanation", "Explainer", "explain", "methods", "method_info", "check_options", "register", "Method",
+           "Context"]
 
 #: Options every method takes (besides its own): the output position to explain (row of the map).
 COMMON_OPTIONS = {"position": None}
@@ -58,6 +59,10 @@ def register(
 ) -> Callable:
     """Decorator registering ``fn(ctx, **options) -> Explanation`` under ``name``."""
 
+    if name in _REGISTRY:
+        raise ValueError(f"method name {name!r} is already registered (by {_REGISTRY[name].fn.__module__}); "
+                         "choose another name")
+
     def deco(fn: Callable) -> Callable:
         _REGISTRY[name] = Method(
             name, fn, description, dict(options or {}), needs_grad, class_specific, cost, reference, dict(refuse or {})
@@ -68,14 +73,12 @@ def register(
 
 
 def methods() -> dict[str, str]:
-    """Registered method names -> one-line descriptions."""
-    _load_all()
+    """Registered method names -> one-line descriptions (in registration order)."""
     return {name: m.description for name, m in _REGISTRY.items()}
 
 
 def method_info(name: str) -> Method:
-    """The registry entry of ``name`` (options, cost, reference...)."""
-    _load_all()
+    """The registry entry of ``name`` (options, cost, reference...); ValueError listing the methods if unknown."""
     return _get(name)
 
 
@@ -84,10 +87,6 @@ def _get(name: Any) -> Method:
         listing = "; ".join(f"{k}: {m.description}" for k, m in _REGISTRY.items())
         raise ValueError(f"method must be one of the registered methods, got {name!r}. Methods: {listing}")
     return _REGISTRY[name]
-
-
-def _load_all() -> None:
-    from . import _registry  # noqa: F401  (imports every method file, which registers it)
 
 
 # ------------------------------------------------------------------------------------------- context
@@ -121,7 +120,7 @@ class Context:
         order of the attention modules in the model, never hook order). ``scores(record) -> (B,)`` replaces
         the default target resolution (CLIP, encoder-decoders)."""
         require_grad_mode(self.method.name)
-        with _params_require_grad(self.model):
+        with params_require_grad(self.model):
             rec = _capture(self.model, self.inputs, keep_grad=True, tokenizer=self.tokenizer)
         self.rec = rec
         names = list(rec.streams) if streams is None else streams
@@ -340,25 +339,12 @@ def require_grad_mode(name: str) -> None:
         )
 
 
-@contextlib.contextmanager
-def _params_require_grad(model: nn.Module):
-    """If no parameter requires grad (a frozen model), let them for the duration so that the attention is
-    part of a graph; restored afterwards. Only attention gradients are computed (.grad is never written)."""
-    params = [p for p in model.parameters() if p.is_floating_point()]
-    frozen = bool(params) and not any(p.requires_grad for p in params)
-    if frozen:
-        for p in params:
-            p.requires_grad_(True)
-    try:
-        yield
-    finally:
-        if frozen:
-            for p in params:
-                p.requires_grad_(False)
-
-
 # ------------------------------------------------------------------------------------------- entry points
-def _resolve_options(m: Method, options: dict) -> dict:
+def check_options(method: str | Method, options: dict) -> dict:
+    """Validate ``options`` for ``method`` (a name or its registry entry) and return them completed with the
+    defaults. ValueError for an unknown method, an option it does not take (naming the methods that do) or
+    an option it refuses (saying why)."""
+    m = method if isinstance(method, Method) else _get(method)
     allowed = {**COMMON_OPTIONS, **m.options}
     for k in options:
         if k in allowed:
@@ -406,9 +392,8 @@ def explain(
             out of range or a callable returning the wrong shape.
         RuntimeError: a gradient method under ``torch.no_grad()`` / ``torch.inference_mode()``.
     """
-    _load_all()
     m = _get(method)
-    opts = _resolve_options(m, options)
+    opts = check_options(m, options)
     if m.needs_grad:
         require_grad_mode(m.name)
     ctx = Context(model, inputs, target, m, opts, tokenizer)
@@ -421,10 +406,9 @@ class Explainer:
     Options are validated once, at construction."""
 
     def __init__(self, model: nn.Module, method: str = "rollout", *, tokenizer: Any = None, **options: Any):
-        _load_all()
         self.model = model
         self.method = _get(method).name
-        _resolve_options(_get(method), options)
+        check_options(self.method, options)
         self.tokenizer = tokenizer
         self.options = options
 

@@ -9,12 +9,12 @@ The model runs with its own attention implementation (SDPA is fine: no attention
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import torch
 
 from .. import _checks
+from .._modes import eval_mode
 from .base import Context, main_logits, register
 
 
@@ -26,17 +26,6 @@ def _captum():
             "the Captum baselines need captum: pip install 'attnroll[captum]' (or pip install captum)"
         ) from None
     return ca
-
-
-@contextlib.contextmanager
-def _eval(model: torch.nn.Module):
-    flags = [(m, m.training) for m in model.modules()]
-    model.eval()
-    try:
-        yield
-    finally:
-        for m, f in flags:
-            m.training = f
 
 
 def _run(ctx: Context, kind: str, n_steps: int = 50, internal_batch_size: Any = None, baseline: Any = "pad"):
@@ -74,7 +63,7 @@ def _run(ctx: Context, kind: str, n_steps: int = 50, internal_batch_size: Any = 
     is_dict = isinstance(inputs, dict) or hasattr(inputs, "keys")
     pixels = inputs.get("pixel_values") if is_dict else inputs if isinstance(inputs, torch.Tensor) else None
     n_steps = _checks.check_int("n_steps", n_steps, low=1)
-    with _eval(model):
+    with eval_mode(model):
         if pixels is not None and pixels.is_floating_point() and pixels.ndim == 4:
             rest = {k: v for k, v in inputs.items() if k != "pixel_values"} if is_dict else {}
 

@@ -105,12 +105,12 @@ class Explanation:
             if isinstance(v, (torch.Tensor, np.ndarray)):
                 arrays["extra__" + k] = _np(v)
             else:
-                extra_meta[k] = _jsonable(v)
+                extra_meta[k] = jsonable(v)
         meta = {
             "format": _FORMAT,
             "method": self.method,
-            "options": _jsonable(self.options),
-            "target": _jsonable(self.target),
+            "options": jsonable(self.options),
+            "target": jsonable(self.target),
             "tokens": self.tokens,
             "grid": list(self.grid) if self.grid is not None else None,
             "prefix": self.prefix,
@@ -236,14 +236,14 @@ def _np(t: Any) -> np.ndarray:
     return np.asarray(t)
 
 
-def _jsonable(x: Any) -> Any:
+def jsonable(x: Any) -> Any:
     """Options and targets as JSON: tensors/arrays become lists, callables and other objects their name."""
     if x is None or isinstance(x, (bool, int, float, str)):
         return x
     if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items()}
+        return {str(k): jsonable(v) for k, v in x.items()}
     if isinstance(x, (list, tuple, range)):
-        return [_jsonable(v) for v in x]
+        return [jsonable(v) for v in x]
     if isinstance(x, (torch.Tensor, np.ndarray)):
         return _np(x).tolist()
     if isinstance(x, (np.integer, np.floating)):

@@ -7,5 +7,13 @@
   of the shapes ViT fine-tuned to follow it (``load_marker_model``), the test case of checkpoint audits; its
   fine-tuning script is :mod:`attnroll.models.finetune_marker`.
 
+- :mod:`attnroll.models.loading`: :func:`load_model` loads any supported model from a name or a folder
+  (the embedded ones, a local transformers folder, a timm architecture with a weights file) into a
+  :class:`LoadedModel` (the model, its input kind, its image preparation or tokenizer, its class names).
+
 Submodules import their heavy dependencies (transformers, safetensors) only when a model is loaded.
 """
+
+from .loading import LoadedModel, MissingWeightsError, load_model
+
+__all__ = ["LoadedModel", "MissingWeightsError", "load_model"]

@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import _deps
+from . import deps
 from .layers import _token_labels
 from .overlay import overlay
 
@@ -67,7 +67,7 @@ def plot_heads(
     Returns:
         a PIL RGB image.
     """
-    plt = _deps.pyplot("attnroll.viz.plot_heads")
+    plt = deps.pyplot("attnroll.viz.plot_heads")
     from ..methods.explanation import Explanation
 
     rows = head_rows(source, index, row=row)  # (H, n)
@@ -98,7 +98,7 @@ def plot_heads(
             ax.set_title(f"head {k}", fontsize=8)
         fig.suptitle(title, fontsize=9)
         fig.tight_layout()
-        return _deps.figure_to_image(fig)
+        return deps.figure_to_image(fig)
     if is_expl and tokens is None:
         tokens = _token_labels(source, index)
     vals = rows[:, prefix:].numpy()
@@ -113,4 +113,4 @@ def plot_heads(
     ax.set_yticks(range(H), [f"head {k}" for k in range(H)], fontsize=8)
     ax.set_title(title + " (each row scaled to its max)", fontsize=9)
     fig.tight_layout()
-    return _deps.figure_to_image(fig)
+    return deps.figure_to_image(fig)

@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import _deps
+from . import deps
 from .overlay import overlay
 
 
@@ -40,7 +40,7 @@ def plot_layers(
     Returns:
         a PIL RGB image (image models: about ``cell`` pixels per map).
     """
-    plt = _deps.pyplot("attnroll.viz.plot_layers")
+    plt = deps.pyplot("attnroll.viz.plot_layers")
     L = _check_layers(expl)[:, index].to(torch.float64)  # (L, n)
     p = expl.prefix
     start = int((expl.options or {}).get("start_layer") or 0)
@@ -64,7 +64,7 @@ def plot_layers(
             ax.set_title(labels[k], fontsize=8)
         fig.suptitle(f"{expl.method}: row after each layer", fontsize=9)
         fig.tight_layout()
-        return _deps.figure_to_image(fig)
+        return deps.figure_to_image(fig)
     toks = _token_labels(expl, index)
     vals = L[:, p:p + len(toks)].numpy()
     d = np.abs(vals).max(axis=1, keepdims=True)
@@ -75,7 +75,7 @@ def plot_layers(
     ax.set_yticks(range(len(labels)), labels, fontsize=8)
     ax.set_title(f"{expl.method}: row after each layer (each row scaled to its max)", fontsize=9)
     fig.tight_layout()
-    return _deps.figure_to_image(fig)
+    return deps.figure_to_image(fig)
 
 
 def _token_labels(expl: Any, index: int) -> list[str]:

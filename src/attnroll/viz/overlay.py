@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import _deps
+from . import deps
 
 _RESAMPLE = ("nearest", "bilinear", "bicubic")
 
@@ -18,7 +18,7 @@ def to_rgb_array(image: Any) -> np.ndarray:
     Accepts a PIL image; a numpy array or torch tensor (H, W, 3) or (3, H, W) (channels-first, as
     ``make_dataset`` returns), uint8 in [0, 255] or float in [0, 1]; (H, W) grey images are repeated to RGB.
     """
-    Image = _deps.pil()
+    Image = deps.pil()
     if isinstance(image, Image.Image):
         return np.asarray(image.convert("RGB"))
     arr = image.detach().cpu().numpy() if isinstance(image, torch.Tensor) else np.asarray(image)
@@ -71,19 +71,19 @@ def grid_map(source: Any, index: int = 0, kind: str = "minmax") -> np.ndarray:
 
 def colorize(grid: np.ndarray, size: tuple[int, int], cmap: str = "jet", resample: str = "bilinear") -> np.ndarray:
     """A [0, 1] map (h, w) upsampled to ``size`` = (W, H) pixels and coloured: (H, W, 3) float in [0, 1]."""
-    Image = _deps.pil()
+    Image = deps.pil()
     if resample not in _RESAMPLE:
         raise ValueError(f"resample must be one of {_RESAMPLE}, got {resample!r}")
     mode = {"nearest": Image.NEAREST, "bilinear": Image.BILINEAR, "bicubic": Image.BICUBIC}[resample]
     up = Image.fromarray(np.asarray(grid, dtype=np.float32), mode="F").resize(size, mode)
     h = np.clip(np.asarray(up, dtype=np.float64), 0.0, 1.0)
-    return _deps.colormap(cmap)(h)[..., :3]
+    return deps.colormap(cmap)(h)[..., :3]
 
 
 def outline_pixels(mask: Any, size: tuple[int, int], thickness: int | None = None) -> np.ndarray:
     """The boundary of a binary mask (H, W) resized (nearest) to ``size`` = (W, H): (H, W) bool, True on
     the mask's pixels that touch a pixel outside it (``thickness`` pixels wide; default ~1/128 of the side)."""
-    Image = _deps.pil()
+    Image = deps.pil()
     m = mask.detach().cpu().numpy() if isinstance(mask, torch.Tensor) else np.asarray(mask)
     if m.ndim != 2:
         raise ValueError(f"outline mask must be 2-D (H, W), got shape {m.shape}")
@@ -124,7 +124,7 @@ def overlay(
     Returns:
         a PIL RGB image of ``size`` (W, H) pixels.
     """
-    Image = _deps.pil()
+    Image = deps.pil()
     if not 0.0 <= float(alpha) <= 1.0:
         raise ValueError(f"alpha must be in [0, 1], got {alpha!r}")
     base = Image.fromarray(to_rgb_array(image))

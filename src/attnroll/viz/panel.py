@@ -6,7 +6,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from . import _deps
+from . import deps
 from .overlay import overlay, to_rgb_array
 
 
@@ -51,7 +51,7 @@ def panel(
     Returns:
         a PIL RGB image, about ``cell`` pixels per cell plus room for titles.
     """
-    plt = _deps.pyplot("attnroll.viz.panel")
+    plt = deps.pyplot("attnroll.viz.panel")
     named = _named(explanations)
     if not named:
         raise ValueError("panel needs at least one explanation")
@@ -85,4 +85,4 @@ def panel(
                 ax.set_title(name, fontsize=max(7, cell // 16), pad=3)
             if c == 0 and row_labels:
                 ax.set_ylabel(str(row_labels[r]), fontsize=max(6, cell // 18))
-    return _deps.figure_to_image(fig)
+    return deps.figure_to_image(fig)

@@ -7,7 +7,7 @@ from typing import Any, Mapping
 
 import torch
 
-from . import _deps
+from . import deps
 
 
 def _named(explanations: Any) -> list[tuple[str, Any]]:
@@ -111,7 +111,7 @@ def _num(v: float | None) -> str:
 def tokens_text(expl: Any, index: int = 0, *, kind: str = "max", skip: Any = None) -> Any:
     """The tokens of example ``index`` as a ``rich.text.Text`` with a background per score (red positive,
     blue negative, strength = |score|)."""
-    _deps.rich("attnroll.viz.tokens_text")
+    deps.rich("attnroll.viz.tokens_text")
     from rich.text import Text
 
     out = Text()
@@ -133,7 +133,7 @@ def tokens_text(expl: Any, index: int = 0, *, kind: str = "max", skip: Any = Non
 def print_tokens(expl: Any, index: int | None = None, *, kind: str = "max", console: Any = None,
                  skip: Any = None) -> None:
     """Print token highlights to the terminal (rich), one line per example (or only ``index``)."""
-    _deps.rich("attnroll.viz.print_tokens")
+    deps.rich("attnroll.viz.print_tokens")
     from rich.console import Console
 
     console = console or Console()

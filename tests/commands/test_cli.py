@@ -15,7 +15,7 @@ from click.testing import CliRunner  # noqa: E402
 from PIL import Image  # noqa: E402
 
 import attnroll  # noqa: E402
-from attnroll.cli import cli  # noqa: E402
+from attnroll.commands import cli  # noqa: E402
 from attnroll.methods.explanation import Explanation  # noqa: E402
 
 

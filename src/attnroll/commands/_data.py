@@ -1,0 +1,156 @@
+"""Reading what the commands take: image files and folders, text files, the generated datasets, and the
+``--model`` spec (through :func:`attnroll.models.load_model`), each failure as one line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import click
+
+from ._output import Failure, one_line
+
+__all__ = ["IMAGE_SUFFIXES", "DATASETS", "expand_images", "read_image", "load", "load_eval_model",
+           "load_image_model", "load_texts", "load_data", "fill_tensor"]
+
+#: Image file suffixes the commands read (what pillow decodes).
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm")
+#: ``--data`` names of the generated datasets.
+DATASETS = ("shapes", "shapes-marker")
+
+
+def expand_images(paths: tuple[Path, ...]) -> list[Path]:
+    """Files as given; folders replaced by their image files (sorted, not recursive)."""
+    files: list[Path] = []
+    for p in paths:
+        if p.is_dir():
+            found = sorted(f for f in p.iterdir() if f.is_file() and f.suffix.lower() in IMAGE_SUFFIXES)
+            if not found:
+                raise Failure(f"{p}: no images in this folder (looked for {', '.join(IMAGE_SUFFIXES)})")
+            files.extend(found)
+        elif p.suffix.lower() not in IMAGE_SUFFIXES:
+            raise Failure(f"{p}: unsupported image format {p.suffix or '(no suffix)'!r}; supported: "
+                          f"{', '.join(IMAGE_SUFFIXES)}")
+        else:
+            files.append(p)
+    return files
+
+
+def read_image(path: Path) -> Any:
+    """A PIL RGB image, fully decoded; an unreadable or corrupt file is a one-line failure."""
+    from ..viz import deps
+
+    Image = deps.pil("attnroll explain")
+    try:
+        with Image.open(path) as im:
+            im.load()
+            return im.convert("RGB")
+    except OSError as e:  # UnidentifiedImageError and truncated files are OSErrors
+        why = "not an image or corrupt" if "identify" in str(e) else one_line(str(e))
+        raise Failure(f"cannot read image {path}: {why}") from None
+
+
+def _as_option(msg: str) -> str:
+    """The library names its arguments ``model`` / ``weights``; on the command line they are options."""
+    for word in ("model", "weights"):
+        if msg.startswith(word + " "):
+            return "--" + msg.replace(" weights FILE", " --weights FILE")
+    return msg
+
+
+def load(spec: str | None, weights: Path | None, want: str) -> Any:
+    """``--model`` [``--weights``] as a :class:`attnroll.models.LoadedModel`; a failure is one line (a timm
+    name without ``--weights`` is a usage error)."""
+    from ..models import MissingWeightsError, load_model
+
+    try:
+        return load_model(spec, weights, want=want)
+    except MissingWeightsError:
+        raise click.UsageError(f"--model {spec} (a timm architecture) needs --weights FILE: attnroll never "
+                               "downloads") from None
+    except (ValueError, ImportError, FileNotFoundError) as e:
+        raise Failure(_as_option(one_line(str(e)))) from None
+
+
+def load_eval_model(spec: str | None) -> Any:
+    """A model spec of ``evaluate``: "shapes" (default), "shapes-marker" (the spurious-cue copy), or a local
+    transformers folder (an image classifier, or a text classifier with its tokenizer)."""
+    return load(spec or "shapes", None, "image")
+
+
+def load_image_model(spec: str | None) -> Any:
+    """A model spec of ``audit`` / ``sanity``: like :func:`load_eval_model`, but an image classifier."""
+    lm = load_eval_model(spec)
+    if lm.kind != "image":
+        raise Failure(f"{spec}: a text model; 'attnroll audit' compares image classifiers")
+    return lm
+
+
+def load_texts(data: str, n: int) -> list[str]:
+    """``--data`` for a text classifier: a UTF-8 text file, one example per line (blank lines skipped)."""
+    path = Path(data)
+    if data in DATASETS or not path.is_file():
+        raise click.UsageError(f"--data {data}: a text classifier needs a text file, one example per line")
+    try:
+        lines = [ln.strip() for ln in path.read_text(encoding="utf-8").splitlines()]
+    except (OSError, UnicodeDecodeError) as e:
+        raise Failure(f"cannot read {path}: {one_line(getattr(e, 'strerror', None) or e)}") from None
+    texts = [ln for ln in lines if ln][:n]
+    if not texts:
+        raise Failure(f"{path}: no text in this file (one example per line)")
+    return texts
+
+
+def _generated(data: str, lm: Any, n: int, seed: int) -> dict[str, Any]:
+    from ..models import shapes
+
+    images, labels, masks = shapes.make_dataset(n, seed)
+    marker = None
+    if data == "shapes-marker":
+        from ..models import spurious
+
+        images, marker = spurious.add_marker(images, labels, seed=seed)
+    size = tuple(getattr(getattr(lm.model, "config", None), "image_size", shapes.IMAGE_SIZE) for _ in range(2))
+    if size != (shapes.IMAGE_SIZE,) * 2:
+        raise click.UsageError(f"--data {data}: generated {shapes.IMAGE_SIZE}x{shapes.IMAGE_SIZE} images do not "
+                               f"fit a model that takes {size[0]}x{size[1]}; give a folder of images instead")
+    return {"x": shapes.preprocess(images), "images": images, "labels": labels, "masks": masks, "marker": marker}
+
+
+def load_data(data: str, lm: Any, n: int, seed: int) -> dict[str, Any]:
+    """``--data``: a generated dataset name or a folder of images. Returns pixel_values, and for generated
+    data the raw images, labels, object masks (pixels) and marker masks."""
+    import numpy as np
+    import torch
+
+    if data in DATASETS:
+        return _generated(data, lm, n, seed)
+    path = Path(data)
+    if not path.exists():
+        raise click.UsageError(f"--data {data}: neither a folder of images nor one of {', '.join(DATASETS)}")
+    files = expand_images((path,))[:n]
+    xs, raw = [], []
+    for f in files:
+        img = read_image(f)
+        x1 = lm.prepare_image(img)
+        xs.append(x1)
+        # the picture as the model sees it (same size), for the report's overlays
+        small = img.resize((x1.shape[-1], x1.shape[-2]))
+        raw.append(torch.from_numpy(np.asarray(small, dtype=np.float32) / 255.0).permute(2, 0, 1))
+    x, images = torch.cat(xs), torch.stack(raw)
+    return {"x": x, "images": images, "labels": None, "masks": None, "marker": None, "files": files}
+
+
+def fill_tensor(fill: str, lm: Any, x: Any) -> Any:
+    """``--fill``: "black" = a black picture through the model's own preprocessing ((C, H, W), per channel),
+    "mean" = 0.0, or a float in model-input space."""
+    if fill == "mean":
+        return 0.0
+    if fill == "black":
+        from PIL import Image
+
+        return lm.prepare_image(Image.new("RGB", (int(x.shape[-1]), int(x.shape[-2])), (0, 0, 0)))[0]
+    try:
+        return float(fill)
+    except ValueError:
+        raise click.UsageError(f"--fill must be black, mean or a number, got {fill!r}") from None

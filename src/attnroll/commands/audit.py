@@ -1,0 +1,68 @@
+"""``attnroll audit``: compare what two checkpoints rely on, on the same inputs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from ._args import parse_options
+from ._data import load_data, load_image_model
+from ._group import cli
+from ._output import Failure, prepare_out, write
+
+
+@cli.command("audit", short_help="Compare what two checkpoints rely on, on the same inputs.")
+@click.argument("model_a", metavar="MODEL_A")
+@click.argument("model_b", metavar="MODEL_B")
+@click.option("--data", default="shapes-marker", show_default=True,
+              help="shapes | shapes-marker (generated; regions object / marker / background) | a folder of images "
+                   "(regions centre / border / corners).")
+@click.option("--n", "n", default=200, show_default=True, type=click.IntRange(1), help="How many images.")
+@click.option("--seed", default=12345, show_default=True, type=click.IntRange(0), help="Seed of generated images.")
+@click.option("--method", "-m", default="rollout", show_default=True, help="The method whose maps are compared.")
+@click.option("--option", "-o", "options", multiple=True, metavar="KEY=VALUE", help="An option of the method.")
+@click.option("--examples", default=8, show_default=True, type=click.IntRange(1, 64),
+              help="How many most-changed examples the picture shows.")
+@click.option("--format", "fmt", default="html", show_default=True, type=click.Choice(["html", "png"]),
+              help="Report format.")
+@click.option("--out", type=click.Path(path_type=Path), default=Path("attnroll-audit"), show_default=True,
+              help="Output folder (created): audit.html or audit.png, and audit.json.")
+@click.option("--js-threshold", default=0.05, show_default=True, type=click.FloatRange(0, 1),
+              help="Flag when the mean Jensen-Shannon divergence exceeds this (raise it for noisy gradient maps).")
+@click.option("--shift-threshold", default=0.05, show_default=True, type=click.FloatRange(0, 1),
+              help="Flag when a region's mean mass shift exceeds this and its 95% CI excludes 0.")
+@click.option("--fail-if-flagged", is_flag=True, help="Exit with code 3 when the audit flags a shift (for CI).")
+def audit_cmd(model_a, model_b, data, n, seed, method, options, examples, fmt, out, js_threshold, shift_threshold,
+              fail_if_flagged) -> int:
+    """Explain the same inputs with MODEL_A and MODEL_B (shapes | shapes-marker | a transformers image-model
+    folder) and report how the maps differ: per example Jensen-Shannon divergence, rank correlation and top-k
+    overlap; the mass moving between regions with bootstrap confidence intervals; a verdict; and a picture of the
+    examples that changed most. Exit code 3 with --fail-if-flagged when a shift is flagged."""
+    from ..evaluate.audit import audit, shapes_regions
+    from ..methods import methods
+
+    if method not in methods():
+        raise click.UsageError(f"--method {method!r} is unknown; see 'attnroll methods'")
+    opts = parse_options(options)
+    out = prepare_out(out)
+    la, lb = load_image_model(model_a), load_image_model(model_b)
+    d = load_data(data, la, n, seed)
+    # without masks audit() falls back to grid_regions (centre / border / corners)
+    regions = shapes_regions(d["masks"], d["marker"]) if d["masks"] is not None else None
+    report = audit(la.model, lb.model, d["x"], method=method, regions=regions, js_threshold=js_threshold,
+                   shift_threshold=shift_threshold, **opts)
+    click.echo(f"A = {la.name}\nB = {lb.name}\ndata = {data} ({d['x'].shape[0]} images), method = {method}")
+    click.echo(report.summary())
+    names = [la.labels.get(i, str(i)) for i in range(max(la.labels or {0: 0}) + 1)] if la.labels else None
+    target = out / f"audit.{fmt}"
+    try:
+        report.save(target, images=d["images"], n=examples, class_names=names)
+    except OSError as e:
+        raise Failure(f"cannot write {target}: {e.strerror or e}") from None
+    meta = {"model_a": la.name, "model_b": lb.name, "data": data, "n": n, "seed": seed, "method": method,
+            "options": opts}
+    write(out / "audit.json", json.dumps({**meta, **report.as_dict()}, indent=1, default=float))
+    click.echo(f"wrote {target}\nwrote {out / 'audit.json'}")
+    return 3 if (fail_if_flagged and report.flagged) else 0

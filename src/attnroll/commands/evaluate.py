@@ -1,0 +1,148 @@
+"""``attnroll evaluate``: score several methods on one classifier with perturbation and localisation metrics."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import click
+
+from ._args import method_options, methods_list
+from ._data import fill_tensor, load_data, load_eval_model, load_texts
+from ._group import cli
+from ._output import echo_written, figure_png, prepare_out, write
+
+
+def _rich_table(result: Any) -> None:
+    """Print the evaluation table with rich when it is installed, else as plain text."""
+    from ..evaluate.suite import METRICS
+
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        click.echo(result.summary())
+        return
+    table = Table(title=f"{result.n} examples" + ("" if result.accuracy is None else
+                                                   f", model accuracy {result.accuracy:.3f}"))
+    table.add_column("method")
+    for k in result.metrics:
+        table.add_column(f"{k} {'↑' if METRICS[k][1] else '↓'}", justify="right")
+    table.add_column("seconds", justify="right")
+    best = {k: result.best(k) for k in result.metrics}
+    for m in result.methods:
+        cells = []
+        for k in result.metrics:
+            v, se = result.values[m][k], result.stderr[m][k]
+            s = f"{v:.1f}±{se:.1f}" if k in ("positive", "negative") else f"{v:.3f}±{se:.3f}"
+            cells.append(f"[bold]{s}[/bold]" if best[k] == m else s)
+        table.add_row(m, *cells, f"{result.seconds[m]:.2f}")
+    if result.chance:
+        table.add_row("[dim](chance)[/dim]", *[f"[dim]{result.chance[k]:.3f}[/dim]" if k in result.chance else ""
+                                               for k in result.metrics], "")
+    console = Console()
+    if not console.is_terminal:  # a pipe or a file: do not squeeze the table into 80 columns
+        console = Console(width=max(console.width, 160))
+    console.print(table)
+
+
+def _metric_names(metric_list: str | None) -> list[str] | None:
+    from ..evaluate.suite import METRICS
+
+    if not metric_list:
+        return None
+    metrics = [m.strip() for m in metric_list.split(",") if m.strip()]
+    bad = [m for m in metrics if m not in METRICS]
+    if bad or not metrics:
+        raise click.UsageError(f"--metrics: unknown {bad or '(none given)'}; choose from {', '.join(METRICS)}")
+    return metrics
+
+
+def _run_suite(model: Any, inputs: Any, names: list[str], **kwargs: Any) -> Any:
+    """evaluate_methods with progress on stderr; metrics that do not fit the model's kind are a usage error."""
+    from ..evaluate.suite import evaluate_methods
+
+    try:
+        return evaluate_methods(model, inputs, names, progress=lambda msg: click.echo(msg, err=True), **kwargs)
+    except ValueError as e:
+        if "do not apply" in str(e):
+            raise click.UsageError(f"--metrics: {e}") from None
+        raise
+
+
+def _evaluate_text(lm: Any, data: str, n: int, names: list[str], metrics: Any, opts: dict, batch_size: int) -> Any:
+    from ..evaluate.suite import LOCALISATION
+
+    if metrics and any(k in LOCALISATION for k in metrics):
+        raise click.UsageError("--metrics pointing/mass/iou need masks, which text files do not carry")
+    texts = load_texts(data, n)
+    enc = lm.tokenizer(texts, padding=True, truncation=True, return_tensors="pt", return_special_tokens_mask=True)
+    return _run_suite(lm.model, enc, names, metrics=metrics, method_options=opts, batch_size=batch_size)
+
+
+def _write_results(out: Path, result: Any, meta: dict) -> None:
+    """The table on the terminal; evaluation.csv, evaluation.json and (when there are curves) curves.png."""
+    from ..evaluate.suite import CURVES
+    from ..viz import deps
+
+    _rich_table(result)
+    written = [write(out / "evaluation.csv", result.to_csv()),
+               write(out / "evaluation.json", json.dumps({**meta, **result.as_dict()}, indent=1, default=float))]
+    if any(k in result.curves.get(result.methods[0], {}) for k in CURVES):
+        plt = deps.pyplot("attnroll evaluate")
+        written.append(write(out / "curves.png", figure_png(result.plot(), plt)))
+    echo_written(written)
+
+
+@cli.command("evaluate", short_help="Score methods with perturbation and localisation metrics.")
+@click.option("--model", "model_spec", metavar="MODEL", default="shapes", show_default=True,
+              help="shapes | shapes-marker (embedded) | a local transformers image or text classifier folder.")
+@click.option("--methods", "method_list", default="rollout,flow,gae,grad_rollout,raw,integrated_gradients,random",
+              show_default=True, help="Comma-separated methods to compare.")
+@click.option("--data", default="shapes", show_default=True,
+              help="shapes | shapes-marker (generated, with object masks) | a folder of images (no masks: "
+                   "perturbation metrics only) | for a text classifier, a text file with one example per line.")
+@click.option("--n", "n", default=200, show_default=True, type=click.IntRange(1), help="How many images.")
+@click.option("--seed", default=12345, show_default=True, type=click.IntRange(0),
+              help="Seed of the generated images (12345 = the shapes model's held-out test seed).")
+@click.option("--metrics", "metric_list", help="Comma-separated subset of deletion, insertion, positive, negative, "
+              "pointing, mass, iou (images) or comprehensiveness, sufficiency (text) [default: all that apply].")
+@click.option("--option", "-o", "options", multiple=True, metavar="[METHOD.]KEY=VALUE",
+              help="A method option, e.g. -o flow.n_jobs=2 or -o alpha=0.6 (every method that takes it).")
+@click.option("--fill", default="black", show_default=True, metavar="black|mean|FLOAT",
+              help="What replaces removed patches: black pixels (Chefer et al.: zero before normalisation), "
+                   "mean (0 in model-input space) or a value in model-input space.")
+@click.option("--steps", type=click.IntRange(1), help="Deletion / insertion steps [default: one per patch].")
+@click.option("--batch-size", default=64, show_default=True, type=click.IntRange(1), help="Images per forward pass.")
+@click.option("--out", type=click.Path(path_type=Path), default=Path("attnroll-eval"), show_default=True,
+              help="Output folder (created): evaluation.csv, evaluation.json, curves.png (perturbation curves).")
+def evaluate_cmd(model_spec, method_list, data, n, seed, metric_list, options, fill, steps, batch_size, out) -> None:
+    """Compare methods on one classifier. Images: deletion / insertion AUC, positive / negative perturbation AUC
+    and, on generated data with object masks, the pointing game, the relevance mass in the object and the top-k
+    IoU. Text classifiers (--data FILE, one example per line): AOPC comprehensiveness and sufficiency. Prints a
+    table (mean ± standard error, best in bold) and writes a CSV, a JSON and a figure of the curves."""
+    from ..evaluate.suite import LOCALISATION
+
+    names = methods_list(method_list)
+    opts = method_options(options, names)
+    metrics = _metric_names(metric_list)
+    out = prepare_out(out)
+    lm = load_eval_model(model_spec)
+    if lm.kind == "text":
+        result = _evaluate_text(lm, data, n, names, metrics, opts, batch_size)
+        _write_results(out, result, {"model": lm.name, "data": data, "n": n, "options": opts})
+        return
+    d = load_data(data, lm, n, seed)
+    masks = None
+    if d["masks"] is not None:
+        from ..models.shapes import patch_masks
+
+        masks = patch_masks(d["masks"])
+    elif metrics and any(k in LOCALISATION for k in metrics):
+        raise click.UsageError("--metrics pointing/mass/iou need object masks: use --data shapes or shapes-marker")
+    fill_value = fill_tensor(fill, lm, d["x"])
+    result = _run_suite(lm.model, d["x"], names, labels=d["labels"], masks=masks, metrics=metrics,
+                        method_options=opts, fill=fill_value, steps=steps, batch_size=batch_size)
+    meta = {"model": lm.name, "data": data, "n": n, "seed": seed, "fill": fill, "steps": steps, "options": opts}
+    _write_results(out, result, meta)

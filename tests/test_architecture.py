@@ -1,0 +1,163 @@
+"""The package's shape, checked by parsing its source (no import of the code under test): no import cycle
+between modules, no private name imported across subpackages, ``core/`` importing nothing else from the
+package but the leaf validation module."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+PKG = SRC / "attnroll"
+#: Top-level leaf modules shared by every layer; their *names* must still be public to be imported.
+SHARED_LEAVES = {"attnroll._checks", "attnroll._io", "attnroll._modes"}
+
+
+def module_names() -> dict[str, Path]:
+    """Dotted module name -> file, for every .py under src/attnroll (packages by their __init__)."""
+    out = {}
+    for f in PKG.rglob("*.py"):
+        parts = list(f.relative_to(SRC).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = f
+    return out
+
+
+def _base(mod: str, is_pkg: bool, node: ast.ImportFrom) -> str:
+    if not node.level:
+        return node.module or ""
+    parts = mod.split(".") if is_pkg else mod.split(".")[:-1]
+    parts = parts[: len(parts) - (node.level - 1)]
+    return ".".join(parts + ([node.module] if node.module else []))
+
+
+def imports_of(mod: str, path: Path, known: set[str]) -> list[tuple[str, str | None]]:
+    """Every import anywhere in the file (function-level ones included) as (module, imported name or None):
+    ``from a.b import c`` is (a.b.c, None) when a.b.c is a module, else (a.b, "c")."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    is_pkg = path.name == "__init__.py"
+    out: list[tuple[str, str | None]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.extend((a.name, None) for a in node.names if a.name.split(".")[0] == "attnroll")
+        elif isinstance(node, ast.ImportFrom):
+            base = _base(mod, is_pkg, node)
+            if base.split(".")[0] != "attnroll":
+                continue
+            for a in node.names:
+                sub = f"{base}.{a.name}"
+                out.append((sub, None) if sub in known else (base, a.name))
+    return out
+
+
+def graph() -> dict[str, set[str]]:
+    mods = module_names()
+    known = set(mods)
+    g: dict[str, set[str]] = {m: set() for m in mods}
+    for m, f in mods.items():
+        for target, _ in imports_of(m, f, known):
+            while target not in known and "." in target:
+                target = target.rsplit(".", 1)[0]
+            if target in known and target != m:
+                g[m].add(target)
+        if f.name == "__init__.py" and "iter_modules" in f.read_text(encoding="utf-8"):
+            # a package that imports its public modules by discovery (methods/, commands/)
+            g[m] |= {c for c in known if c.rsplit(".", 1)[0] == m and not c.rsplit(".", 1)[1].startswith("_")}
+    return g
+
+
+def cycles(g: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(g[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(g):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def subpackage(mod: str) -> str:
+    """The first component under attnroll: 'methods' for attnroll.methods.base, '_checks' for attnroll._checks."""
+    parts = mod.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def private_cross_imports() -> list[str]:
+    mods = module_names()
+    known = set(mods)
+    bad = []
+    for m, f in mods.items():
+        for target, name in imports_of(m, f, known):
+            if subpackage(target) == subpackage(m):
+                continue
+            inner = target.split(".")[1:]  # module path below attnroll
+            private_path = [p for p in inner if p.startswith("_")]
+            if private_path and target not in SHARED_LEAVES:
+                bad.append(f"{m} imports module {target}")
+            if name is not None and name.startswith("_"):
+                bad.append(f"{m} imports {target}.{name}")
+    return sorted(set(bad))
+
+
+# ----------------------------------------------------------------------------------------------- the tests
+def test_the_cycle_finder_finds_a_cycle():
+    g = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert cycles(g) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_relative_imports_resolve_like_python():
+    node = ast.parse("from ..methods import base").body[0]
+    assert _base("attnroll.evaluate.suite", False, node) == "attnroll.methods"
+    assert _base("attnroll.evaluate", True, node) == "attnroll.methods"
+    assert _base("attnroll.commands", True, ast.parse("from . import explain").body[0]) == "attnroll.commands"
+
+
+def test_the_graph_sees_the_package():
+    g = graph()
+    assert "attnroll.core.rollout" in g["attnroll"]  # from .core.rollout import rollout
+    assert len(g) > 50
+
+
+def test_no_import_cycle():
+    found = cycles(graph())
+    assert found == [], "import cycles: " + " | ".join(" -> ".join(c) for c in found)
+
+
+def test_no_private_name_imported_across_subpackages():
+    assert private_cross_imports() == []
+
+
+def test_core_imports_only_core_and_checks():
+    g = graph()
+    for m, deps in g.items():
+        if subpackage(m) == "core":
+            assert {d for d in deps if subpackage(d) != "core"} <= {"attnroll._checks"}, (m, deps)
