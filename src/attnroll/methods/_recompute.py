@@ -20,7 +20,8 @@ from ..capture.hf import is_hf_model
 from ..capture.recompute import capture_kernels
 from ..core import operators
 from ..core.rollout import LayerPipeline, layer_range
-from .base import Context, _params_require_grad, require_grad_mode
+from .._modes import params_require_grad
+from .base import Context, require_grad_mode
 
 MODES = ("dense", "recompute")
 
@@ -70,7 +71,7 @@ def grad_record(ctx: Context, attention: Any, stream: str | None) -> Any:
     ``grad_out`` (B, H, n, d_v). None in auto mode when the capture is not possible."""
     require_grad_mode(ctx.method.name)
     try:
-        with _params_require_grad(ctx.model):
+        with params_require_grad(ctx.model):
             rec = capture_kernels(ctx.model, ctx.inputs, keep_grad=True, tokenizer=ctx.tokenizer)
     except CaptureError:
         if attention == "recompute":

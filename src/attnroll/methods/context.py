@@ -96,7 +96,7 @@ def context_attribution(
     Returns:
         a :class:`ContextAttribution`; its units' shares add up to 1.
     """
-    if not is_hf_model(model) or getattr(model.config, "is_encoder_decoder", False):
+    if not _is_decoder_lm(model):
         raise TypeError(f"model must be a transformers decoder-only language model, got {_checks.describe(model)}")
     _checks.check_choice("method", method, METHODS)
     if segments is None:
@@ -116,6 +116,15 @@ def context_attribution(
     text = tokenizer.decode(answer_ids, skip_special_tokens=True)
     return ContextAttribution(prompt, text, answer_ids, scores, units, float(scores.sum()), method,
                               "segments" if segments is not None else unit, dict(options))
+
+
+def _is_decoder_lm(model: Any) -> bool:
+    """A transformers model that generates text and is not an encoder-decoder."""
+    if not is_hf_model(model) or getattr(model.config, "is_encoder_decoder", False):
+        return False
+    from transformers import GenerationMixin
+
+    return isinstance(model, GenerationMixin)
 
 
 def _answer_ids(model, tokenizer, prompt_ids, generate, answer) -> list[int]:
