@@ -7,6 +7,10 @@ probabilities blockwise from the queries and keys the kernel received. They must
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -227,3 +231,17 @@ def test_flash_convention_window_and_padding(flashlike, pad):
     for method in ("rollout", "gae"):
         assert_same(attnroll.explain(m, x, method, attention="dense"),
                     attnroll.explain(m, x, method, attention="recompute"))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ru_maxrss in KiB is Linux's convention")
+def test_recompute_memory_grows_linearly():
+    """Peak memory of explain(rollout) at n = 1024 and 4096 in a fresh process: the growth must stay below one
+    n×n float32 matrix at n = 4096 (64 MiB), where keeping the attention (2 layers x 4 heads) would need 8 of
+    them (512 MiB). Loose on purpose: allocator noise is a few MiB."""
+    script = Path(__file__).with_name("_peak_memory.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(attnroll.__file__).parents[1])}
+    res = subprocess.run([sys.executable, str(script), "rollout", "1024", "4096"], capture_output=True, text=True,
+                         env=env, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    small, large = (int(v) for v in res.stdout.split())
+    assert large - small < 4096 * 4096 * 4, (small, large)
