@@ -118,7 +118,7 @@ def plan(quick: bool) -> list[tuple[str, int, list[str], int]]:
     out = [("vit_b1", 197, base + dense[:1], 7), ("vit_b8", 197, base + dense[:1], 3)]
     for n in (1024, 2048, 4096, 8192, 16384, 32768):
         modes = base + (grad if n <= 8192 else []) + (dense if n <= 2048 else [])
-        out.append(("llama", n, modes, 3 if n <= 4096 else 1))
+        out.append(("llama", n, modes, 3 if n <= 2048 else 1))
     for n in (1024, 2048, 4096):
         out.append(("gpt2", n, base + (grad if n <= 2048 else []) + (dense[:1] if n <= 1024 else []), 1))
     return out

@@ -217,10 +217,12 @@ def apply_layer(
     rows_per = block or layer.block_rows()
     out = torch.zeros(B, r.shape[1], nk, dtype=r.dtype, device=r.device)
     live = r.abs().amax(dim=(0, 1)) > 0  # (n,) queries with any relevance
-    for q0 in range(0, nq, rows_per):
-        q1 = min(nq, q0 + rows_per)
-        if not bool(live[q0:q1].any()):
+    for b0 in range(0, nq, rows_per):
+        hit = live[b0 : b0 + rows_per].nonzero()
+        if hit.numel() == 0:
             continue
+        # Only the rows that carry relevance: the top layer of a sweep starts from one row per example.
+        q0, q1 = b0 + int(hit[0]), b0 + int(hit[-1]) + 1
         k0, k1 = key_range(layer, q0, q1)
         rb = r[..., q0:q1]
         ident = torch.full((B, q1 - q0), c, dtype=r.dtype, device=r.device)
