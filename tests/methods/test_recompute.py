@@ -245,3 +245,18 @@ def test_recompute_memory_grows_linearly():
     assert res.returncode == 0, res.stderr[-2000:]
     small, large = (int(v) for v in res.stdout.split())
     assert large - small < 4096 * 4096 * 4, (small, large)
+
+
+@pytest.mark.parametrize("method", ["raw", "grad_rollout", "gae"])
+def test_attention_sinks_gpt_oss(method):
+    """gpt-oss: per-head sink logits join the softmax's denominator (rows sum to less than 1), alternating
+    sliding-window and full layers; eager is its default kernel and stays so. (Dense ``rollout`` refuses such
+    rows as non-stochastic, hence the three methods here.)"""
+    torch.manual_seed(0)
+    cfg = T.GptOssConfig(vocab_size=99, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=2,
+                         num_experts_per_tok=1, sliding_window=4, max_position_embeddings=64, initializer_range=0.3,
+                         layer_types=["sliding_attention", "full_attention"])
+    m = T.GptOssForCausalLM(cfg).eval()
+    x = inputs("llama", 11)
+    assert_same(attnroll.explain(m, x, method, attention="dense"), attnroll.explain(m, x, method, attention="recompute"))
