@@ -202,3 +202,16 @@ def test_grid_map_kinds_on_raw_maps():
     assert np.allclose(grid_map(g, kind="minmax"), (g + 0.2) / 1.7)
     with pytest.raises(ValueError, match="'minmax', 'max' or 'none'"):
         grid_map(g, kind="sum")
+
+
+# ------------------------------------------------------------------ the Explanation draws through viz
+def test_explanation_overlay_and_html_are_the_viz_ones():
+    """One colour map, one renderer: Explanation.overlay / to_html give exactly what viz gives."""
+    g = torch.tensor([[0.0, 1.0], [0.5, 0.25]])
+    e = Explanation(scores=g.reshape(1, 4), full_row=torch.cat([torch.zeros(1, 1), g.reshape(1, 4)], 1), grid=(2, 2),
+                    prefix=1, method="m")
+    img = np.zeros((16, 16, 3), dtype=np.uint8)
+    assert np.array_equal(np.asarray(e.overlay(img, cmap="viridis")), np.asarray(viz.overlay(e, img, cmap="viridis")))
+    page = e.to_html(0)
+    assert page == viz.explanation_html(e, 0)
+    assert page.count("<td") == 4 and f"background:{viz.score_color(1.0)}" in page  # the top cell, full red

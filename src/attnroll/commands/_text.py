@@ -41,7 +41,7 @@ def explain_text(lm: Any, text: str, pair: str | None, method: str, options: dic
     import torch
 
     from ..methods import explain, method_info
-    from ..methods.base import main_logits
+    from ..capture.outputs import main_logits
 
     tok = lm.tokenizer
     probe = tok([text], return_tensors="pt")

@@ -16,8 +16,6 @@ from ._output import echo_written, figure_png, prepare_out, write
 
 def _rich_table(result: Any) -> None:
     """Print the evaluation table with rich when it is installed, else as plain text."""
-    from ..evaluate.suite import METRICS
-
     try:
         from rich.console import Console
         from rich.table import Table
@@ -28,14 +26,13 @@ def _rich_table(result: Any) -> None:
                                                    f", model accuracy {result.accuracy:.3f}"))
     table.add_column("method")
     for k in result.metrics:
-        table.add_column(f"{k} {'↑' if METRICS[k][1] else '↓'}", justify="right")
+        table.add_column(result.heading(k), justify="right")
     table.add_column("seconds", justify="right")
     best = {k: result.best(k) for k in result.metrics}
     for m in result.methods:
         cells = []
         for k in result.metrics:
-            v, se = result.values[m][k], result.stderr[m][k]
-            s = f"{v:.1f}±{se:.1f}" if k in ("positive", "negative") else f"{v:.3f}±{se:.3f}"
+            s = result.cell(m, k)
             cells.append(f"[bold]{s}[/bold]" if best[k] == m else s)
         table.add_row(m, *cells, f"{result.seconds[m]:.2f}")
     if result.chance:
@@ -48,7 +45,7 @@ def _rich_table(result: Any) -> None:
 
 
 def _metric_names(metric_list: str | None) -> list[str] | None:
-    from ..evaluate.suite import METRICS
+    from ..evaluate import METRICS
 
     if not metric_list:
         return None
@@ -71,10 +68,14 @@ def _run_suite(model: Any, inputs: Any, names: list[str], **kwargs: Any) -> Any:
         raise
 
 
-def _evaluate_text(lm: Any, data: str, n: int, names: list[str], metrics: Any, opts: dict, batch_size: int) -> Any:
-    from ..evaluate.suite import LOCALISATION
+def _needs_masks(metrics: list[str] | None) -> bool:
+    from ..evaluate import metric_info
 
-    if metrics and any(k in LOCALISATION for k in metrics):
+    return bool(metrics) and any(metric_info(k).needs_masks for k in metrics)
+
+
+def _evaluate_text(lm: Any, data: str, n: int, names: list[str], metrics: Any, opts: dict, batch_size: int) -> Any:
+    if _needs_masks(metrics):
         raise click.UsageError("--metrics pointing/mass/iou need masks, which text files do not carry")
     texts = load_texts(data, n)
     enc = lm.tokenizer(texts, padding=True, truncation=True, return_tensors="pt", return_special_tokens_mask=True)
@@ -83,16 +84,26 @@ def _evaluate_text(lm: Any, data: str, n: int, names: list[str], metrics: Any, o
 
 def _write_results(out: Path, result: Any, meta: dict) -> None:
     """The table on the terminal; evaluation.csv, evaluation.json and (when there are curves) curves.png."""
-    from ..evaluate.suite import CURVES
     from ..viz import deps
 
     _rich_table(result)
     written = [write(out / "evaluation.csv", result.to_csv()),
                write(out / "evaluation.json", json.dumps({**meta, **result.as_dict()}, indent=1, default=float))]
-    if any(k in result.curves.get(result.methods[0], {}) for k in CURVES):
+    if result.curves.get(result.methods[0]):
         plt = deps.pyplot("attnroll evaluate")
         written.append(write(out / "curves.png", figure_png(result.plot(), plt)))
     echo_written(written)
+
+
+def _metrics_help() -> str:
+    """The --metrics help, from the metric registry: the metrics of each input kind, masks-only ones apart."""
+    from ..evaluate import metric_names
+
+    def listing(kind: str) -> str:
+        return ", ".join(metric_names(kind, masks=False))
+
+    return (f"Comma-separated subset of {listing('image')} (images) or {listing('text')} (text), and with object "
+            f"masks {', '.join(metric_names(masks=True))} [default: all that apply].")
 
 
 @cli.command("evaluate", short_help="Score methods with perturbation and localisation metrics.")
@@ -106,8 +117,7 @@ def _write_results(out: Path, result: Any, meta: dict) -> None:
 @click.option("--n", "n", default=200, show_default=True, type=click.IntRange(1), help="How many images.")
 @click.option("--seed", default=12345, show_default=True, type=click.IntRange(0),
               help="Seed of the generated images (12345 = the shapes model's held-out test seed).")
-@click.option("--metrics", "metric_list", help="Comma-separated subset of deletion, insertion, positive, negative, "
-              "pointing, mass, iou (images) or comprehensiveness, sufficiency (text) [default: all that apply].")
+@click.option("--metrics", "metric_list", help=_metrics_help())
 @click.option("--option", "-o", "options", multiple=True, metavar="[METHOD.]KEY=VALUE",
               help="A method option, e.g. -o flow.n_jobs=2 or -o alpha=0.6 (every method that takes it).")
 @click.option("--fill", default="black", show_default=True, metavar="black|mean|FLOAT",
@@ -122,8 +132,6 @@ def evaluate_cmd(model_spec, method_list, data, n, seed, metric_list, options, f
     and, on generated data with object masks, the pointing game, the relevance mass in the object and the top-k
     IoU. Text classifiers (--data FILE, one example per line): AOPC comprehensiveness and sufficiency. Prints a
     table (mean ± standard error, best in bold) and writes a CSV, a JSON and a figure of the curves."""
-    from ..evaluate.suite import LOCALISATION
-
     names = methods_list(method_list)
     opts = method_options(options, names)
     metrics = _metric_names(metric_list)
@@ -139,7 +147,7 @@ def evaluate_cmd(model_spec, method_list, data, n, seed, metric_list, options, f
         from ..models.shapes import patch_masks
 
         masks = patch_masks(d["masks"])
-    elif metrics and any(k in LOCALISATION for k in metrics):
+    elif _needs_masks(metrics):
         raise click.UsageError("--metrics pointing/mass/iou need object masks: use --data shapes or shapes-marker")
     fill_value = fill_tensor(fill, lm, d["x"])
     result = _run_suite(lm.model, d["x"], names, labels=d["labels"], masks=masks, metrics=metrics,

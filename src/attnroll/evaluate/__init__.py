@@ -10,14 +10,18 @@ One module per concern:
   chance levels;
 - :mod:`.sanity`: ``cascading_randomization`` (Adebayo et al. 2018);
 - :mod:`.audit`: ``audit`` two checkpoints on the same inputs (divergence, region mass shift, verdict, report);
-- :mod:`.suite`: ``evaluate_methods``, every metric for several methods side by side (``attnroll evaluate``).
+- :mod:`.suite`: ``evaluate_methods``, every metric for several methods side by side (``attnroll evaluate``);
+- :mod:`.registry`: the metric registry (``register_metric``, ``metric_info``, ``metric_names``, ``METRICS``):
+  each metric's name, input kind, better direction, table format and curve labels.
+
+The metric modules are imported first, in table order (perturbation, text, localisation); every other module
+of the package is imported too, so a new metric is one new file that calls ``register_metric``.
 
 Every function takes maps as an ``Explanation`` or a (B, units) array and runs models batched, under no_grad.
 """
 
-from .audit import AuditReport, audit, grid_regions, js_divergence, shapes_regions
-from .localisation import LocalisationResult, localisation, mask_mass, pointing_game, topk_iou
-from .perturbation import (
+# Metric modules first: their registration order is the column order of the tables.
+from .perturbation import (  # isort: skip
     PerturbationResult,
     deletion,
     insertion,
@@ -25,9 +29,12 @@ from .perturbation import (
     perturbation_curve,
     positive_perturbation,
 )
+from .text import comprehensiveness, sufficiency  # isort: skip
+from .localisation import LocalisationResult, localisation, mask_mass, pointing_game, topk_iou  # isort: skip
+from .audit import AuditReport, audit, grid_regions, js_divergence, shapes_regions
+from .registry import METRICS, Metric, MetricInputs, MetricValues, metric_info, metric_names, register_metric
 from .sanity import SanityResult, cascading_randomization
-from .suite import METRICS, EvaluationResult, evaluate_methods
-from .text import comprehensiveness, sufficiency
+from .suite import EvaluationResult, evaluate_methods
 
 __all__ = [
     "PerturbationResult",
@@ -53,4 +60,23 @@ __all__ = [
     "EvaluationResult",
     "evaluate_methods",
     "METRICS",
+    "Metric",
+    "MetricInputs",
+    "MetricValues",
+    "register_metric",
+    "metric_info",
+    "metric_names",
 ]
+
+
+def _import_all_modules() -> None:
+    """Import every public module of the package, so that a metric in a new file registers itself."""
+    import importlib
+    import pkgutil
+
+    for m in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+        if not m.name.startswith("_"):
+            importlib.import_module(f"{__name__}.{m.name}")
+
+
+_import_all_modules()

@@ -9,17 +9,15 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..capture.outputs import main_logits
+
 
 def logits_of(output: Any) -> torch.Tensor:
-    """The class logits in a model's output: ``.logits`` (transformers), a tensor (timm, plain modules) or
-    the first element of a tuple. Raises TypeError naming what was found otherwise."""
-    if isinstance(output, torch.Tensor):
-        y = output
-    elif hasattr(output, "logits") and isinstance(output.logits, torch.Tensor):
-        y = output.logits
-    elif isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
-        y = output[0]
-    else:
+    """The class logits (B, C) in a model's output (:func:`attnroll.capture.outputs.main_logits`: ``.logits``,
+    a tensor, the first element of a tuple). Raises TypeError naming what was found when there are none,
+    ValueError when they are not (B, C)."""
+    y = main_logits(output)
+    if y is None:
         raise TypeError(
             f"cannot find class logits in the model's output ({type(output).__name__}); expected a tensor or an "
             "object with .logits. Pass forward=lambda x: ... returning (B, classes) logits."
@@ -45,6 +43,13 @@ def batched_logits(fwd: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
     """Run ``fwd`` over the first axis of ``x`` in chunks of ``batch_size``; float32 CPU logits."""
     outs = [fwd(x[i : i + batch_size]).detach().float().cpu() for i in range(0, x.shape[0], batch_size)]
     return torch.cat(outs) if outs else torch.zeros(0, 0)
+
+
+def nanmean(a: Any) -> float:
+    """The mean of the entries that are not NaN, as a float; NaN (without a warning) when there are none."""
+    a = np.asarray(a, dtype=np.float64)
+    keep = ~np.isnan(a)
+    return float(a[keep].mean()) if keep.any() else float("nan")
 
 
 def chunks(n: int, size: int) -> Iterator[slice]:

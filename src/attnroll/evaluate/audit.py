@@ -25,7 +25,7 @@ import torch
 from .. import _checks
 from .._modes import eval_mode
 from .._io import atomic_write
-from ._common import batched_logits, image_forward, relevance_order, spearman_rows
+from ._common import batched_logits, image_forward, nanmean, relevance_order, spearman_rows
 
 __all__ = ["AuditReport", "audit", "shapes_regions", "grid_regions", "js_divergence"]
 
@@ -86,7 +86,7 @@ class AuditReport:
             f"audit of {self.method!r} maps, model A -> model B, {self.n} examples{grid}: {verdict}",
             f"  Jensen-Shannon divergence: mean {self.js.mean():.4f}, median {np.median(self.js):.4f}, max "
             f"{self.js.max():.4f} (threshold {self.settings.get('js_threshold', float('nan'))})",
-            f"  Spearman rank correlation: mean {_nanmean(self.spearman):.3f}; top-{self.k} overlap: mean "
+            f"  Spearman rank correlation: mean {nanmean(self.spearman):.3f}; top-{self.k} overlap: mean "
             f"{self.topk.mean():.3f}",
             f"  predictions: A and B agree on {np.mean(self.pred_a == self.pred_b):.1%} of the examples",
         ]
@@ -110,7 +110,7 @@ class AuditReport:
             "n": self.n,
             "k": self.k,
             "mean_js": float(self.js.mean()),
-            "mean_spearman": _nanmean(self.spearman),
+            "mean_spearman": nanmean(self.spearman),
             "mean_topk": float(self.topk.mean()),
             "prediction_agreement": float(np.mean(self.pred_a == self.pred_b)),
             "mass_a": {r: float(v.mean()) for r, v in self.mass_a.items()},
@@ -246,11 +246,6 @@ def _figure_png(report: AuditReport, images: Any, n: int, class_names: Any) -> b
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=100)
     return buf.getvalue()
-
-
-def _nanmean(a: np.ndarray) -> float:
-    a = np.asarray(a, dtype=np.float64)
-    return float(np.nanmean(a)) if np.any(~np.isnan(a)) else float("nan")
 
 
 # ------------------------------------------------------------------------------------------------ audit

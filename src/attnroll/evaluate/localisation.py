@@ -27,7 +27,6 @@ Masks come as (B, units) or (B, h, w) patch masks; pool pixel masks to the model
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -36,7 +35,8 @@ import numpy as np
 import torch
 
 from .. import _checks
-from ._common import relevance_order
+from ._common import nanmean, relevance_order
+from .registry import MetricInputs, MetricValues, register_metric
 
 __all__ = [
     "pointing_game",
@@ -144,14 +144,6 @@ def chance_iou(units: int, mask_sizes: Any, k: int | None = None) -> np.ndarray:
 
 
 # ----------------------------------------------------------------------------------------------- result
-def _nanmean(x: np.ndarray) -> float:
-    """Mean over the finite entries; NaN (without a warning) when there are none."""
-    x = np.asarray(x, dtype=np.float64)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        return float(np.nanmean(x)) if x.size else float("nan")
-
-
 def _json_float(v: float) -> float | None:
     return None if not np.isfinite(v) else float(v)
 
@@ -180,12 +172,12 @@ class LocalisationResult:
     def means(self) -> dict[str, float]:
         """Means over examples (NaN entries skipped): pointing, mass, iou and the three chance levels."""
         return {
-            "pointing": _nanmean(self.pointing.astype(np.float64)),
-            "mass": _nanmean(self.mass),
-            "iou": _nanmean(self.iou),
-            "chance_pointing": _nanmean(self.chance_pointing),
-            "chance_mass": _nanmean(self.chance_mass),
-            "chance_iou": _nanmean(self.chance_iou),
+            "pointing": nanmean(self.pointing.astype(np.float64)),
+            "mass": nanmean(self.mass),
+            "iou": nanmean(self.iou),
+            "chance_pointing": nanmean(self.chance_pointing),
+            "chance_mass": nanmean(self.chance_mass),
+            "chance_iou": nanmean(self.chance_iou),
         }
 
     def summary(self) -> str:
@@ -242,3 +234,32 @@ def localisation(scores: Any, masks: Any, *, k: int | None = None) -> Localisati
         chance_iou=chance_iou(int(s.shape[1]), sizes, k),
         k=k,
     )
+
+
+# ------------------------------------------------------------------------------------------- registration
+def _mask_share(scores: Any, masks: Any) -> np.ndarray:
+    """(B,) the share of units inside each mask: the chance level of the pointing game and the mass."""
+    s, m = _inputs(scores, masks)
+    return (m.sum(dim=1).numpy().astype(np.int64) / s.shape[1]).astype(np.float64)
+
+
+@register_metric("pointing", kind="both", higher_is_better=True, needs_masks=True,
+                 description="pointing game: share of maps whose top patch lies on the object")
+def _pointing_metric(inp: MetricInputs, scores: Any, grid: Any) -> MetricValues:
+    return MetricValues(np.asarray(pointing_game(scores, inp.masks), dtype=np.float64),
+                        chance=_mask_share(scores, inp.masks))
+
+
+@register_metric("mass", kind="both", higher_is_better=True, needs_masks=True,
+                 description="relevance mass inside the object mask (Arras et al. 2022)")
+def _mass_metric(inp: MetricInputs, scores: Any, grid: Any) -> MetricValues:
+    return MetricValues(np.asarray(mask_mass(scores, inp.masks), dtype=np.float64),
+                        chance=_mask_share(scores, inp.masks))
+
+
+@register_metric("iou", kind="both", higher_is_better=True, needs_masks=True,
+                 description="IoU of the top-k patches with the object mask (k = mask size)")
+def _iou_metric(inp: MetricInputs, scores: Any, grid: Any) -> MetricValues:
+    s, m = _inputs(scores, inp.masks)
+    return MetricValues(np.asarray(topk_iou(s, m), dtype=np.float64),
+                        chance=chance_iou(int(s.shape[1]), m.sum(dim=1).numpy().astype(np.int64), None))

@@ -23,6 +23,7 @@ import torch
 
 from .. import _checks
 from ._common import chunks, image_forward, relevance_order
+from .registry import MetricInputs, MetricValues, register_metric
 
 __all__ = [
     "PerturbationResult",
@@ -483,3 +484,47 @@ def negative_perturbation(
     keeps accuracy high, so higher AUC is better (the paper reports 53.1 for rollout on ViT-B / ImageNet).
     Arguments and result as :func:`positive_perturbation`."""
     return _chefer("negative", model, pixel_values, scores, target, labels, grid, fractions, fill, batch_size)
+
+
+# ------------------------------------------------------------------------------------------- registration
+_UNIT = (-0.02, 1.02)  # probabilities and accuracies
+
+
+@register_metric("deletion", kind="image", higher_is_better=False, ylim=_UNIT,
+                 curve=("share of patches removed", "target probability"),
+                 description="deletion AUC (Petsiuk et al. 2018): target probability as the most relevant patches "
+                             "are removed")
+def _deletion_metric(inp: MetricInputs, scores: Any, grid: Any) -> MetricValues:
+    return MetricValues.of_curves(deletion(inp.model, inp.inputs, scores, steps=inp.option("steps"),
+                                           fill=inp.option("fill", 0.0), target=inp.target, grid=grid,
+                                           batch_size=inp.batch_size))
+
+
+@register_metric("insertion", kind="image", higher_is_better=True, ylim=_UNIT,
+                 curve=("share of patches restored", "target probability"),
+                 description="insertion AUC (Petsiuk et al. 2018): target probability as the most relevant patches "
+                             "are restored")
+def _insertion_metric(inp: MetricInputs, scores: Any, grid: Any) -> MetricValues:
+    return MetricValues.of_curves(insertion(inp.model, inp.inputs, scores, steps=inp.option("steps"),
+                                            target=inp.target, grid=grid, batch_size=inp.batch_size))
+
+
+def _chefer_values(fn: Callable, inp: MetricInputs, scores: Any, grid: Any) -> MetricValues:
+    return MetricValues.of_curves(fn(inp.model, inp.inputs, scores, fill=inp.option("fill", 0.0), target=inp.target,
+                                     grid=grid, batch_size=inp.batch_size))
+
+
+@register_metric("positive", kind="image", higher_is_better=False, ylim=_UNIT, fmt=".1f",
+                 curve=("share removed (most relevant first)", "accuracy"),
+                 description="positive-perturbation AUC x100 (Chefer et al. 2021): accuracy, 0-90% most relevant "
+                             "removed")
+def _positive_metric(inp: MetricInputs, scores: Any, grid: Any) -> MetricValues:
+    return _chefer_values(positive_perturbation, inp, scores, grid)
+
+
+@register_metric("negative", kind="image", higher_is_better=True, ylim=_UNIT, fmt=".1f",
+                 curve=("share removed (least relevant first)", "accuracy"),
+                 description="negative-perturbation AUC x100 (Chefer et al. 2021): accuracy, 0-90% least relevant "
+                             "removed")
+def _negative_metric(inp: MetricInputs, scores: Any, grid: Any) -> MetricValues:
+    return _chefer_values(negative_perturbation, inp, scores, grid)

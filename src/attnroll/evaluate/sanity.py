@@ -51,7 +51,7 @@ from torch import nn
 
 from .. import _checks
 from ..methods import Explainer, batch_size_of, explain_batches
-from ._common import spearman_rows
+from ._common import nanmean, spearman_rows
 
 __all__ = ["SanityResult", "cascading_randomization", "find_blocks", "find_head", "component_parameters"]
 
@@ -309,11 +309,6 @@ def _maps(
     return r.scores.to(torch.float64).numpy(), r.targets
 
 
-def _nanmean_rows(a: np.ndarray) -> float:
-    a = a[np.isfinite(a)]
-    return float(a.mean()) if a.size else float("nan")
-
-
 # ----------------------------------------------------------------------------------------------- entry point
 def cascading_randomization(
     model: nn.Module,
@@ -385,7 +380,7 @@ def cascading_randomization(
         methods=methods,
         steps=[name for name, _ in plan],
         component=component,
-        correlations={m: np.array([_nanmean_rows(r) for r in per_example[m]]) for m in methods},
+        correlations={m: np.array([nanmean(r) for r in per_example[m]]) for m in methods},
         per_example=per_example,
         seed=seed,
         head=head_path,

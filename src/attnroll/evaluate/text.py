@@ -33,6 +33,7 @@ import torch
 from .. import _checks
 from ._common import chunks, logits_of, relevance_order
 from .perturbation import PerturbationResult, _result
+from .registry import MetricInputs, MetricValues, register_metric
 
 __all__ = ["comprehensiveness", "sufficiency", "repack", "special_token_mask", "ERASER_BINS"]
 
@@ -216,3 +217,24 @@ def sufficiency(
     kept special tokens) remain, averaged over ``bins``. Lower is better. Arguments as
     :func:`comprehensiveness`; ``curves`` = p(y|x) − p(y|top k only)."""
     return _aopc("sufficiency", model, inputs, scores, target, bins, keep, batch_size)
+
+
+# ------------------------------------------------------------------------------------------- registration
+def _aopc_options(inp: MetricInputs) -> dict[str, Any]:
+    bins = inp.option("bins")
+    return {"target": inp.target, "keep": inp.option("keep"), "batch_size": inp.batch_size,
+            **({"bins": bins} if bins is not None else {})}
+
+
+@register_metric("comprehensiveness", kind="text", higher_is_better=True,
+                 curve=("share of tokens deleted (top first)", "probability drop"),
+                 description="AOPC comprehensiveness (DeYoung et al. 2020): probability drop without the top tokens")
+def _comprehensiveness_metric(inp: MetricInputs, scores: Any, grid: Any) -> MetricValues:
+    return MetricValues.of_curves(comprehensiveness(inp.model, inp.inputs, scores, **_aopc_options(inp)))
+
+
+@register_metric("sufficiency", kind="text", higher_is_better=False,
+                 curve=("share of tokens kept (top first)", "probability drop"),
+                 description="AOPC sufficiency (DeYoung et al. 2020): probability drop with only the top tokens")
+def _sufficiency_metric(inp: MetricInputs, scores: Any, grid: Any) -> MetricValues:
+    return MetricValues.of_curves(sufficiency(inp.model, inp.inputs, scores, **_aopc_options(inp)))

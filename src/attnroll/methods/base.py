@@ -17,11 +17,12 @@ from torch import nn
 from .. import _checks
 from .._modes import params_require_grad
 from ..capture import capture as _capture
+from ..capture.outputs import main_logits
 from ..capture.record import AttentionRecord
 from .explanation import Explanation
 
 __all__ = ["Explanation", "Explainer", "explain", "methods", "method_info", "check_options", "register", "Method",
-           "Context"]
+           "Context", "main_logits", "gather_rows"]
 
 #: Options every method takes (besides its own): the output position to explain (row of the map).
 COMMON_OPTIONS = {"position": None}
@@ -250,13 +251,13 @@ class Context:
         )
 
 
-def gather_rows(R: torch.Tensor, rows: list[int], positions: list[int], row_axis: int = -2) -> torch.Tensor:
+def gather_rows(R: torch.Tensor, rows: list[int], positions: list[int], *, layer_axis: bool = False) -> torch.Tensor:
     """Pick, for example b, the row ``positions[b]`` out of R computed for the sorted distinct ``rows``:
-    R (B, r, n) -> (B, n); with a leading layer axis (L, B, r, n) -> (L, B, n)."""
-    idx = torch.tensor([rows.index(p) for p in positions], device=R.device)
-    if R.ndim == 3:
-        return R[torch.arange(R.shape[0], device=R.device), idx]
-    return R[:, torch.arange(R.shape[1], device=R.device), idx]
+    R (B, [H,] r, n) -> (B, [H,] n); with ``layer_axis`` (L, B, [H,] r, n) -> (L, B, [H,] n)."""
+    idx = [rows.index(p) for p in positions]
+    if layer_axis:
+        return torch.stack([R[:, b, ..., i, :] for b, i in enumerate(idx)], dim=1)
+    return torch.stack([R[b, ..., i, :] for b, i in enumerate(idx)])
 
 
 def is_causal(layer: torch.Tensor) -> bool:
@@ -279,19 +280,6 @@ def last_real(mask: torch.Tensor | None, B: int, n: int) -> list[int]:
 def _token_level(outputs: Any) -> bool:
     logits = main_logits(outputs)
     return logits is not None and logits.ndim == 3
-
-
-def main_logits(outputs: Any) -> torch.Tensor | None:
-    """The model's main output scores: ``.logits`` of a transformers output, a tensor output itself, or
-    the first tensor of a tuple; None when there is none (e.g. a bare encoder's hidden states)."""
-    if isinstance(outputs, torch.Tensor):
-        return outputs
-    logits = getattr(outputs, "logits", None)
-    if logits is None and isinstance(outputs, dict):
-        logits = outputs.get("logits")
-    if logits is None and isinstance(outputs, (tuple, list)) and outputs and isinstance(outputs[0], torch.Tensor):
-        logits = outputs[0]
-    return logits if isinstance(logits, torch.Tensor) else None
 
 
 def resolve_target(outputs: Any, target: Any, *, positions: list[int] | None = None) -> tuple[torch.Tensor, Any]:
@@ -427,9 +415,7 @@ def rollout_rows(fn: Callable, attentions: Any, positions: list[int], mask: torc
     give each example its own row: (B, [H,] n) and, with ``return_layers``, (L', B, [H,] n)."""
     rows = sorted(set(positions))
     R = fn(attentions, rows=rows, return_layers=bool(return_layers), attention_mask=mask, **options)
-    idx = torch.tensor([rows.index(p) for p in positions], device=R.device)
     if return_layers:
-        # (L', B, [H,] r, n): pick row idx[b] of example b in every layer.
-        sel = torch.stack([R[:, b, ..., int(idx[b]), :] for b in range(R.shape[1])], dim=1)
+        sel = gather_rows(R, rows, positions, layer_axis=True)  # (L', B, [H,] n): every layer's row
         return sel[-1], sel
-    return torch.stack([R[b, ..., int(idx[b]), :] for b in range(R.shape[0])]), None
+    return gather_rows(R, rows, positions), None

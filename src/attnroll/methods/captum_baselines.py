@@ -15,7 +15,8 @@ import torch
 
 from .. import _checks
 from .._modes import eval_mode
-from .base import Context, main_logits, register
+from ..capture.outputs import main_logits
+from .base import Context, register
 
 
 def _captum():

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import html
 import json
 import os
 from dataclasses import dataclass, field, replace
@@ -150,70 +149,20 @@ class Explanation:
     # ---------------------------------------------------------------------------------------- display
     def to_html(self, index: int | None = None, kind: str = "max") -> str:
         """A self-contained HTML snippet: each token (or patch cell) on a background whose strength is its
-        score (``normalized(kind)``; negative scores in blue). ``index`` picks one example (default: all)."""
-        norm = self.normalized(kind).scores
-        which = range(self.batch_size) if index is None else [int(index)]
-        parts = [
-            f"<div class='attnroll' style='font-family:sans-serif;line-height:2'>"
-            f"<div><b>{html.escape(self.method)}</b> target={html.escape(str(self.target))}</div>"
-        ]
-        for b in which:
-            vals = norm[b].tolist()
-            parts.append("<div style='margin:6px 0'>")
-            if self.grid is not None:
-                h, w = self.grid
-                parts.append("<table style='border-collapse:collapse'>")
-                for r in range(h):
-                    cells = "".join(
-                        f"<td title='{vals[r * w + c]:.3g}' style='width:12px;height:12px;background:{_color(vals[r * w + c])}'></td>"
-                        for c in range(w)
-                    )
-                    parts.append(f"<tr>{cells}</tr>")
-                parts.append("</table>")
-            else:
-                toks = self._unit_labels(b)
-                mask = None if self.attention_mask is None else self.attention_mask[b, self.prefix:].tolist()
-                for j, (tok, v) in enumerate(zip(toks, vals)):
-                    if mask is not None and j < len(mask) and not mask[j]:
-                        continue
-                    parts.append(
-                        f"<span title='{v:.3g}' style='background:{_color(v)};padding:1px 2px;margin:1px;"
-                        f"border-radius:3px'>{html.escape(tok)}</span>"
-                    )
-            parts.append("</div>")
-        parts.append("</div>")
-        return "".join(parts)
+        score (``normalized(kind)``; negative scores in blue). ``index`` picks one example (default: all).
+        Drawn by :func:`attnroll.viz.explanation_html`."""
+        from ..viz import explanation_html
 
-    def _unit_labels(self, b: int) -> list[str]:
-        if self.tokens is not None and b < len(self.tokens):
-            return list(self.tokens[b][self.prefix:])
-        return [f"#{j}" for j in range(self.scores.shape[-1])]
+        return explanation_html(self, index, kind)
 
-    def overlay(self, image: Any, index: int = 0, alpha: float = 0.5, kind: str = "minmax") -> Any:
+    def overlay(self, image: Any, index: int = 0, alpha: float = 0.5, kind: str = "minmax", **options: Any) -> Any:
         """The map of example ``index`` upsampled (bilinear) onto ``image`` (a PIL image, or an (H, W, 3)
-        uint8 array) and blended with weight ``alpha``; returns a PIL RGB image. Needs pillow."""
-        try:
-            from PIL import Image
-        except ImportError:  # pragma: no cover - depends on the environment
-            raise ImportError(
-                "Explanation.overlay needs pillow: pip install 'attnroll[viz]' (or pip install pillow)"
-            ) from None
-        grid = self.normalized(kind).as_grid()[index].to(torch.float32).clamp(0, 1).numpy()
-        if not isinstance(image, Image.Image):
-            arr = np.asarray(image)
-            if arr.ndim != 3 or arr.shape[-1] not in (3, 4):
-                raise ValueError(f"image must be a PIL image or an (H, W, 3) array, got shape {arr.shape}")
-            if arr.dtype != np.uint8:
-                arr = np.clip(arr * (255 if arr.max() <= 1.0 else 1), 0, 255).astype(np.uint8)
-            image = Image.fromarray(arr[..., :3])
-        image = image.convert("RGB")
-        heat = Image.fromarray((grid * 255).astype(np.uint8), mode="L").resize(image.size, Image.BILINEAR)
-        h = np.asarray(heat, dtype=np.float32) / 255.0
-        # A simple black-red-yellow ramp: no colormap dependency.
-        rgb = np.stack([np.clip(2 * h, 0, 1), np.clip(2 * h - 1, 0, 1), np.zeros_like(h)], axis=-1)
-        base = np.asarray(image, dtype=np.float32) / 255.0
-        out = (1 - alpha) * base + alpha * rgb
-        return Image.fromarray((out * 255).round().astype(np.uint8), mode="RGB")
+        array) with a colormap and blended with weight ``alpha``; returns a PIL RGB image. Drawn by
+        :func:`attnroll.viz.overlay`, which takes the further ``options`` (``cmap``, ``size``, ``outline``...).
+        Needs the ``viz`` extra."""
+        from ..viz import overlay
+
+        return overlay(self, image, index, alpha=alpha, kind=kind, **options)
 
     def __repr__(self) -> str:
         where = f"grid={self.grid}" if self.grid is not None else f"tokens={self.tokens is not None}"
@@ -221,13 +170,6 @@ class Explanation:
             f"Explanation(method={self.method!r}, scores={tuple(self.scores.shape)}, prefix={self.prefix}, "
             f"{where}, target={self.target!r}, layers={None if self.layers is None else tuple(self.layers.shape)})"
         )
-
-
-def _color(v: float) -> str:
-    v = max(-1.0, min(1.0, float(v)))
-    if v >= 0:
-        return f"rgba(220,40,40,{v:.3f})"
-    return f"rgba(40,90,220,{-v:.3f})"
 
 
 def _np(t: Any) -> np.ndarray:

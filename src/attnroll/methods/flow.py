@@ -4,7 +4,7 @@ token through the layered attention graph (``attnroll.attention_flow``)."""
 from __future__ import annotations
 
 from ..core.flow import attention_flow
-from .base import Context, register
+from .base import Context, gather_rows, register
 from .rollout import prefix_default
 
 #: Above this many tokens flow costs minutes per example; explain refuses unless max_tokens is raised.
@@ -44,7 +44,5 @@ def flow(ctx: Context, *, stream, protect_prefix, max_tokens, **opts):
     pp = prefix_default(protect_prefix, rec)
     rows = sorted(set(pos))
     F = attention_flow(rec.streams[s], rows=rows, attention_mask=ctx.mask(rec, s), protect_prefix=pp, **opts)
-    import torch
-
-    row = torch.stack([F[b, rows.index(p)] for b, p in enumerate(pos)])
+    row = gather_rows(F, rows, pos)
     return ctx.build(rec, row, pos, s, options={**ctx.options, "protect_prefix": pp})

@@ -8,7 +8,8 @@ extra (matplotlib on the Agg backend, pillow, rich), imported only when a functi
 - :func:`panel` — several methods side by side over several images.
 - :func:`plot_layers` — the rollout row after each layer (``explain(..., return_layers=True)``).
 - :func:`plot_heads` — one map per head (``per_head_rollout``, or a layer's raw attention).
-- :func:`tokens_html` / :func:`print_tokens` / :func:`tokens_text` — token highlights (HTML page / terminal).
+- :func:`tokens_html` / :func:`print_tokens` / :func:`tokens_text` — token highlights (HTML page / terminal);
+  :func:`explanation_html` — one Explanation as an HTML snippet (``Explanation.to_html``).
 - :func:`save_image` / :func:`atomic_write` — atomic file writes (temporary file, then rename).
 """
 
@@ -17,7 +18,7 @@ from .heads import plot_heads
 from .layers import plot_layers
 from .overlay import overlay
 from .panel import panel
-from .text import print_tokens, token_scores, tokens_html, tokens_text
+from .text import explanation_html, print_tokens, score_color, token_scores, tokens_html, tokens_text
 
 __all__ = [
     "overlay",
@@ -25,6 +26,8 @@ __all__ = [
     "plot_layers",
     "plot_heads",
     "tokens_html",
+    "explanation_html",
+    "score_color",
     "tokens_text",
     "print_tokens",
     "token_scores",

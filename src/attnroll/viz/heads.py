@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from . import deps
+from ._explanation import is_explanation
 from .layers import _token_labels
 from .overlay import overlay
 
@@ -19,9 +20,7 @@ def head_rows(source: Any, index: int = 0, *, row: int = 0) -> torch.Tensor:
     (H, n), (B, H, n), or attention (B, H, n, n) / (H, n, n) of which row ``row`` is taken (e.g. one layer of
     ``attnroll.capture(...).attentions``).
     """
-    from ..methods.explanation import Explanation
-
-    if isinstance(source, Explanation):
+    if is_explanation(source):
         heads = source.extra.get("heads")
         if heads is None:
             raise ValueError(
@@ -68,10 +67,8 @@ def plot_heads(
         a PIL RGB image.
     """
     plt = deps.pyplot("attnroll.viz.plot_heads")
-    from ..methods.explanation import Explanation
-
     rows = head_rows(source, index, row=row)  # (H, n)
-    is_expl = isinstance(source, Explanation)
+    is_expl = is_explanation(source)
     if is_expl:
         grid = source.grid if grid is None else grid
         prefix = source.prefix if prefix is None else prefix

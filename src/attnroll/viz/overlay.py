@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from . import deps
+from ._explanation import is_explanation
 
 _RESAMPLE = ("nearest", "bilinear", "bicubic")
 
@@ -47,9 +48,7 @@ def grid_map(source: Any, index: int = 0, kind: str = "minmax") -> np.ndarray:
     to 1; "max": divided by the largest absolute value, negatives clipped to 0; "none": taken as already on
     a [0, 1] scale, only clipped, so that several maps can share one scale).
     """
-    from ..methods.explanation import Explanation
-
-    if isinstance(source, Explanation):
+    if is_explanation(source):
         g = source.normalized(kind).as_grid()[index].to(torch.float64).numpy()
     else:
         g = source.detach().cpu().numpy() if isinstance(source, torch.Tensor) else np.asarray(source)

@@ -7,15 +7,14 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from . import deps
+from ._explanation import is_explanation
 from .overlay import overlay, to_rgb_array
 
 
 def _named(explanations: Any) -> list[tuple[str, Any]]:
     if isinstance(explanations, Mapping):
         return [(str(k), v) for k, v in explanations.items()]
-    from ..methods.explanation import Explanation
-
-    if isinstance(explanations, Explanation):
+    if is_explanation(explanations):
         explanations = [explanations]
     return [(e.method or f"map {i}", e) for i, e in enumerate(explanations)]
 

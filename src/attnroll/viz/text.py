@@ -8,12 +8,11 @@ from typing import Any, Mapping
 import torch
 
 from . import deps
+from ._explanation import is_explanation
 
 
 def _named(explanations: Any) -> list[tuple[str, Any]]:
-    from ..methods.explanation import Explanation
-
-    if isinstance(explanations, Explanation):
+    if is_explanation(explanations):
         return [(explanations.method, explanations)]
     if isinstance(explanations, Mapping):
         return [(str(k), v) for k, v in explanations.items()]
@@ -44,7 +43,9 @@ def token_scores(expl: Any, index: int = 0, kind: str = "max", skip: Any = None)
     return [(toks[j], vals.get(j)) for j in keep]
 
 
-def _bg(v: float | None) -> str:
+def score_color(v: float | None) -> str:
+    """The CSS background of a score scaled to [-1, 1]: red for positive, blue for negative, its strength
+    |v|; transparent for None (a token left out of the scaling). The one colour ramp of every HTML view."""
     if v is None:
         return "transparent"
     v = max(-1.0, min(1.0, float(v)))
@@ -85,8 +86,8 @@ def tokens_html(
         parts.append(f"<p class='meta'>{html.escape(notes)}</p>")
     parts.append(
         "<p class='legend meta'>background = score scaled to the example's largest |score|: "
-        f"<span style='background:{_bg(1)}'>1</span> <span style='background:{_bg(0.5)}'>0.5</span> "
-        f"<span style='background:{_bg(0)}'>0</span> <span style='background:{_bg(-1)}'>−1</span></p>"
+        f"<span style='background:{score_color(1)}'>1</span> <span style='background:{score_color(0.5)}'>0.5</span> "
+        f"<span style='background:{score_color(0)}'>0</span> <span style='background:{score_color(-1)}'>−1</span></p>"
     )
     for heading, e in _named(explanations):
         parts.append(f"<h2>{html.escape(heading)}</h2>")
@@ -95,12 +96,40 @@ def tokens_html(
         )
         for b in range(e.batch_size) if index is None else [int(index)]:
             spans = "".join(
-                f"<span class='t' title='{html.escape(tok, quote=True)}: {_num(v)}' style='background:{_bg(v)}'>"
+                f"<span class='t' title='{html.escape(tok, quote=True)}: {_num(v)}' style='background:{score_color(v)}'>"
                 f"{html.escape(tok)}</span>"
                 for tok, v in token_scores(e, b, kind, skip)
             )
             parts.append(f"<div class='toks'>{spans}</div>")
     parts.append("</body></html>\n")
+    return "".join(parts)
+
+
+def explanation_html(expl: Any, index: int | None = None, kind: str = "max") -> str:
+    """A self-contained HTML snippet (a ``<div>``, no page) of one Explanation: its method and target, then
+    each example (or example ``index``): tokens (prefix and padding left out) or, for images, a table of
+    patch cells, on the background :func:`score_color` gives their score (``normalized(kind)``)."""
+    which = range(expl.batch_size) if index is None else [int(index)]
+    parts = [
+        "<div class='attnroll' style='font-family:sans-serif;line-height:2'>"
+        f"<div><b>{html.escape(expl.method)}</b> target={html.escape(str(expl.target))}</div>"
+    ]
+    for b in which:
+        parts.append("<div style='margin:6px 0'>")
+        if expl.grid is not None:
+            h, w = expl.grid
+            vals = expl.normalized(kind).scores[b].tolist()
+            parts.append("<table style='border-collapse:collapse'>")
+            for r in range(h):
+                cells = "".join(f"<td title='{vals[r * w + c]:.3g}' style='width:12px;height:12px;"
+                                f"background:{score_color(vals[r * w + c])}'></td>" for c in range(w))
+                parts.append(f"<tr>{cells}</tr>")
+            parts.append("</table>")
+        else:
+            parts.extend(f"<span title='{_num(v)}' style='background:{score_color(v)};padding:1px 2px;margin:1px;"
+                         f"border-radius:3px'>{html.escape(tok)}</span>" for tok, v in token_scores(expl, b, kind))
+        parts.append("</div>")
+    parts.append("</div>")
     return "".join(parts)
 
 
