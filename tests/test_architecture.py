@@ -11,8 +11,6 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 PKG = SRC / "attnroll"
-#: Top-level leaf modules shared by every layer; their *names* must still be public to be imported.
-SHARED_LEAVES = {"attnroll._checks", "attnroll._io", "attnroll._modes"}
 
 
 def module_names() -> dict[str, Path]:
@@ -120,7 +118,9 @@ def private_cross_imports() -> list[str]:
                 continue
             inner = target.split(".")[1:]  # module path below attnroll
             private_path = [p for p in inner if p.startswith("_")]
-            if private_path and target not in SHARED_LEAVES:
+            # top-level private modules (attnroll._checks, _io, _modes, _system) are the package's shared
+            # internals; a private module inside a subpackage is that subpackage's own
+            if private_path and len(inner) > 1:
                 bad.append(f"{m} imports module {target}")
             if name is not None and name.startswith("_"):
                 bad.append(f"{m} imports {target}.{name}")
@@ -161,3 +161,53 @@ def test_core_imports_only_core_and_checks():
     for m, deps in g.items():
         if subpackage(m) == "core":
             assert {d for d in deps if subpackage(d) != "core"} <= {"attnroll._checks"}, (m, deps)
+
+
+def test_method_files_import_no_other_method_file():
+    infrastructure = {"attnroll.methods", "attnroll.methods.base", "attnroll.methods.explanation",
+                      "attnroll.methods.batches"}
+    g = graph()
+    for m, deps in g.items():
+        if m.startswith("attnroll.methods.") and m not in infrastructure:
+            others = {d for d in deps if d.startswith("attnroll.methods") and d not in infrastructure}
+            assert not others, (m, others)
+
+
+def io_uses(path: Path) -> list[str]:
+    """Calls of open / print / input, and imports of sys, io, tqdm, rich, logging, in one source file."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("open", "print", "input"):
+            found.append(f"{node.func.id}() at line {node.lineno}")
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+            [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+        found += [f"import {n}" for n in names if n.split(".")[0] in ("sys", "io", "tqdm", "rich", "logging")]
+    return found
+
+
+def test_the_io_finder_finds_io(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text("import sys\ndef f():\n    print(1)\n    from tqdm import tqdm\n")
+    assert sorted(io_uses(f)) == ["import sys", "import tqdm", "print() at line 3"]
+
+
+def test_core_does_no_io():
+    bad = {str(f.relative_to(SRC)): io_uses(f) for f in (PKG / "core").glob("*.py") if io_uses(f)}
+    assert bad == {}
+
+
+def long_functions(limit: int = 80) -> list[str]:
+    """Functions (and methods) of src/attnroll longer than ``limit`` lines, from ``def`` to their last line."""
+    out = []
+    for f in PKG.rglob("*.py"):
+        for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > limit:
+                    out.append(f"{f.relative_to(SRC)}:{node.lineno} {node.name} ({lines} lines)")
+    return out
+
+
+def test_every_function_is_at_most_80_lines():
+    assert long_functions() == []
+    assert long_functions(limit=40)  # the measure sees functions at all

@@ -8,15 +8,18 @@ from .core.fusion import fuse_heads
 from .core.residual import add_residual
 from .core.sparsify import sparsify
 from .core.rollout import rollout, per_head_rollout
-from .core.flow import attention_flow
+from ._system import attention_flow  # core.flow.attention_flow with a progress bar and a memory check
 
 # --- capture (issue 4) ---
-# (binds the name `capture` to the function; the subpackage stays importable as attnroll.capture.*)
-from .capture import AttentionRecord, capture
+# `capture` is the subpackage, callable as its function: attnroll.capture(model, inputs) (see attnroll._callable)
+from . import capture
+from .capture import AttentionRecord
 # --- end capture ---
 
 # --- explain (issue 5) ---
-from .methods import Explainer, Explanation, explain, methods
+# `methods` is the subpackage, callable as methods(): the registered names (see attnroll._callable)
+from . import methods
+from .methods import Explainer, Explanation, explain
 # --- end explain ---
 
 # --- long prompts (issue 16): context attribution for decoders ---

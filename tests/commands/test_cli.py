@@ -58,7 +58,7 @@ def pixels(path):
 
 # -------------------------------------------------------------------------------------------- commands
 def test_help_everywhere():
-    for args in ([], ["--help"], ["explain", "--help"], ["demo", "--help"], ["methods", "--help"]):
+    for args in ([], ["--help"], ["explain", "--help"], ["demo", "--help"], ["methods", "--help"], ["view", "--help"]):
         res = run(*args)
         assert res.exit_code == 0 and "Usage:" in res.output
 
@@ -226,10 +226,16 @@ def test_demo(tmp_path):
         pytest.skip("the shapes model weights are not shipped yet")
     res = run("demo", "--out", tmp_path, "--images", "2", "--methods", "rollout,raw", "--no-text")
     assert res.exit_code == 0, res.output
-    assert sorted(os.listdir(tmp_path)) == ["shapes_heads.png", "shapes_layers.png", "shapes_panel.png"]
+    assert sorted(os.listdir(tmp_path)) == ["shapes_heads.png", "shapes_layers.png", "shapes_panel.png", "viewer.html"]
     for f in os.listdir(tmp_path):
         assert f"wrote {tmp_path / f}" in res.output
-        Image.open(tmp_path / f).verify()
+        if f.endswith(".png"):
+            Image.open(tmp_path / f).verify()
+    from attnroll.viz.viewer import read_payload
+
+    data = read_payload((tmp_path / "viewer.html").read_text(encoding="utf-8"))
+    assert data["methods"] == ["rollout", "raw", "per_head_rollout"] and len(data["examples"]) == 2
+    assert all(ex["outline"] and ex["maps"]["per_head_rollout"]["heads"] for ex in data["examples"])
 
 
 def test_demo_pipeline_on_an_untrained_shapes_model(tmp_path, monkeypatch):
@@ -241,7 +247,7 @@ def test_demo_pipeline_on_an_untrained_shapes_model(tmp_path, monkeypatch):
     monkeypatch.setattr(shapes, "load_shapes_model", lambda *a, **k: model)
     res = run("demo", "--out", tmp_path, "--images", "2", "--methods", "rollout,gae,raw", "--no-text")
     assert res.exit_code == 0, res.output
-    assert sorted(os.listdir(tmp_path)) == ["shapes_heads.png", "shapes_layers.png", "shapes_panel.png"]
+    assert sorted(os.listdir(tmp_path)) == ["shapes_heads.png", "shapes_layers.png", "shapes_panel.png", "viewer.html"]
     w, h = Image.open(tmp_path / "shapes_panel.png").size
     assert w >= 4 * 150 and h >= 2 * 150  # input + 3 methods, 2 images, 150 px cells
     assert "ground-truth" in res.output

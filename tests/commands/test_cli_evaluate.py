@@ -111,7 +111,7 @@ def test_evaluate_empty_folder(tmp_path):
 def test_audit_identical_models_flag_nothing(tmp_path):
     res = run("audit", "shapes", "shapes", "--n", 12, "--format", "png", "--fail-if-flagged", "--out", tmp_path)
     assert res.exit_code == 0, res.output
-    assert sorted(os.listdir(tmp_path)) == ["audit.json", "audit.png"]
+    assert sorted(os.listdir(tmp_path)) == ["audit.json", "audit.png", "audit.view.html"]
     rec = json.loads((tmp_path / "audit.json").read_text())
     assert rec["flagged"] is False
 
@@ -124,6 +124,12 @@ def test_audit_flags_the_spurious_cue(tmp_path):
     assert rec["flagged"] is True and rec["shift"]["marker"] > 0.05
     page = (tmp_path / "audit.html").read_text()
     assert "<img" in page and "marker" in page
+    from attnroll.viz.viewer import read_payload
+
+    shown = read_payload((tmp_path / "audit.view.html").read_text(encoding="utf-8"))["examples"]
+    order = sorted(range(24), key=lambda i: (-rec["js"][i], i))[:8]  # the most-changed examples, first first
+    assert len(shown) == 8 and all(len(ex["panels"]) == 3 and ex["outline"] for ex in shown)
+    assert [int(ex["label"].split(" · ")[0].split()[1]) for ex in shown] == order
     # without --fail-if-flagged the same finding is a report, not a failure
     assert run("audit", "shapes", "shapes-marker", "--n", 8, "--out", tmp_path / "b").exit_code == 0
     # thresholds above every observed value flag nothing

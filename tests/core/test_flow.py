@@ -17,6 +17,7 @@ from scipy.sparse.csgraph import maximum_flow
 
 import attnroll
 from attnroll import attention_flow, rollout
+from attnroll import _system as system_mod
 from attnroll.core import flow as flow_mod
 from attnroll.core.rollout import augmented_layers
 
@@ -323,16 +324,6 @@ def test_progress_bar_is_opt_in(capsys):
     assert "attention flow" in capsys.readouterr().err
 
 
-def test_plain_progress_fallback(capsys):
-    bar = flow_mod._Progress(4, True)
-    bar._kind = "plain"  # what users without tqdm or rich see
-    for _ in range(4):
-        bar(1)
-    bar.close()
-    err = capsys.readouterr().err
-    assert "4/4" in err and "attention flow" in err
-
-
 # ----------------------------------------------------------------------------------------------- validation
 def test_validation_errors_match_rollout():
     good = softmax_layers(2, 1, 2, 4, seed=0)
@@ -382,7 +373,7 @@ def test_validation_of_flow_options():
 
 
 def test_memory_estimate_in_the_error(monkeypatch):
-    monkeypatch.setattr(flow_mod, "_available_memory", lambda: 1_000_000)
+    monkeypatch.setattr(system_mod, "available_memory", lambda: 1_000_000)
     layers = softmax_layers(12, 1, 1, 60, seed=0)
     need = flow_mod.estimate_memory(12, 60)
     assert need == 12 * 60 * 60 * 62

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from .. import _checks
+from .._callable import make_callable as _make_callable
 from .hf import HFAdapter, is_hf_model
 from .hooks import SUPPORTED_FAMILIES, Adapter, Capture, ModulesAdapter, run_forward
 from .record import AttentionRecord
@@ -87,6 +88,25 @@ def capture(
     keep_grad = _checks.check_bool("keep_grad", keep_grad)
     eval_mode = _checks.check_bool("eval_mode", eval_mode)
     dt = _checks.check_dtype(dtype)
+    _check_combination(keep_grad, fuse, fuse_heads, dt, dtype, modules, to_probs)
+    session = Capture(model, _select_adapter(model, modules, to_probs), fuse=fuse, keep_grad=keep_grad, dtype=dt,
+                      eval_mode=eval_mode, tokenizer=tokenizer)
+    if inputs is None:
+        return session
+    with session as record:
+        with torch.enable_grad() if keep_grad else torch.no_grad():
+            run_forward(model, inputs, session.adapter.input_hint)
+    if session.passes == 0:
+        raise CaptureError(
+            "the forward pass finished without the model's own forward returning (no pass was recorded)"
+        )
+    return record
+
+
+def _check_combination(keep_grad: bool, fuse: Any, fuse_heads: Any, dt: Any, dtype: Any, modules: Any,
+                       to_probs: Any) -> None:
+    """The options of ``capture`` that exclude each other: keep_grad with fusion or a dtype, to_probs
+    without modules."""
     if keep_grad and fuse is not None:
         raise ValueError(
             f"keep_grad=True keeps the per-head tensors for their gradients; it cannot be combined with "
@@ -99,25 +119,6 @@ def capture(
         )
     if to_probs is not None and modules is None:
         raise ValueError("to_probs needs modules=: the modules whose (args, output) it turns into probabilities")
-    session = Capture(
-        model,
-        _select_adapter(model, modules, to_probs),
-        fuse=fuse,
-        keep_grad=keep_grad,
-        dtype=dt,
-        eval_mode=eval_mode,
-        tokenizer=tokenizer,
-    )
-    if inputs is None:
-        return session
-    with session as record:
-        with torch.enable_grad() if keep_grad else torch.no_grad():
-            run_forward(model, inputs, session.adapter.input_hint)
-    if session.passes == 0:
-        raise CaptureError(
-            "the forward pass finished without the model's own forward returning (no pass was recorded)"
-        )
-    return record
 
 
 def _select_adapter(model: nn.Module, modules: Any, to_probs: Callable | None) -> Adapter:
@@ -133,3 +134,6 @@ def _select_adapter(model: nn.Module, modules: Any, to_probs: Callable | None) -
         f"attnroll.capture does not know where the attention of {type(model).__name__} is. "
         f"Supported: {SUPPORTED_FAMILIES}"
     )
+
+
+_make_callable(__name__)  # attnroll._callable: the module is callable as its function of the same name

@@ -10,7 +10,8 @@ import click
 
 from ._output import Failure, one_line
 
-__all__ = ["IMAGE_SUFFIXES", "DATASETS", "expand_images", "read_image", "load", "load_eval_model",
+__all__ = ["IMAGE_SUFFIXES", "DATASETS", "expand_images", "read_image", "load", "input_options", "check_inputs",
+           "load_for", "load_eval_model",
            "load_image_model", "load_texts", "load_data", "fill_tensor"]
 
 #: Image file suffixes the commands read (what pillow decodes).
@@ -70,6 +71,46 @@ def load(spec: str | None, weights: Path | None, want: str) -> Any:
                                "downloads") from None
     except (ValueError, ImportError, FileNotFoundError) as e:
         raise Failure(_as_option(one_line(str(e)))) from None
+
+
+def input_options(fn: Any) -> Any:
+    """The input and model options of ``explain`` and ``view``: IMAGE..., --text, --pair, --model, --weights."""
+    decorators = [
+        click.argument("images", nargs=-1, type=click.Path(exists=True, path_type=Path)),
+        click.option("--text", help="Explain this text instead of images."),
+        click.option("--pair", help="A second text: a sentence pair (similarity for sentence-embedding models)."),
+        click.option("--model", "model_spec", metavar="MODEL",
+                     help="'shapes' / 'minilm' (embedded, the default for images / text), a local transformers "
+                          "model folder, or a timm architecture name with --weights."),
+        click.option("--weights", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+                     help="Weights file for a timm architecture (.safetensors or a torch state dict)."),
+    ]
+    for deco in reversed(decorators):
+        fn = deco(fn)
+    return fn
+
+
+def check_inputs(images: tuple, text: str | None, pair: str | None) -> str:
+    """The kind of input ("image" / "text") of :func:`input_options`, or a usage error for a wrong combination."""
+    if pair is not None and text is None:
+        raise click.UsageError("--pair needs --text")
+    if images and text is not None:
+        raise click.UsageError("give either IMAGE... or --text, not both")
+    if not images and text is None:
+        raise click.UsageError("nothing to explain: give IMAGE... (files or folders) or --text TEXT")
+    for name, t in (("--text", text), ("--pair", pair)):
+        if t is not None and not t.strip():
+            raise click.UsageError(f"{name} is empty")
+    return "text" if text is not None else "image"
+
+
+def load_for(spec: str | None, weights: Path | None, kind: str) -> Any:
+    """:func:`load` for inputs of ``kind``; a model of the other kind is a usage error."""
+    lm = load(spec, weights, kind)
+    if lm.kind != kind:
+        raise click.UsageError(f"model {lm.name} is a{'n image' if lm.kind == 'image' else ' text'} model; "
+                               f"give {'IMAGE...' if lm.kind == 'image' else '--text'}")
+    return lm
 
 
 def load_eval_model(spec: str | None) -> Any:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -11,6 +12,16 @@ from ._args import parse_options
 from ._data import load_data, load_image_model
 from ._group import cli
 from ._output import Failure, prepare_out, write
+
+
+def _viewer(report: Any, d: dict, la: Any, lb: Any, examples: int) -> str:
+    """The interactive page: the most-changed examples, both models' maps and their difference."""
+    from ..viz import view
+
+    order = [int(i) for i in report.order[:examples]]
+    return view(report, d["images"], masks=d["masks"], names=(la.name, lb.name), index=order,
+                title=f"attnroll audit: {la.name} vs {lb.name}",
+                notes=f"{report.method}; the {len(order)} examples whose maps changed most (JS divergence)").html
 
 
 @cli.command("audit", short_help="Compare what two checkpoints rely on, on the same inputs.")
@@ -28,7 +39,7 @@ from ._output import Failure, prepare_out, write
 @click.option("--format", "fmt", default="html", show_default=True, type=click.Choice(["html", "png"]),
               help="Report format.")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("attnroll-audit"), show_default=True,
-              help="Output folder (created): audit.html or audit.png, and audit.json.")
+              help="Output folder (created): audit.html or audit.png, audit.json and audit.view.html (interactive).")
 @click.option("--js-threshold", default=0.05, show_default=True, type=click.FloatRange(0, 1),
               help="Flag when the mean Jensen-Shannon divergence exceeds this (raise it for noisy gradient maps).")
 @click.option("--shift-threshold", default=0.05, show_default=True, type=click.FloatRange(0, 1),
@@ -64,5 +75,6 @@ def audit_cmd(model_a, model_b, data, n, seed, method, options, examples, fmt, o
     meta = {"model_a": la.name, "model_b": lb.name, "data": data, "n": n, "seed": seed, "method": method,
             "options": opts}
     write(out / "audit.json", json.dumps({**meta, **report.as_dict()}, indent=1, default=float))
-    click.echo(f"wrote {target}\nwrote {out / 'audit.json'}")
+    viewer = write(out / "audit.view.html", _viewer(report, d, la, lb, examples))
+    click.echo(f"wrote {target}\nwrote {out / 'audit.json'}\nwrote {viewer}")
     return 3 if (fail_if_flagged and report.flagged) else 0

@@ -44,6 +44,21 @@ def _text_page(out: Path) -> list[Path]:
     return [page]
 
 
+def _viewer_page(out: Path, E: dict, model: Any, x: Any, images: Any, masks: Any, rows: list[str]) -> Path:
+    """The interactive page: every panel method with its per-layer rows, plus the per-head rollout."""
+    from ..methods import explain
+    from ..viz import view
+    from .view import with_layers
+
+    names = list(dict.fromkeys([*E, "per_head_rollout"]))
+    opts = with_layers(names, {})
+    full = {m: explain(model, x, m, **opts[m]) if opts[m] or m not in E else E[m] for m in names}
+    page = view(full, images, masks=masks, labels=rows, title="attnroll demo: the embedded shapes ViT",
+                notes="true → predicted class; white outline = ground-truth object. Move the layer slider, "
+                      "switch methods, point at a patch for its value, open 'per head'.")
+    return write(out / "viewer.html", page.html)
+
+
 @cli.command("demo", short_help="Pictures from the embedded models into ./attnroll-demo/.")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("attnroll-demo"), show_default=True,
               help="Output folder (created).")
@@ -56,8 +71,9 @@ def _text_page(out: Path) -> list[Path]:
               help="Also the MiniLM sentence-pair page (when the text extra is installed).")
 def demo_cmd(out, n_images, seed, method_list, text) -> None:
     """Pictures from the embedded models, no download: a panel of several methods on generated shape images
-    with the ground-truth outline, the per-layer rollout and per-head maps, and (text extra) an HTML page of
-    token maps for a sentence pair. Prints the paths it wrote."""
+    with the ground-truth outline, the per-layer rollout and per-head maps, one interactive viewer page
+    (viewer.html: layer slider, method switcher, per-head grid, values under the pointer), and (text extra)
+    an HTML page of token maps for a sentence pair. Prints the paths it wrote."""
     import torch
 
     from ..methods import explain
@@ -78,6 +94,7 @@ def demo_cmd(out, n_images, seed, method_list, text) -> None:
     written.append(write(out / "shapes_layers.png", plot_layers(lay, images[0], cell=130)))
     heads = explain(lm.model, x[:1], "per_head_rollout")
     written.append(write(out / "shapes_heads.png", plot_heads(heads, images[0], cell=130)))
+    written.append(_viewer_page(out, E, lm.model, x, images, masks, rows))
     acc = float((pred == labels).float().mean())
     click.echo(f"shapes ViT: {n_images} generated images (seed {seed}), {acc:.0%} classified right; methods: "
                f"{', '.join(names)}; white outline = ground-truth object")

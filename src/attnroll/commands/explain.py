@@ -13,7 +13,7 @@ from typing import Any
 import click
 
 from ._args import method_and_options, parse_target
-from ._data import expand_images, load, read_image
+from ._data import check_inputs, expand_images, input_options, load_for, read_image
 from ._group import cli
 from ._output import Failure, one_line, png_bytes, prepare_out, progress, save_npz, write
 from ._text import explain_text
@@ -77,7 +77,8 @@ def _image_html(title: str, overlay_img: Any, expl: Any, lm: Any) -> str:
     )
 
 
-def _slug(text: str, words: int = 5) -> str:
+def slug(text: str, words: int = 5) -> str:
+    """The first ``words`` words of a text, lower case, joined by "-" (a file name stem)."""
     s = "-".join(re.findall(r"[a-z0-9]+", text.lower())[:words])
     return s or "text"
 
@@ -94,24 +95,10 @@ def _parse_formats(ctx: Any, param: Any, value: tuple[str, ...]) -> tuple[str, .
     return tuple(out)
 
 
-def _check_inputs(images: tuple, text: str | None, pair: str | None) -> str:
-    """The kind of input ("image" / "text"), or a usage error for a wrong combination."""
-    if pair is not None and text is None:
-        raise click.UsageError("--pair needs --text")
-    if images and text is not None:
-        raise click.UsageError("give either IMAGE... or --text, not both")
-    if not images and text is None:
-        raise click.UsageError("nothing to explain: give IMAGE... (files or folders) or --text TEXT")
-    for name, t in (("--text", text), ("--pair", pair)):
-        if t is not None and not t.strip():
-            raise click.UsageError(f"{name} is empty")
-    return "text" if text is not None else "image"
-
-
 def _explain_texts(lm: Any, text: str, pair: str | None, method: str, opts: dict, tgt: Any, out: Path,
                    formats: tuple[str, ...], top: int) -> list[Path]:
     E = explain_text(lm, text, pair, method, opts, tgt)
-    stem = f"{_slug(text)}.{method}"
+    stem = f"{slug(text)}.{method}"
     special = set(getattr(lm.tokenizer, "all_special_tokens", ()) or ())
     for label, e in E.items():
         click.echo(f"{label}: {method} target={lm.label(e.target)}  top tokens: {top_units(e, top, special)}")
@@ -166,6 +153,24 @@ def _explain_image(f: Path, lm: Any, method: str, opts: dict, tgt: Any, out: Pat
     return written
 
 
+def _generate(images, text, pair, target, formats, method, options, model_spec, weights, out, generate, unit,
+              segments, top) -> None:
+    """``explain --generate N``: checks, then context attribution of the generated answer."""
+    if images or text is None or pair is not None or target is not None:
+        raise click.UsageError("--generate needs --text (a prompt or a prompt file), without IMAGE..., "
+                               "--pair or --target (the generated answer is the target)")
+    if any(f != "json" for f in formats):
+        raise click.UsageError("--generate writes json (the ranked units); other formats are not available")
+    if method not in ("rollout", "gae", "grad_rollout"):
+        raise click.UsageError(f"--generate takes -m rollout, gae or grad_rollout, got {method!r}")
+    opts = method_and_options(method, options)
+    prompt = _prompt_text(text)
+    out = prepare_out(out)
+    lm = load_for(model_spec, weights, "text")
+    written = _context_attribution(lm, prompt, generate, method, opts, unit, segments, out, top)
+    click.echo(f"wrote {len(written)} file to {out}/")
+
+
 def _prompt_text(text: str) -> str:
     """``--text`` with ``--generate``: the contents of the file it names, else the text itself."""
     path = Path(text)
@@ -199,14 +204,7 @@ def _context_attribution(lm: Any, prompt: str, generate: int, method: str, opts:
 
 
 @cli.command("explain", short_help="Explain images or a text; write pictures / data, print top units.")
-@click.argument("images", nargs=-1, type=click.Path(exists=True, path_type=Path))
-@click.option("--text", help="Explain this text instead of images.")
-@click.option("--pair", help="A second text: a sentence pair (similarity for sentence-embedding models).")
-@click.option("--model", "model_spec", metavar="MODEL",
-              help="'shapes' / 'minilm' (embedded, the default for images / text), a local transformers model "
-                   "folder, or a timm architecture name with --weights.")
-@click.option("--weights", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="Weights file for a timm architecture (.safetensors or a torch state dict).")
+@input_options
 @click.option("--method", "-m", default="rollout", show_default=True, help="A method from 'attnroll methods'.")
 @click.option("--option", "-o", "options", multiple=True, metavar="KEY=VALUE",
               help="A method option, repeatable: -o alpha=0.9 -o head_fusion=max -o discard_ratio=0.9.")
@@ -242,23 +240,12 @@ def explain_cmd(images, text, pair, model_spec, weights, method, options, target
       attnroll explain --model ./llama-local --text prompt.txt --generate 20 --unit sentence
     """
     if generate is not None:
-        if images or text is None or pair is not None or target is not None:
-            raise click.UsageError("--generate needs --text (a prompt or a prompt file), without IMAGE..., "
-                                   "--pair or --target (the generated answer is the target)")
-        if any(f != "json" for f in formats):
-            raise click.UsageError("--generate writes json (the ranked units); other formats are not available")
-        if method not in ("rollout", "gae", "grad_rollout"):
-            raise click.UsageError(f"--generate takes -m rollout, gae or grad_rollout, got {method!r}")
-        opts = method_and_options(method, options)
-        prompt = _prompt_text(text)
-        out = prepare_out(out)
-        lm = load(model_spec, weights, "text")
-        written = _context_attribution(lm, prompt, generate, method, opts, unit, segments, out, top)
-        click.echo(f"wrote {len(written)} file to {out}/")
+        _generate(images, text, pair, target, formats, method, options, model_spec, weights, out, generate, unit,
+                  segments, top)
         return
     if segments:
         raise click.UsageError("--segment needs --generate")
-    kind = _check_inputs(images, text, pair)
+    kind = check_inputs(images, text, pair)
     opts = method_and_options(method, options)
     formats = formats or (("png",) if kind == "image" else ("html",))
     if kind == "text" and "png" in formats:
@@ -267,10 +254,7 @@ def explain_cmd(images, text, pair, model_spec, weights, method, options, target
     for f in files:  # every input is checked before anything is written
         read_image(f)
     out = prepare_out(out)
-    lm = load(model_spec, weights, kind)
-    if lm.kind != kind:
-        raise click.UsageError(f"model {lm.name} is a{'n image' if lm.kind == 'image' else ' text'} model; "
-                               f"give {'IMAGE...' if lm.kind == 'image' else '--text'}")
+    lm = load_for(model_spec, weights, kind)
     tgt = parse_target(target, lm)
     if kind == "text":
         written = _explain_texts(lm, text, pair, method, opts, tgt, out, formats, top)

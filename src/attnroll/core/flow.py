@@ -56,9 +56,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import sys
 import threading
-import time
 import warnings
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any, Callable, Sequence
@@ -476,90 +474,16 @@ def _solve_task(caps: np.ndarray | int, source: int, sinks: Sequence[int]) -> tu
     return _RowSolver(caps, source).solve(sinks)
 
 
-# ------------------------------------------------------------------------------------------- progress
-class _Progress:
-    """A progress bar on stderr: tqdm or rich when installed, else a plain line rewritten in place."""
-
-    def __init__(self, total: int, enabled: bool) -> None:
-        self.total, self.done, self.enabled = total, 0, enabled
-        self._bar = None
-        self._last = 0.0
-        self._start = time.perf_counter()
-        if not enabled:
-            return
-        try:
-            from tqdm.auto import tqdm
-
-            self._bar = tqdm(total=total, desc="attention flow", unit="flow", file=sys.stderr)
-            self._kind = "tqdm"
-        except ImportError:
-            try:
-                from rich.progress import Progress
-
-                self._bar = Progress(transient=False)
-                self._bar.start()
-                self._task = self._bar.add_task("attention flow", total=total)
-                self._kind = "rich"
-            except ImportError:
-                self._kind = "plain"
-
-    def __call__(self, k: int) -> None:
-        if not self.enabled:
-            return
-        self.done += k
-        if self._kind == "tqdm":
-            self._bar.update(k)
-        elif self._kind == "rich":
-            self._bar.update(self._task, advance=k)
-        else:
-            now = time.perf_counter()
-            if now - self._last > 0.2 or self.done >= self.total:
-                self._last = now
-                width = 30
-                filled = int(width * self.done / max(self.total, 1))
-                sys.stderr.write(
-                    f"\rattention flow [{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} "
-                    f"max flows, {now - self._start:.1f}s"
-                )
-                sys.stderr.flush()
-
-    def close(self) -> None:
-        if not self.enabled:
-            return
-        if self._kind == "tqdm":
-            self._bar.close()
-        elif self._kind == "rich":
-            self._bar.stop()
-        else:
-            sys.stderr.write("\n")
-            sys.stderr.flush()
-
-
 # ------------------------------------------------------------------------------------------- memory
-def _available_memory() -> int | None:
-    """Bytes of memory available now (Linux /proc/meminfo, else sysconf), or None if unknown."""
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
 def estimate_memory(num_layers: int, n: int, workers: int = 1) -> int:
     """Peak bytes ``attention_flow`` may need for one graph of ``num_layers`` layers of n tokens, times the
     number of graphs solved at once (``workers``): about 62 bytes per potential edge (L'·n²)."""
     return int(workers * num_layers * n * n * _BYTES_PER_EDGE)
 
 
-def _check_memory(num_layers: int, n: int, workers: int) -> None:
+def _check_memory(num_layers: int, n: int, workers: int, have: int | None) -> None:
+    """MemoryError when the estimate exceeds ``have`` bytes (no check when ``have`` is None)."""
     need = estimate_memory(num_layers, n, workers)
-    have = _available_memory()
     if have is not None and need > have:
         gib = 2**30
         raise MemoryError(
@@ -601,6 +525,81 @@ def _check_bool(name: str, value: Any) -> bool:
     return bool(value)
 
 
+def _check_progress(progress: Any) -> Callable[[int, int], Any] | None:
+    if progress is not None and not callable(progress):
+        raise TypeError(f"progress must be None or a callable progress(done, total), got {_checks.describe(progress)}")
+    return progress
+
+
+def _plan(stack: np.ndarray, mask: np.ndarray | None, row_idx: list[int], workers: int, n_layers: int):
+    """Per example (kept token indices, capacities cropped to them); the (example, output row, source
+    index, block of inputs) tasks; the number of workers worth starting."""
+    batch, n = stack.shape[0], stack.shape[-1]
+    per_example = []
+    for b in range(batch):
+        keep = np.arange(n) if mask is None else np.flatnonzero(mask[b])
+        caps = np.ascontiguousarray(stack[b][:, keep][:, :, keep]) if mask is not None else stack[b]
+        per_example.append((keep, caps))
+    # One task per (example, output, block of inputs); padded outputs are simply left at 0.
+    problems = [
+        (b, q, int(np.searchsorted(per_example[b][0], r)))
+        for b in range(batch)
+        for q, r in enumerate(row_idx)
+        if len(per_example[b][0]) and (mask is None or mask[b, r])
+    ]
+    work = sum(len(per_example[b][0]) ** 3 * n_layers for b, _, _ in problems)  # ~ edges x inputs
+    if work < _PARALLEL_WORK:
+        workers = 1  # well under a second of work: starting processes would cost more than it saves
+    tasks = []
+    for b, q, src in problems:
+        m = len(per_example[b][0])
+        blocks = workers if (workers > 1 and len(problems) < workers) else 1
+        for chunk in np.array_split(np.arange(m), min(blocks, m)):
+            tasks.append((b, q, src, chunk))
+    return per_example, tasks, workers
+
+
+def _solve_in_workers(per_example: list, tasks: list, workers: int, out: np.ndarray, tick: Callable[[int], Any]) -> None:
+    """Run the tasks in worker processes (fork when available: workers inherit the capacities)."""
+    import multiprocessing as mp
+
+    fork = "fork" in mp.get_all_start_methods()
+    ctx = mp.get_context("fork" if fork else None)
+    lock = _FORK_LOCK if fork else contextlib.nullcontext()
+    with lock:
+        if fork:  # workers inherit the capacities; only indices travel through the pipes
+            _FORKED[:] = [caps for _, caps in per_example]
+        try:
+            with ProcessPoolExecutor(max_workers=min(workers, len(tasks)), mp_context=ctx) as pool:
+                futures = [
+                    pool.submit(_solve_task, b if fork else per_example[b][1], src, chunk.tolist())
+                    for b, q, src, chunk in tasks
+                ]
+                for fut, (b, q, src, chunk) in zip(futures, tasks):
+                    values, _ = fut.result()
+                    out[b, q, per_example[b][0][chunk]] = values
+                    tick(len(chunk))
+        finally:
+            _FORKED.clear()
+
+
+def _solve(per_example: list, tasks: list, workers: int, shape: tuple[int, int, int],
+           progress: Callable[[int, int], Any] | None) -> np.ndarray:
+    """The raw max-flow values (B, rows, n) of every task, in this process or in workers."""
+    total = sum(len(t[3]) for t in tasks)
+    tick = (lambda k: progress(k, total)) if progress is not None else (lambda k: None)  # noqa: E731
+    tick(0)
+    out = np.zeros(shape)
+    if workers == 1 or len(tasks) <= 1:
+        for b, q, src, chunk in tasks:
+            keep, caps = per_example[b]
+            values, _ = _RowSolver(caps, src).solve(chunk.tolist(), tick=tick)
+            out[b, q, keep[chunk]] = values
+    else:
+        _solve_in_workers(per_example, tasks, workers, out, tick)
+    return out
+
+
 def attention_flow(
     attentions: Any,
     *,
@@ -620,7 +619,8 @@ def attention_flow(
     check_stochastic: bool = True,
     dtype: Any = None,
     n_jobs: int = 1,
-    progress: bool = False,
+    progress: Callable[[int, int], Any] | None = None,
+    available_memory: int | None = None,
 ) -> Any:
     """Attention flow: the max-flow value from each chosen output token to each input token.
 
@@ -632,6 +632,9 @@ def attention_flow(
     default residual). See the module docstring for the algorithm and its error bound: every raw value is
     within 5e-7 of the exact max flow (typically ~1e-9, often exact to float rounding).
 
+    This is the pure function: it prints nothing and reads nothing from the machine. ``attnroll.attention_flow``
+    wraps it with a progress bar (``progress=True``) and the machine's available memory.
+
     Args:
         attentions, head_fusion, alpha, residual_mode, discard_ratio, discard_scope, top_k, threshold,
             protect_prefix, start_layer, end_layer, attention_mask, check_stochastic, dtype: as in
@@ -642,7 +645,9 @@ def attention_flow(
             0); False returns the raw max-flow values.
         n_jobs: worker processes (−1: all cores). Work is split over (example, output, block of inputs);
             problems under ~0.25 s of work run in this process, as starting workers costs ~0.1 s.
-        progress: print a progress bar on stderr (tqdm or rich if installed, else plain text).
+        progress: None, or ``progress(k, total)`` called with k = 0 before solving and with the number of
+            max-flow problems just solved (of ``total``) as they finish.
+        available_memory: bytes the graph may use; None = no memory check.
 
     Returns:
         (B, len(rows), n) — (len(rows), n) for unbatched input — of the input's kind (torch / numpy) in the
@@ -650,93 +655,28 @@ def attention_flow(
         change the other values: a padded batch gives what the cropped sequences give.
 
     Raises:
-        MemoryError: when the graph would not fit in the available memory (the message gives the estimate).
+        MemoryError: when the graph would need more than ``available_memory`` (the message gives the estimate).
     """
     normalize = _check_bool("normalize", normalize)
-    progress = _check_bool("progress", progress)
+    progress = _check_progress(progress)
     workers = _check_jobs(n_jobs)
     with _one_torch_thread():
         mats, layers, _ = augmented_layers(
-            attentions,
-            head_fusion=head_fusion,
-            alpha=alpha,
-            residual_mode=residual_mode,
-            discard_ratio=discard_ratio,
-            discard_scope=discard_scope,
-            top_k=top_k,
-            threshold=threshold,
-            protect_prefix=protect_prefix,
-            start_layer=start_layer,
-            end_layer=end_layer,
-            attention_mask=attention_mask,
-            check_stochastic=check_stochastic,
-            dtype=dtype,
+            attentions, head_fusion=head_fusion, alpha=alpha, residual_mode=residual_mode,
+            discard_ratio=discard_ratio, discard_scope=discard_scope, top_k=top_k, threshold=threshold,
+            protect_prefix=protect_prefix, start_layer=start_layer, end_layer=end_layer,
+            attention_mask=attention_mask, check_stochastic=check_stochastic, dtype=dtype,
         )
-    n, batch = layers.n, layers.batch
-    out_dtype = mats[0].dtype
+    n, batch, out_dtype = layers.n, layers.batch, mats[0].dtype
     row_idx = parse_rows(rows, n)
-    if row_idx is None:
-        row_idx = list(range(n))
-    _check_memory(len(mats), n, workers)
+    row_idx = list(range(n)) if row_idx is None else row_idx
+    _check_memory(len(mats), n, workers, available_memory)
     stack = np.stack([t.detach().cpu().numpy() for t in mats], axis=1).astype(np.float64)  # (B, L', n, n)
     mask = None if layers.mask is None else layers.mask.cpu().numpy()
-
-    # One task per (example, output, block of inputs); padded outputs are simply left at 0.
-    per_example = []
-    for b in range(batch):
-        keep = np.arange(n) if mask is None else np.flatnonzero(mask[b])
-        caps = np.ascontiguousarray(stack[b][:, keep][:, :, keep]) if mask is not None else stack[b]
-        per_example.append((keep, caps))
-    problems = [
-        (b, q, int(np.searchsorted(per_example[b][0], r)))
-        for b in range(batch)
-        for q, r in enumerate(row_idx)
-        if len(per_example[b][0]) and (mask is None or mask[b, r])
-    ]
-    work = sum(len(per_example[b][0]) ** 3 * len(mats) for b, _, _ in problems)  # ~ edges x inputs
-    if work < _PARALLEL_WORK:
-        workers = 1  # well under a second of work: starting processes would cost more than it saves
-    tasks = []
-    for b, q, src in problems:
-        m = len(per_example[b][0])
-        blocks = workers if (workers > 1 and len(problems) < workers) else 1
-        for chunk in np.array_split(np.arange(m), min(blocks, m)):
-            tasks.append((b, q, src, chunk))
-
-    out = np.zeros((batch, len(row_idx), n))
-    bar = _Progress(sum(len(t[3]) for t in tasks), progress)
-    try:
-        if workers == 1 or len(tasks) <= 1:
-            for b, q, src, chunk in tasks:
-                keep, caps = per_example[b]
-                values, _ = _RowSolver(caps, src).solve(chunk.tolist(), tick=bar)
-                out[b, q, keep[chunk]] = values
-        else:
-            import multiprocessing as mp
-
-            fork = "fork" in mp.get_all_start_methods()
-            ctx = mp.get_context("fork" if fork else None)
-            lock = _FORK_LOCK if fork else contextlib.nullcontext()
-            with lock:
-                if fork:  # workers inherit the capacities; only indices travel through the pipes
-                    _FORKED[:] = [caps for _, caps in per_example]
-                try:
-                    with ProcessPoolExecutor(max_workers=min(workers, len(tasks)), mp_context=ctx) as pool:
-                        futures = [
-                            pool.submit(_solve_task, b if fork else per_example[b][1], src, chunk.tolist())
-                            for b, q, src, chunk in tasks
-                        ]
-                        for fut, (b, q, src, chunk) in zip(futures, tasks):
-                            values, _ = fut.result()
-                            out[b, q, per_example[b][0][chunk]] = values
-                            bar(len(chunk))
-                finally:
-                    _FORKED.clear()
-    finally:
-        bar.close()
-
+    per_example, tasks, workers = _plan(stack, mask, row_idx, workers, len(mats))
+    out = _solve(per_example, tasks, workers, (batch, len(row_idx), n), progress)
     if normalize:
-        total = out.sum(axis=-1, keepdims=True)
-        out = np.divide(out, total, out=np.zeros_like(out), where=total > 0)
+        total_flow = out.sum(axis=-1, keepdims=True)
+        out = np.divide(out, total_flow, out=np.zeros_like(out), where=total_flow > 0)
     result = torch.from_numpy(out).to(device=mats[0].device, dtype=out_dtype)  # back where the input was
     return layers.give_back(result)

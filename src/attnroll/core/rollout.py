@@ -99,6 +99,27 @@ class Layers:
         return out.numpy() if self.was_numpy else out
 
 
+def _layer_items(attentions: Any, fused: bool, name: str, hint: str) -> list:
+    """The per-layer arrays of a list / tuple, or of one stacked array (its leading layer axis)."""
+    if isinstance(attentions, (list, tuple)):
+        if len(attentions) == 0:
+            raise ValueError(f"{name} is empty: expected one attention tensor per layer")
+        return list(attentions)
+    if isinstance(attentions, (torch.Tensor,)) or type(attentions).__module__ == "numpy":
+        t, _ = _checks.as_tensor(name, attentions)
+        if t.ndim == 0 or t.shape[0] == 0:
+            raise ValueError(f"{name} is empty: expected a leading layer axis with at least one layer")
+        want = (4, 3) if fused else (5, 4)
+        if t.ndim not in want:
+            stacked = "(L, B, n, n) or (L, n, n)" if fused else "(L, B, H, n, n) or (L, H, n, n)"
+            raise ValueError(f"{name} as one stacked array must have shape {stacked}, got {tuple(t.shape)}.{hint}")
+        return [attentions[i] for i in range(t.shape[0])]
+    raise TypeError(
+        f"{name} must be a list/tuple of per-layer arrays or one stacked array (torch or numpy), "
+        f"got {_checks.describe(attentions)}"
+    )
+
+
 def parse_attentions(
     attentions: Any,
     *,
@@ -121,25 +142,7 @@ def parse_attentions(
         if not fused
         else " Per-head input needs a head_fusion ('mean', 'max', 'min' or weights)."
     )
-    if isinstance(attentions, (list, tuple)):
-        if len(attentions) == 0:
-            raise ValueError(f"{name} is empty: expected one attention tensor per layer")
-        items = list(attentions)
-    elif isinstance(attentions, (torch.Tensor,)) or type(attentions).__module__ == "numpy":
-        t, _ = _checks.as_tensor(name, attentions)
-        if t.ndim == 0 or t.shape[0] == 0:
-            raise ValueError(f"{name} is empty: expected a leading layer axis with at least one layer")
-        want = (4, 3) if fused else (5, 4)
-        if t.ndim not in want:
-            stacked = "(L, B, n, n) or (L, n, n)" if fused else "(L, B, H, n, n) or (L, H, n, n)"
-            raise ValueError(f"{name} as one stacked array must have shape {stacked}, got {tuple(t.shape)}.{hint}")
-        items = [attentions[i] for i in range(t.shape[0])]
-    else:
-        raise TypeError(
-            f"{name} must be a list/tuple of per-layer arrays or one stacked array (torch or numpy), "
-            f"got {_checks.describe(attentions)}"
-        )
-
+    items = _layer_items(attentions, fused, name, hint)
     tensors, kinds = [], set()
     for i, item in enumerate(items):
         t, was_numpy = _checks.as_tensor(f"{name}[{i}]", item)
@@ -304,7 +307,7 @@ class LayerPipeline:
         s = self.totals(P)
         return out if s is None else residual.divide_rows(out, s)
 
-    def streams(self, layers: Layers) -> bool:
+    def can_stream(self, layers: Layers) -> bool:
         """Whether V·Ã can be computed straight from the captured layer: mean or weighted fusion of per-head
         input, or already-fused input, with nothing that needs the fused matrix itself (no padding,
         sparsification or renorm row sums). Per-head rollout (head_fusion None on per-head input) does not."""
@@ -315,7 +318,7 @@ class LayerPipeline:
 
     def right(self, V: torch.Tensor, layers: Layers, i: int) -> torch.Tensor:
         """V·Ã(i) for (…, r, n) V, reading and checking layer i of ``layers``."""
-        if self.streams(layers):
+        if self.can_stream(layers):
             return self.a * _streamed_contract(V, layers, i, self.head_fusion) + self.c * V
         return Prepared(self, layers.layer(i)).right(V)
 

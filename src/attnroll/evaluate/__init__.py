@@ -30,8 +30,11 @@ from .perturbation import (  # isort: skip
     positive_perturbation,
 )
 from .text import comprehensiveness, sufficiency  # isort: skip
-from .localisation import LocalisationResult, localisation, mask_mass, pointing_game, topk_iou  # isort: skip
-from .audit import AuditReport, audit, grid_regions, js_divergence, shapes_regions
+# `localisation` and `audit` are the modules, callable as their functions (see attnroll._callable)
+from . import localisation  # isort: skip
+from .localisation import LocalisationResult, mask_mass, pointing_game, topk_iou  # isort: skip
+from . import audit
+from .audit import AuditReport, grid_regions, js_divergence, shapes_regions
 from .registry import METRICS, Metric, MetricInputs, MetricValues, metric_info, metric_names, register_metric
 from .sanity import SanityResult, cascading_randomization
 from .suite import EvaluationResult, evaluate_methods

@@ -23,8 +23,10 @@ import numpy as np
 import torch
 
 from .. import _checks
+from .._callable import make_callable as _make_callable
 from .._modes import eval_mode
 from .._io import atomic_write
+from ..methods import explain_batches, method_info
 from ._common import batched_logits, image_forward, nanmean, relevance_order, spearman_rows
 
 __all__ = ["AuditReport", "audit", "shapes_regions", "grid_regions", "js_divergence"]
@@ -298,17 +300,12 @@ def audit(
     """
     x = _checks.check_audit_inputs(pixel_values)
     B = x.shape[0]
-    top_k = _checks.check_int("top_k", top_k, low=1)
-    batch_size = _checks.check_int("batch_size", batch_size, low=1)
-    js_threshold = _checks.check_real("js_threshold", js_threshold, low=0.0, high=1.0)
-    shift_threshold = _checks.check_real("shift_threshold", shift_threshold, low=0.0, high=1.0)
-    n_boot = _checks.check_int("n_boot", n_boot, low=1)
-    seed = _checks.check_int("seed", seed, low=0)
+    top_k, batch_size, n_boot, seed = (_checks.check_int(k, v, low=lo) for k, v, lo in (
+        ("top_k", top_k, 1), ("batch_size", batch_size, 1), ("n_boot", n_boot, 1), ("seed", seed, 0)))
+    js_threshold, shift_threshold = (_checks.check_real(k, v, low=0.0, high=1.0) for k, v in (
+        ("js_threshold", js_threshold), ("shift_threshold", shift_threshold)))
     target = _checks.check_audit_target(target, B)
-    from ..methods.base import method_info
-
     info = method_info(method)
-
     with eval_mode(model_a, model_b):
         sa, grid_a, pred_a = _explain_all(model_a, x, info, target, batch_size, options)
         sb, grid_b, pred_b = _explain_all(model_b, x, info, target, batch_size, options)
@@ -316,65 +313,53 @@ def audit(
     units = sa.shape[1]
     if top_k > units:
         raise ValueError(f"top_k must be at most the number of units per map ({units}), got {top_k}")
-
     maps_a, maps_b = _to_distribution(sa), _to_distribution(sb)
     js = js_divergence(maps_a, maps_b)
-    rho = spearman_rows(maps_a, maps_b)
-    overlap = _topk_overlap(maps_a, maps_b, top_k)
-
     if regions is None:
         regions = grid_regions(grid_a, B) if grid_a is not None else {}
     regions = _checks.check_audit_regions(regions, B, units)
+    mass_a, mass_b, shift, shift_ci = _region_shifts(maps_a, maps_b, regions, n_boot, seed)
+    reasons = _reasons(js, js_threshold, shift, shift_ci, shift_threshold)
+    settings = {
+        "js_threshold": js_threshold, "shift_threshold": shift_threshold, "n_boot": n_boot, "seed": seed,
+        "target": "predicted" if target is None else ("callable" if callable(target) else "given"),
+        "options": {k: v for k, v in options.items() if isinstance(v, (int, float, str, bool, type(None)))},
+    }
+    return AuditReport(
+        method=info.name, grid=grid_a, k=top_k, maps_a=maps_a, maps_b=maps_b, js=js,
+        spearman=spearman_rows(maps_a, maps_b), topk=_topk_overlap(maps_a, maps_b, top_k), regions=regions,
+        mass_a=mass_a, mass_b=mass_b, shift=shift, shift_ci=shift_ci, flagged=bool(reasons), reasons=reasons,
+        order=np.argsort(-js, kind="stable"), pred_a=pred_a, pred_b=pred_b, settings=settings,
+    )
+
+
+def _region_shifts(maps_a: np.ndarray, maps_b: np.ndarray, regions: dict, n_boot: int, seed: int) -> tuple:
+    """Per region: the mass of A's and B's maps in it (B,), the mean shift B − A, its bootstrap 95% CI."""
     mass_a = {r: (maps_a * m).sum(axis=1) for r, m in regions.items()}
     mass_b = {r: (maps_b * m).sum(axis=1) for r, m in regions.items()}
     diffs = {r: mass_b[r] - mass_a[r] for r in regions}
     shift = {r: float(d.mean()) for r, d in diffs.items()}
-    shift_ci = _bootstrap_ci(diffs, n_boot, seed)
+    return mass_a, mass_b, shift, _bootstrap_ci(diffs, n_boot, seed)
 
+
+def _reasons(js: np.ndarray, js_threshold: float, shift: dict, shift_ci: dict, shift_threshold: float) -> list[str]:
+    """Why the audit flags a shift: the mean JS divergence over its threshold, and each region whose mean
+    mass shift exceeds its threshold with a bootstrap CI excluding 0 (empty: not flagged)."""
     reasons = []
     if js.mean() > js_threshold:
         reasons.append(f"mean Jensen-Shannon divergence {js.mean():.3f} > js_threshold {js_threshold:g}")
-    for r in regions:
+    for r in shift:
         lo, hi = shift_ci[r]
         if abs(shift[r]) > shift_threshold and (lo > 0 or hi < 0):
             way = "toward" if shift[r] > 0 else "away from"
             reasons.append(f"mass moved {way} {r!r}: {shift[r]:+.3f} [{lo:.3f}, {hi:.3f}]")
-    return AuditReport(
-        method=info.name,
-        grid=grid_a,
-        k=top_k,
-        maps_a=maps_a,
-        maps_b=maps_b,
-        js=js,
-        spearman=rho,
-        topk=overlap,
-        regions=regions,
-        mass_a=mass_a,
-        mass_b=mass_b,
-        shift=shift,
-        shift_ci=shift_ci,
-        flagged=bool(reasons),
-        reasons=reasons,
-        order=np.argsort(-js, kind="stable"),
-        pred_a=pred_a,
-        pred_b=pred_b,
-        settings={
-            "js_threshold": js_threshold,
-            "shift_threshold": shift_threshold,
-            "n_boot": n_boot,
-            "seed": seed,
-            "target": "predicted" if target is None else ("callable" if callable(target) else "given"),
-            "options": {k: v for k, v in options.items() if isinstance(v, (int, float, str, bool, type(None)))},
-        },
-    )
+    return reasons
 
 
 def _explain_all(
     model: Any, x: torch.Tensor, info: Any, target: Any, batch_size: int, options: dict
 ) -> tuple[np.ndarray, tuple[int, int] | None, np.ndarray]:
     """Scores (B, units) float64, grid and predicted classes (B,) of one model, explained in chunks."""
-    from ..methods import explain_batches
-
     r = explain_batches(model, x, info.name, target=target, batch_size=batch_size, **options)
     if target is None and r.targets is not None:
         preds = np.asarray(r.targets, dtype=np.int64)  # the target *is* the predicted class
@@ -489,3 +474,6 @@ def grid_regions(grid: Any, batch: int) -> dict[str, np.ndarray]:
     corners = ((i < r) | (i >= h - r)) & ((j < r) | (j >= w - r))
     masks = {"centre": ~ring, "border": ring & ~corners, "corners": corners}
     return {k: np.tile(v.reshape(1, -1), (batch, 1)) for k, v in masks.items()}
+
+
+_make_callable(__name__)  # attnroll._callable: the module is callable as its function of the same name

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from .. import _checks
+from .._callable import make_callable as _make_callable
 from ._common import nanmean, relevance_order
 from .registry import MetricInputs, MetricValues, register_metric
 
@@ -263,3 +264,6 @@ def _iou_metric(inp: MetricInputs, scores: Any, grid: Any) -> MetricValues:
     s, m = _inputs(scores, inp.masks)
     return MetricValues(np.asarray(topk_iou(s, m), dtype=np.float64),
                         chance=chance_iou(int(s.shape[1]), m.sum(dim=1).numpy().astype(np.int64), None))
+
+
+_make_callable(__name__)  # attnroll._callable: the module is callable as its function of the same name

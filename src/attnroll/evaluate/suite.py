@@ -295,18 +295,23 @@ def evaluate_methods(
         t0 = time.perf_counter()
         scores, grid = explain_scores(model, x, m, target=tgt, batch_size=batch_size, **method_options.get(m, {}))
         res.seconds[m] = time.perf_counter() - t0
-        res.curves[m], per = {}, {}
-        for k in metrics:
-            v = metric_info(k).compute(inp, scores, grid)
-            per[k] = np.asarray(v.per_example, dtype=np.float64)
-            if v.curve is not None:
-                res.curves[m][k] = v.curve
-            if v.chance is not None:
-                res.chance[k] = nanmean(v.chance)
-        res.per_example[m] = per
-        res.values[m] = {k: nanmean(v) for k, v in per.items()}
-        res.stderr[m] = {k: _stderr(v) for k, v in per.items()}
+        _score_method(res, m, inp, scores, grid)
     return res
+
+
+def _score_method(res: EvaluationResult, m: str, inp: MetricInputs, scores: torch.Tensor, grid: Any) -> None:
+    """Every metric of ``res`` for method ``m``'s scores, filled into ``res``."""
+    res.curves[m], per = {}, {}
+    for k in res.metrics:
+        v = metric_info(k).compute(inp, scores, grid)
+        per[k] = np.asarray(v.per_example, dtype=np.float64)
+        if v.curve is not None:
+            res.curves[m][k] = v.curve
+        if v.chance is not None:
+            res.chance[k] = nanmean(v.chance)
+    res.per_example[m] = per
+    res.values[m] = {k: nanmean(v) for k, v in per.items()}
+    res.stderr[m] = {k: _stderr(v) for k, v in per.items()}
 
 
 def _stderr(v: np.ndarray) -> float:

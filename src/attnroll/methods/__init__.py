@@ -9,12 +9,13 @@ built-in methods are imported first, in the order ``methods()`` shows them; othe
 import importlib as _importlib
 import pkgutil as _pkgutil
 
+from .._callable import make_callable as _make_callable
 from .base import Context, Explainer, Method, check_options, explain, method_info, methods, register
-from .batches import BatchScores, batch_size_of, explain_batches, iter_explanations, take_rows
+from .batches import BatchScores, batch_size_of, explain_batches, explain_targets, iter_explanations, take_rows
 from .explanation import Explanation
 
 __all__ = ["explain", "Explainer", "Explanation", "methods", "method_info", "check_options", "register", "Method",
-           "Context", "explain_batches", "iter_explanations", "BatchScores"]
+           "Context", "explain_batches", "iter_explanations", "BatchScores", "explain_targets"]
 
 #: The built-in method files, in the order of ``methods()``.
 _BUILT_IN = ("raw", "rollout", "per_head_rollout", "flow", "grad_rollout", "gae", "attn_gradcam", "encdec", "clip",
@@ -30,3 +31,6 @@ def _import_method_files() -> None:
 
 
 _import_method_files()
+
+
+_make_callable(__name__)  # attnroll._callable: the module is callable as its function of the same name

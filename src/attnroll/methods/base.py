@@ -22,7 +22,7 @@ from ..capture.record import AttentionRecord
 from .explanation import Explanation
 
 __all__ = ["Explanation", "Explainer", "explain", "methods", "method_info", "check_options", "register", "Method",
-           "Context", "main_logits", "gather_rows"]
+           "Context", "main_logits", "gather_rows", "rollout_rows", "prefix_default", "ROLLOUT_OPTIONS", "ROLLOUT_REFUSE"]
 
 #: Options every method takes (besides its own): the output position to explain (row of the map).
 COMMON_OPTIONS = {"position": None}
@@ -407,6 +407,35 @@ class Explainer:
 
     def __repr__(self) -> str:
         return f"Explainer({type(self.model).__name__}, method={self.method!r}, options={self.options!r})"
+
+
+# ------------------------------------------------------------------------- shared by the rollout methods
+#: The options of ``attnroll.rollout`` that explain passes through (rows / attention_mask are set by explain).
+ROLLOUT_OPTIONS = {
+    "head_fusion": "mean",
+    "alpha": 0.5,
+    "residual_mode": "blend",
+    "discard_ratio": 0.0,
+    "discard_scope": "layer",
+    "top_k": None,
+    "threshold": None,
+    "protect_prefix": None,
+    "start_layer": 0,
+    "end_layer": None,
+    "return_layers": False,
+    "dtype": None,
+}
+#: Options of ``attnroll.rollout`` that explain sets itself, and what to use instead.
+ROLLOUT_REFUSE = {
+    "rows": "explain picks the output row itself; pass position=k (an int or one per example)",
+    "attention_mask": "explain takes the padding mask from the inputs",
+    "check_stochastic": "captured attention is always softmax probabilities",
+}
+
+
+def prefix_default(protect_prefix: int | None, rec: AttentionRecord) -> int:
+    """protect_prefix=None: the record's prefix tokens (CLS, distillation, registers), at least 1."""
+    return max(1, rec.prefix or 0) if protect_prefix is None else protect_prefix
 
 
 def rollout_rows(fn: Callable, attentions: Any, positions: list[int], mask: torch.Tensor | None, *,

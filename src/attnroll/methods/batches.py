@@ -21,7 +21,7 @@ from .. import _checks
 from .base import explain, method_info
 from .explanation import Explanation
 
-__all__ = ["BatchScores", "batch_size_of", "take_rows", "iter_explanations", "explain_batches"]
+__all__ = ["BatchScores", "batch_size_of", "take_rows", "iter_explanations", "explain_batches", "explain_targets"]
 
 
 def batch_size_of(inputs: Any) -> int:
@@ -115,3 +115,22 @@ def explain_batches(model: Any, inputs: Any, method: str, *, target: Any = None,
         raise ValueError("inputs hold no examples (B = 0); nothing to explain")
     resolved = None if any(t is None for t in targets) else [int(v) for t in targets for v in t]
     return BatchScores(torch.cat(scores), grid, resolved)
+
+
+def explain_targets(model: Any, inputs: Any, method: str = "encdec_rollout", positions: Any = None,
+                    **options: Any) -> list:
+    """One Explanation per decoder position (``explain(..., position=t)``), the rows the viewer's source ×
+    target matrix shows. ``inputs`` must hold ``decoder_input_ids``; ``positions`` defaults to every decoder
+    position. Other keyword arguments go to :func:`attnroll.explain` (``target=``, ``tokenizer=``, ...)."""
+    dec = inputs.get("decoder_input_ids") if hasattr(inputs, "get") else None
+    if dec is None:
+        raise ValueError("explain_targets needs inputs with decoder_input_ids (an encoder-decoder's source and "
+                         f"target), got {type(inputs).__name__} without them")
+    if "position" in options:
+        raise TypeError("explain_targets sets position= itself; give positions=[...] instead")
+    n = int(dec.shape[-1])
+    pos = list(range(n)) if positions is None else [int(p) for p in positions]
+    if not pos or any(not 0 <= p < n for p in pos):
+        raise ValueError(f"positions must be decoder positions in [0, {n}), got {positions!r}")
+    target = options.pop("target", None)
+    return [explain(model, inputs, method, target, position=p, **options) for p in pos]

@@ -29,12 +29,8 @@ def _captum():
     return ca
 
 
-def _run(ctx: Context, kind: str, n_steps: int = 50, internal_batch_size: Any = None, baseline: Any = "pad"):
-    ca = _captum()
-    rec = ctx.record(fuse_heads="mean")  # metadata (grid, prefix, tokens, mask) and the resolved target
-    s = ctx.stream(rec)
-    B, n = rec.streams[s][0].shape[0], rec.streams[s][0].shape[-1]
-    pos = ctx.positions(rec, s)
+def _score_fn(ctx: Context, rec: Any, B: int, pos: list[int]) -> Any:
+    """The target score f(outputs) -> (m,) Captum differentiates, for m = B x (integration steps) rows."""
     target = ctx.target
     classes = None if callable(target) else ctx.describe_target(rec)
     if classes is None and not callable(target):
@@ -59,66 +55,87 @@ def _run(ctx: Context, kind: str, n_steps: int = 50, internal_batch_size: Any = 
             logits = logits[ar, pos_t.repeat(reps).to(logits.device)]
         return logits[ar, cls_t.repeat(reps).to(logits.device)]
 
+    return score
+
+
+def _pixel_row(ca: Any, kind: str, ctx: Context, rec: Any, score: Any, pixels: torch.Tensor, B: int, opts: dict):
+    """(B, n) attributions of the pixels summed per patch (prefix tokens 0)."""
+    inputs, model = ctx.inputs, ctx.model
+    is_dict = isinstance(inputs, dict) or hasattr(inputs, "keys")
+    rest = {k: v for k, v in inputs.items() if k != "pixel_values"} if is_dict else {}
+
+    def fwd(px):
+        return score(model(pixel_values=px, **rest) if is_dict else model(px))
+
+    px = pixels.detach().clone().requires_grad_(kind != "integrated_gradients")
+    if kind == "integrated_gradients":
+        if opts["baseline"] not in ("pad", "zeros"):
+            raise ValueError(f"baseline for images must be 'zeros' (black after normalisation), got {opts['baseline']!r}")
+        attr = ca.IntegratedGradients(fwd).attribute(
+            px, baselines=torch.zeros_like(px), n_steps=opts["n_steps"], internal_batch_size=opts["internal_batch_size"]
+        )
+    elif kind == "saliency":
+        attr = ca.Saliency(fwd).attribute(px, abs=True)
+    else:
+        attr = ca.InputXGradient(fwd).attribute(px)
+    if rec.grid is None:
+        raise ValueError("cannot sum pixel attributions to patches: the model's patch grid is unknown")
+    gh, gw = rec.grid
+    H, W = px.shape[-2:]
+    ph, pw = H // gh, W // gw
+    a = attr[..., : gh * ph, : gw * pw].reshape(B, attr.shape[1], gh, ph, gw, pw).sum(dim=(1, 3, 5))
+    p = rec.prefix or 0
+    return torch.cat([torch.zeros(B, p, dtype=a.dtype), a.reshape(B, gh * gw).cpu()], dim=1)
+
+
+def _token_row(ca: Any, kind: str, ctx: Context, score: Any, opts: dict) -> torch.Tensor:
+    """(B, n) attributions of the input embeddings summed over the embedding axis."""
+    inputs, model = ctx.inputs, ctx.model
+    if not (isinstance(inputs, dict) or hasattr(inputs, "keys")) or "input_ids" not in inputs:
+        raise ValueError(f"method {ctx.method.name!r} needs pixel_values (B, 3, H, W) or input_ids in the inputs")
+    emb = model.get_input_embeddings()
+    keys = [k for k in inputs if k != "input_ids" and isinstance(inputs[k], torch.Tensor)]
+    others = tuple(inputs[k] for k in keys)
+
+    def fwd_ids(ids, *rest):
+        return score(model(input_ids=ids, **dict(zip(keys, rest))))
+
+    ids, baseline = inputs["input_ids"], opts["baseline"]
+    if kind == "integrated_gradients":
+        pad = getattr(model.config, "pad_token_id", None) if baseline == "pad" else baseline
+        if baseline == "zeros":
+            raise ValueError("baseline='zeros' is for images; text baselines are token ids: 'pad' or an int id")
+        pad = _checks.check_int("baseline", 0 if pad is None else pad, low=0)
+        attr = ca.LayerIntegratedGradients(fwd_ids, emb).attribute(
+            ids, baselines=torch.full_like(ids, pad), additional_forward_args=others, n_steps=opts["n_steps"],
+            internal_batch_size=opts["internal_batch_size"],
+        )
+    else:
+        attr = ca.LayerGradientXActivation(fwd_ids, emb, multiply_by_inputs=kind == "input_x_gradient").attribute(
+            ids, additional_forward_args=others
+        )
+        if kind == "saliency":
+            attr = attr.abs()
+    return attr.sum(dim=-1).detach().cpu()
+
+
+def _run(ctx: Context, kind: str, n_steps: int = 50, internal_batch_size: Any = None, baseline: Any = "pad"):
+    ca = _captum()
+    rec = ctx.record(fuse_heads="mean")  # metadata (grid, prefix, tokens, mask) and the resolved target
+    s = ctx.stream(rec)
+    B = rec.streams[s][0].shape[0]
+    pos = ctx.positions(rec, s)
+    score = _score_fn(ctx, rec, B, pos)
     inputs = ctx.inputs
-    model = ctx.model
     is_dict = isinstance(inputs, dict) or hasattr(inputs, "keys")
     pixels = inputs.get("pixel_values") if is_dict else inputs if isinstance(inputs, torch.Tensor) else None
-    n_steps = _checks.check_int("n_steps", n_steps, low=1)
-    with eval_mode(model):
+    opts = {"n_steps": _checks.check_int("n_steps", n_steps, low=1), "internal_batch_size": internal_batch_size,
+            "baseline": baseline}
+    with eval_mode(ctx.model):
         if pixels is not None and pixels.is_floating_point() and pixels.ndim == 4:
-            rest = {k: v for k, v in inputs.items() if k != "pixel_values"} if is_dict else {}
-
-            def fwd(px):
-                return score(model(pixel_values=px, **rest) if is_dict else model(px))
-
-            px = pixels.detach().clone().requires_grad_(kind != "integrated_gradients")
-            if kind == "integrated_gradients":
-                if baseline not in ("pad", "zeros"):
-                    raise ValueError(f"baseline for images must be 'zeros' (black after normalisation), got {baseline!r}")
-                attr = ca.IntegratedGradients(fwd).attribute(
-                    px, baselines=torch.zeros_like(px), n_steps=n_steps, internal_batch_size=internal_batch_size
-                )
-            elif kind == "saliency":
-                attr = ca.Saliency(fwd).attribute(px, abs=True)
-            else:
-                attr = ca.InputXGradient(fwd).attribute(px)
-            if rec.grid is None:
-                raise ValueError("cannot sum pixel attributions to patches: the model's patch grid is unknown")
-            gh, gw = rec.grid
-            H, W = px.shape[-2:]
-            ph, pw = H // gh, W // gw
-            a = attr[..., : gh * ph, : gw * pw].reshape(B, attr.shape[1], gh, ph, gw, pw).sum(dim=(1, 3, 5))
-            p = rec.prefix or 0
-            row = torch.cat([torch.zeros(B, p, dtype=a.dtype), a.reshape(B, gh * gw).cpu()], dim=1)
+            row = _pixel_row(ca, kind, ctx, rec, score, pixels, B, opts)
         else:
-            if not is_dict or "input_ids" not in inputs:
-                raise ValueError(
-                    f"method {ctx.method.name!r} needs pixel_values (B, 3, H, W) or input_ids in the inputs"
-                )
-            emb = model.get_input_embeddings()
-            keys = [k for k in inputs if k != "input_ids" and isinstance(inputs[k], torch.Tensor)]
-            others = tuple(inputs[k] for k in keys)
-
-            def fwd_ids(ids, *rest):
-                return score(model(input_ids=ids, **dict(zip(keys, rest))))
-
-            ids = inputs["input_ids"]
-            if kind == "integrated_gradients":
-                pad = getattr(model.config, "pad_token_id", None) if baseline == "pad" else baseline
-                if baseline == "zeros":
-                    raise ValueError("baseline='zeros' is for images; text baselines are token ids: 'pad' or an int id")
-                pad = _checks.check_int("baseline", 0 if pad is None else pad, low=0)
-                attr = ca.LayerIntegratedGradients(fwd_ids, emb).attribute(
-                    ids, baselines=torch.full_like(ids, pad), additional_forward_args=others, n_steps=n_steps,
-                    internal_batch_size=internal_batch_size,
-                )
-            else:
-                attr = ca.LayerGradientXActivation(fwd_ids, emb, multiply_by_inputs=kind == "input_x_gradient").attribute(
-                    ids, additional_forward_args=others
-                )
-                if kind == "saliency":
-                    attr = attr.abs()
-            row = attr.sum(dim=-1).detach().cpu()
+            row = _token_row(ca, kind, ctx, score, opts)
     return ctx.build(rec, row.to(torch.float32), pos, s)
 
 

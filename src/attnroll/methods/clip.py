@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 
 from ..core.rollout import rollout as core_rollout
-from .base import Context, register, require_grad_mode
-from .grad_rollout import weighted_layers
+from ..core.gradients import gradient_weighted
+from .base import Context, register, require_grad_mode, resolve_target
 
 
 def _pairs(inputs):
@@ -63,8 +63,6 @@ def clip(ctx: Context, *, start_layer, start_layer_text):
 
     def sim(rec):
         if callable(ctx.target):
-            from .base import resolve_target
-
             y, ctx.target_desc = resolve_target(rec.outputs, ctx.target)
             return y
         ctx.target_desc = "pair similarity (logits_per_image[i, i])"
@@ -72,8 +70,8 @@ def clip(ctx: Context, *, start_layer, start_layer_text):
 
     rec, atts, grads = ctx.grad_record(["vision", "text"], scores=sim)
     B = atts["vision"][0].shape[0]
-    Wv = weighted_layers(atts["vision"], grads["vision"])
-    Wt = weighted_layers(atts["text"], grads["text"])
+    Wv = gradient_weighted(atts["vision"], grads["vision"])
+    Wt = gradient_weighted(atts["text"], grads["text"])
     common = dict(head_fusion=None, residual_mode="add", alpha=0.5, check_stochastic=False)
     img = core_rollout(Wv, rows=[0], start_layer=start_layer, **common)[:, 0]
     eot = _eot_positions(ctx.model, ctx.inputs["input_ids"])

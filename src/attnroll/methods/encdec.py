@@ -20,6 +20,8 @@ with R̄ = (R − I) row-normalised, + I (their ``handle_residual``). Rule 11 (R
 the encoder never attends to the decoder, so R_ed = 0. ``transpose=False`` uses R̄_dd instead of R̄_ddᵀ
 (paths through earlier target tokens, the rollout reading; the transpose is the paper's rule).
 
+The maths is in :mod:`attnroll.core.encdec`; this file wires the record to it.
+
 Output: ``scores`` = R_de[t] over source tokens (B, n_src); ``extra["target_scores"]`` = R_dd[t] over target
 tokens (B, n_tgt); t = the explained decoder position (default: the last real one; ``position=``)."""
 
@@ -28,9 +30,10 @@ from __future__ import annotations
 import torch
 
 from .. import _checks
+from ..core.encdec import encdec_gae_compose, encdec_rollout_compose
+from ..core.gradients import gradient_weighted
 from ..core.rollout import rollout as core_rollout
 from .base import Context, register
-from .grad_rollout import weighted_layers
 
 
 def _streams(ctx: Context, rec) -> None:
@@ -41,10 +44,6 @@ def _streams(ctx: Context, rec) -> None:
             f"attention (T5, BART, Marian); {type(ctx.model).__name__} gave streams {list(rec.streams)}. "
             "For a single-stack model use 'rollout' or 'gae'. (Pass decoder_input_ids so that the decoder runs.)"
         )
-
-
-def _eye(B: int, n: int, like: torch.Tensor) -> torch.Tensor:
-    return torch.eye(n, dtype=like.dtype, device=like.device).expand(B, n, n).clone()
 
 
 def _result(ctx: Context, rec, R_dd: torch.Tensor, R_de: torch.Tensor, extra_opts: dict | None = None):
@@ -76,24 +75,8 @@ def encdec_rollout(ctx: Context, *, alpha):
     emask = ctx.mask(rec, "encoder")
     R_ee = core_rollout([f32(t) for t in rec.streams["encoder"]], head_fusion=None, alpha=a, attention_mask=emask)
     dec, cross = [f32(t) for t in rec.streams["decoder"]], [f32(t) for t in rec.streams["cross"]]
-    B, nd, ne = cross[0].shape
-    R_dd, R_de = _eye(B, nd, R_ee), torch.zeros(B, nd, ne, dtype=R_ee.dtype)
-    for Ad, Ac in zip(dec, cross):
-        R_dd = (1 - a) * (Ad @ R_dd) + a * R_dd
-        R_de = (1 - a) * (Ad @ R_de) + a * R_de
-        R_dd = a * R_dd
-        R_de = a * R_de + (1 - a) * (Ac @ R_ee)
+    R_dd, R_de = encdec_rollout_compose(R_ee, dec, cross, a)
     return _result(ctx, rec, R_dd, R_de)
-
-
-def handle_residual(R: torch.Tensor) -> torch.Tensor:
-    """Chefer's R̄: subtract I, divide each row by its sum (rows summing to 0 stay 0), add I back."""
-    n = R.shape[-1]
-    eye = torch.eye(n, dtype=R.dtype, device=R.device)
-    S = R - eye
-    s = S.sum(dim=-1, keepdim=True)
-    S = torch.where(s > 0, S / torch.where(s > 0, s, torch.ones_like(s)), torch.zeros_like(S))
-    return S + eye
 
 
 @register(
@@ -109,16 +92,6 @@ def encdec_gae(ctx: Context, *, transpose):
     """Row t of R_de (source) and R_dd (target), see the module docstring."""
     transpose = _checks.check_bool("transpose", transpose)
     rec, atts, grads = ctx.grad_record(["encoder", "decoder", "cross"], scores=lambda r: (_streams(ctx, r), ctx.target_scores(r))[1])
-    W = {s: weighted_layers(atts[s], grads[s]) for s in ("encoder", "decoder", "cross")}
-    B, nd, ne = W["cross"][0].shape
-    R_ee = _eye(B, ne, W["encoder"][0])
-    for A in W["encoder"]:
-        R_ee = R_ee + A @ R_ee
-    R_ee_bar = handle_residual(R_ee)
-    R_dd, R_de = _eye(B, nd, R_ee), torch.zeros(B, nd, ne, dtype=R_ee.dtype)
-    for Ad, Ac in zip(W["decoder"], W["cross"]):
-        R_dd = R_dd + Ad @ R_dd
-        R_de = R_de + Ad @ R_de
-        Rb = handle_residual(R_dd)
-        R_de = R_de + (Rb.transpose(-1, -2) if transpose else Rb) @ Ac @ R_ee_bar
+    W = {s: gradient_weighted(atts[s], grads[s]) for s in ("encoder", "decoder", "cross")}
+    R_dd, R_de = encdec_gae_compose(W["encoder"], W["decoder"], W["cross"], transpose)
     return _result(ctx, rec, R_dd, R_de)

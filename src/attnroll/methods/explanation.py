@@ -147,10 +147,21 @@ class Explanation:
         )
 
     # ---------------------------------------------------------------------------------------- display
-    def to_html(self, index: int | None = None, kind: str = "max") -> str:
+    def to_html(self, index: int | None = None, kind: str = "max", *, interactive: bool = False,
+                **view_options: Any) -> str:
         """A self-contained HTML snippet: each token (or patch cell) on a background whose strength is its
         score (``normalized(kind)``; negative scores in blue). ``index`` picks one example (default: all).
-        Drawn by :func:`attnroll.viz.explanation_html`."""
+
+        ``interactive=True``: instead, the complete page of the interactive viewer (one file, no network;
+        layer slider when ``layers`` were kept, per-head grid, values under the pointer); ``view_options``
+        go to :func:`attnroll.viz.view` (``images=``, ``masks=``, ``segments=``, ``skip=``, ``title=``...).
+        Drawn by :func:`attnroll.viz.explanation_html` / :func:`attnroll.viz.view`."""
+        if interactive:
+            from ..viz import view
+
+            return view(self, index=index, **view_options).html
+        if view_options:
+            raise TypeError(f"to_html() got options {sorted(view_options)} that only interactive=True takes")
         from ..viz import explanation_html
 
         return explanation_html(self, index, kind)

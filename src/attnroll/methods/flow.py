@@ -3,9 +3,8 @@ token through the layered attention graph (``attnroll.attention_flow``)."""
 
 from __future__ import annotations
 
-from ..core.flow import attention_flow
-from .base import Context, gather_rows, register
-from .rollout import prefix_default
+from .._system import attention_flow
+from .base import Context, gather_rows, prefix_default, register
 
 #: Above this many tokens flow costs minutes per example; explain refuses unless max_tokens is raised.
 MAX_TOKENS = 1024

@@ -9,8 +9,8 @@ from __future__ import annotations
 from ..core.operators import weighted_probs
 from ..core.rollout import rollout as core_rollout
 from . import _recompute
+from ..core.gradients import gradient_weighted
 from .base import Context, register, rollout_rows
-from .grad_rollout import weighted_layers
 
 
 @register(
@@ -40,7 +40,7 @@ def gae(ctx: Context, *, start_layer, end_layer, return_layers, stream, attentio
     s0 = ctx.options.get("stream")
     rec, atts, grads = ctx.grad_record([s0] if s0 else None)
     s = ctx.stream(rec)
-    W = weighted_layers(atts[s], grads[s], "per_head")
+    W = gradient_weighted(atts[s], grads[s], "per_head")
     pos = ctx.positions(rec, s)
     row, layers = rollout_rows(
         core_rollout, W, pos, ctx.mask(rec, s), return_layers=return_layers, head_fusion=None,

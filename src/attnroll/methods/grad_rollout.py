@@ -7,28 +7,12 @@ Gradients are paired with attention by layer index (both come from the record's 
 
 from __future__ import annotations
 
-from typing import Sequence
-
-import torch
-
+from ..core.gradients import gradient_weighted
 from .. import _checks
 from ..core.operators import weighted_probs
 from ..core.rollout import rollout as core_rollout
 from . import _recompute
-from .base import Context, register, rollout_rows
-from .rollout import prefix_default
-
-
-def weighted_layers(attentions: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], clamp: str = "per_head",
-                    dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
-    """Per layer (B, n, n): mean over heads of the positive part of grad ⊙ attention ("per_head": clamp,
-    then mean) or the positive part of the mean ("after_mean")."""
-    _checks.check_choice("clamp", clamp, ("per_head", "after_mean"))
-    out = []
-    for a, g in zip(attentions, grads):
-        prod = g.to(dtype) * a.to(dtype)
-        out.append(prod.clamp(min=0).mean(dim=1) if clamp == "per_head" else prod.mean(dim=1).clamp(min=0))
-    return out
+from .base import Context, prefix_default, register, rollout_rows
 
 
 _OPTIONS = {
@@ -64,7 +48,7 @@ def grad_rollout(ctx: Context, *, clamp, stream, return_layers, protect_prefix, 
     s0 = ctx.options.get("stream")
     rec, atts, grads = ctx.grad_record([s0] if s0 else None)
     s = ctx.stream(rec)
-    W = weighted_layers(atts[s], grads[s], clamp)
+    W = gradient_weighted(atts[s], grads[s], clamp)
     pos = ctx.positions(rec, s)
     pp = prefix_default(protect_prefix, rec)
     row, layers = rollout_rows(

@@ -4,8 +4,7 @@ over heads for ``scores``; each head's row is kept in ``extra["heads"]`` (B, H, 
 from __future__ import annotations
 
 from ..core.rollout import per_head_rollout as core_per_head
-from .base import Context, register, rollout_rows
-from .rollout import ROLLOUT_OPTIONS, _REFUSE, prefix_default
+from .base import ROLLOUT_OPTIONS, ROLLOUT_REFUSE, Context, prefix_default, register, rollout_rows
 
 
 @register(
@@ -14,7 +13,7 @@ from .rollout import ROLLOUT_OPTIONS, _REFUSE, prefix_default
     options={**{k: v for k, v in ROLLOUT_OPTIONS.items() if k != "head_fusion"}, "stream": None},
     cost="1 forward (eager attention) + O(H·L·n²)",
     reference="Abnar & Zuidema 2020, appendix A.1; head-mean at the end as in TAM (Yuan et al. 2021)",
-    refuse={**_REFUSE, "head_fusion": "per-head rollout fuses nothing until the end (mean over heads); "
+    refuse={**ROLLOUT_REFUSE, "head_fusion": "per-head rollout fuses nothing until the end (mean over heads); "
             "use method='rollout' to fuse heads per layer"},
 )
 def per_head_rollout(ctx: Context, *, stream, return_layers, protect_prefix, **opts):

@@ -6,34 +6,7 @@ from __future__ import annotations
 from ..core.operators import fused_probs
 from ..core.rollout import rollout as core_rollout
 from . import _recompute
-from .base import Context, register, rollout_rows
-
-#: The options of ``attnroll.rollout`` that explain passes through (rows / attention_mask are set by explain).
-ROLLOUT_OPTIONS = {
-    "head_fusion": "mean",
-    "alpha": 0.5,
-    "residual_mode": "blend",
-    "discard_ratio": 0.0,
-    "discard_scope": "layer",
-    "top_k": None,
-    "threshold": None,
-    "protect_prefix": None,
-    "start_layer": 0,
-    "end_layer": None,
-    "return_layers": False,
-    "dtype": None,
-}
-_REFUSE = {
-    "rows": "explain picks the output row itself; pass position=k (an int or one per example)",
-    "attention_mask": "explain takes the padding mask from the inputs",
-    "check_stochastic": "captured attention is always softmax probabilities",
-}
-
-
-def prefix_default(protect_prefix, rec) -> int:
-    """protect_prefix=None: the record's prefix tokens (CLS, distillation, registers), at least 1."""
-    return max(1, rec.prefix or 0) if protect_prefix is None else protect_prefix
-
+from .base import ROLLOUT_OPTIONS, ROLLOUT_REFUSE, Context, prefix_default, register, rollout_rows
 
 @register(
     "rollout",
@@ -41,7 +14,7 @@ def prefix_default(protect_prefix, rec) -> int:
     options={**ROLLOUT_OPTIONS, "stream": None, "attention": None},
     cost="1 forward (its own attention kernel) + O(L·n²) recomputed blockwise, O(n·d) memory",
     reference="Abnar & Zuidema, Quantifying Attention Flow in Transformers, ACL 2020",
-    refuse=_REFUSE,
+    refuse=ROLLOUT_REFUSE,
 )
 def rollout(ctx: Context, *, stream, return_layers, protect_prefix, attention, **opts):
     """full_row[b] = row position_b of R = Ã(end−1)···Ã(start) (``attnroll.rollout``).

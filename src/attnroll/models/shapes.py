@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+from types import SimpleNamespace
 from pathlib import Path
 from typing import Any
 
@@ -220,113 +221,129 @@ class _Window:
         self.view[self.key] = patch
 
 
-def _render_block(rng: np.random.Generator, s: int, m: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict]:
-    """One block: draw every parameter for ``_BLOCK`` images (fixed draw order), render the first ``m``."""
+def _draw_block(rng: np.random.Generator, s: int, m: int) -> SimpleNamespace:
+    """Every parameter of one block of ``_BLOCK`` images, drawn in a fixed order (changing the order changes
+    every dataset), plus the pixel noise of the first ``m`` (drawn last, so the first k images' noise does not
+    depend on m: numpy fills arrays in order)."""
     B, K = _BLOCK, _MAX_DISTRACTORS
     f32 = np.float32
-    # -- parameters (all drawn for the full block, in a fixed order) --
-    labels = rng.permutation(np.arange(B) % len(CLASSES))
-    scale = rng.uniform(_SCALE[0], _SCALE[1], B) * s
-    margin = 1.05 * scale + 1.0
-    cx = margin + rng.random(B) * (s - 2 * margin)
-    cy = margin + rng.random(B) * (s - 2 * margin)
-    angle = rng.uniform(-1.0, 1.0, B) * _ANGLE_JITTER + np.where(labels == 2, np.pi / 2, 0.0)  # triangle: apex up
-    obj_h, obj_s, obj_v = rng.random(B), rng.uniform(0.65, 1.0, B), rng.uniform(0.7, 1.0, B)
-    bg_kind = rng.integers(0, 3, B)
-    bg_h = rng.random((B, 2))
-    bg_s, bg_v = rng.uniform(0.0, 0.4, (B, 2)), rng.uniform(_BG_VALUE[0], _BG_VALUE[1], (B, 2))
-    noise_std = rng.uniform(0.0, 0.05, B)
-    stripe_freq = rng.uniform(2.0, 8.0, B)  # cycles per image
-    stripe_angle, stripe_phase = rng.uniform(0, np.pi, B), rng.uniform(0, 2 * np.pi, B)
-    stripe_sharp = rng.uniform(1.0, 6.0, B)
-    grad_angle = rng.uniform(0, 2 * np.pi, B)
-    n_dis = rng.integers(1, K + 1, B)
-    dis_line = rng.random((B, K)) < 0.5
-    dis_x, dis_y = rng.random((B, K)) * s, rng.random((B, K)) * s
-    dis_angle = rng.uniform(0, np.pi, (B, K))
-    dis_a = rng.uniform(0.025, 0.07, (B, K)) * s  # ellipse semi-axes
-    dis_b = rng.uniform(0.025, 0.07, (B, K)) * s
-    dis_len = rng.uniform(0.10, 0.25, (B, K)) * s  # line length and width
-    dis_w = rng.uniform(1.0, 2.0, (B, K))
-    dis_h = obj_h[:, None] + rng.uniform(0.2, 0.8, (B, K))
-    dis_s, dis_v = rng.uniform(0.4, 1.0, (B, K)), rng.uniform(0.45, 1.0, (B, K))
-    lattice = rng.random((B, 7, 7), dtype=f32)  # value-noise lattice, 6x6 cells
-    # Pixel noise is drawn last and for the m rendered images only: numpy fills arrays in order, so the first
-    # k images' noise does not depend on m.
-    pix_noise = rng.random((m, 3, s, s), dtype=f32)
+    P = SimpleNamespace()
+    P.labels = rng.permutation(np.arange(B) % len(CLASSES))
+    P.scale = rng.uniform(_SCALE[0], _SCALE[1], B) * s
+    margin = 1.05 * P.scale + 1.0
+    P.cx = margin + rng.random(B) * (s - 2 * margin)
+    P.cy = margin + rng.random(B) * (s - 2 * margin)
+    P.angle = rng.uniform(-1.0, 1.0, B) * _ANGLE_JITTER + np.where(P.labels == 2, np.pi / 2, 0.0)  # triangle: apex up
+    P.obj_h, P.obj_s, P.obj_v = rng.random(B), rng.uniform(0.65, 1.0, B), rng.uniform(0.7, 1.0, B)
+    P.bg_kind = rng.integers(0, 3, B)
+    P.bg_h = rng.random((B, 2))
+    P.bg_s, P.bg_v = rng.uniform(0.0, 0.4, (B, 2)), rng.uniform(_BG_VALUE[0], _BG_VALUE[1], (B, 2))
+    P.noise_std = rng.uniform(0.0, 0.05, B)
+    P.stripe_freq = rng.uniform(2.0, 8.0, B)  # cycles per image
+    P.stripe_angle, P.stripe_phase = rng.uniform(0, np.pi, B), rng.uniform(0, 2 * np.pi, B)
+    P.stripe_sharp = rng.uniform(1.0, 6.0, B)
+    P.grad_angle = rng.uniform(0, 2 * np.pi, B)
+    P.n_dis = rng.integers(1, K + 1, B)
+    P.dis_line = rng.random((B, K)) < 0.5
+    P.dis_x, P.dis_y = rng.random((B, K)) * s, rng.random((B, K)) * s
+    P.dis_angle = rng.uniform(0, np.pi, (B, K))
+    P.dis_a = rng.uniform(0.025, 0.07, (B, K)) * s  # ellipse semi-axes
+    P.dis_b = rng.uniform(0.025, 0.07, (B, K)) * s
+    P.dis_len = rng.uniform(0.10, 0.25, (B, K)) * s  # line length and width
+    P.dis_w = rng.uniform(1.0, 2.0, (B, K))
+    P.dis_h = P.obj_h[:, None] + rng.uniform(0.2, 0.8, (B, K))
+    P.dis_s, P.dis_v = rng.uniform(0.4, 1.0, (B, K)), rng.uniform(0.45, 1.0, (B, K))
+    P.lattice = rng.random((B, 7, 7), dtype=f32)  # value-noise lattice, 6x6 cells
+    P.pix_noise = rng.random((m, 3, s, s), dtype=f32)
+    return P
 
-    # -- render the first m --
+
+def _col(a: np.ndarray, m: int) -> np.ndarray:
+    """The first m entries of a per-image parameter as float32 (m, 1, 1)."""
+    return a[:m].astype(np.float32)[:, None, None]
+
+
+def _paint_background(P: SimpleNamespace, s: int, m: int) -> np.ndarray:
+    """(m, 3, s, s) backgrounds: t in [0, 1] (value noise, stripes or a gradient) mixes two muted colours,
+    plus uniform pixel noise. Reuses ``P.pix_noise`` as the canvas."""
+    f32 = np.float32
     sl = slice(0, m)
-    col = lambda a: a[sl].astype(f32)[:, None, None]  # noqa: E731  (m,) -> (m, 1, 1)
     xs = (np.arange(s, dtype=f32) + 0.5)[None, None, :]
     ys = (np.arange(s, dtype=f32) + 0.5)[None, :, None]
-
-    # background: t in [0, 1] mixes two muted colours
-    kind = bg_kind[sl]
+    kind = P.bg_kind[sl]
     t = np.empty((m, s, s), f32)
     i = np.nonzero(kind == 0)[0]
     if i.size:
-        t[i] = _value_noise(lattice[sl][i], s)
+        t[i] = _value_noise(P.lattice[sl][i], s)
     i = np.nonzero(kind == 1)[0]
     if i.size:
-        a, ph = col(stripe_angle)[i], col(stripe_phase)[i]
-        w = np.sin(2 * np.pi * col(stripe_freq)[i] / s * (xs * np.cos(a) + ys * np.sin(a)) + ph)
-        t[i] = np.clip(0.5 + 0.5 * w * col(stripe_sharp)[i], 0.0, 1.0)
+        a, ph = _col(P.stripe_angle, m)[i], _col(P.stripe_phase, m)[i]
+        w = np.sin(2 * np.pi * _col(P.stripe_freq, m)[i] / s * (xs * np.cos(a) + ys * np.sin(a)) + ph)
+        t[i] = np.clip(0.5 + 0.5 * w * _col(P.stripe_sharp, m)[i], 0.0, 1.0)
     i = np.nonzero(kind == 2)[0]
     if i.size:
-        a = col(grad_angle)[i]
+        a = _col(P.grad_angle, m)[i]
         proj = (xs - s / 2) * np.cos(a) + (ys - s / 2) * np.sin(a)
         t[i] = np.clip(0.5 + proj / (s * 1.42), 0.0, 1.0)
-    c = _hsv_to_rgb(bg_h[sl], bg_s[sl], bg_v[sl])  # (m, 2, 3)
+    c = _hsv_to_rgb(P.bg_h[sl], P.bg_s[sl], P.bg_v[sl])  # (m, 2, 3)
     # uniform noise in [-sqrt(3) std, sqrt(3) std]: standard deviation noise_std
-    amp = (2 * np.sqrt(3.0) * noise_std[sl]).astype(f32)[:, None, None, None]
-    pix_noise -= 0.5
-    pix_noise *= amp
-    pix_noise += c[:, 0, :, None, None]
-    canvas = pix_noise
+    amp = (2 * np.sqrt(3.0) * P.noise_std[sl]).astype(f32)[:, None, None, None]
+    canvas = P.pix_noise
+    canvas -= 0.5
+    canvas *= amp
+    canvas += c[:, 0, :, None, None]
     canvas += (c[:, 1] - c[:, 0])[:, :, None, None] * t[:, None]
+    return canvas
 
-    # Shapes are painted inside square windows around their centres: distractors are small, so this is far
-    # cheaper than full-image passes.
-    # distractors, slot by slot (slot k is used when k < n_distractors); reach: half a line + width + 1
-    dis_rgb = _hsv_to_rgb(dis_h[sl], dis_s[sl], dis_v[sl])  # (m, K, 3)
-    reach = min(int(math.ceil(0.125 * s + 2)), (s - 1) // 2)
-    for k in range(K):
-        use = np.nonzero(n_dis[sl] > k)[0]
+
+def _paint_distractors(canvas: np.ndarray, P: SimpleNamespace, s: int, m: int) -> None:
+    """Ellipses and line segments, slot by slot (slot k is used when k < n_distractors), painted inside
+    square windows around their centres (distractors are small: far cheaper than full-image passes)."""
+    sl = slice(0, m)
+    dis_rgb = _hsv_to_rgb(P.dis_h[sl], P.dis_s[sl], P.dis_v[sl])  # (m, K, 3)
+    reach = min(int(math.ceil(0.125 * s + 2)), (s - 1) // 2)  # half a line + width + 1
+    for k in range(_MAX_DISTRACTORS):
+        use = np.nonzero(P.n_dis[sl] > k)[0]
         if use.size == 0:
             break
-        g = lambda a: a[sl, k][use].astype(f32)[:, None, None]  # noqa: E731  (u,) -> (u, 1, 1)
-        win = _Window(canvas, use, dis_x[sl, k][use], dis_y[sl, k][use], reach)
-        u, v = _rotate(win.xs, win.ys, g(dis_x), g(dis_y), g(dis_angle))
+        g = lambda a: a[sl, k][use].astype(np.float32)[:, None, None]  # noqa: E731  (u,) -> (u, 1, 1)
+        win = _Window(canvas, use, P.dis_x[sl, k][use], P.dis_y[sl, k][use], reach)
+        u, v = _rotate(win.xs, win.ys, g(P.dis_x), g(P.dis_y), g(P.dis_angle))
         # ellipse: radial distance scaled back to pixels by the smaller semi-axis (approximate, fine at 1 px)
-        ea, eb = g(dis_a), g(dis_b)
+        ea, eb = g(P.dis_a), g(P.dis_b)
         d_ell = (np.sqrt((u / ea) ** 2 + (v / eb) ** 2) - 1.0) * np.minimum(ea, eb)
         # line segment along u: distance to the segment minus half the width
-        d_line = np.sqrt(np.maximum(np.abs(u) - g(dis_len) / 2, 0.0) ** 2 + v * v) - g(dis_w) / 2
-        d = np.where(dis_line[sl, k][use][:, None, None], d_line, d_ell)
+        d_line = np.sqrt(np.maximum(np.abs(u) - g(P.dis_len) / 2, 0.0) ** 2 + v * v) - g(P.dis_w) / 2
+        d = np.where(P.dis_line[sl, k][use][:, None, None], d_line, d_ell)
         win.paint(np.clip(0.5 - d, 0.0, 1.0), dis_rgb[use, k])
 
+
+def _render_block(rng: np.random.Generator, s: int, m: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict]:
+    """One block: draw every parameter for ``_BLOCK`` images (fixed draw order), render the first ``m``."""
+    P = _draw_block(rng, s, m)
+    sl = slice(0, m)
+    canvas = _paint_background(P, s, m)
+    _paint_distractors(canvas, P, s, m)
     # the class object, last. Its extent is at most 1.02 r + 0.5 around the centre (inside the image).
     everyone = np.arange(m)
     reach = min(int(math.ceil(_SCALE[1] * s * 1.02 + 1.5)), (s - 1) // 2)
-    win = _Window(canvas, everyone, cx[sl], cy[sl], reach)
-    u, v = _rotate(win.xs, win.ys, col(cx), col(cy), col(angle))
-    d = _shape_distance(labels[sl], u, v, col(scale))
-    obj_rgb = _hsv_to_rgb(obj_h[sl], obj_s[sl], obj_v[sl])
+    win = _Window(canvas, everyone, P.cx[sl], P.cy[sl], reach)
+    u, v = _rotate(win.xs, win.ys, _col(P.cx, m), _col(P.cy, m), _col(P.angle, m))
+    d = _shape_distance(P.labels[sl], u, v, _col(P.scale, m))
+    obj_rgb = _hsv_to_rgb(P.obj_h[sl], P.obj_s[sl], P.obj_v[sl])
     win.paint(np.clip(0.5 - d, 0.0, 1.0), obj_rgb)
     mask = np.zeros((m, 1, s, s), bool)
-    _Window(mask, everyone, cx[sl], cy[sl], reach).view[win.key] = (d < 0)[:, None]
-    mask = mask[:, 0]
+    _Window(mask, everyone, P.cx[sl], P.cy[sl], reach).view[win.key] = (d < 0)[:, None]
     np.clip(canvas, 0.0, 1.0, out=canvas)
     params = {
-        "center": np.stack([cx[sl], cy[sl]], axis=1),
-        "scale": scale[sl],
-        "angle": angle[sl],
+        "center": np.stack([P.cx[sl], P.cy[sl]], axis=1),
+        "scale": P.scale[sl],
+        "angle": P.angle[sl],
         "color": obj_rgb,
-        "background": bg_kind[sl],
-        "n_distractors": n_dis[sl],
+        "background": P.bg_kind[sl],
+        "n_distractors": P.n_dis[sl],
     }
-    return canvas, labels[sl], mask, params
+    return canvas, P.labels[sl], mask[:, 0], params
 
 
 def patch_masks(masks: Any, patch_size: int = PATCH_SIZE, reduce: str = "any") -> torch.Tensor:

@@ -10,15 +10,19 @@ extra (matplotlib on the Agg backend, pillow, rich), imported only when a functi
 - :func:`plot_heads` — one map per head (``per_head_rollout``, or a layer's raw attention).
 - :func:`tokens_html` / :func:`print_tokens` / :func:`tokens_text` — token highlights (HTML page / terminal);
   :func:`explanation_html` — one Explanation as an HTML snippet (``Explanation.to_html``).
+- :func:`view` — the interactive viewer: one self-contained HTML page (layers, methods, heads, pointer
+  values, long prompts, encoder-decoder matrices (rows from ``attnroll.methods.explain_targets``), two models
+  side by side).
 - :func:`save_image` / :func:`atomic_write` — atomic file writes (temporary file, then rename).
 """
 
 from ._io import atomic_write, save_image
 from .heads import plot_heads
 from .layers import plot_layers
-from .overlay import overlay
-from .panel import panel
+# `overlay` and `panel` are the modules, callable as their functions (see attnroll._callable)
+from . import overlay, panel
 from .text import explanation_html, print_tokens, score_color, token_scores, tokens_html, tokens_text
+from .viewer import ViewerPage, view
 
 __all__ = [
     "overlay",
@@ -31,6 +35,8 @@ __all__ = [
     "tokens_text",
     "print_tokens",
     "token_scores",
+    "view",
+    "ViewerPage",
     "save_image",
     "atomic_write",
 ]

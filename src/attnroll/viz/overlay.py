@@ -8,36 +8,11 @@ import numpy as np
 import torch
 
 from . import deps
+from .._callable import make_callable as _make_callable
 from ._explanation import is_explanation
+from .pixels import to_rgb_array  # noqa: F401 - its old home; overlays use it
 
 _RESAMPLE = ("nearest", "bilinear", "bicubic")
-
-
-def to_rgb_array(image: Any) -> np.ndarray:
-    """An image as an (H, W, 3) uint8 array.
-
-    Accepts a PIL image; a numpy array or torch tensor (H, W, 3) or (3, H, W) (channels-first, as
-    ``make_dataset`` returns), uint8 in [0, 255] or float in [0, 1]; (H, W) grey images are repeated to RGB.
-    """
-    Image = deps.pil()
-    if isinstance(image, Image.Image):
-        return np.asarray(image.convert("RGB"))
-    arr = image.detach().cpu().numpy() if isinstance(image, torch.Tensor) else np.asarray(image)
-    if arr.ndim == 2:
-        arr = np.repeat(arr[..., None], 3, axis=-1)
-    if arr.ndim == 3 and arr.shape[0] in (1, 3, 4) and arr.shape[-1] not in (1, 3, 4):
-        arr = np.moveaxis(arr, 0, -1)
-    if arr.ndim != 3 or arr.shape[-1] not in (1, 3, 4):
-        raise ValueError(f"image must be a PIL image or an (H, W, 3) / (3, H, W) array, got shape {arr.shape}")
-    if arr.shape[-1] == 1:
-        arr = np.repeat(arr, 3, axis=-1)
-    arr = arr[..., :3]
-    if arr.dtype != np.uint8:
-        arr = arr.astype(np.float64)
-        if arr.size and arr.max() <= 1.0:
-            arr = arr * 255.0
-        arr = np.clip(np.round(arr), 0, 255).astype(np.uint8)
-    return np.ascontiguousarray(arr)
 
 
 def grid_map(source: Any, index: int = 0, kind: str = "minmax") -> np.ndarray:
@@ -141,3 +116,6 @@ def overlay(
     if outline is not None:
         out[outline_pixels(outline, out_size)] = np.asarray(outline_color, dtype=np.uint8)
     return Image.fromarray(out, mode="RGB")
+
+
+_make_callable(__name__)  # attnroll._callable: the module is callable as its function of the same name

@@ -7,6 +7,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from . import deps
+from .._callable import make_callable as _make_callable
 from ._explanation import is_explanation
 from .overlay import overlay, to_rgb_array
 
@@ -85,3 +86,6 @@ def panel(
             if c == 0 and row_labels:
                 ax.set_ylabel(str(row_labels[r]), fontsize=max(6, cell // 18))
     return deps.figure_to_image(fig)
+
+
+_make_callable(__name__)  # attnroll._callable: the module is callable as its function of the same name

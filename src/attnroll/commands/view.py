@@ -1,0 +1,106 @@
+"""``attnroll view``: explain images or a text with several methods and write one interactive viewer page."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import click
+
+from ._args import method_options, methods_list, parse_target
+from ._data import check_inputs, expand_images, input_options, load_for, read_image
+from ._group import cli
+from ._output import prepare_out, write
+from ._text import explain_text
+
+DEFAULT_METHODS = {"image": "rollout,gae,per_head_rollout", "text": "rollout,gae"}
+
+
+def with_layers(names: list[str], options: dict[str, dict]) -> dict[str, dict]:
+    """Each method's options, plus ``return_layers=True`` for the methods that have per-layer rows (the
+    viewer's layer slider)."""
+    from ..methods import check_options
+
+    out = {}
+    for m in names:
+        o = dict(options.get(m, {}))
+        try:
+            check_options(m, {**o, "return_layers": True})
+            o.setdefault("return_layers", True)
+        except ValueError:
+            pass  # flow, Captum baselines...: no per-layer product, the page shows their final map only
+        out[m] = o
+    return out
+
+
+def _image_page(files: list[Path], lm: Any, names: list[str], opts: dict, tgt: Any) -> Any:
+    import torch
+
+    from ..methods import explain
+    from ..viz import view
+
+    pics = [read_image(f) for f in files]
+    x = torch.cat([lm.prepare_image(p) for p in pics])
+    E = {m: explain(lm.model, x, m, tgt, **opts[m]) for m in names}
+    first = next(iter(E.values()))
+    targets = first.target if isinstance(first.target, list) else [first.target] * len(files)
+    labels = [f"{f.name} · target {lm.label(t)}" for f, t in zip(files, targets)]
+    return view(E, pics, labels=labels, title=f"attnroll: {lm.name}", notes=f"methods: {', '.join(names)}")
+
+
+def _text_page(lm: Any, text: str, pair: str | None, names: list[str], opts: dict, tgt: Any) -> Any:
+    from ..viz import view
+
+    sections: dict[str, dict] = {}
+    for m in names:
+        for label, e in explain_text(lm, text, pair, m, opts[m], tgt).items():
+            sections.setdefault(label, {})[m] = e
+    special = set(getattr(lm.tokenizer, "all_special_tokens", ()) or ())
+    notes = f"text: {text}" + (f" | pair: {pair}" if pair else "") + "; special tokens are left uncoloured"
+    group = next(iter(sections.values())) if len(sections) == 1 else sections
+    return view(group, skip=special, title=f"attnroll: {lm.name}", notes=notes)
+
+
+@cli.command("view", short_help="One interactive HTML page: layers, methods, heads, values under the pointer.")
+@input_options
+@click.option("--methods", "-m", "method_list", metavar="METHODS",
+              help="Comma-separated methods [default: rollout,gae,per_head_rollout for images, rollout,gae for text].")
+@click.option("--option", "-o", "options", multiple=True, metavar="[METHOD.]KEY=VALUE",
+              help="A method option, repeatable: -o alpha=0.9 (every method that takes it) or -o gae.alpha=0.9.")
+@click.option("--target", help="Class index or name to explain (default: the predicted class).")
+@click.option("--out", type=click.Path(path_type=Path), default=Path("attnroll-view"), show_default=True,
+              help="Output folder (created).")
+@click.option("--name", help="File name of the page [default: <first image stem>.view.html or <first words>.view.html].")
+def view_cmd(images, text, pair, model_spec, weights, method_list, options, target, out, name) -> None:
+    """Explain IMAGE... (files or folders) or --text TEXT [--pair TEXT] with every method of --methods and
+    write ONE self-contained HTML page: no network, opens from file:// and offline. Images: the map over the
+    picture (opacity, colours), a layer slider, a method switcher, per-head maps, the value under the pointer.
+    Text: tokens coloured by relevance, values on hover.
+
+    \b
+    Examples:
+      attnroll view photos/ --model ./vit-base-local -m rollout,gae
+      attnroll view --text "A man plays guitar." --pair "Someone makes music."
+    """
+    from .explain import slug
+
+    kind = check_inputs(images, text, pair)
+    names = methods_list(method_list or DEFAULT_METHODS[kind])
+    opts = with_layers(names, method_options(options, names))
+    files = expand_images(images) if kind == "image" else []
+    for f in files:  # every input is checked before anything is written
+        read_image(f)
+    if name is not None and (not name.strip() or "/" in name):
+        raise click.UsageError(f"--name must be a file name (no folder), got {name!r}")
+    out = prepare_out(out)
+    lm = load_for(model_spec, weights, kind)
+    tgt = parse_target(target, lm)
+    if kind == "image":
+        page = _image_page(files, lm, names, opts, tgt)
+        stem = files[0].stem + (f"+{len(files) - 1}" if len(files) > 1 else "")
+    else:
+        page = _text_page(lm, text, pair, names, opts, tgt)
+        stem = slug(text)
+    fname = name or f"{stem}.view.html"
+    path = write(out / (fname if fname.lower().endswith((".html", ".htm")) else fname + ".html"), page.html)
+    click.echo(f"wrote {path} ({page.nbytes:,} bytes; methods {', '.join(names)})")
