@@ -200,7 +200,7 @@ def _context_attribution(lm: Any, prompt: str, generate: int, method: str, opts:
     rec = {"model": lm.name, "method": method, "options": opts, "unit": ca.unit, "answer": ca.answer,
            "answer_ids": ca.answer_ids, "total": ca.total,
            "units": [{**u, "span": list(u["span"]) if u["span"] else None} for u in ca.units]}
-    return [write(out / f"{_slug(prompt)}.context.{method}.json", json.dumps(rec, indent=1))]
+    return [write(out / f"{slug(prompt)}.context.{method}.json", json.dumps(rec, indent=1))]
 
 
 @cli.command("explain", short_help="Explain images or a text; write pictures / data, print top units.")
