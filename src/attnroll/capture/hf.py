@@ -25,6 +25,32 @@ from .. import _checks
 from .hooks import SUPPORTED_FAMILIES, Adapter, Recorder, Site, make_sites, stream_names
 from .record import AttentionRecord
 
+#: The transformers major versions the adapter works with: [5, 6). It reads ``_can_record_outputs`` /
+#: ``OutputRecorder`` declarations, which every model class has only from 5.0 on, and switches the attention
+#: implementation through 5.x's config API. pyproject.toml's ``hf`` / ``text`` extras declare the same range.
+TRANSFORMERS_RANGE = ((5, 0), (6, 0))
+
+
+def check_transformers_version(version: str) -> None:
+    """UnsupportedModelError for a transformers version below the range (the adapter cannot find the
+    attention there); a RuntimeWarning above it (not tested: it may work)."""
+    parts = []
+    for p in version.split(".")[:2]:
+        digits = "".join(ch for ch in p if ch.isdigit()) if p[:1].isdigit() else ""
+        parts.append(int(digits) if digits else 0)
+    v = tuple((parts + [0, 0])[:2])
+    lo, hi = TRANSFORMERS_RANGE
+    want = f"transformers>={lo[0]}.{lo[1]},<{hi[0]}"
+    if v < lo:
+        raise _checks.UnsupportedModelError(
+            f"attnroll's transformers adapter needs {want}; transformers {version} is installed "
+            "(its model classes do not declare their attention outputs): pip install 'attnroll[hf]'"
+        )
+    if v >= hi:
+        warnings.warn(f"attnroll's transformers adapter is tested with {want}; transformers {version} is newer "
+                      "and may have moved where attention lives", RuntimeWarning, stacklevel=3)
+
+
 #: Prefix tokens of the image stream by ``config.model_type`` (CLS, distillation token, registers).
 _VISION_PREFIX = {
     "vit": 1,
@@ -75,7 +101,10 @@ class HFAdapter(Adapter):
 
     def __init__(self, model: nn.Module):
         super().__init__(model)
+        import transformers
         from transformers import PreTrainedModel
+
+        check_transformers_version(transformers.__version__)
 
         config = model.config
         self.model_type = getattr(config, "model_type", "")
