@@ -178,7 +178,7 @@ def test_blocks_smaller_than_the_sequence(monkeypatch):
     m = build("llama")
     x = inputs("llama", 40)
     one = attnroll.explain(m, x, "gae", attention="recompute")
-    monkeypatch.setattr(operators, "BLOCK_ELEMENTS", 1)  # 4-row blocks
+    monkeypatch.setattr(operators, "BLOCK_ELEMENTS", 1)  # 16-row blocks
     monkeypatch.setattr(operators.KernelInputs.block_rows, "__defaults__", (1,))
     many = attnroll.explain(m, x, "gae", attention="recompute")
     torch.testing.assert_close(many.full_row, one.full_row, atol=1e-6, rtol=0)

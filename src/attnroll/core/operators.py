@@ -71,7 +71,7 @@ class KernelInputs:
     def block_rows(self, budget: int = BLOCK_ELEMENTS) -> int:
         """Query rows per block so that one (B, H, rows, n_k) block holds about ``budget`` elements."""
         B, H, _, nk = self.shape
-        return max(4, budget // max(1, B * H * nk))
+        return max(16, budget // max(1, B * H * nk))
 
 
 # ----------------------------------------------------------------------------------------- probabilities
