@@ -51,7 +51,9 @@ def test_rollout_method_equals_core_rollout_on_captured_attention(name):
     opts = dict(head_fusion="max", discard_ratio=0.3, residual_mode="renorm", start_layer=0)
     e = explain(m, x, "rollout", **opts)
     mask = rec.attention_mask
-    expect = attnroll.rollout(rec.attentions, rows=[0], attention_mask=mask, protect_prefix=max(1, rec.prefix), **opts)[:, 0]
+    rows = [0, 1] if name == "deit_distilled" else [0]  # DeiT with teacher averages its CLS and distillation heads
+    expect = attnroll.rollout(rec.attentions, rows=rows, attention_mask=mask, protect_prefix=max(1, rec.prefix),
+                              **opts).mean(dim=1)
     if mask is not None:
         expect = expect * mask
     torch.testing.assert_close(e.full_row, expect, atol=1e-6, rtol=1e-5)

@@ -23,11 +23,15 @@ from .. import _checks
 from .._callable import make_callable as _make_callable
 from .hf import HFAdapter, is_hf_model
 from .hooks import SUPPORTED_FAMILIES, Adapter, Capture, ModulesAdapter, run_forward
-from .record import AttentionRecord
+from .sentence_transformers import is_sentence_transformer, make_adapter
+from .record import AttentionRecord, ModelFacts, Readout, StreamInfo, config_token_ids
 from .timm import TimmAdapter, is_timm_model
 from .torch_mha import MHAAdapter, has_mha
 
-__all__ = ["capture", "AttentionRecord", "Capture", "CaptureError", "SUPPORTED_FAMILIES"]
+__all__ = [
+    "capture", "model_facts", "AttentionRecord", "StreamInfo", "Readout", "ModelFacts", "Capture", "CaptureError",
+    "SUPPORTED_FAMILIES",
+]
 
 CaptureError = _checks.CaptureError
 
@@ -89,18 +93,15 @@ def capture(
     eval_mode = _checks.check_bool("eval_mode", eval_mode)
     dt = _checks.check_dtype(dtype)
     _check_combination(keep_grad, fuse, fuse_heads, dt, dtype, modules, to_probs)
-    session = Capture(model, _select_adapter(model, modules, to_probs), fuse=fuse, keep_grad=keep_grad, dtype=dt,
-                      eval_mode=eval_mode, tokenizer=tokenizer)
+
+    def new_session() -> Capture:
+        return Capture(model, _select_adapter(model, modules, to_probs), fuse=fuse, keep_grad=keep_grad, dtype=dt,
+                       eval_mode=eval_mode, tokenizer=tokenizer)
+
+    session = new_session()
     if inputs is None:
         return session
-    with session as record:
-        with torch.enable_grad() if keep_grad else torch.no_grad():
-            run_forward(model, inputs, session.adapter.input_hint)
-    if session.passes == 0:
-        raise CaptureError(
-            "the forward pass finished without the model's own forward returning (no pass was recorded)"
-        )
-    return record
+    return _run_once(model, inputs, session, new_session, keep_grad)
 
 
 def _check_combination(keep_grad: bool, fuse: Any, fuse_heads: Any, dt: Any, dtype: Any, modules: Any,
@@ -121,9 +122,54 @@ def _check_combination(keep_grad: bool, fuse: Any, fuse_heads: Any, dt: Any, dty
         raise ValueError("to_probs needs modules=: the modules whose (args, output) it turns into probabilities")
 
 
+def _run_once(model: nn.Module, inputs: Any, session: Capture, new_session: Callable[[], Capture],
+              keep_grad: bool) -> AttentionRecord:
+    """One forward pass under ``session``. A model that replaces its attention modules inside its forward
+    (BigBird switching from block-sparse to full attention on short inputs) leaves the hooked modules behind:
+    then the new ones are found and the pass is run once more."""
+    for attempt in range(2):
+        try:
+            with session as record:
+                with torch.enable_grad() if keep_grad else torch.no_grad():
+                    run_forward(model, session.adapter.call_inputs(inputs), session.adapter.input_hint)
+            break
+        except CaptureError:
+            live = {id(m) for m in model.modules()}
+            if attempt or all(id(s.module) in live for s in session.site_list):
+                raise
+            session = new_session()
+    if session.passes == 0:
+        raise CaptureError(
+            "the forward pass finished without the model's own forward returning (no pass was recorded)"
+        )
+    return record
+
+
+def model_facts(model: nn.Module) -> ModelFacts:
+    """Facts about ``model`` that need no forward pass (how it is called, its embedding layer, its special
+    tokens; see :class:`ModelFacts`). Works for models the capture refuses too (evaluation only runs them)."""
+    from .hf import hf_facts
+
+    if is_sentence_transformer(model):
+        return make_adapter(model).facts()
+    if is_hf_model(model):
+        return hf_facts(model)
+    if is_timm_model(model):
+        return ModelFacts(family="timm", input_key="x", keyword_call=False)
+    try:
+        facts = _select_adapter(model, None, None).facts()
+    except _checks.UnsupportedModelError:
+        facts = ModelFacts(family="module", keyword_call=False)
+    # A plain module may still carry a config object with token ids (duck-typed).
+    facts.special_token_ids, facts.pad_token_id = config_token_ids(getattr(model, "config", None))
+    return facts
+
+
 def _select_adapter(model: nn.Module, modules: Any, to_probs: Callable | None) -> Adapter:
     if modules is not None:
         return ModulesAdapter(model, modules, to_probs)
+    if is_sentence_transformer(model):
+        return make_adapter(model)
     if is_hf_model(model):
         return HFAdapter(model)
     if is_timm_model(model):

@@ -22,8 +22,11 @@ import torch
 from torch import nn
 
 from .. import _checks
+from .hf_vision import input_size, mae_restore, patch_layout
+from .hf_public import accepts_output_attentions, ask_for_attentions, eager_forwards, output_streams, validate_layers
 from .hooks import SUPPORTED_FAMILIES, Adapter, Recorder, Site, make_sites, stream_names
-from .record import AttentionRecord
+from .record import AttentionRecord, ModelFacts, config_token_ids, resolve_readout
+from .st_pooling import pooling_of_folder
 
 #: The transformers major versions the adapter works with: [5, 6). It reads ``_can_record_outputs`` /
 #: ``OutputRecorder`` declarations, which every model class has only from 5.0 on, and switches the attention
@@ -51,18 +54,15 @@ def check_transformers_version(version: str) -> None:
                       "and may have moved where attention lives", RuntimeWarning, stacklevel=3)
 
 
-#: Prefix tokens of the image stream by ``config.model_type`` (CLS, distillation token, registers).
-_VISION_PREFIX = {
-    "vit": 1,
-    "deit": 2,  # CLS + distillation token, in every DeiT head class (the embeddings always add both)
-    "dinov2": 1,
-    "beit": 1,
-    "data2vec-vision": 1,
-    "clip": 1,
-    "clip_vision_model": 1,
-    "vit_msn": 1,
-    "vit_mae": 1,
-}
+#: Text towers that pool their end-of-text token (the first EOS; the argmax id for the original configs).
+_EOT_POOLING = ("clip", "clip_text_model", "owlvit", "owlvit_text_model", "x_clip", "groupvit", "clipseg")
+#: Text towers that pool the last position (SigLIP: inputs padded to max_length).
+_LAST_POSITION = ("siglip", "siglip_text_model", "siglip2", "siglip2_text_model")
+#: Image models whose pooler means the patch tokens when ``config.use_mean_pooling``.
+_MEAN_POOLING_FLAG = ("beit", "data2vec-vision", "videomae")
+#: Speech encoders: their classification heads mean-pool the frames.
+_AUDIO = ("wav2vec2", "hubert", "wavlm", "data2vec-audio", "sew", "sew-d", "unispeech", "unispeech-sat",
+          "wav2vec2-conformer", "wav2vec2-bert")
 
 #: Windowed models: attention is computed inside local (shifted) windows, so no (n x n) token matrix exists.
 _WINDOWED = ("swin", "swinv2", "donut-swin", "maskformer-swin", "swin2sr")
@@ -77,10 +77,29 @@ def is_hf_model(model: nn.Module) -> bool:
     return isinstance(model, PreTrainedModel)
 
 
+class PrivateChanged(Exception):
+    """transformers' private output-recorder declaration has a shape this attnroll does not know."""
+
+
+def _declared(pm: nn.Module) -> dict:
+    """The class's output-recorder declaration (transformers 5.x, private): the registry of newer
+    releases, else the class attribute."""
+    try:
+        from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
+
+        raw = _CAN_RECORD_REGISTRY.get(pm)
+    except (ImportError, AttributeError, TypeError):
+        raw = None
+    raw = raw or getattr(pm, "_can_record_outputs", None) or {}
+    if not isinstance(raw, dict):
+        raise PrivateChanged(f"_can_record_outputs is a {type(raw).__name__}, not a dict")
+    return raw
+
+
 def _specs(pm: nn.Module) -> list[tuple[str, type | None, str | None, int, str | None]]:
     """(key, target class, class-name suffix, output index, layer name) for the attention outputs a
-    transformers model class declares."""
-    raw = getattr(pm, "_can_record_outputs", None) or {}
+    transformers model class declares. Raises PrivateChanged when the declaration's shape is unknown."""
+    raw = _declared(pm)
     out = []
     for key in ("attentions", "cross_attentions"):
         if key not in raw:
@@ -88,11 +107,16 @@ def _specs(pm: nn.Module) -> list[tuple[str, type | None, str | None, int, str |
         val = raw[key]
         for spec in val if isinstance(val, list) else [val]:
             if hasattr(spec, "target_class"):  # transformers' OutputRecorder
-                out.append((key, spec.target_class, spec.class_name, spec.index, spec.layer_name))
+                try:
+                    out.append((key, spec.target_class, spec.class_name, int(spec.index), spec.layer_name))
+                except (AttributeError, TypeError, ValueError) as e:
+                    raise PrivateChanged(f"OutputRecorder fields changed ({e})") from None
             elif isinstance(spec, str):
                 out.append((key, None, spec, 1, None))
-            else:
+            elif isinstance(spec, type):
                 out.append((key, spec, None, 1, None))
+            else:
+                raise PrivateChanged(f"unknown recorder entry {type(spec).__name__}")
     return out
 
 
@@ -117,6 +141,17 @@ class HFAdapter(Adapter):
                 "roll out; attnroll refuses rather than invent one. Use a global-attention model or "
                 f"modules=/to_probs= if you have your own composition. Supported: {SUPPORTED_FAMILIES}"
             )
+        vlm_token = next((k for k in ("image_token_index", "image_token_id") if hasattr(config, k)), None)
+        if vlm_token is not None and getattr(config, "vision_config", None) is not None and (
+            getattr(config, "text_config", None) is not None
+        ):
+            raise _checks.UnsupportedModelError(
+                f"{type(model).__name__} ({self.model_type}) is a vision-language model: its image patches enter "
+                "the language model as tokens (config." + vlm_token + "), so the vision tower and the language "
+                "model would be merged into one stream and the image tokens could not be mapped back to the patch "
+                "grid. attnroll does not compose VLMs yet; explain the vision tower (model.vision_tower / "
+                f"model.model.vision_tower) or the language model on its own. Supported: {SUPPORTED_FAMILIES}"
+            )
         found: list[tuple[str, nn.Module, str, int]] = []
 
         def walk(mod: nn.Module, name: str, specs: list) -> None:
@@ -133,7 +168,18 @@ class HFAdapter(Adapter):
                     found.append((name, mod, key, index))
                     break
 
-        walk(model, "", _specs(model))
+        try:
+            walk(model, "", _specs(model))
+        except PrivateChanged as e:
+            import transformers
+
+            # Models that declare recorders also route output_attentions=True through them (transformers
+            # installs its own hooks for good), so the public path is no way out here: say what changed.
+            raise _checks.UnsupportedModelError(
+                f"transformers {transformers.__version__} changed its private output-recorder declaration ({e}), "
+                f"which attnroll reads to find the attention modules of {type(model).__name__}; this attnroll "
+                "knows the transformers 5.x shape. Install a transformers 5.x release, or pass modules=/to_probs="
+            ) from None
         order = {id(m): i for i, (_, m) in enumerate(model.named_modules())}
         found.sort(key=lambda f: order.get(id(f[1]), -1))
         self.index = {id(m): idx for _, m, _, idx in found}
@@ -143,10 +189,15 @@ class HFAdapter(Adapter):
         entries = [(n, m, stream_of.get(id(m), "cross")) for n, m, key, _ in found]
         self._sites = make_sites(entries)
         if not self._sites:
-            raise _checks.UnsupportedModelError(
-                f"{type(model).__name__} does not declare which of its modules output attention weights "
-                f"(transformers' _can_record_outputs), so attnroll cannot find them. Supported: {SUPPORTED_FAMILIES}"
-            )
+            if not accepts_output_attentions(model):
+                raise _checks.UnsupportedModelError(
+                    f"{type(model).__name__} neither declares which of its modules output attention weights "
+                    "(transformers' output recorders) nor takes output_attentions=, so attnroll cannot find them. "
+                    f"Supported: {SUPPORTED_FAMILIES}"
+                )
+            # The public path: the model's own output_attentions=True on the eager path.
+            self.from_outputs = True
+            self.family = f"hf:{self.model_type} (output_attentions)"
 
     def sites(self) -> list[Site]:
         return self._sites
@@ -154,13 +205,43 @@ class HFAdapter(Adapter):
     def install(self, stack: ExitStack, recorder: Recorder, sites: list[Site]) -> None:
         for config in _all_configs(self.model):
             _force_eager(stack, config)
+        if self.from_outputs:
+            eager_forwards(stack, self.model)
+            ask_for_attentions(stack, self.model)
+        self.pool_attn: dict[str, torch.Tensor] = {}
+        for name, head in self.model.named_modules():
+            if isinstance(getattr(head, "attention", None), nn.MultiheadAttention) and isinstance(
+                getattr(head, "probe", None), torch.Tensor
+            ):
+                where = "vision" if "vision" in name.split(".")[0] or name.startswith("vision") else "self"
+                handle = head.register_forward_hook(self._pool_hook(where))
+                stack.callback(handle.remove)
         super().install(stack, recorder, sites)
+
+    def output_streams(self, output: Any) -> dict[str, list[Any]]:
+        return output_streams(self.model, output)
+
+    def _pool_hook(self, stream: str):
+        """An attention-pooling head (SigLIP's MAP head: a learned probe attending over the tokens): its own
+        attention weights, mean over heads, (B, n), become the stream's readout."""
+
+        def hook(head: nn.Module, args: tuple, output: Any) -> None:
+            x = args[0]
+            probe = head.probe.expand(x.shape[0], -1, -1)
+            with torch.no_grad():
+                _, w = head.attention(probe, x, x, need_weights=True, average_attn_weights=True)
+            self.pool_attn[stream] = w[:, 0].detach().float().cpu()
+
+        return hook
 
     def extract(self, site: Site, args: tuple, output: Any) -> Any:
         if isinstance(output, (tuple, list)):
             idx = self.index[id(site.module)]
             return output[idx] if -len(output) <= idx < len(output) else None
         return output
+
+    def facts(self) -> ModelFacts:
+        return hf_facts(self.model, self.family)
 
     def input_hint(self, inputs: Any) -> str:
         keys = set(inputs) if isinstance(inputs, dict) or hasattr(inputs, "keys") else set()
@@ -175,53 +256,141 @@ class HFAdapter(Adapter):
             )
         return ""
 
+    # ------------------------------------------------------------------------------------- readout
+    def readout_spec(self, stream: str, record: AttentionRecord, info: Any, inputs: dict[str, Any]) -> tuple[Any, str]:
+        cfg, mt = self.model.config, self.model_type
+        pooled = getattr(self, "pool_attn", {}).get(stream)
+        if pooled is not None:
+            return ("attention_pool", pooled), f"{mt}'s attention-pooling head: its probe's attention over the tokens"
+        if record.extra.get(f"{stream}_eot") is not None:
+            return "eot", f"{mt}'s text tower pools its end-of-text token"
+        if info.kind == "text" and mt in _LAST_POSITION:
+            return -1, f"{mt}'s text tower pools the last position"
+        if info.kind == "text" and stream == "self":
+            pool = pooling_of_folder(getattr(cfg, "_name_or_path", None))
+            if pool is not None:
+                return pool
+        if hasattr(self.model, "cls_classifier") and hasattr(self.model, "distillation_classifier"):
+            w = torch.zeros(record.streams[stream][0].shape[-1])
+            w[:2] = 0.5
+            return w, "DeiT with teacher: its logits average the CLS and distillation tokens' heads"
+        if mt == "audio-spectrogram-transformer" and stream == "self":
+            w = torch.zeros(n := record.streams[stream][0].shape[-1])
+            w[:2] = 0.5
+            return w, "AST's pooler averages the CLS and distillation tokens"
+        if info.suffix and stream == "self":  # YOLOS: each detection token predicts one object
+            w = torch.zeros(n := record.streams[stream][0].shape[-1])
+            w[n - info.suffix:] = 1.0
+            return w, "the detection tokens (one object each; pick one with position=)"
+        if mt in _MEAN_POOLING_FLAG and getattr(cfg, "use_mean_pooling", False) and stream in ("self", "vision"):
+            return "mean", f"{mt} config.use_mean_pooling: the pooler means the patch tokens"
+        if mt in _AUDIO:
+            return "mean", f"{mt} classification heads mean-pool the frames"
+        if info.causal:
+            return "last", "causal attention: the last real token predicts"
+        if info.kind == "image" and info.prefix == 0:
+            return "mean", "no class token: the mean of the patch rows (what its classification heads pool)"
+        return "cls", "the first token (CLS), which the model's pooler / classifier reads"
+
     # ------------------------------------------------------------------------------------- metadata
     def metadata(self, record: AttentionRecord, inputs: dict[str, Any]) -> None:
+        if getattr(self.model.config, "attention_type", None) == "block_sparse":
+            self._refuse_block_sparse(record)
+        for stream, layers in record.streams.items():
+            validate_layers(type(self.model).__name__, stream, layers)
+        ids = inputs.get("input_ids")
+        text_stream = "text" if "text" in record.streams else "self"
+        if self.model_type in _EOT_POOLING and isinstance(ids, torch.Tensor) and text_stream in record.streams:
+            record.extra[f"{text_stream}_eot"] = _eot_positions(self.model.config, ids)
         mask = inputs.get("attention_mask")
         if isinstance(mask, torch.Tensor):
             record.attention_mask = mask.detach()
         dmask = inputs.get("decoder_attention_mask")
         if isinstance(dmask, torch.Tensor):
             record.extra["decoder_attention_mask"] = dmask.detach()
-        pixels = inputs.get("pixel_values")
-        image_stream = "vision" if "vision" in record.streams else "self"
-        if not isinstance(pixels, torch.Tensor) or image_stream not in record.streams:
-            record.prefix = 0 if inputs.get("input_ids") is not None else None
-            return
-        patch = _patch_size(self.model.config)
-        n_keys = record.streams[image_stream][0].shape[-1]
-        prefix = self._vision_prefix()
-        if patch is None or pixels.ndim != 4:
-            record.prefix = prefix
-            return
-        grid = (pixels.shape[-2] // patch[0], pixels.shape[-1] // patch[1])
-        if prefix is None and n_keys >= grid[0] * grid[1]:
-            prefix = n_keys - grid[0] * grid[1]  # unknown family: whatever precedes the patches
-        if prefix is not None and prefix + grid[0] * grid[1] != n_keys:
-            warnings.warn(
-                f"attnroll.capture: {self.model_type} attention has {n_keys} tokens, but {prefix} prefix tokens + a "
-                f"{grid[0]}x{grid[1]} patch grid make {prefix + grid[0] * grid[1]}; grid left unset",
-                stacklevel=2,
-            )
-            record.prefix = prefix
-            return
-        record.prefix, record.grid = prefix, grid
+        record.prefix = 0 if ids is not None else None
+        for stream in ("self", "vision", "encoder"):
+            if stream in record.streams and input_size(self.model_type, inputs) is not None:
+                self._layout(record, stream, inputs)
 
-    def _vision_prefix(self) -> int | None:
-        cfg = self.model.config
-        if self.model_type == "dinov2_with_registers":
-            return 1 + int(cfg.num_register_tokens)
-        return _VISION_PREFIX.get(self.model_type)
+    def _refuse_block_sparse(self, record: AttentionRecord) -> None:
+        """BigBird's block-sparse path returns a dense matrix rebuilt from its blocks, whose rows do not sum
+        to 1 and which its output is not computed from: refuse rather than roll it out."""
+        for layers in record.streams.values():
+            t = layers[0].detach()
+            sums = t.sum(dim=-1)
+            if not bool(((sums - 1).abs() < 1e-3).all()):
+                raise _checks.UnsupportedModelError(
+                    f"{type(self.model).__name__} ran its block-sparse attention (config.attention_type="
+                    "'block_sparse'): the matrix it returns is rebuilt from blocks (rows sum to "
+                    f"{float(sums.min()):.3g}..{float(sums.max()):.3g}) and is not the tensor its output uses. Set "
+                    "model.config.attention_type = 'original_full' (or load with attention_type='original_full')."
+                )
+
+    def _layout(self, record: AttentionRecord, stream: str, inputs: dict[str, Any]) -> None:
+        """Prefix, suffix and grid of a vision stream from the model's embeddings (see hf_vision)."""
+        if stream == "encoder" and inputs.get("pixel_values") is None and inputs.get("input_values") is None:
+            return
+        n = record.streams[stream][0].shape[-1]
+        lay = patch_layout(self.model, stream, self.model_type, inputs, n)
+        ids_restore = getattr(record.outputs, "ids_restore", None)
+        if lay["grid"] is not None and self.model_type == "vit_mae" and isinstance(ids_restore, torch.Tensor):
+            if record.keep_grad:
+                lay = {**lay, "grid": None, "reason": "ViTMAE shuffles its patches; with gradients the record keeps "
+                       "the model's own (shuffled) tensors: pass noise=torch.arange(patches).expand(B, -1)"}
+            else:
+                record.streams[stream] = mae_restore(record.streams[stream], ids_restore, lay["prefix"])
+        record.extra[f"{stream}_layout"] = lay
+        if stream in ("self", "vision"):
+            record.prefix, record.grid = lay["prefix"], lay["grid"]
+            record.extra["grid_reason"] = lay["reason"]
+
+    def stream_infos(self, record: AttentionRecord, inputs: dict[str, Any]) -> dict[str, Any]:
+        infos = super().stream_infos(record, inputs)
+        for s, info in infos.items():
+            lay = record.extra.get(f"{s}_layout")
+            if lay is not None:
+                info.kind, info.prefix, info.suffix, info.grid = "image", lay["prefix"], lay["suffix"], lay["grid"]
+                info.grid_reason = lay["reason"]
+                # The readout again, now that prefix and suffix are known.
+                spec, source = self.readout_spec(s, record, info, inputs)
+                B, n = record.streams[s][0].shape[0], record.streams[s][0].shape[-1]
+                info.readout = None if spec is None else resolve_readout(
+                    spec, batch=B, n=n, mask=info.mask, prefix=info.prefix, suffix=info.suffix, source=source)
+        return infos
 
 
-def _patch_size(config: Any) -> tuple[int, int] | None:
-    for cfg in (config, getattr(config, "vision_config", None)):
-        p = getattr(cfg, "patch_size", None) if cfg is not None else None
-        if isinstance(p, int):
-            return (p, p)
-        if isinstance(p, (tuple, list)) and len(p) == 2:
-            return (int(p[0]), int(p[1]))
-    return None
+def hf_facts(model: nn.Module, family: str = "") -> ModelFacts:
+    """What evaluation and gradient baselines need from a transformers model, without a forward pass."""
+    config = model.config
+    text_cfg = getattr(config, "text_config", None) or config
+    try:
+        emb = model.get_input_embeddings()
+    except (NotImplementedError, AttributeError):
+        emb = None
+    ids, pad = config_token_ids(text_cfg)
+    similarity = None
+    if hasattr(model, "get_image_features") and hasattr(model, "get_text_features"):
+        similarity = lambda outputs: outputs.logits_per_image  # noqa: E731  (dual towers: (images, texts))
+    return ModelFacts(
+        family=family or f"hf:{getattr(config, 'model_type', '')}",
+        input_key=getattr(model, "main_input_name", None),
+        keyword_call=True,
+        embedding=emb if isinstance(emb, nn.Module) else None,
+        special_token_ids=ids,
+        pad_token_id=pad,
+        similarity=similarity,
+    )
+
+
+def _eot_positions(config: Any, ids: torch.Tensor) -> list[int]:
+    """The token a CLIP-style text tower pools: the argmax id for the original configs (eos id 2), else the
+    first end-of-text token (as transformers does)."""
+    eos = getattr(getattr(config, "text_config", None) or config, "eos_token_id", None)
+    ids = ids.to(torch.int).reshape(-1, ids.shape[-1])
+    if eos == 2 or eos is None:
+        return ids.argmax(dim=-1).tolist()
+    return (ids == eos).int().argmax(dim=-1).tolist()
 
 
 def _all_configs(model: nn.Module) -> list[Any]:

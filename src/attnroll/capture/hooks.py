@@ -22,16 +22,18 @@ from torch import nn
 from .. import _checks
 from .._modes import eval_mode
 from ..core.fusion import fuse_tensor
-from .record import AttentionRecord
+from .record import AttentionRecord, ModelFacts, StreamInfo, is_causal, resolve_readout
 
 SUPPORTED_FAMILIES = (
-    "Hugging Face transformers: ViT, DeiT (incl. distilled ...WithTeacher), BEiT, DINOv2, DINOv2 with "
-    "registers, BERT, RoBERTa, DistilBERT, ELECTRA, GPT-2, Llama-family decoders, CLIP (vision and text "
-    "towers), T5, BART, Marian (and other transformers models that declare attention outputs); "
-    "timm VisionTransformer models (vit_*, deit_* incl. distilled, register-token variants); "
-    "models built from torch.nn.MultiheadAttention (nn.TransformerEncoder, nn.TransformerDecoder, "
-    "nn.Transformer). Any other model: pass modules=[...] (modules, their names, or a regular "
-    "expression over module names) and to_probs=f(module, args, output) -> (B, H, n, n) probabilities."
+    "Hugging Face transformers: ViT, DeiT (incl. distilled ...WithTeacher), BEiT, DINOv2 (with registers), YOLOS, "
+    "ViTMAE, AST, BERT-likes, GPT-2, Llama-family decoders, CLIP (vision and text towers), T5, BART, Marian, "
+    "VisionEncoderDecoder (and other transformers models that declare attention outputs), plus families without "
+    "a declaration through output_attentions=True (DeBERTa, MPNet, BLOOM, Falcon, GPT-Neo, RoFormer, XLM, ...); "
+    "sentence-transformers SentenceTransformer objects; timm VisionTransformer models (vit_*, deit_* incl. "
+    "distilled, register-token variants, parallel blocks, attention pooling), EVA / EVA02 / RoPE ViTs, BEiT, "
+    "relpos ViT, NaFlexViT; models built from torch.nn.MultiheadAttention (nn.TransformerEncoder, "
+    "nn.TransformerDecoder, nn.Transformer). Any other model: pass modules=[...] (modules, their names, or a "
+    "regular expression over module names) and to_probs=f(module, args, output) -> (B, H, n, n) probabilities."
 )
 
 
@@ -78,13 +80,24 @@ def stream_names(names: Sequence[str], *, towers: bool = True) -> list[str]:
     return ["self"] * len(names)
 
 
-def make_sites(entries: Sequence[tuple[str, nn.Module, str]]) -> list[Site]:
-    """Number the layers of each stream in the order given (callers pass module order)."""
+def make_sites(entries: Sequence[tuple]) -> list[Site]:
+    """Number the layers of each stream in the order given (callers pass module order).
+
+    An entry is (name, module, stream) or (name, module, stream, group): consecutive entries of one stream
+    with the same non-None group are branches of ONE layer (timm parallel blocks); their heads are
+    concatenated into that layer's tensor."""
     counters: dict[str, int] = {}
+    last_group: dict[str, Any] = {}
     sites = []
-    for name, module, stream in entries:
-        layer = counters.get(stream, 0)
-        counters[stream] = layer + 1
+    for entry in entries:
+        name, module, stream = entry[:3]
+        group = entry[3] if len(entry) > 3 else None
+        if group is not None and last_group.get(stream) == group:
+            layer = counters[stream] - 1
+        else:
+            layer = counters.get(stream, 0)
+            counters[stream] = layer + 1
+        last_group[stream] = group
         sites.append(Site(module=module, name=name, stream=stream, layer=layer))
     return sites
 
@@ -102,12 +115,19 @@ class Recorder:
         self.keep_grad = keep_grad
         self.dtype = dtype
         self.layout: dict[str, list[str]] = {}
+        self.branches: dict[tuple[str, int], list[str]] = {}
         for s in self.sites:
-            self.layout.setdefault(s.stream, []).append(s.name)
+            names = self.layout.setdefault(s.stream, [])
+            if s.layer < len(names):
+                names[s.layer] += "+" + s.name  # a parallel branch of the same layer
+            else:
+                names.append(s.name)
+            self.branches.setdefault((s.stream, s.layer), []).append(s.name)
         self.reset()
 
     def reset(self) -> None:
         self.slots: dict[str, list[torch.Tensor | None]] = {k: [None] * len(v) for k, v in self.layout.items()}
+        self.parts: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
         self.fired: dict[tuple[str, int], int] = {}
         self.returned_none: list[str] = []
         self.dirty = False
@@ -116,6 +136,9 @@ class Recorder:
         """Keep ``probs`` (B, H, n_q, n_k) — or (B, n_q, n_k), read as one head — for ``site``."""
         self.dirty = True
         key = (site.stream, site.layer)
+        branches = self.branches.get(key, [site.name])
+        if len(branches) > 1:
+            key = (site.stream, site.layer, site.name)  # type: ignore[assignment]
         self.fired[key] = self.fired.get(key, 0) + 1
         if probs is None:
             self.returned_none.append(site.name)
@@ -131,33 +154,52 @@ class Recorder:
             raise _checks.CaptureError(
                 f"module {site.name!r} gave attention of shape {tuple(probs.shape)}; expected (B, H, n_q, n_k)"
             )
+        if len(branches) > 1:
+            # Parallel branches of one layer (timm parallel blocks): each adds its attention's output to the
+            # same residual, so the layer mixes tokens with all their heads together: heads concatenated,
+            # then treated as one layer. The branch tensors stay in `parts` for their gradients.
+            got = self.parts.setdefault((site.stream, site.layer), {})
+            got[site.name] = probs
+            if len(got) < len(branches):
+                return
+            for t in got.values():
+                if self.keep_grad and t.requires_grad:
+                    t.retain_grad()
+            probs = torch.cat([got[b] for b in branches], dim=1)
+            if self.keep_grad:
+                self.slots[site.stream][site.layer] = probs
+                return
+        self.slots[site.stream][site.layer] = self._kept(site, probs)
+
+    def _kept(self, site: Site, probs: torch.Tensor) -> torch.Tensor:
+        """The tensor kept for a layer: in the graph (keep_grad), or detached, head-fused and cast."""
         if self.keep_grad:
             if probs.requires_grad:
                 # retain_grad makes .grad appear on this very tensor after backward (it is a non-leaf).
                 probs.retain_grad()
-            t = probs
-        else:
-            t = probs.detach()
-            if self.fuse is not None:
-                how = self.fuse
-                if isinstance(how, torch.Tensor):
-                    if how.numel() != t.shape[1]:
-                        raise ValueError(
-                            f"fuse_heads weights must have one entry per head: module {site.name!r} has "
-                            f"H={t.shape[1]} heads, got {how.numel()} weights"
-                        )
-                    how = how.to(device=t.device, dtype=t.dtype if t.is_floating_point() else torch.float32)
-                t = fuse_tensor(t, how)
-            if self.dtype is not None:
-                t = t.to(self.dtype)
-        self.slots[site.stream][site.layer] = t
+            return probs
+        t = probs.detach()
+        if self.fuse is not None:
+            how = self.fuse
+            if isinstance(how, torch.Tensor):
+                if how.numel() != t.shape[1]:
+                    raise ValueError(
+                        f"fuse_heads weights must have one entry per head: module {site.name!r} has "
+                        f"H={t.shape[1]} heads, got {how.numel()} weights"
+                    )
+                how = how.to(device=t.device, dtype=t.dtype if t.is_floating_point() else torch.float32)
+            t = fuse_tensor(t, how)
+        if self.dtype is not None:
+            t = t.to(self.dtype)
+        return t
 
     def finish(self) -> dict[str, list[torch.Tensor]]:
         """The complete streams of this pass; raises CaptureError naming missing or repeated layers.
 
         Streams of which no layer ran are left out (e.g. only the vision tower of CLIP was called)."""
         repeated = [
-            f"{self.layout[s][i]} ({n} times)" for (s, i), n in sorted(self.fired.items()) if n > 1
+            f"{key[2] if len(key) > 2 else self.layout[key[0]][key[1]]} ({n} times)"
+            for key, n in sorted(self.fired.items()) if n > 1
         ]
         if repeated:
             raise _checks.CaptureError(
@@ -206,6 +248,22 @@ class Adapter:
     """Base class of the family adapters (see module docstring)."""
 
     family = "?"
+    #: True for adapters that read the attention from the model's own return value (transformers'
+    #: public ``output_attentions=True`` path) instead of hooking modules: :meth:`sites` is empty and
+    #: :meth:`output_streams` names the tensors after each pass.
+    from_outputs = False
+
+    def output_streams(self, output: Any) -> dict[str, list[Any]]:
+        """Stream name -> per-layer attention tensors found in the model's output (``from_outputs``)."""
+        return {}
+
+    def call_inputs(self, inputs: Any) -> Any:
+        """How the function form calls the model with ``inputs`` (see :func:`run_forward`)."""
+        return inputs
+
+    def bound_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        """The forward arguments by name, as the metadata reads them (a family may unwrap them)."""
+        return inputs
 
     def __init__(self, model: nn.Module):
         self.model = model
@@ -235,6 +293,79 @@ class Adapter:
     def input_hint(self, inputs: Any) -> str:
         """A family-specific hint added to the error when the forward rejects ``inputs`` ("" = none)."""
         return ""
+
+    # -- the contract ---------------------------------------------------------------------------------
+    def stream_infos(self, record: AttentionRecord, inputs: dict[str, Any]) -> dict[str, StreamInfo]:
+        """One :class:`StreamInfo` per recorded stream, from the flat metadata :meth:`metadata` filled in.
+
+        The conventional stream names mean: "self" / "encoder" / "text" take ``record.attention_mask``,
+        "decoder" ``extra["decoder_attention_mask"]``; only "self" and "vision" streams have prefix tokens
+        and a patch grid; the decoder's tokens are ``extra["decoder_tokens"]``. Adapters refine this
+        through :meth:`stream_kind`, :meth:`affixes` and :meth:`readout_spec`."""
+        out = {}
+        for s, layers in record.streams.items():
+            B, n = layers[0].shape[0], layers[0].shape[-1]
+            mask = record.extra.get("decoder_attention_mask") if s == "decoder" else (
+                record.attention_mask if s in ("self", "encoder", "text") else None
+            )
+            if not isinstance(mask, torch.Tensor) or mask.shape[-1] != n or mask.shape[0] != B:
+                mask = None
+            image = s in ("self", "vision")
+            info = StreamInfo(
+                kind=self.stream_kind(s, record, inputs),
+                mask=None if mask is None else mask.detach().to(torch.long),
+                prefix=(record.prefix or 0) if image else 0,
+                grid=record.grid if image else None,
+                tokens=record.extra.get("decoder_tokens") if s == "decoder" else record.tokens,
+                causal=s == "decoder" or is_causal(layers[0]),
+                input_key=self.input_key(s, inputs),
+            )
+            info.prefix, info.suffix = self.affixes(s, record, info)
+            if info.kind == "image" and info.grid is None:
+                info.grid_reason = record.extra.get("grid_reason", "the patch grid is unknown for this model")
+            if s != "cross" and layers[0].shape[-2] == n:
+                spec, source = self.readout_spec(s, record, info, inputs)
+                if spec is None:
+                    info.readout_reason = source
+                else:
+                    info.readout = resolve_readout(
+                        spec, batch=B, n=n, mask=info.mask, prefix=info.prefix, suffix=info.suffix, source=source,
+                        eot=record.extra.get(f"{s}_eot"),
+                    )
+            out[s] = info
+        return out
+
+    def stream_kind(self, stream: str, record: AttentionRecord, inputs: dict[str, Any]) -> str:
+        """"image", "text", "audio" or "tokens" for a stream."""
+        if stream == "vision" or (stream == "self" and record.grid is not None):
+            return "image"
+        if stream in ("text", "encoder", "decoder") or inputs.get("input_ids") is not None:
+            return "text"
+        return "tokens"
+
+    def affixes(self, stream: str, record: AttentionRecord, info: StreamInfo) -> tuple[int, int]:
+        """(prefix, suffix) token counts of a stream (default: as filled in, no suffix)."""
+        return info.prefix, int(record.extra.get(f"{stream}_suffix", 0))
+
+    def input_key(self, stream: str, inputs: dict[str, Any]) -> str | None:
+        """The forward argument carrying a stream's input."""
+        for key in ("pixel_values", "input_ids", "input_values", "inputs_embeds", "x", "src"):
+            if inputs.get(key) is not None and (key != "pixel_values" or stream in ("self", "vision", "encoder")):
+                return key
+        return None
+
+    def readout_spec(
+        self, stream: str, record: AttentionRecord, info: StreamInfo, inputs: dict[str, Any]
+    ) -> tuple[Any, str]:
+        """The default readout of a stream and where it comes from: the last real token of causal
+        streams, else the first token (CLS)."""
+        return ("last", "default: causal attention reads the last real token") if info.causal else (
+            "cls", "default: the first token"
+        )
+
+    def facts(self) -> ModelFacts:
+        """Facts about the model that need no forward pass (see :class:`ModelFacts`)."""
+        return ModelFacts(family=self.family)
 
 
 class forward_hook:
@@ -385,7 +516,8 @@ class Capture:
         self.tokenizer = tokenizer
         self.eval_mode = eval_mode
         self.site_list = adapter.sites()
-        if not self.site_list:
+        self._recorder_args = dict(fuse=fuse, keep_grad=keep_grad, dtype=dtype)
+        if not self.site_list and not adapter.from_outputs:
             raise _checks.UnsupportedModelError(
                 f"found no attention module in {type(model).__name__}. Supported: {SUPPORTED_FAMILIES}"
             )
@@ -399,10 +531,20 @@ class Capture:
     # -- hooks on the model itself delimit passes
     def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         self.recorder.reset()
-        self._inputs = bind_inputs(self.model, args, kwargs)
+        self._inputs = self.adapter.bound_inputs(bind_inputs(self.model, args, kwargs))
 
     def _post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if self.adapter.from_outputs:
+            self._collect(output)
         self._finalize(output)
+
+    def _collect(self, output: Any) -> None:
+        """Public path: the attention tensors the model returned become this pass's layers."""
+        streams = self.adapter.output_streams(output)
+        entries = [(f"outputs.{s}[{i}]", self.model, s) for s, ts in streams.items() for i in range(len(ts))]
+        self.recorder = Recorder(make_sites(entries), **self._recorder_args)
+        for site in self.recorder.sites:
+            self.recorder.store(site, streams[site.stream][site.layer])
 
     def _finalize(self, outputs: Any) -> None:
         streams = self.recorder.finish()
@@ -412,6 +554,8 @@ class Capture:
         rec.outputs = outputs
         rec.prefix, rec.grid, rec.tokens, rec.attention_mask = None, None, None, None
         rec.extra = {}
+        if self.recorder.keep_grad and self.recorder.parts:
+            rec.extra["branches"] = {k: list(v.values()) for k, v in self.recorder.parts.items()}
         self.adapter.metadata(rec, self._inputs)
         if self.tokenizer is not None:
             rec.tokens = tokens_of(self.tokenizer, self._inputs.get("input_ids"), "input_ids")
@@ -419,6 +563,7 @@ class Capture:
                 rec.extra["decoder_tokens"] = tokens_of(
                     self.tokenizer, self._inputs["decoder_input_ids"], "decoder_input_ids"
                 )
+        rec.info = self.adapter.stream_infos(rec, self._inputs)
         self.passes += 1
         self.recorder.reset()
 
@@ -483,7 +628,7 @@ def run_forward(model: nn.Module, inputs: Any, hint: Callable[[Any], str] | None
     try:
         return call()
     except (TypeError, ValueError, RuntimeError, AssertionError) as e:
-        if isinstance(e, _checks.CaptureError):
+        if isinstance(e, (_checks.CaptureError, _checks.UnsupportedModelError)):
             raise
         what = (
             "keys " + ", ".join(map(str, inputs.keys())) if isinstance(inputs, Mapping) else _checks.describe(inputs)

@@ -1,15 +1,234 @@
-"""AttentionRecord: what one forward pass's attention looked like, plus the token metadata methods need."""
+"""AttentionRecord: what one forward pass's attention looked like, plus the token metadata methods need.
+
+The contract between adapters and everything downstream (methods, evaluation, the command line) is made of
+three dataclasses defined here: :class:`StreamInfo` (per stream: mask, prefix, suffix, grid, tokens,
+causal, readout, input key), :class:`Readout` (which output rows the prediction reads, with what weights)
+and :class:`ModelFacts` (per model, without a forward pass: how it is called, its embedding layer, its
+special tokens). Only adapters fill them; nothing downstream reads a config or a parameter name.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import torch
+from torch import nn
+
+#: Readout kinds an adapter may declare or ``readout=`` may ask for (besides an int position or weights).
+READOUT_KINDS = ("cls", "mean", "last", "eot", "position", "weights", "attention_pool")
 
 #: Conventional stream names. Single-stream models use "self"; encoder-decoders "encoder", "decoder" and
 #: "cross"; dual-tower models (CLIP) "vision" and "text".
 STREAM_NAMES = ("self", "encoder", "decoder", "cross", "vision", "text")
+
+
+@dataclass
+class Readout:
+    """The output rows a prediction reads: ``weights`` (B, n), one non-negative row per example summing to 1.
+
+    The explained map is ``weights[b] @ R[b]`` for a rollout matrix R (B, n, n) — a single row for a
+    one-hot readout (CLS, last token, end-of-text), the mean of the real tokens' rows for mean pooling.
+
+    Attributes:
+        kind: "cls" (the first token), "mean" (mean over the real tokens after the prefix and before the
+            suffix), "last" (last real token), "eot" (the end-of-text token a text tower pools),
+            "position" (explicit indices), "weights" (a given vector), "attention_pool" (the weights of an
+            attention-pooling head's own attention).
+        weights: (B, n) float32.
+        source: where the adapter learned it ("default", "sentence-transformers 1_Pooling/config.json",
+            "config.use_mean_pooling", "timm global_pool='avg'", "readout= option", ...).
+    """
+
+    kind: str
+    weights: torch.Tensor
+    source: str = "default"
+
+    def positions(self) -> list[int] | None:
+        """The one row per example when every example's weights are one-hot, else None."""
+        w = self.weights
+        nz = (w != 0).sum(dim=-1)
+        if bool((nz == 1).all()):
+            return [int(i) for i in w.argmax(dim=-1).tolist()]
+        return None
+
+    def rows(self) -> list[int]:
+        """Sorted union over the batch of the rows with non-zero weight."""
+        return sorted({int(i) for i in (self.weights != 0).any(dim=0).nonzero().flatten().tolist()})
+
+    def describe(self) -> dict[str, Any]:
+        """A JSON-able summary (kind, source, positions when one-hot)."""
+        return {"kind": self.kind, "source": self.source, "positions": self.positions()}
+
+
+def resolve_readout(
+    spec: Any,
+    *,
+    batch: int,
+    n: int,
+    mask: torch.Tensor | None,
+    prefix: int = 0,
+    suffix: int = 0,
+    source: str = "default",
+    eot: Sequence[int] | None = None,
+) -> Readout:
+    """Turn a readout spec into :class:`Readout` weights (B, n).
+
+    ``spec``: "cls" | "mean" | "last" | "eot" (needs ``eot`` positions) | an int position | a list of one
+    position per example | a weight vector (n,) or (B, n) (non-negative, normalised to sum 1 per row) |
+    a :class:`Readout` (returned as is) | ("attention_pool", weights) for an attention-pooling head's own
+    attention weights. Padded tokens (``mask`` 0) never get weight."""
+    from .. import _checks
+
+    if isinstance(spec, Readout):
+        return spec
+    real = torch.ones(batch, n) if mask is None else mask.detach().to("cpu", torch.float32).reshape(batch, n)
+    if isinstance(spec, tuple) and len(spec) == 2 and spec[0] == "attention_pool":
+        return Readout("attention_pool", _check_weights(spec[1], batch, n, real), source)
+    if isinstance(spec, str):
+        _checks.check_choice("readout", spec, ("cls", "mean", "last", "eot"))
+        if spec == "mean":
+            w = real.clone()
+            w[:, :prefix] = 0
+            if suffix:
+                w[:, n - suffix:] = 0
+            empty = (w.sum(dim=-1) == 0).nonzero().flatten().tolist()
+            if empty:
+                raise ValueError(f"readout='mean': examples {empty} have no real token after the prefix")
+            return Readout("mean", w / w.sum(dim=-1, keepdim=True), source)
+        if spec == "cls":
+            return Readout("cls", _one_hot([0] * batch, n), source)
+        if spec == "last":
+            return Readout("last", _one_hot(last_real(mask, batch, n), n), source)
+        if eot is None:
+            raise ValueError("readout='eot' is for text towers that pool an end-of-text token (CLIP); this stream has none")
+        return Readout("eot", _one_hot(list(eot), n), source)
+    if isinstance(spec, (torch.Tensor,)) or type(spec).__module__ == "numpy" or (
+        isinstance(spec, (list, tuple)) and spec and isinstance(spec[0], float)
+    ):
+        return Readout("weights", _check_weights(spec, batch, n, real), source)
+    pos = _checks.check_positions(spec, batch, n)
+    return Readout("position", _one_hot(pos, n), source)
+
+
+def _one_hot(positions: Sequence[int], n: int) -> torch.Tensor:
+    w = torch.zeros(len(positions), n)
+    w[torch.arange(len(positions)), torch.tensor(list(positions), dtype=torch.long)] = 1.0
+    return w
+
+
+def _check_weights(spec: Any, batch: int, n: int, real: torch.Tensor) -> torch.Tensor:
+    w = torch.as_tensor(spec).detach().to("cpu", torch.float32)
+    if w.ndim == 1:
+        w = w.expand(batch, -1)
+    if w.shape != (batch, n):
+        raise ValueError(
+            f"readout weights must have shape ({n},) or ({batch}, {n}) (one weight per token), got {tuple(w.shape)}"
+        )
+    if not bool(torch.isfinite(w).all()) or bool((w < 0).any()):
+        raise ValueError("readout weights must be finite and non-negative")
+    w = w * real
+    sums = w.sum(dim=-1, keepdim=True)
+    if bool((sums == 0).any()):
+        raise ValueError("readout weights must put some weight on a real (unpadded) token of every example")
+    return w / sums
+
+
+def last_real(mask: torch.Tensor | None, B: int, n: int) -> list[int]:
+    """Index of the last real token per example (n − 1 without a mask)."""
+    if mask is None:
+        return [n - 1] * B
+    idx = torch.arange(n, device=mask.device).expand(B, n)
+    last = torch.where(mask.bool(), idx, torch.full_like(idx, -1)).amax(dim=-1)
+    return [int(v) if v >= 0 else n - 1 for v in last.tolist()]
+
+
+def is_causal(layer: torch.Tensor) -> bool:
+    """Whether attention (B, [H,] n, n) never looks ahead (every entry above the diagonal is exactly 0)."""
+    n = layer.shape[-1]
+    if n < 2 or layer.shape[-2] != n:
+        return False
+    return bool(torch.triu(layer.detach(), diagonal=1).abs().amax() == 0)
+
+
+@dataclass
+class StreamInfo:
+    """What the tokens of one stream are, as the adapter knows them.
+
+    Attributes:
+        kind: "image" | "text" | "audio" | "tokens" (anything else).
+        mask: (B, n) 0/1 long (1 = real token) or None when every token is real.
+        prefix: tokens before the units (CLS, distillation, registers); ``scores`` drop them.
+        suffix: tokens after the units (YOLOS detection tokens); ``scores`` drop them too.
+        grid: (rows, cols) of the patch units for image streams, else None; ``grid_reason`` says why not
+            when an image stream has none.
+        tokens: token strings per example (with a tokenizer), else None.
+        causal: queries never attend ahead (decoders).
+        readout: the rows the model's prediction reads (:class:`Readout`), or None when no weighted set of
+            rows describes it (max pooling; ``readout_reason`` says why): methods then need ``readout=``.
+        readout_reason: why ``readout`` is None ("" otherwise).
+        input_key: the forward argument carrying this stream's input ("pixel_values", "input_ids", "x", ...),
+            or None.
+    """
+
+    kind: str = "tokens"
+    mask: torch.Tensor | None = None
+    prefix: int = 0
+    suffix: int = 0
+    grid: tuple[int, int] | None = None
+    grid_reason: str = ""
+    tokens: list[list[str]] | None = None
+    causal: bool = False
+    readout: Readout | None = None
+    readout_reason: str = ""
+    input_key: str | None = None
+
+    @property
+    def units(self) -> slice:
+        """The slice of token positions that are units (patches / tokens) of ``scores``."""
+        return slice(self.prefix, None if not self.suffix else -self.suffix)
+
+
+@dataclass
+class ModelFacts:
+    """Facts about a model that need no forward pass (what evaluation and gradient baselines ask).
+
+    Attributes:
+        family: adapter family ("hf:bert", "timm:vit", "torch:mha", "sentence-transformers", ...).
+        input_key: the name of the main input ("pixel_values", "input_ids", "x") or None.
+        keyword_call: the model takes its main input as a keyword (transformers) rather than positionally.
+        embedding: the input embedding layer of a text model (whose output gradient baselines attribute to),
+            else None.
+        special_token_ids: ids of CLS / SEP / BOS / EOS / PAD tokens the config records.
+        pad_token_id: the padding id (None when the config has none).
+        similarity: for dual towers, ``f(outputs) -> (B_images, B_texts)`` similarity logits, else None.
+    """
+
+    family: str = ""
+    input_key: str | None = None
+    keyword_call: bool = False
+    embedding: nn.Module | None = None
+    special_token_ids: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+    similarity: Callable[[Any], torch.Tensor] | None = None
+
+
+#: Config fields holding special-token ids.
+SPECIAL_ID_FIELDS = ("cls_token_id", "sep_token_id", "bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def config_token_ids(config: Any) -> tuple[tuple[int, ...], int | None]:
+    """(special-token ids, padding id) a config object records (any object with ``*_token_id`` fields)."""
+    ids: list[int] = []
+    pad = None
+    for name in SPECIAL_ID_FIELDS:
+        v = getattr(config, name, None)
+        vals = v if isinstance(v, (list, tuple)) else [v]
+        found = [int(i) for i in vals if isinstance(i, int) and not isinstance(i, bool)]
+        ids += [i for i in found if i not in ids]
+        if name == "pad_token_id" and found:
+            pad = found[0]
+    return tuple(ids), pad
 
 
 @dataclass
@@ -39,9 +258,14 @@ class AttentionRecord:
         family: which adapter captured this ("hf:vit", "timm:vit", "torch:mha", "modules", ...).
         layer_names: stream name -> qualified module names, aligned with ``streams``.
         extra: adapter-specific metadata (e.g. ``decoder_tokens``, ``decoder_attention_mask``).
+<<<<<<< HEAD
         operators: the matrix-free form (``attention="recompute"``): stream name -> per-layer
             ``KernelInputs`` (queries, keys, mask... as the model's own kernel saw them); ``streams`` is then
             empty, since no n×n tensor exists.
+=======
+        info: stream name -> :class:`StreamInfo` (the contract methods read; the flat ``prefix`` / ``grid``
+            / ``tokens`` / ``attention_mask`` fields above are kept for the main stream).
+>>>>>>> main
     """
 
     streams: dict[str, list[torch.Tensor]] = field(default_factory=dict)
@@ -55,7 +279,16 @@ class AttentionRecord:
     family: str = ""
     layer_names: dict[str, list[str]] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
+<<<<<<< HEAD
     operators: dict[str, list[Any]] = field(default_factory=dict)
+=======
+    info: dict[str, StreamInfo] = field(default_factory=dict)
+
+    def stream_info(self, name: str) -> StreamInfo:
+        """The :class:`StreamInfo` of stream ``name`` (validated)."""
+        self.stream(name)
+        return self.info.get(name) or StreamInfo()
+>>>>>>> main
 
     # ------------------------------------------------------------------------------------------- access
     def _default_stream(self) -> str:

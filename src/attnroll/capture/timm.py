@@ -1,4 +1,6 @@
-"""timm VisionTransformer adapter (vit_*, deit_* including distilled, variants with register tokens).
+"""timm adapter: VisionTransformer (vit_*, deit_* including distilled, register tokens, parallel blocks, attention
+pooling) and the other global-attention ViTs built the same way (EVA / EVA02 and the RoPE ViTs, BEiT, relpos
+ViT, NaFlexViT): every attention module with a ``fused_attn`` switch and an ``attn_drop`` module.
 
 timm's ``Attention`` uses ``F.scaled_dot_product_attention`` when ``fused_attn`` is set (the default on
 recent torch), and then never calls ``attn_drop`` — the module every hook-based tool listens to. For the
@@ -18,7 +20,7 @@ from torch import nn
 
 from .. import _checks
 from .hooks import SUPPORTED_FAMILIES, Adapter, Recorder, Site, make_sites, set_attr_temporarily
-from .record import AttentionRecord
+from .record import AttentionRecord, ModelFacts
 
 
 def is_timm_model(model: nn.Module) -> bool:
@@ -30,37 +32,125 @@ class TimmAdapter(Adapter):
 
     def __init__(self, model: nn.Module):
         super().__init__(model)
-        from timm.models.vision_transformer import VisionTransformer
-
-        if not isinstance(model, VisionTransformer):
-            windowed = "swin" in type(model).__name__.lower()
-            why = (
-                " Swin computes attention inside shifted local windows, so there is no global token-to-token "
-                "matrix to roll out." if windowed else ""
-            )
+        name = type(model).__name__
+        if "swin" in name.lower():
             raise _checks.UnsupportedModelError(
-                f"timm model {type(model).__name__} is not a timm VisionTransformer.{why} Supported: "
-                f"{SUPPORTED_FAMILIES}"
+                f"timm model {name}: Swin computes attention inside shifted local windows, so there is no global "
+                f"token-to-token matrix to roll out. Supported: {SUPPORTED_FAMILIES}"
+            )
+        kinds = {type(m).__name__ for m in model.modules()}
+        if kinds & {"ClassAttn", "TalkingHeadAttn"}:
+            raise _checks.UnsupportedModelError(
+                f"timm model {name} (CaiT) mixes heads with talking-heads attention and reads the class token "
+                "through class-attention blocks (a query of one token over the patches); attnroll does not compose "
+                "them yet and refuses rather than roll out part of the model."
             )
         self.attn_modules = [
             (n, m)
             for n, m in model.named_modules()
             if hasattr(m, "fused_attn") and isinstance(getattr(m, "attn_drop", None), nn.Module)
+            and not n.startswith("attn_pool")
         ]
+        if not self.attn_modules:
+            raise _checks.UnsupportedModelError(
+                f"timm model {name} has no attention module with a switchable fused path (fused_attn + attn_drop), "
+                f"so attnroll cannot read its probabilities. Supported: {SUPPORTED_FAMILIES}"
+            )
+        from timm.models.vision_transformer import VisionTransformer
+
+        self.family = "timm:vit" if isinstance(model, VisionTransformer) else f"timm:{name}"
+        diff = [n for n, m in self.attn_modules if type(m).__name__ == "DiffAttention"]
+        if diff:
+            raise _checks.UnsupportedModelError(
+                f"timm model {type(model).__name__} uses differential attention ({diff[0]}, ...): each head mixes "
+                "tokens with the difference of two softmax maps (a1 − λ·a2), which is not one row-stochastic "
+                "matrix, so rollout's product of attention matrices does not describe it; attnroll refuses "
+                "rather than roll out one of the two maps."
+            )
+        self.pool_attn: dict[str, torch.Tensor] = {}
 
     def sites(self) -> list[Site]:
-        return make_sites([(f"{n}.attn_drop", m.attn_drop, "self") for n, m in self.attn_modules])
+        entries = []
+        for n, m in self.attn_modules:
+            # ParallelThingsBlock: blocks.<i>.attns.<j>.attn — branches j of block i are one layer.
+            parts = n.split(".")
+            group = ".".join(parts[: parts.index("attns")]) if "attns" in parts else None
+            entries.append((f"{n}.attn_drop", m.attn_drop, "self", group))
+        return make_sites(entries)
 
     def install(self, stack: ExitStack, recorder: Recorder, sites: list[Site]) -> None:
         for _, m in self.attn_modules:
             set_attr_temporarily(stack, m, "fused_attn", False)
+        pool = getattr(self.model, "attn_pool", None)
+        if isinstance(pool, nn.Module):
+            handle = pool.register_forward_hook(self._pool_hook)
+            stack.callback(handle.remove)
         super().install(stack, recorder, sites)
 
+    def _pool_hook(self, module: nn.Module, args: tuple, output: Any) -> None:
+        """The attention-pool head's own attention (latent queries over the tokens), recomputed from its
+        weights on its input: (B, n_in), mean over heads and latent queries (the head pools latent 0 for
+        pool='token')."""
+        x = args[0]
+        B, N, C = x.shape
+        with torch.no_grad():
+            if module.pos_embed is not None:
+                x = x + module.pos_embed.unsqueeze(0).to(x.dtype)
+            q = module.q(module.latent.expand(B, -1, -1)).reshape(B, module.latent_len, module.num_heads, -1)
+            k = module.kv(x).reshape(B, N, 2, module.num_heads, -1).permute(2, 0, 3, 1, 4)[0]
+            q, k = module.q_norm(q.transpose(1, 2)), module.k_norm(k)
+            attn = ((q * module.scale) @ k.transpose(-2, -1)).softmax(dim=-1)  # (B, H, latent, N)
+            attn = attn[:, :, :1] if getattr(module, "pool", "token") == "token" else attn
+            self.pool_attn["self"] = attn.mean(dim=(1, 2)).float().cpu()
+
+    def readout_spec(self, stream: str, record: AttentionRecord, info: Any, inputs: dict[str, Any]) -> tuple[Any, str]:
+        m = self.model
+        n = record.streams[stream][0].shape[-1]
+        include_prefix = bool(getattr(m, "pool_include_prefix", False))
+        if getattr(m, "attn_pool", None) is not None:
+            w = self.pool_attn.get("self")
+            if w is None:
+                return None, "the attention-pool head did not run (forward_features only?): pass readout="
+            if w.shape[-1] != n:  # the head saw the tokens after the prefix
+                w = torch.cat([torch.zeros(w.shape[0], n - w.shape[-1]), w], dim=-1)
+            return ("attention_pool", w), "timm attention-pool head: its latent query's attention over the tokens (mean over heads)"
+        pool = getattr(m, "global_pool", "token")
+        if pool == "token" and getattr(m, "head_dist", None) is not None:
+            w = torch.zeros(n)
+            w[:2] = 0.5
+            return w, "timm distilled ViT: its logits average the class and distillation tokens' heads"
+        if pool == "token":
+            return "cls", "timm global_pool='token': the class token"
+        if pool == "avg":
+            if include_prefix:
+                return torch.ones(n), "timm global_pool='avg' (prefix tokens included)"
+            return "mean", "timm global_pool='avg': the mean of the patch tokens"
+        if not pool:
+            return "cls", "timm global_pool='': no pooling; the first token"
+        return None, (
+            f"timm global_pool={pool!r} takes a maximum over tokens, which is no weighted set of rows: pass "
+            "readout= ('cls', 'mean', a position or a weight vector)"
+        )
+
+    def stream_kind(self, stream: str, record: AttentionRecord, inputs: dict[str, Any]) -> str:
+        return "image"
+
+    def facts(self) -> ModelFacts:
+        return ModelFacts(family=self.family, input_key="x", keyword_call=False)
+
     def metadata(self, record: AttentionRecord, inputs: dict[str, Any]) -> None:
+        shapes = {tuple(t.shape[-2:]) for t in record.streams["self"]}
+        if len(shapes) != 1 or any(q != k for q, k in shapes):
+            raise _checks.UnsupportedModelError(
+                f"timm model {type(self.model).__name__}: its attention layers have shapes {sorted(shapes)}: tokens "
+                "are pooled, windowed or queried by a subset between layers, so there is no single token-to-token "
+                "product to roll out"
+            )
         record.prefix = int(getattr(self.model, "num_prefix_tokens", 0))
         x = inputs.get("x")
-        pe = getattr(self.model, "patch_embed", None)
-        if not isinstance(x, torch.Tensor) or x.ndim != 4 or pe is None:
+        pe = getattr(self.model, "patch_embed", None) or getattr(self.model, "embeds", None)
+        record.extra["grid_reason"] = "no patch embedding with a known patch size"
+        if not isinstance(x, torch.Tensor) or x.ndim != 4 or pe is None or not hasattr(pe, "patch_size"):
             return
         size = (int(x.shape[-2]), int(x.shape[-1]))
         if hasattr(pe, "dynamic_feat_size"):
@@ -71,3 +161,5 @@ class TimmAdapter(Adapter):
         n = record.streams["self"][0].shape[-1]
         if record.prefix + grid[0] * grid[1] == n:
             record.grid = grid  # type: ignore[assignment]
+        else:
+            record.extra["grid_reason"] = f"{n} tokens, but {record.prefix} prefix + {grid[0]}x{grid[1]} patches"

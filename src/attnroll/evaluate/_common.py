@@ -30,10 +30,13 @@ def logits_of(output: Any) -> torch.Tensor:
 def image_forward(model: nn.Module | Callable) -> Callable[[torch.Tensor], torch.Tensor]:
     """A function pixel_values (B, 3, H, W) -> logits (B, C) for a transformers image model (keyword
     ``pixel_values``), a timm / plain module (positional) or a callable."""
-    takes_keyword = hasattr(model, "config") and hasattr(model, "main_input_name")
+    from ..capture import model_facts
+
+    facts = model_facts(model) if isinstance(model, nn.Module) else None
+    key = facts.input_key if facts is not None and facts.keyword_call else None
 
     def fwd(x: torch.Tensor) -> torch.Tensor:
-        return logits_of(model(pixel_values=x) if takes_keyword else model(x))
+        return logits_of(model(**{key: x}) if key else model(x))
 
     return fwd
 

@@ -40,8 +40,6 @@ __all__ = ["comprehensiveness", "sufficiency", "repack", "special_token_mask", "
 #: ERASER's bins: the top 1%, 5%, 10%, 20% and 50% of tokens.
 ERASER_BINS = (0.01, 0.05, 0.1, 0.2, 0.5)
 
-_SPECIAL_IDS = ("cls_token_id", "sep_token_id", "bos_token_id", "eos_token_id", "pad_token_id")
-
 
 def repack(
     input_ids: torch.Tensor,
@@ -69,30 +67,27 @@ def repack(
     return out
 
 
-def _config_ids(model: Any, name: str) -> list[int]:
-    v = getattr(getattr(model, "config", None), name, None)
-    if v is None:
-        return []
-    vals = v if isinstance(v, (list, tuple)) else [v]
-    return [int(i) for i in vals if isinstance(i, (int, np.integer)) and not isinstance(i, bool)]
-
-
 def special_token_mask(model: Any, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
     """(B, n) bool: tokens that are special by the model config's ids (cls / sep / bos / eos / pad), or by
     the tokenizer's ``special_tokens_mask`` when the inputs carry one."""
     ids = inputs["input_ids"]
     special = torch.zeros_like(ids, dtype=torch.bool)
-    for name in _SPECIAL_IDS:
-        for i in _config_ids(model, name):
-            special |= ids == i
+    for i in _facts(model).special_token_ids:
+        special |= ids == i
     if "special_tokens_mask" in inputs:
         special |= inputs["special_tokens_mask"].to(torch.bool)
     return special
 
 
+def _facts(model: Any) -> Any:
+    from ..capture import ModelFacts, model_facts
+
+    return model_facts(model) if isinstance(model, torch.nn.Module) else ModelFacts()
+
+
 def _pad_id(model: Any) -> int:
-    ids = _config_ids(model, "pad_token_id")
-    return ids[0] if ids else 0
+    pad = _facts(model).pad_token_id
+    return 0 if pad is None else pad
 
 
 def _forward(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:

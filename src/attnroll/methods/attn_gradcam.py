@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from .. import _checks
-from .base import Context, register
+from .base import Context, combine_rows, register
 
 
 @register(
@@ -24,23 +24,24 @@ from .base import Context, register
 )
 def attn_gradcam(ctx: Context, *, layer, stream):
     """full_row[b] = (mean_h(w_bh · A_layer[b, h, p_b, :]))^+ with w_bh = mean over real non-prefix keys j of
-    dy/dA_layer[b, h, p_b, j]."""
+    dy/dA_layer[b, h, p_b, j], p_b the readout row (a weighted readout combines the rows' maps)."""
     s0 = ctx.options.get("stream")
     rec, atts, grads = ctx.grad_record([s0] if s0 else None)
     s = ctx.stream(rec)
     k = _checks.check_index("layer", layer, len(atts[s]), "layers")
     A, G = atts[s][k].to(torch.float32), grads[s][k].to(torch.float32)
-    pos = ctx.positions(rec, s)
+    pos = ctx.readout(rec, s)
+    rows = pos.rows()
     B, H, n, _ = A.shape
-    ar, pidx = torch.arange(B), torch.tensor(pos)
-    a_row, g_row = A[ar, :, pidx], G[ar, :, pidx]  # (B, H, n)
+    a_rows, g_rows = A[:, :, rows], G[:, :, rows]  # (B, H, r, n)
+    info = ctx.info(rec, s)
     keys = torch.ones(B, n, dtype=torch.float32)
-    p = 0 if s in ("encoder", "decoder", "text") else (rec.prefix or 0)
-    keys[:, :p] = 0
-    m = ctx.mask(rec, s)
+    keys[:, : info.prefix] = 0
+    m = info.mask
     if m is not None:
         keys = keys * m.cpu().to(torch.float32)
     keys = keys.to(A.device)
-    w = (g_row * keys[:, None]).sum(-1, keepdim=True) / keys.sum(-1).clamp(min=1)[:, None, None]
-    row = (w * a_row).mean(dim=1).clamp(min=0)
+    w = (g_rows * keys[:, None, None]).sum(-1, keepdim=True) / keys.sum(-1).clamp(min=1)[:, None, None, None]
+    per_row = (w * a_rows).mean(dim=1).clamp(min=0)  # (B, r, n): one map per readout row
+    row, _ = combine_rows(per_row, pos, rows)
     return ctx.build(rec, row, pos, s, options={**ctx.options, "layer": k})

@@ -18,14 +18,15 @@ from .. import _checks
 from .._modes import params_require_grad
 from ..capture import capture as _capture
 from ..capture.outputs import main_logits
-from ..capture.record import AttentionRecord
+from ..capture.record import AttentionRecord, Readout, StreamInfo, is_causal, last_real, resolve_readout
 from .explanation import Explanation
 
 __all__ = ["Explanation", "Explainer", "explain", "methods", "method_info", "check_options", "register", "Method",
            "Context", "main_logits", "gather_rows", "rollout_rows", "prefix_default", "ROLLOUT_OPTIONS", "ROLLOUT_REFUSE"]
 
-#: Options every method takes (besides its own): the output position to explain (row of the map).
-COMMON_OPTIONS = {"position": None}
+#: Options every method takes (besides its own): the output position to explain (row of the map, and the
+#: position of a token-level target), and the readout (which rows, with what weights; overrides the model's).
+COMMON_OPTIONS = {"position": None, "readout": None}
 
 
 @dataclass
@@ -126,17 +127,30 @@ class Context:
         self.rec = rec
         names = list(rec.streams) if streams is None else streams
         y = scores(rec) if scores is not None else self.target_scores(rec)
-        flat = [t for s in names for t in rec.streams[s]]
-        grads = torch.autograd.grad(y.sum(), flat, allow_unused=True)
+        # Parallel branches of one layer are separate tensors in the graph: differentiate each, then
+        # concatenate their heads as the layer's tensor was.
+        branches = rec.extra.get("branches", {})
+        parts = [(s, i, branches.get((s, i)) or [t]) for s in names for i, t in enumerate(rec.streams[s])]
+        flat = [p for _, _, ps in parts for p in ps]
+        grads = list(torch.autograd.grad(y.sum(), flat, allow_unused=True))
         # Examples of a batch are independent (eval mode), so d(sum_b y_b)/dA_b = dy_b/dA_b.
-        out_a, out_g, i = {}, {}, 0
-        for s in names:
-            k = len(rec.streams[s])
-            out_a[s] = [t.detach() for t in rec.streams[s]]
-            out_g[s] = [
-                torch.zeros_like(a) if g is None else g.detach() for a, g in zip(out_a[s], grads[i : i + k])
-            ]
-            i += k
+        out_a = {s: [t.detach() for t in rec.streams[s]] for s in names}
+        out_g: dict[str, list[torch.Tensor]] = {s: [] for s in names}
+        unreached = []
+        for s, i, ps in parts:
+            gs = [grads.pop(0) for _ in ps]
+            if any(g is None for g in gs):
+                unreached.append(f"{s} layer {i}")
+            gs = [torch.zeros_like(p) if g is None else g for p, g in zip(ps, gs)]
+            out_g[s].append(torch.cat([g.detach() for g in gs], dim=1) if len(gs) > 1 else gs[0].detach())
+        if unreached:
+            raise _checks.CaptureError(
+                f"method {self.method.name!r}: the gradient of the target never reaches the captured attention of "
+                f"{type(self.model).__name__} ({', '.join(unreached[:6])}{', ...' if len(unreached) > 6 else ''}): "
+                "the probabilities this model returns are not the tensor its output is computed from (e.g. "
+                "block-sparse or re-computed attention), so a gradient method would return zeros. Use a "
+                "gradient-free method ('rollout', 'raw') or capture with modules=/to_probs= on the tensor used."
+            )
         return rec, out_a, out_g
 
     # -- positions and targets ----------------------------------------------------------------------
@@ -157,8 +171,13 @@ class Context:
             + (f", or use method={hint}, which composes them" if hint else "")
         )
 
+    def info(self, rec: AttentionRecord, stream: str) -> StreamInfo:
+        """The adapter's :class:`StreamInfo` of ``stream`` (mask, prefix, grid, tokens, causal, readout)."""
+        return rec.stream_info(stream)
+
     def mask(self, rec: AttentionRecord, stream: str) -> torch.Tensor | None:
         """(B, n) 0/1 padding mask of ``stream``, or None when every token is real."""
+<<<<<<< HEAD
         n = rec.stream_shape(stream)[-1]
         if stream == "decoder":
             m = rec.extra.get("decoder_attention_mask")
@@ -187,13 +206,59 @@ class Context:
         if causal or (stream in ("self", "decoder") and _token_level(rec.outputs)):
             return last_real(mask, B, n)
         return [0] * B
+=======
+        return self.info(rec, stream).mask
+
+    def positions(self, rec: AttentionRecord, stream: str) -> list[int]:
+        """The output position of a token-level target (and the row of one-hot readouts): the ``position``
+        option (an int or one per example), else the last real token for causal attention or token-level
+        outputs (decoder-only LMs), else the row of the stream's readout when it is one row, else 0."""
+        layer0 = rec.streams[stream][0]
+        B, n = layer0.shape[0], layer0.shape[-1]
+        pos = self.options.get("position")
+        if pos is not None:
+            return _checks.check_positions(pos, B, n)
+        info = self.info(rec, stream)
+        if info.causal or is_causal(layer0) or (stream in ("self", "decoder") and _token_level(rec.outputs, n)):
+            return last_real(info.mask, B, n)
+        one = info.readout.positions() if info.readout is not None else None
+        return one if one is not None else [0] * B
+
+    def readout(self, rec: AttentionRecord, stream: str) -> Readout:
+        """The rows explained: the ``readout`` option (a position, "cls", "mean", "last", "eot", a weight
+        vector), else ``position``, else the adapter's declared readout of the stream (the rows the model's
+        prediction reads), else the first token (the last real one for causal streams)."""
+        layer0 = rec.streams[stream][0]
+        B, n = layer0.shape[0], layer0.shape[-1]
+        info = self.info(rec, stream)
+        spec = self.options.get("readout")
+        common = dict(batch=B, n=n, mask=info.mask, prefix=info.prefix, suffix=info.suffix)
+        if spec is not None:
+            eot = info.readout.positions() if info.readout is not None and info.readout.kind == "eot" else None
+            return resolve_readout(spec, source="readout= option", eot=eot, **common)
+        if self.options.get("position") is not None:
+            return resolve_readout(self.positions(rec, stream), source="position= option", **common)
+        if info.readout is not None and not _token_level(rec.outputs, n):
+            return info.readout
+        if info.readout is None and info.readout_reason and not _token_level(rec.outputs, n):
+            raise ValueError(f"readout: {type(self.model).__name__} has no default readout: {info.readout_reason}")
+        # Token-level outputs (a language model's next-token logits): the rows of the explained position.
+        return resolve_readout(self.positions(rec, stream), source="the explained token's position", **common)
+>>>>>>> main
 
     def target_scores(self, rec: AttentionRecord) -> torch.Tensor:
         """y (B,): the target's score per example from the recorded outputs (see :func:`resolve_target`)."""
         stream = "decoder" if "decoder" in rec.stream_names() else self.stream(rec)
         pos = None
         logits = main_logits(rec.outputs)
-        if logits is not None and logits.ndim == 3:
+        if logits is not None and logits.ndim == 3 and not callable(self.target):
+            n = rec.streams[stream][0].shape[-1]
+            if logits.shape[1] != n:
+                raise ValueError(
+                    f"target: the model's logits {tuple(logits.shape)} have one row per query ({logits.shape[1]}), "
+                    f"not per token ({n}), e.g. object-detection queries; pass target=a callable "
+                    "f(outputs) -> (B,) (e.g. lambda o: o.logits[:, 0].max(-1).values)"
+                )
             pos = self.positions(rec, stream)
         y, self.target_desc = resolve_target(rec.outputs, self.target, positions=pos)
         return y
@@ -205,6 +270,11 @@ class Context:
             logits = main_logits(rec.outputs)
             if logits is None and self.target is None:
                 return None
+            stream = "decoder" if "decoder" in rec.streams else self.stream(rec)
+            if logits is not None and logits.ndim == 3 and self.target is None and (
+                logits.shape[1] != rec.streams[stream][0].shape[-1]
+            ):
+                return None  # per-query outputs (detection): no single class to name for a class-agnostic map
             with torch.no_grad():
                 self.target_scores(rec)
         return self.target_desc
@@ -214,40 +284,45 @@ class Context:
         self,
         rec: AttentionRecord,
         full_row: torch.Tensor,
-        positions: list[int],
+        readout: Readout | list[int] | None,
         stream: str = "self",
         layers: torch.Tensor | None = None,
         extra: dict | None = None,
         prefix: int | None = None,
         options: dict | None = None,
     ) -> Explanation:
-        """Assemble the Explanation: padded tokens zeroed, prefix tokens dropped from ``scores``."""
+        """Assemble the Explanation: padded tokens zeroed, prefix (and suffix) tokens dropped from ``scores``.
+
+        ``readout``: the :class:`Readout` that chose the rows, a list of one position per example, or None
+        (input-gradient baselines, which have no rows)."""
         full_row = full_row.detach().to(torch.float32).cpu()
-        mask = self.mask(rec, stream)
+        info = self.info(rec, stream)
+        mask = info.mask
         if mask is not None:
             full_row = full_row * mask.cpu()
             if layers is not None:
                 layers = layers * mask.cpu()
-        p = (rec.prefix or 0) if prefix is None else prefix
-        if stream in ("encoder", "decoder", "text", "cross"):
-            p = 0
-        grid = rec.grid if stream in ("self", "vision") else None
-        tokens = rec.tokens
-        if stream == "decoder":
-            tokens = rec.extra.get("decoder_tokens")
+        p = info.prefix if prefix is None else prefix
+        stop = full_row.shape[-1] - info.suffix
+        if isinstance(readout, (list, tuple)):
+            readout = resolve_readout(list(readout), batch=full_row.shape[0], n=full_row.shape[-1], mask=mask,
+                                      source="position")
         return Explanation(
-            scores=full_row[:, p:].clone(),
+            scores=full_row[:, p:stop].clone(),
             full_row=full_row,
             layers=None if layers is None else layers.detach().to(torch.float32).cpu(),
-            tokens=tokens,
-            grid=grid,
+            tokens=info.tokens,
+            grid=info.grid,
             prefix=p,
             method=self.method.name,
             options=dict(self.options if options is None else options),
             target=self.describe_target(rec),
-            positions=list(positions),
+            positions=None if readout is None else readout.positions(),
             attention_mask=None if mask is None else mask.cpu(),
             extra=extra or {},
+            readout=None if readout is None else readout.describe(),
+            readout_weights=None if readout is None else readout.weights.detach().cpu(),
+            suffix=info.suffix,
         )
 
 
@@ -260,26 +335,10 @@ def gather_rows(R: torch.Tensor, rows: list[int], positions: list[int], *, layer
     return torch.stack([R[b, ..., i, :] for b, i in enumerate(idx)])
 
 
-def is_causal(layer: torch.Tensor) -> bool:
-    """Whether attention (B, [H,] n, n) never looks ahead (every entry above the diagonal is exactly 0)."""
-    n = layer.shape[-1]
-    if n < 2:
-        return False
-    return bool(torch.triu(layer.detach(), diagonal=1).abs().amax() == 0)
-
-
-def last_real(mask: torch.Tensor | None, B: int, n: int) -> list[int]:
-    """Index of the last real token per example (n − 1 without a mask)."""
-    if mask is None:
-        return [n - 1] * B
-    idx = torch.arange(n, device=mask.device).expand(B, n)
-    last = torch.where(mask.bool(), idx, torch.full_like(idx, -1)).amax(dim=-1)
-    return [int(v) if v >= 0 else n - 1 for v in last.tolist()]
-
-
-def _token_level(outputs: Any) -> bool:
+def _token_level(outputs: Any, n: int | None = None) -> bool:
+    """Whether the main logits are per token (B, n, V) — not per query (detection heads, other lengths)."""
     logits = main_logits(outputs)
-    return logits is not None and logits.ndim == 3
+    return logits is not None and logits.ndim == 3 and (n is None or logits.shape[1] == n)
 
 
 def resolve_target(outputs: Any, target: Any, *, positions: list[int] | None = None) -> tuple[torch.Tensor, Any]:
@@ -369,8 +428,12 @@ def explain(
             one per example; a callable ``f(model_outputs) -> (B,)`` tensor for anything else.
         tokenizer: fills ``Explanation.tokens`` from ``input_ids``.
         **options: the method's options (see ``method_info(name).options``), plus ``position``: the output
-            row to explain (an int or one per example; default CLS = 0, or the last real token for causal
-            models).
+            row to explain (an int or one per example; also the position of a token-level target), and
+            ``readout``: which output rows, with what weights — "cls", "mean" (the real tokens after the
+            prefix), "last", "eot", a position, one position per example, or a weight vector (n,) / (B, n).
+            Default: the rows the model's prediction reads, as its adapter declares (CLS for CLS
+            classifiers, the mean for mean-pooled encoders, the last real token for decoders, ...); the
+            Explanation records it in ``readout`` / ``readout_weights``.
 
     Returns:
         an :class:`Explanation` (scores (B, units), full_row (B, n), ...).
@@ -433,18 +496,33 @@ ROLLOUT_REFUSE = {
 }
 
 
-def prefix_default(protect_prefix: int | None, rec: AttentionRecord) -> int:
-    """protect_prefix=None: the record's prefix tokens (CLS, distillation, registers), at least 1."""
-    return max(1, rec.prefix or 0) if protect_prefix is None else protect_prefix
+def prefix_default(protect_prefix: int | None, info: Any) -> int:
+    """protect_prefix=None: the stream's prefix tokens (CLS, distillation, registers), at least 1.
+
+    ``info``: the stream's StreamInfo (or a record: its main-stream prefix)."""
+    return max(1, info.prefix or 0) if protect_prefix is None else protect_prefix
 
 
-def rollout_rows(fn: Callable, attentions: Any, positions: list[int], mask: torch.Tensor | None, *,
+def rollout_rows(fn: Callable, attentions: Any, readout: Readout | list[int], mask: torch.Tensor | None, *,
                  return_layers: bool = False, **options: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Run a core rollout function (``rollout`` / ``per_head_rollout``) for only the rows explained and
-    give each example its own row: (B, [H,] n) and, with ``return_layers``, (L', B, [H,] n)."""
-    rows = sorted(set(positions))
+    """Run a core rollout function (``rollout`` / ``per_head_rollout``) for only the rows the readout reads
+    and combine them with its weights: (B, [H,] n) and, with ``return_layers``, (L', B, [H,] n).
+
+    ``readout`` may also be a list of one position per example (a one-hot readout)."""
+    if not isinstance(readout, Readout):
+        B = len(readout)
+        n = (attentions[0] if isinstance(attentions, (list, tuple)) else attentions[0]).shape[-1]
+        readout = resolve_readout(list(readout), batch=B, n=n, mask=None)
+    rows = readout.rows()
     R = fn(attentions, rows=rows, return_layers=bool(return_layers), attention_mask=mask, **options)
-    if return_layers:
-        sel = gather_rows(R, rows, positions, layer_axis=True)  # (L', B, [H,] n): every layer's row
+    return combine_rows(R, readout, rows, layered=bool(return_layers))
+
+
+def combine_rows(R: torch.Tensor, readout: Readout, rows: list[int], *, layered: bool = False):
+    """Weighted sum of rows: R (B, [H,] r, n) computed for ``rows`` -> (B, [H,] n) (and with ``layered``,
+    R (L', B, [H,] r, n) -> (last (B, [H,] n), all (L', B, [H,] n)))."""
+    w = readout.weights[:, rows].to(device=R.device, dtype=R.dtype)
+    if layered:
+        sel = torch.einsum("br,lb...rn->lb...n", w, R)
         return sel[-1], sel
-    return gather_rows(R, rows, positions), None
+    return torch.einsum("br,b...rn->b...n", w, R), None

@@ -15,6 +15,7 @@ import torch
 
 from .. import _checks
 from .._modes import eval_mode
+from ..capture import model_facts
 from ..capture.outputs import main_logits
 from .base import Context, register
 
@@ -58,14 +59,15 @@ def _score_fn(ctx: Context, rec: Any, B: int, pos: list[int]) -> Any:
     return score
 
 
-def _pixel_row(ca: Any, kind: str, ctx: Context, rec: Any, score: Any, pixels: torch.Tensor, B: int, opts: dict):
-    """(B, n) attributions of the pixels summed per patch (prefix tokens 0)."""
-    inputs, model = ctx.inputs, ctx.model
+def _pixel_row(ca: Any, kind: str, ctx: Context, info: Any, score: Any, pixels: torch.Tensor, B: int, opts: dict):
+    """(B, n) attributions of the pixels summed per patch (prefix and suffix tokens 0); ``info`` is the
+    stream's StreamInfo (grid, prefix, suffix, input key)."""
+    inputs, model, key = ctx.inputs, ctx.model, info.input_key
     is_dict = isinstance(inputs, dict) or hasattr(inputs, "keys")
-    rest = {k: v for k, v in inputs.items() if k != "pixel_values"} if is_dict else {}
+    rest = {k: v for k, v in inputs.items() if k != key} if is_dict else {}
 
     def fwd(px):
-        return score(model(pixel_values=px, **rest) if is_dict else model(px))
+        return score(model(**{key: px}, **rest) if is_dict else model(px))
 
     px = pixels.detach().clone().requires_grad_(kind != "integrated_gradients")
     if kind == "integrated_gradients":
@@ -78,31 +80,37 @@ def _pixel_row(ca: Any, kind: str, ctx: Context, rec: Any, score: Any, pixels: t
         attr = ca.Saliency(fwd).attribute(px, abs=True)
     else:
         attr = ca.InputXGradient(fwd).attribute(px)
-    if rec.grid is None:
-        raise ValueError("cannot sum pixel attributions to patches: the model's patch grid is unknown")
-    gh, gw = rec.grid
+    if info.grid is None:
+        raise ValueError(f"cannot sum pixel attributions to patches: {info.grid_reason or 'the patch grid is unknown'}")
+    gh, gw = info.grid
     H, W = px.shape[-2:]
     ph, pw = H // gh, W // gw
     a = attr[..., : gh * ph, : gw * pw].reshape(B, attr.shape[1], gh, ph, gw, pw).sum(dim=(1, 3, 5))
-    p = rec.prefix or 0
-    return torch.cat([torch.zeros(B, p, dtype=a.dtype), a.reshape(B, gh * gw).cpu()], dim=1)
+    zeros = lambda k: torch.zeros(B, k, dtype=a.dtype)  # noqa: E731  (prefix / suffix tokens have no pixels)
+    return torch.cat([zeros(info.prefix), a.reshape(B, gh * gw).cpu(), zeros(info.suffix)], dim=1)
 
 
-def _token_row(ca: Any, kind: str, ctx: Context, score: Any, opts: dict) -> torch.Tensor:
+def _token_row(ca: Any, kind: str, ctx: Context, key: str | None, score: Any, opts: dict) -> torch.Tensor:
     """(B, n) attributions of the input embeddings summed over the embedding axis."""
     inputs, model = ctx.inputs, ctx.model
-    if not (isinstance(inputs, dict) or hasattr(inputs, "keys")) or "input_ids" not in inputs:
-        raise ValueError(f"method {ctx.method.name!r} needs pixel_values (B, 3, H, W) or input_ids in the inputs")
-    emb = model.get_input_embeddings()
-    keys = [k for k in inputs if k != "input_ids" and isinstance(inputs[k], torch.Tensor)]
+    facts = model_facts(model)
+    if not (isinstance(inputs, dict) or hasattr(inputs, "keys")) or key is None or key not in inputs or (
+        facts.embedding is None
+    ):
+        raise ValueError(
+            f"method {ctx.method.name!r} needs image pixels (B, 3, H, W) or token ids in the inputs of a model whose "
+            f"input embedding layer is known; {type(model).__name__} gave neither"
+        )
+    emb = facts.embedding
+    keys = [k for k in inputs if k != key and isinstance(inputs[k], torch.Tensor)]
     others = tuple(inputs[k] for k in keys)
 
     def fwd_ids(ids, *rest):
-        return score(model(input_ids=ids, **dict(zip(keys, rest))))
+        return score(model(**{key: ids}, **dict(zip(keys, rest))))
 
-    ids, baseline = inputs["input_ids"], opts["baseline"]
+    ids, baseline = inputs[key], opts["baseline"]
     if kind == "integrated_gradients":
-        pad = getattr(model.config, "pad_token_id", None) if baseline == "pad" else baseline
+        pad = facts.pad_token_id if baseline == "pad" else baseline
         if baseline == "zeros":
             raise ValueError("baseline='zeros' is for images; text baselines are token ids: 'pad' or an int id")
         pad = _checks.check_int("baseline", 0 if pad is None else pad, low=0)
@@ -127,16 +135,18 @@ def _run(ctx: Context, kind: str, n_steps: int = 50, internal_batch_size: Any = 
     pos = ctx.positions(rec, s)
     score = _score_fn(ctx, rec, B, pos)
     inputs = ctx.inputs
+    info = ctx.info(rec, s)
+    key = info.input_key
     is_dict = isinstance(inputs, dict) or hasattr(inputs, "keys")
-    pixels = inputs.get("pixel_values") if is_dict else inputs if isinstance(inputs, torch.Tensor) else None
+    pixels = inputs.get(key) if is_dict and key else inputs if isinstance(inputs, torch.Tensor) else None
     opts = {"n_steps": _checks.check_int("n_steps", n_steps, low=1), "internal_batch_size": internal_batch_size,
             "baseline": baseline}
     with eval_mode(ctx.model):
         if pixels is not None and pixels.is_floating_point() and pixels.ndim == 4:
-            row = _pixel_row(ca, kind, ctx, rec, score, pixels, B, opts)
+            row = _pixel_row(ca, kind, ctx, info, score, pixels, B, opts)
         else:
-            row = _token_row(ca, kind, ctx, score, opts)
-    return ctx.build(rec, row.to(torch.float32), pos, s)
+            row = _token_row(ca, kind, ctx, key, score, opts)
+    return ctx.build(rec, row.to(torch.float32), None, s)
 
 
 _COMMON = dict(needs_grad=True, class_specific=True)

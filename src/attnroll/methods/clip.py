@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import torch
 
+from ..capture import model_facts
 from ..core.rollout import rollout as core_rollout
 from ..core.gradients import gradient_weighted
-from .base import Context, register, require_grad_mode, resolve_target
+from .base import Context, combine_rows, register, require_grad_mode, resolve_target
 
 
 def _pairs(inputs):
@@ -30,15 +31,6 @@ def _pairs(inputs):
     raise ValueError(
         f"method 'clip' pairs image i with text i, or one image with every text: got {P} images and {T} texts"
     )
-
-
-def _eot_positions(model, ids: torch.Tensor) -> list[int]:
-    """The token CLIP's text tower pools: argmax of the ids for the original configs (eos id 2), else the
-    first end-of-text token (as transformers does)."""
-    eos = getattr(getattr(model.config, "text_config", model.config), "eos_token_id", None)
-    if eos == 2 or eos is None:
-        return ids.to(torch.int).argmax(dim=-1).tolist()
-    return (ids.to(torch.int) == eos).int().argmax(dim=-1).tolist()
 
 
 @register(
@@ -65,21 +57,25 @@ def clip(ctx: Context, *, start_layer, start_layer_text):
         if callable(ctx.target):
             y, ctx.target_desc = resolve_target(rec.outputs, ctx.target)
             return y
+        similarity = model_facts(ctx.model).similarity
+        if similarity is None:
+            raise ValueError(f"method 'clip' needs a dual-tower image-text model; {type(ctx.model).__name__} is not one")
         ctx.target_desc = "pair similarity (logits_per_image[i, i])"
-        return rec.outputs.logits_per_image.diagonal()
+        return similarity(rec.outputs).diagonal()
 
     rec, atts, grads = ctx.grad_record(["vision", "text"], scores=sim)
     B = atts["vision"][0].shape[0]
     Wv = gradient_weighted(atts["vision"], grads["vision"])
     Wt = gradient_weighted(atts["text"], grads["text"])
     common = dict(head_fusion=None, residual_mode="add", alpha=0.5, check_stochastic=False)
-    img = core_rollout(Wv, rows=[0], start_layer=start_layer, **common)[:, 0]
-    eot = _eot_positions(ctx.model, ctx.inputs["input_ids"])
+    ro_v, ro_t = ctx.readout(rec, "vision"), ctx.info(rec, "text").readout
+    img = combine_rows(core_rollout(Wv, rows=ro_v.rows(), start_layer=start_layer, **common), ro_v, ro_v.rows())[0]
+    eot = ro_t.positions()  # the end-of-text token the text tower pools (the adapter's readout)
     tmask = ctx.mask(rec, "text")
     R = core_rollout(Wt, start_layer=start_layer_text, attention_mask=tmask, **common)
     txt = R[torch.arange(B), torch.tensor(eot)].detach().float().cpu()
     if tmask is not None:
         txt = txt * tmask.cpu()
-    e = ctx.build(rec, img, [0] * B, "vision", extra={"text_scores": txt, "text_positions": eot})
+    e = ctx.build(rec, img, ro_v, "vision", extra={"text_scores": txt, "text_positions": eot})
     e.tokens = rec.tokens
     return e

@@ -33,7 +33,7 @@ from .. import _checks
 from ..core.encdec import encdec_gae_compose, encdec_rollout_compose
 from ..core.gradients import gradient_weighted
 from ..core.rollout import rollout as core_rollout
-from .base import Context, register
+from .base import Context, combine_rows, register
 
 
 def _streams(ctx: Context, rec) -> None:
@@ -47,16 +47,16 @@ def _streams(ctx: Context, rec) -> None:
 
 
 def _result(ctx: Context, rec, R_dd: torch.Tensor, R_de: torch.Tensor, extra_opts: dict | None = None):
-    pos = ctx.positions(rec, "decoder")
-    ar, t = torch.arange(R_dd.shape[0]), torch.tensor(pos)
+    ro = ctx.readout(rec, "decoder")  # the decoder rows explained (the last real target token by default)
+    rows = ro.rows()
     dmask = ctx.mask(rec, "decoder")
-    tgt = R_dd[ar, t].detach().float().cpu()
+    tgt = combine_rows(R_dd[:, rows], ro, rows)[0].detach().float().cpu()
     if dmask is not None:
         tgt = tgt * dmask.cpu()
     extra = {"target_scores": tgt}
     if rec.extra.get("decoder_tokens") is not None:
         extra["decoder_tokens"] = rec.extra["decoder_tokens"]
-    return ctx.build(rec, R_de[ar, t], pos, "encoder", extra=extra, options={**ctx.options, **(extra_opts or {})})
+    return ctx.build(rec, combine_rows(R_de[:, rows], ro, rows)[0], ro, "encoder", extra=extra, options={**ctx.options, **(extra_opts or {})})
 
 
 @register(

@@ -37,6 +37,11 @@ class Explanation:
         attention_mask: (B, n) 0/1 padding mask of the explained stream, or None.
         extra: method-specific arrays and lists (e.g. ``heads`` (B, H, n) for per-head rollout,
             ``text_scores`` for CLIP, ``target_scores`` for encoder-decoders); saved with the rest.
+        readout: which output rows made the map: ``{"kind": "cls" | "mean" | "last" | "eot" | "position" |
+            "weights" | "attention_pool", "source": where it came from, "positions": one row per example or
+            None}``; None for input-gradient baselines (they have no rows).
+        readout_weights: (B, n) the weights of the output rows (``full_row[b] = Σ_i w[b, i] · R[b, i]``).
+        suffix: number of tokens after the units (YOLOS detection tokens) left out of ``scores``.
     """
 
     scores: torch.Tensor
@@ -51,6 +56,9 @@ class Explanation:
     positions: list[int] | None = None
     attention_mask: torch.Tensor | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    readout: dict[str, Any] | None = None
+    readout_weights: torch.Tensor | None = None
+    suffix: int = 0
 
     # ----------------------------------------------------------------------------------------- views
     @property
@@ -99,6 +107,8 @@ class Explanation:
             arrays["layers"] = _np(self.layers)
         if self.attention_mask is not None:
             arrays["attention_mask"] = _np(self.attention_mask)
+        if self.readout_weights is not None:
+            arrays["readout_weights"] = _np(self.readout_weights)
         extra_meta = {}
         for k, v in self.extra.items():
             if isinstance(v, (torch.Tensor, np.ndarray)):
@@ -115,6 +125,8 @@ class Explanation:
             "prefix": self.prefix,
             "positions": self.positions,
             "extra": extra_meta,
+            "readout": jsonable(self.readout),
+            "suffix": self.suffix,
         }
         arrays["__meta__"] = np.array(json.dumps(meta))
         return atomic_write(path, lambda f: np.savez(f, **arrays))
@@ -144,6 +156,9 @@ class Explanation:
             positions=meta["positions"],
             attention_mask=t.get("attention_mask"),
             extra=extra,
+            readout=meta.get("readout"),
+            readout_weights=t.get("readout_weights"),
+            suffix=int(meta.get("suffix", 0)),
         )
 
     # ---------------------------------------------------------------------------------------- display

@@ -4,7 +4,7 @@ token through the layered attention graph (``attnroll.attention_flow``)."""
 from __future__ import annotations
 
 from .._system import attention_flow
-from .base import Context, gather_rows, prefix_default, register
+from .base import Context, combine_rows, prefix_default, register
 
 #: Above this many tokens flow costs minutes per example; explain refuses unless max_tokens is raised.
 MAX_TOKENS = 1024
@@ -28,7 +28,7 @@ MAX_TOKENS = 1024
 )
 def flow(ctx: Context, *, stream, protect_prefix, max_tokens, **opts):
     """full_row[b] = flow values from (top layer, position_b) to every input token (row-normalised by
-    default)."""
+    default); for a weighted readout the weighted mean of those rows."""
     rec = ctx.record()
     s = ctx.stream(rec)
     n = rec.streams[s][0].shape[-1]
@@ -39,9 +39,11 @@ def flow(ctx: Context, *, stream, protect_prefix, max_tokens, **opts):
             "graph, path products instead of max flows, milliseconds), pass fewer layers (start_layer=), or "
             "raise max_tokens= if you mean it."
         )
-    pos = ctx.positions(rec, s)
-    pp = prefix_default(protect_prefix, rec)
-    rows = sorted(set(pos))
+    ro = ctx.readout(rec, s)
+    pp = prefix_default(protect_prefix, ctx.info(rec, s))
+    rows = ro.rows()
     F = attention_flow(rec.streams[s], rows=rows, attention_mask=ctx.mask(rec, s), protect_prefix=pp, **opts)
-    row = gather_rows(F, rows, pos)
+    # A weighted readout (mean pooling) takes the weighted mean of the per-row flows.
+    row, _ = combine_rows(F, ro, rows)
+    pos = ro
     return ctx.build(rec, row, pos, s, options={**ctx.options, "protect_prefix": pp})

@@ -41,7 +41,7 @@ def gae(ctx: Context, *, start_layer, end_layer, return_layers, stream, attentio
     rec, atts, grads = ctx.grad_record([s0] if s0 else None)
     s = ctx.stream(rec)
     W = gradient_weighted(atts[s], grads[s], "per_head")
-    pos = ctx.positions(rec, s)
+    pos = ctx.readout(rec, s)
     row, layers = rollout_rows(
         core_rollout, W, pos, ctx.mask(rec, s), return_layers=return_layers, head_fusion=None,
         residual_mode="add", alpha=0.5, check_stochastic=False, start_layer=start_layer, end_layer=end_layer,

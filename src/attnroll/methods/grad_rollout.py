@@ -49,8 +49,8 @@ def grad_rollout(ctx: Context, *, clamp, stream, return_layers, protect_prefix, 
     rec, atts, grads = ctx.grad_record([s0] if s0 else None)
     s = ctx.stream(rec)
     W = gradient_weighted(atts[s], grads[s], clamp)
-    pos = ctx.positions(rec, s)
-    pp = prefix_default(protect_prefix, rec)
+    pos = ctx.readout(rec, s)
+    pp = prefix_default(protect_prefix, ctx.info(rec, s))
     row, layers = rollout_rows(
         core_rollout, W, pos, ctx.mask(rec, s), return_layers=return_layers, head_fusion=None,
         check_stochastic=False, protect_prefix=pp, **opts,

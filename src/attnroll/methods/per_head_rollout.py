@@ -20,8 +20,8 @@ def per_head_rollout(ctx: Context, *, stream, return_layers, protect_prefix, **o
     """full_row[b] = mean_h of row position_b of R_h = Ã_h(end−1)···Ã_h(start)."""
     rec = ctx.record()
     s = ctx.stream(rec)
-    pos = ctx.positions(rec, s)
-    pp = prefix_default(protect_prefix, rec)
+    pos = ctx.readout(rec, s)
+    pp = prefix_default(protect_prefix, ctx.info(rec, s))
     heads, layers = rollout_rows(
         core_per_head, rec.streams[s], pos, ctx.mask(rec, s), return_layers=return_layers, protect_prefix=pp, **opts
     )

@@ -24,4 +24,4 @@ def random(ctx: Context, *, seed, stream):
     s = ctx.stream(rec)
     B, n = rec.streams[s][0].shape[0], rec.streams[s][0].shape[-1]
     rows = [torch.rand(n, generator=torch.Generator().manual_seed(seed + b)) for b in range(B)]
-    return ctx.build(rec, torch.stack(rows), ctx.positions(rec, s), s)
+    return ctx.build(rec, torch.stack(rows), None, s)

@@ -35,11 +35,15 @@ def rollout(ctx: Context, *, stream, return_layers, protect_prefix, attention, *
     fuse = "mean" if opts["head_fusion"] == "mean" else None
     rec = ctx.record(fuse_heads=fuse)
     s = ctx.stream(rec)
-    pos = ctx.positions(rec, s)
-    pp = prefix_default(protect_prefix, rec)
+    ro = ctx.readout(rec, s)
+    pp = prefix_default(protect_prefix, ctx.info(rec, s))
     if fuse is not None:
         opts = {**opts, "head_fusion": None}
     row, layers = rollout_rows(
-        core_rollout, rec.streams[s], pos, ctx.mask(rec, s), return_layers=return_layers, protect_prefix=pp, **opts
+        core_rollout, rec.streams[s], ro, ctx.mask(rec, s), return_layers=return_layers, protect_prefix=pp, **opts
     )
+<<<<<<< HEAD
     return ctx.build(rec, row, pos, s, layers=layers, options={**ctx.options, "protect_prefix": pp, "attention": "dense"})
+=======
+    return ctx.build(rec, row, ro, s, layers=layers, options={**ctx.options, "protect_prefix": pp})
+>>>>>>> main
