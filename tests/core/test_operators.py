@@ -134,11 +134,11 @@ def test_gradient_rule_is_grad_times_attention():
     torch.testing.assert_close(op.weighted_probs("after_mean")(lay, 0, N, 0, N), ref_after, atol=1e-6, rtol=0)
 
 
-def test_attention_rows_pick_each_examples_position():
+def test_attention_rows_pick_the_given_queries():
     lay = layer(causal=True)
     ref = naive_probs(lay.q, lay.k, lay.scaling, causal=True)
     got = op.attention_rows(lay, [3, 11])
-    torch.testing.assert_close(got, torch.stack([ref[0, :, 3], ref[1, :, 11]]), atol=1e-6, rtol=0)
+    torch.testing.assert_close(got, ref[:, :, [3, 11]], atol=1e-6, rtol=0)
 
 
 def test_rows_of_the_wrong_length_are_refused():

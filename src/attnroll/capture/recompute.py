@@ -45,6 +45,7 @@ class KernelRecorder:
         self.slots: dict[str, list[KernelInputs | None]] = {k: [None] * len(v) for k, v in self.layout.items()}
         self.outs: dict[str, list[torch.Tensor | None]] = {k: [None] * len(v) for k, v in self.layout.items()}
         self.fired: dict[tuple[str, int], int] = {}
+        self.parts: dict = {}  # the dense recorder's multi-branch attention; kernels have none
         self.dirty = False
 
     def store(self, site: Site, layer: KernelInputs, output: torch.Tensor) -> None:
@@ -220,6 +221,9 @@ class KernelCapture(Capture):
     def _finalize(self, outputs: Any) -> None:
         super()._finalize(outputs)
         self.record.operators = self.recorder.taken
+        for s, layers in self.record.operators.items():  # causality from the modules, not from a matrix
+            if s in self.record.info:
+                self.record.info[s].causal = self.record.info[s].causal or layers[0].is_causal_model
         self.record.extra["kernel_outputs"] = self.recorder.outputs
         self.record.streams = {}
 

@@ -296,13 +296,7 @@ def rollout_rows(
     return torch.stack([sweep(k) for k in range(start + 1, end + 1)])
 
 
-def attention_rows(layer: KernelInputs, positions: list[int]) -> torch.Tensor:
-    """(B, H, n_k): the attention row of query ``positions[b]`` of example b, every head."""
-    B, H, _, nk = layer.shape
-    out = torch.empty(B, H, nk, dtype=torch.float32, device=layer.q.device)
-    for p in sorted(set(positions)):
-        blk = probs_block(layer, p, p + 1, 0, nk)[:, :, 0]
-        for b, q in enumerate(positions):
-            if q == p:
-                out[b] = blk[b]
-    return out
+def attention_rows(layer: KernelInputs, rows: list[int]) -> torch.Tensor:
+    """(B, H, len(rows), n_k): the attention rows of the queries ``rows``, every example and head."""
+    nk = layer.shape[3]
+    return torch.stack([probs_block(layer, p, p + 1, 0, nk)[:, :, 0] for p in rows], dim=2)

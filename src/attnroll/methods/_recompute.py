@@ -21,7 +21,7 @@ from ..capture.recompute import capture_kernels
 from ..core import operators
 from ..core.rollout import LayerPipeline, layer_range
 from .._modes import params_require_grad
-from .base import Context, require_grad_mode
+from .base import Context, prefix_default, require_grad_mode
 
 MODES = ("dense", "recompute")
 
@@ -103,17 +103,11 @@ def layers_of(rec: Any, stream: str) -> list[operators.KernelInputs]:
     return layers
 
 
-def start_rows(positions: list[int], n: int, device: Any, dtype: torch.dtype) -> torch.Tensor:
-    """(B, 1, n): one-hot rows at each example's explained position."""
-    E = torch.zeros(len(positions), 1, n, dtype=dtype, device=device)
-    E[torch.arange(len(positions)), 0, torch.tensor(positions)] = 1.0
-    return E
-
-
 def product(ctx: Context, rec: Any, stream: str, rule: Any, *, alpha: float, residual_mode: str,
             start_layer: int, end_layer: Any, return_layers: bool, head_fusion: Any = None,
-            protect_prefix: int = 1, dtype: Any = None) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
-    """The explained row of every example, (B, n), and with ``return_layers`` (L', B, n)."""
+            protect_prefix: int = 1, dtype: Any = None) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
+    """The explained row of every example, (B, n) — the readout's weights (B, n) carried through the layers
+    as one relevance row — with ``return_layers`` also (L', B, n), and the readout."""
     layers = layers_of(rec, stream)
     B, H, n, _ = layers[0].shape
     pipe = LayerPipeline(n, head_fusion=head_fusion, alpha=alpha, residual_mode=residual_mode,
@@ -125,15 +119,15 @@ def product(ctx: Context, rec: Any, stream: str, rule: Any, *, alpha: float, res
     start, end = layer_range(len(layers), start_layer, end_layer)
     _checks.check_bool("return_layers", return_layers)
     want = _checks.check_dtype(dtype) or torch.float32
-    pos = ctx.positions(rec, stream)
+    ro = ctx.readout(rec, stream)
     mask = ctx.mask(rec, stream)
     mask = None if mask is None or bool(mask.all()) else mask.to(layers[0].q.device).bool()
-    E = start_rows(pos, n, layers[0].q.device, want)
+    E = ro.weights.to(device=layers[0].q.device, dtype=want)[:, None, :]
     R = operators.rollout_rows(layers, E, rule, a=pipe.a, c=pipe.c, renorm=pipe.renorm, mask=mask,
                                start=start, end=end, return_layers=return_layers)
     if return_layers:
-        return R[-1, :, 0], R[:, :, 0], pos
-    return R[:, 0], None, pos
+        return R[-1, :, 0], R[:, :, 0], ro
+    return R[:, 0], None, ro
 
 
 def explain_rows(ctx: Context, attention: Any, rule_for: Any, *, grad: bool, stream_opt: Any,
@@ -144,9 +138,9 @@ def explain_rows(ctx: Context, attention: Any, rule_for: Any, *, grad: bool, str
     if rec is None:
         return None
     s = ctx.stream(rec)
-    pp = max(1, rec.prefix or 0) if protect_prefix is None else protect_prefix
-    row, layers, pos = product(ctx, rec, s, rule_for(rec), protect_prefix=pp, **product_opts)
+    pp = prefix_default(protect_prefix, ctx.info(rec, s))
+    row, layers, ro = product(ctx, rec, s, rule_for(rec), protect_prefix=pp, **product_opts)
     options = {**ctx.options, "attention": "recompute"}
     if "protect_prefix" in ctx.options:
         options["protect_prefix"] = pp
-    return ctx.build(rec, row, pos, s, layers=layers, options=options)
+    return ctx.build(rec, row, ro, s, layers=layers, options=options)

@@ -177,49 +177,23 @@ class Context:
 
     def mask(self, rec: AttentionRecord, stream: str) -> torch.Tensor | None:
         """(B, n) 0/1 padding mask of ``stream``, or None when every token is real."""
-<<<<<<< HEAD
-        n = rec.stream_shape(stream)[-1]
-        if stream == "decoder":
-            m = rec.extra.get("decoder_attention_mask")
-        elif stream in ("self", "encoder", "text"):
-            m = rec.attention_mask
-        else:
-            m = None
-        if m is None or m.shape[-1] != n:
-            return None
-        return m.to(torch.long)
-
-    def positions(self, rec: AttentionRecord, stream: str) -> list[int]:
-        """The output position (row) explained for each example: the ``position`` option (an int or one
-        per example), else the last real token for causal attention or token-level outputs (decoder-only
-        LMs), else 0 (the CLS token)."""
-        shape = rec.stream_shape(stream)
-        B, n = shape[0], shape[-1]
-        pos = self.options.get("position")
-        if pos is not None:
-            return _checks.check_positions(pos, B, n)
-        mask = self.mask(rec, stream)
-        if rec.streams:
-            causal = is_causal(rec.streams[stream][0])
-        else:
-            causal = rec.operators[stream][0].is_causal_model
-        if causal or (stream in ("self", "decoder") and _token_level(rec.outputs)):
-            return last_real(mask, B, n)
-        return [0] * B
-=======
         return self.info(rec, stream).mask
 
     def positions(self, rec: AttentionRecord, stream: str) -> list[int]:
         """The output position of a token-level target (and the row of one-hot readouts): the ``position``
         option (an int or one per example), else the last real token for causal attention or token-level
         outputs (decoder-only LMs), else the row of the stream's readout when it is one row, else 0."""
-        layer0 = rec.streams[stream][0]
-        B, n = layer0.shape[0], layer0.shape[-1]
+        shape = rec.stream_shape(stream)
+        B, n = shape[0], shape[-1]
         pos = self.options.get("position")
         if pos is not None:
             return _checks.check_positions(pos, B, n)
         info = self.info(rec, stream)
-        if info.causal or is_causal(layer0) or (stream in ("self", "decoder") and _token_level(rec.outputs, n)):
+        if rec.streams:
+            causal = is_causal(rec.streams[stream][0])
+        else:
+            causal = rec.operators[stream][0].is_causal_model
+        if info.causal or causal or (stream in ("self", "decoder") and _token_level(rec.outputs, n)):
             return last_real(info.mask, B, n)
         one = info.readout.positions() if info.readout is not None else None
         return one if one is not None else [0] * B
@@ -228,8 +202,8 @@ class Context:
         """The rows explained: the ``readout`` option (a position, "cls", "mean", "last", "eot", a weight
         vector), else ``position``, else the adapter's declared readout of the stream (the rows the model's
         prediction reads), else the first token (the last real one for causal streams)."""
-        layer0 = rec.streams[stream][0]
-        B, n = layer0.shape[0], layer0.shape[-1]
+        shape = rec.stream_shape(stream)
+        B, n = shape[0], shape[-1]
         info = self.info(rec, stream)
         spec = self.options.get("readout")
         common = dict(batch=B, n=n, mask=info.mask, prefix=info.prefix, suffix=info.suffix)
@@ -244,7 +218,6 @@ class Context:
             raise ValueError(f"readout: {type(self.model).__name__} has no default readout: {info.readout_reason}")
         # Token-level outputs (a language model's next-token logits): the rows of the explained position.
         return resolve_readout(self.positions(rec, stream), source="the explained token's position", **common)
->>>>>>> main
 
     def target_scores(self, rec: AttentionRecord) -> torch.Tensor:
         """y (B,): the target's score per example from the recorded outputs (see :func:`resolve_target`)."""
@@ -252,7 +225,7 @@ class Context:
         pos = None
         logits = main_logits(rec.outputs)
         if logits is not None and logits.ndim == 3 and not callable(self.target):
-            n = rec.streams[stream][0].shape[-1]
+            n = rec.stream_shape(stream)[-1]
             if logits.shape[1] != n:
                 raise ValueError(
                     f"target: the model's logits {tuple(logits.shape)} have one row per query ({logits.shape[1]}), "
@@ -270,9 +243,9 @@ class Context:
             logits = main_logits(rec.outputs)
             if logits is None and self.target is None:
                 return None
-            stream = "decoder" if "decoder" in rec.streams else self.stream(rec)
+            stream = "decoder" if "decoder" in rec.stream_names() else self.stream(rec)
             if logits is not None and logits.ndim == 3 and self.target is None and (
-                logits.shape[1] != rec.streams[stream][0].shape[-1]
+                logits.shape[1] != rec.stream_shape(stream)[-1]
             ):
                 return None  # per-query outputs (detection): no single class to name for a class-agnostic map
             with torch.no_grad():

@@ -42,8 +42,4 @@ def rollout(ctx: Context, *, stream, return_layers, protect_prefix, attention, *
     row, layers = rollout_rows(
         core_rollout, rec.streams[s], ro, ctx.mask(rec, s), return_layers=return_layers, protect_prefix=pp, **opts
     )
-<<<<<<< HEAD
-    return ctx.build(rec, row, pos, s, layers=layers, options={**ctx.options, "protect_prefix": pp, "attention": "dense"})
-=======
-    return ctx.build(rec, row, ro, s, layers=layers, options={**ctx.options, "protect_prefix": pp})
->>>>>>> main
+    return ctx.build(rec, row, ro, s, layers=layers, options={**ctx.options, "protect_prefix": pp, "attention": "dense"})
