@@ -94,6 +94,11 @@ class KernelAdapter(Adapter):
         super().__init__(inner.model)
         self.inner = inner
         self.family = inner.family
+        # Everything but where the attention comes from is the transformers adapter's own.
+        for name in ("output_streams", "call_inputs", "bound_inputs", "stream_infos", "stream_kind", "affixes",
+                     "input_key", "readout_spec", "facts"):
+            if hasattr(inner, name):
+                setattr(self, name, getattr(inner, name))
         # The kernel is called by the site module itself or by a child (ViTAttention -> ViTSelfAttention).
         self.site_of: dict[int, Site] = {}
         for site in inner.sites():
@@ -124,6 +129,7 @@ class KernelAdapter(Adapter):
 
         stack.callback(restore)
         AttentionInterface.get_interface = get_interface
+        self.inner.install_pool_hooks(stack)
 
     def _wrapper(self, kernel: Callable, impl: str, recorder: KernelRecorder) -> Callable:
         sig = _signature(kernel)

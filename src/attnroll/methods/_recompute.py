@@ -16,6 +16,7 @@ import torch
 
 from .. import _checks
 from ..capture import CaptureError
+from .._checks import UnsupportedModelError
 from ..capture.hf import is_hf_model
 from ..capture.recompute import capture_kernels
 from ..core import operators
@@ -59,7 +60,7 @@ def record(ctx: Context, attention: Any) -> Any:
     the interface (the caller then takes the dense route)."""
     try:
         ctx.rec = capture_kernels(ctx.model, ctx.inputs, tokenizer=ctx.tokenizer)
-    except CaptureError:
+    except (CaptureError, UnsupportedModelError):  # no kernel to record (e.g. attention read from outputs)
         if attention == "recompute":
             raise
         return None
@@ -73,7 +74,7 @@ def grad_record(ctx: Context, attention: Any, stream: str | None) -> Any:
     try:
         with params_require_grad(ctx.model):
             rec = capture_kernels(ctx.model, ctx.inputs, keep_grad=True, tokenizer=ctx.tokenizer)
-    except CaptureError:
+    except (CaptureError, UnsupportedModelError):  # no kernel to record (e.g. attention read from outputs)
         if attention == "recompute":
             raise
         return None
