@@ -13,8 +13,21 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-#: Tolerance on row sums for inputs that must be row-stochastic.
+#: Tolerance on row sums for inputs that must be row-stochastic (float32 / float64 input); lower-precision
+#: input gets a wider one, see ``stochastic_atol``.
 STOCHASTIC_ATOL = 1e-3
+#: Row-sum tolerance in units of the input dtype's machine epsilon: a softmax computed and stored in that
+#: dtype rounds each entry (relative error eps/2, so the row sum by at most eps/2 in total) and divides by a
+#: sum rounded the same way; 4 eps covers both with margin (bfloat16: 0.031, float16: 0.0039).
+STOCHASTIC_EPS = 4
+
+
+def stochastic_atol(dtype: torch.dtype) -> float:
+    """The row-sum tolerance for row-stochastic input of ``dtype``: the larger of ``STOCHASTIC_ATOL`` and
+    ``STOCHASTIC_EPS`` machine epsilons of that dtype (integer / bool input: ``STOCHASTIC_ATOL``)."""
+    if not dtype.is_floating_point:
+        return STOCHASTIC_ATOL
+    return max(STOCHASTIC_ATOL, STOCHASTIC_EPS * float(torch.finfo(dtype).eps))
 
 
 class UnsupportedModelError(TypeError):
@@ -24,7 +37,8 @@ class UnsupportedModelError(TypeError):
 def describe(x: Any) -> str:
     """A short human description of a value for error messages: type, shape and dtype."""
     if isinstance(x, torch.Tensor):
-        return f"torch.Tensor of shape {tuple(x.shape)} and dtype {x.dtype}"
+        where = "" if x.device.type == "cpu" else f" on {x.device}"
+        return f"torch.Tensor of shape {tuple(x.shape)} and dtype {x.dtype}{where}"
     if isinstance(x, np.ndarray):
         return f"numpy.ndarray of shape {x.shape} and dtype {x.dtype}"
     if isinstance(x, (list, tuple)):
@@ -33,9 +47,21 @@ def describe(x: Any) -> str:
 
 
 # ----------------------------------------------------------------------------------------------- scalars
+def _integer_scalar(value: Any) -> Any:
+    """A 0-d integer torch tensor or numpy array as a Python int; anything else unchanged."""
+    if isinstance(value, (torch.Tensor, np.ndarray)) and value.ndim == 0:
+        kind_ok = (not value.is_floating_point() and not value.is_complex() and value.dtype != torch.bool) \
+            if isinstance(value, torch.Tensor) else value.dtype.kind in "iu"
+        if kind_ok:
+            return int(value.item())
+    return value
+
+
 def check_int(name: str, value: Any, *, low: int | None = None, high: int | None = None) -> int:
-    """An integer (bools refused) within [low, high]; returns it as ``int``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    """An integer (Python, numpy or a 0-d integer tensor; bools and floats such as 1.0 refused) within
+    [low, high]; returns it as ``int``."""
+    value = _integer_scalar(value)
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an integer, got {describe(value)}")
     value = int(value)
     if (low is not None and value < low) or (high is not None and value > high):
@@ -54,7 +80,11 @@ def check_real(
     high_open: bool = False,
 ) -> float:
     """A finite real number in [low, high] (or [low, high) with ``high_open``); returns it as float."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    if isinstance(value, (torch.Tensor, np.ndarray)) and value.ndim == 0 and (
+        value.is_floating_point() if isinstance(value, torch.Tensor) else value.dtype.kind in "iuf"
+    ):
+        value = float(value.item())
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {describe(value)}")
     value = float(value)
     bad = not np.isfinite(value)
@@ -67,6 +97,14 @@ def check_real(
             expected = f"in [{low}, {high})" if high_open else f"in [{low}, {high}]"
         raise ValueError(f"{name} must be {expected}, got {value}")
     return value
+
+
+def check_bool(name: str, value: Any) -> bool:
+    """A real boolean: ``True`` / ``False`` (or a numpy bool); not 0/1, not None, not the string "False"."""
+    if not isinstance(value, (bool, np.bool_)):
+        hint = " (a string is not a boolean: pass False, not 'False')" if isinstance(value, str) else ""
+        raise TypeError(f"{name} must be True or False, got {describe(value)}{hint}")
+    return bool(value)
 
 
 def check_choice(name: str, value: Any, choices: Sequence[str]) -> str:
@@ -84,6 +122,25 @@ def check_index(name: str, value: Any, size: int, what: str = "tokens") -> int:
             f"{name}={value} is out of range for {size} {what}: expected an index in [{-size}, {size - 1}]"
         )
     return value % size
+
+
+def check_indices(name: str, value: Any, size: int, what: str = "tokens") -> list[int]:
+    """One index or a non-empty sequence of indices into an axis of ``size`` entries: ints, a list / tuple /
+    range of ints, or a 1-D integer tensor / array (floats such as 1.7 or 1.0 are refused, never truncated).
+    Negative indices count from the end. Returns a list of indices >= 0."""
+    value = _integer_scalar(value)
+    if isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_)):
+        return [check_index(name, value, size, what)]
+    if isinstance(value, (torch.Tensor, np.ndarray)):
+        t, _ = as_tensor(name, value)
+        if t.is_floating_point() or t.dtype == torch.bool or t.ndim != 1:
+            raise TypeError(f"{name} must be an int or a 1-D sequence of integer {what[:-1]} indices, got {describe(value)}")
+        value = t.tolist()
+    if not isinstance(value, (list, tuple, range)):
+        raise TypeError(f"{name} must be an int or a sequence of {what[:-1]} indices, got {describe(value)}")
+    if len(value) == 0:
+        raise ValueError(f"{name} is empty: give at least one index")
+    return [check_index(f"{name}[{i}]", v, size, what) for i, v in enumerate(value)]
 
 
 def check_dtype(dtype: Any) -> torch.dtype | None:
@@ -119,7 +176,18 @@ def as_tensor(name: str, x: Any) -> tuple[torch.Tensor, bool]:
         raise TypeError(f"{name} must be a torch.Tensor or numpy.ndarray, got {describe(x)}")
     if t.is_complex():
         raise TypeError(f"{name} must hold real numbers, got {describe(x)}")
+    check_device(name, t)
     return t, was_numpy
+
+
+def check_device(name: str, t: torch.Tensor) -> None:
+    """Refuse tensors without data: the ``meta`` device holds shapes only (a model or tensor built with
+    ``device="meta"`` or loaded lazily), so nothing can be computed from it."""
+    if t.device.type == "meta":
+        raise ValueError(
+            f"{name} is on the 'meta' device ({describe(t)}): it has a shape but no data. Materialise it first "
+            "(load the weights / move it to 'cpu' or 'cuda' with real values)"
+        )
 
 
 def check_square(name: str, t: torch.Tensor) -> None:
@@ -137,28 +205,38 @@ def check_values(
     *,
     stochastic: bool = False,
     how_to_accept: str = "",
+    atol: float = STOCHASTIC_ATOL,
+    source: torch.Tensor | None = None,
 ) -> None:
     """Judge an attention tensor from two cheap statistics: its minimum entry and its row sums (only the
     rows that matter, e.g. real tokens). NaN propagates into both and infinities into the sums, so these
     catch every NaN, infinite or negative entry without another pass over the data.
 
     Raises ValueError for NaN / infinite / negative entries and, with ``stochastic``, rows whose sum is
-    not 1 within STOCHASTIC_ATOL (the message then ends with ``how_to_accept``)."""
+    not 1 within ``atol`` (see ``stochastic_atol``; the message then ends with ``how_to_accept``).
+    ``source``, the tensor itself, is read only on failure, to tell infinite entries from finite entries
+    so large that their row sums overflow."""
     finite = bool(torch.isfinite(sums).all()) if sums.numel() else True
     if minimum != minimum or minimum == float("-inf") or not finite:
         # amin propagates NaN, so a non-NaN minimum means the bad sums come from infinities.
         bad = "NaN" if minimum != minimum else "infinite"
+        if bad == "infinite" and source is not None and bool(torch.isfinite(source).all()):
+            top = float(source.abs().amax())
+            raise ValueError(
+                f"{name} has entries so large (max {top:.3g}) that its row sums overflow {source.dtype}; "
+                "rescale the matrices (attention is scale-free for flow; rollout needs row sums that fit)"
+            )
         raise ValueError(f"{name} contains {bad} values; attention probabilities must be finite")
     if minimum < 0:
         raise ValueError(
             f"{name} contains negative entries (min {minimum:.3g}); attention must be non-negative. "
             "Clamp signed relevance (e.g. gradient x attention) to its positive part first."
         )
-    if stochastic and sums.numel() and float((sums - 1).abs().max()) > STOCHASTIC_ATOL:
+    if stochastic and sums.numel() and float((sums - 1).abs().max()) > atol:
         lo, hi = float(sums.min()), float(sums.max())
         raise ValueError(
-            f"{name}: rows must sum to 1 (softmax attention probabilities), but row sums range from "
-            f"{lo:.4g} to {hi:.4g}. {how_to_accept}"
+            f"{name}: rows must sum to 1 within {atol:.3g} (softmax attention probabilities), but row sums "
+            f"range from {lo:.4g} to {hi:.4g}. {how_to_accept}"
         )
 
 
@@ -166,7 +244,23 @@ def check_finite_nonnegative(name: str, t: torch.Tensor) -> None:
     """No NaN, no infinity, no negative entry."""
     if t.numel() == 0:
         return
-    check_values(name, float(t.amin()), t.sum(dim=-1))
+    check_values(name, float(t.amin()), t.sum(dim=-1), source=t)
+
+
+def check_finite(name: str, t: torch.Tensor) -> None:
+    """No NaN and no infinity (signed values allowed)."""
+    if t.numel() and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        bad = "NaN" if bool(torch.isnan(t).any()) else "infinite"
+        raise ValueError(f"{name} contains {bad} values; attention must be finite")
+
+
+def check_binary(name: str, t: torch.Tensor, meaning: str = "bool or 0/1 values") -> torch.Tensor:
+    """A mask: every entry 0 or 1 (bool, integer or float); returns it as a bool tensor. ``meaning`` says
+    what the values stand for in the message."""
+    if t.numel() and t.dtype != torch.bool and not bool(((t == 0) | (t == 1)).all()):
+        vals = torch.unique(t.detach().cpu())[:6].tolist()
+        raise ValueError(f"{name} must hold only {meaning}, got values {vals}")
+    return t.to(torch.bool)
 
 
 def check_mask(name: str, mask: Any, batch: int | None, n: int) -> torch.Tensor:
@@ -178,11 +272,44 @@ def check_mask(name: str, mask: Any, batch: int | None, n: int) -> torch.Tensor:
         raise ValueError(
             f"{name} must have shape {expected} (batch, tokens) matching the attention, got {tuple(m.shape)}"
         )
-    if m.numel() and not bool(((m == 0) | (m == 1)).all()):
-        vals = torch.unique(m)[:6].tolist()
-        raise ValueError(f"{name} must hold only 0 and 1 (1 = real token, 0 = padding), got values {vals}")
-    m = m.to(torch.bool)
+    m = check_binary(name, m, "0 and 1 (1 = real token, 0 = padding)")
     return m.reshape(1, n) if batch is None else m
+
+
+def check_head_weights(name: str, value: Any, num_heads: int | None = None) -> torch.Tensor:
+    """Per-head fusion weights: a non-empty 1-D list / tuple / tensor / array of finite, non-negative
+    numbers, not all zero, of length ``num_heads`` when given. Returns them as a float64 CPU tensor
+    normalised to sum 1."""
+    if isinstance(value, (list, tuple)):
+        try:
+            # float64 first, so that weights given as Python floats lose no precision.
+            value = torch.as_tensor(value, dtype=torch.float64)
+        except (TypeError, ValueError, RuntimeError):
+            raise TypeError(f"{name} weights must be numbers (one per head), got {describe(value)}") from None
+    w, _ = as_tensor(name, value)
+    w = w.detach().to("cpu", torch.float64)
+    if w.ndim != 1 or w.numel() == 0:
+        raise ValueError(f"{name} weights must be a non-empty 1-D vector (one per head), got {describe(value)}")
+    if num_heads is not None and w.shape[0] != num_heads:
+        raise ValueError(
+            f"{name} weights must be a vector of length H={num_heads} (one per head), got shape {tuple(w.shape)}"
+        )
+    if not bool(torch.isfinite(w).all()) or bool((w < 0).any()) or float(w.sum()) <= 0:
+        raise ValueError(f"{name} weights must be finite, non-negative and not all zero, got {w.tolist()}")
+    return w / w.sum()
+
+
+def check_head_fusion(name: str, value: Any, *, allow_none: bool = True, num_heads: int | None = None) -> Any:
+    """A head fusion rule: "mean" | "max" | "min", a per-head weight vector (``check_head_weights``), or
+    None (heads kept / already fused) when ``allow_none``. Returns the string, None or the weights."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, str):
+        return check_choice(name, value, ("mean", "max", "min"))
+    if isinstance(value, (list, tuple, np.ndarray, torch.Tensor)):
+        return check_head_weights(name, value, num_heads)
+    none = "None, " if allow_none else ""
+    raise TypeError(f"{name} must be {none}'mean', 'max', 'min' or a length-H weight vector, got {describe(value)}")
 
 
 # ---- capture checks ----
@@ -196,42 +323,114 @@ def check_fuse_heads(value: Any) -> Any:
     vector (one entry per head; its length is checked against H when the first layer is seen).
 
     Returns None, the string, or the weights as a 1-D float64 tensor normalised to sum 1."""
-    if value is None:
-        return None
-    if isinstance(value, str):
-        return check_choice("fuse_heads", value, ("mean", "max", "min"))
-    if isinstance(value, (list, tuple, np.ndarray, torch.Tensor)):
-        w, _ = as_tensor("fuse_heads", torch.as_tensor(value) if isinstance(value, (list, tuple)) else value)
-        w = w.detach().to(torch.float64)
-        if w.ndim != 1 or w.numel() == 0:
-            raise ValueError(f"fuse_heads weights must be a non-empty 1-D vector (one per head), got {describe(value)}")
-        if not bool(torch.isfinite(w).all()) or bool((w < 0).any()) or float(w.sum()) <= 0:
-            raise ValueError(f"fuse_heads weights must be finite, non-negative and not all zero, got {w.tolist()}")
-        return w / w.sum()
-    raise TypeError(
-        f"fuse_heads must be None, 'mean', 'max', 'min' or a vector of per-head weights, got {describe(value)}"
-    )
+    return check_head_fusion("fuse_heads", value)
 
 
-def check_bool(name: str, value: Any) -> bool:
-    """A real ``bool`` (not 0/1, not None)."""
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be True or False, got {describe(value)}")
-    return value
+def check_model_inputs(
+    inputs: Any,
+    *,
+    model: str,
+    params: Sequence[str],
+    required: Sequence[str] = (),
+    required_any: Sequence[str] = (),
+    open_keywords: bool = False,
+    hint: str = "",
+) -> None:
+    """What ``capture`` / ``explain`` pass to a model's forward, checked before the forward runs.
+
+    ``inputs`` must be a mapping of keyword arguments, a tensor (the one positional argument) or a tuple /
+    list of tensors (positional arguments). For a mapping: keys are strings; with ``open_keywords`` False
+    (the forward has no ``**kwargs``) every key must be one of ``params``; every name in ``required`` must
+    be present, and at least one of ``required_any`` when given. No tensor may be on the meta device.
+    Errors name ``inputs``, what was received and the keys expected (``model`` is the model's class name,
+    ``hint`` an example of valid inputs)."""
+    from collections.abc import Mapping
+
+    expect = ", ".join(repr(k) for k in (required_any or required or params)) or "none"
+    tail = f" {hint}" if hint else ""
+    if isinstance(inputs, torch.Tensor):
+        check_device("inputs", inputs)
+        return
+    if isinstance(inputs, (tuple, list)):
+        bad = [i for i, v in enumerate(inputs) if not isinstance(v, torch.Tensor)]
+        if not inputs or bad:
+            what = "empty" if not inputs else f"item {bad[0]} is {describe(inputs[bad[0]])}"
+            raise TypeError(
+                f"inputs must be a dict of keyword arguments for {model} (keys {expect}), a tensor, or a tuple "
+                f"of tensors (positional arguments); got a {type(inputs).__name__} of length {len(inputs)} whose "
+                f"{what}.{tail}"
+            )
+        for i, v in enumerate(inputs):
+            check_device(f"inputs[{i}]", v)
+        return
+    if not isinstance(inputs, Mapping):
+        raise TypeError(
+            f"inputs must be a dict of keyword arguments for {model} (keys {expect}; what a processor / "
+            f"tokenizer returns), a tensor, or a tuple of tensors; got {describe(inputs)}.{tail}"
+        )
+    keys = list(inputs.keys())
+    non_str = [k for k in keys if not isinstance(k, str)]
+    if non_str:
+        raise TypeError(f"inputs for {model}: keys must be argument names (strings), got {non_str[0]!r}.{tail}")
+    unknown = [k for k in keys if k not in params]
+    missing = [k for k in required if k not in keys]
+    none_of = bool(required_any) and not any(k in keys for k in required_any)
+    if (unknown and not open_keywords) or missing or none_of:
+        parts = []
+        if unknown and (not open_keywords or none_of):
+            parts.append(f"{', '.join(map(repr, unknown))} {'is' if len(unknown) == 1 else 'are'} not an argument of its forward")
+        if missing:
+            parts.append(f"{', '.join(map(repr, missing))} missing")
+        if none_of:
+            parts.append(f"none of {', '.join(map(repr, required_any))} given")
+        raise ValueError(
+            f"inputs for {model} have keys {keys}: {'; '.join(parts)}. Expected keys: {expect} (its forward takes "
+            f"{', '.join(params) or 'no named arguments'}).{tail}"
+        )
+    for k in required_any:
+        if k in inputs and inputs[k] is not None and not isinstance(inputs[k], torch.Tensor):
+            raise TypeError(
+                f"inputs[{k!r}] for {model} must be a torch.Tensor (batch first), got {describe(inputs[k])}; "
+                "call the processor / tokenizer with return_tensors='pt'"
+            )
+    for k, v in inputs.items():
+        if isinstance(v, torch.Tensor):
+            check_device(f"inputs[{k!r}]", v)
+
+
+def check_model_device(model: Any) -> None:
+    """Refuse a model whose parameters or buffers are on the meta device (built without weights)."""
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if t.device.type == "meta":
+            raise ValueError(
+                f"model {type(model).__name__} has {name} on the 'meta' device: it was built without its weights "
+                "(device='meta' or a lazy loader). Load the weights (or model.to_empty(device='cpu') and "
+                "initialise) before explaining it"
+            )
+
+
+def check_figure(*, cell: Any, dpi: Any, max_cols: Any = 1, alpha: Any = 0.0) -> tuple[int, int, int, float]:
+    """The layout options of the figure functions: ``cell`` (pixels per map), ``dpi`` and ``max_cols``
+    positive integers, ``alpha`` (the map's weight) in [0, 1]."""
+    return (check_int("cell", cell, low=1), check_int("dpi", dpi, low=1), check_int("max_cols", max_cols, low=1),
+            check_real("alpha", alpha, low=0.0, high=1.0))
 
 
 # ---- explain checks ----
 def check_positions(value: Any, batch: int, n: int) -> list[int]:
-    """``position`` for explain: one output token index for every example, or one per example (a list of
-    length B); negative indices count from the end. Returns a list of B indices >= 0."""
-    if isinstance(value, (list, tuple)):
-        if len(value) != batch:
-            raise ValueError(
-                f"position must be an int or a list with one index per example (B={batch}), got a list of "
-                f"length {len(value)}"
-            )
-        return [check_index(f"position[{i}]", v, n) for i, v in enumerate(value)]
-    return [check_index("position", value, n)] * batch
+    """``position`` for explain: one output token index for every example, or one per example (a list /
+    1-D integer array of length B); negative indices count from the end. Returns a list of B indices >= 0."""
+    value = _integer_scalar(value)
+    if isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_)):
+        return [check_index("position", value, n)] * batch
+    if isinstance(value, (list, tuple, range, torch.Tensor, np.ndarray)) and len(value) != batch:
+        raise ValueError(
+            f"position must be an int or a list with one index per example (B={batch}), got "
+            f"{describe(value)}"
+        )
+    if not isinstance(value, (list, tuple, range, torch.Tensor, np.ndarray)):
+        raise TypeError(f"position must be an int or a list of B ints (one per example), got {describe(value)}")
+    return check_indices("position", value, n)
 
 
 def check_target(target: Any, batch: int, num_classes: int, *, default: list[int]) -> list[int]:
@@ -241,6 +440,8 @@ def check_target(target: Any, batch: int, num_classes: int, *, default: list[int
         return [int(v) for v in default]
     what = "classes" if num_classes < 1000 else "output indices (vocabulary)"
     if isinstance(target, torch.Tensor) and target.ndim <= 1 and not target.is_floating_point():
+        target = target.tolist()
+    if isinstance(target, np.ndarray) and target.ndim <= 1 and target.dtype.kind in "iu":
         target = target.tolist()
     if isinstance(target, (list, tuple)):
         if len(target) != batch:
@@ -312,9 +513,7 @@ def check_unit_masks(name: str, masks: Any, batch: int, units: int) -> torch.Ten
             f"{name} must be (B, units) = ({batch}, {units}) or (B, h, w) patch masks matching the scores, got "
             f"shape {tuple(t.shape)}. Pool pixel masks to the patch grid first (attnroll.models.shapes.patch_masks)."
         )
-    if t.numel() and not bool(((t == 0) | (t == 1)).all()):
-        raise ValueError(f"{name} must hold only 0/1 or bool values, got values {torch.unique(t)[:6].tolist()}")
-    t = t.to("cpu", torch.bool)
+    t = check_binary(name, t, "0/1 or bool values").to("cpu")
     empty = (~t.any(dim=1)).nonzero().flatten().tolist()
     if empty:
         raise ValueError(f"{name}: examples {empty[:10]} have an empty mask; each needs at least one unit inside")
@@ -459,8 +658,8 @@ def check_text_inputs(inputs: Any) -> dict[str, torch.Tensor]:
                 f"{describe(inputs[key])}"
             )
         out[key] = t.long().to(ids.device)
-    if "attention_mask" in out and not bool(((out["attention_mask"] == 0) | (out["attention_mask"] == 1)).all()):
-        raise ValueError("inputs['attention_mask'] must hold only 0 (padding) and 1 (real token)")
+    if "attention_mask" in out:
+        check_binary("inputs['attention_mask']", out["attention_mask"], "0 (padding) and 1 (real token)")
     out.setdefault("attention_mask", torch.ones_like(out["input_ids"]))
     return out
 
@@ -473,9 +672,7 @@ def check_keep(keep: Any, batch: int, n: int) -> torch.Tensor:
             f"keep must be a (B, n) = ({batch}, {n}) mask over input_ids (True = never removed), got shape "
             f"{tuple(t.shape)}"
         )
-    if t.numel() and not bool(((t == 0) | (t == 1)).all()):
-        raise ValueError(f"keep must hold only 0/1 or bool values, got values {torch.unique(t)[:6].tolist()}")
-    return t.to(torch.bool)
+    return check_binary("keep", t, "0/1 or bool values")
 
 
 # ---- evaluate: localisation/sanity checks ----
@@ -600,9 +797,7 @@ def check_audit_regions(regions: Any, batch: int, units: int) -> dict[str, np.nd
                 f"regions[{name!r}] must be (B, units) = ({batch}, {units}) or (B, h, w) masks over the maps' "
                 f"units, got shape {tuple(mask.shape)}"
             )
-        if t.numel() and not bool(((t == 0) | (t == 1)).all()):
-            raise ValueError(f"regions[{name!r}] must hold only bool or 0/1 values")
-        out[name] = t.detach().cpu().to(torch.bool).numpy()
+        out[name] = check_binary(f"regions[{name!r}]", t).detach().cpu().numpy()
     return out
 
 
@@ -611,6 +806,4 @@ def check_pixel_masks(name: str, masks: Any) -> torch.Tensor:
     t, _ = as_tensor(name, masks)
     if t.ndim != 3:
         raise ValueError(f"{name} must be (B, H, W) pixel masks, got shape {tuple(t.shape)}")
-    if t.numel() and not bool(((t == 0) | (t == 1)).all()):
-        raise ValueError(f"{name} must hold only bool or 0/1 values")
-    return t.detach().cpu().to(torch.bool)
+    return check_binary(name, t).detach().cpu()

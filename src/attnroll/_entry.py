@@ -7,14 +7,25 @@ import sys
 
 
 def main() -> None:
-    try:
-        import click  # noqa: F401
-    except ImportError:
-        print("error: the attnroll command needs the cli extra: pip install 'attnroll[cli]'", file=sys.stderr)
-        sys.exit(1)
-    from .commands import main as cli_main
+    # Signals first: the imports below take seconds, and an interrupt during them is still one line and the
+    # conventional exit code (130 for Ctrl-C, 143 for SIGTERM), not a traceback.
+    from ._io import Terminated, terminate_raises
 
-    sys.exit(cli_main())  # the exit code (0, 1, 2 or 3) must reach the shell
+    terminate_raises()
+    try:
+        try:
+            import click  # noqa: F401
+        except ImportError:
+            print("error: the attnroll command needs the cli extra: pip install 'attnroll[cli]'", file=sys.stderr)
+            sys.exit(1)
+        from .commands import main as cli_main
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        sys.exit(130)
+    except Terminated:
+        print("error: terminated (SIGTERM)", file=sys.stderr)
+        sys.exit(143)
+    sys.exit(cli_main())  # the exit code (0, 1, 2, 3, 130 or 143) must reach the shell
 
 
 if __name__ == "__main__":

@@ -4,11 +4,12 @@ attnroll changes a caller's model for good. A leaf module: it imports nothing fr
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+import functools
+from typing import Any, Callable, Iterator
 
 from torch import nn
 
-__all__ = ["eval_mode", "params_require_grad"]
+__all__ = ["eval_mode", "in_eval_mode", "params_require_grad"]
 
 
 @contextlib.contextmanager
@@ -29,17 +30,34 @@ def eval_mode(*modules: Any) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def params_require_grad(model: nn.Module) -> Iterator[None]:
+def params_require_grad(model: nn.Module, *, partly: bool = False) -> Iterator[None]:
     """If no floating-point parameter of ``model`` requires grad (a frozen model), let them for the block so
-    that its activations are part of an autograd graph; restored afterwards. Nothing writes ``.grad``."""
+    that its activations are part of an autograd graph; restored afterwards. With ``partly``, also a partly
+    frozen model's frozen parameters (a linear probe: only the head requires grad, so the attention depends
+    on no parameter that does), each restored to its own flag. Nothing writes ``.grad`` (callers take
+    ``torch.autograd.grad`` of activations)."""
     params = [p for p in model.parameters() if p.is_floating_point()]
-    frozen = bool(params) and not any(p.requires_grad for p in params)
-    if frozen:
-        for p in params:
-            p.requires_grad_(True)
+    frozen = [p for p in params if not p.requires_grad]
+    if not partly and len(frozen) < len(params):
+        frozen = []  # some parameter requires grad: left alone
+    for p in frozen:
+        p.requires_grad_(True)
     try:
         yield
     finally:
-        if frozen:
-            for p in params:
-                p.requires_grad_(False)
+        for p in frozen:
+            p.requires_grad_(False)
+
+
+def in_eval_mode(fn: Callable) -> Callable:
+    """Decorator for functions that run a model given as their first argument (``model``): the call runs
+    under :func:`eval_mode` of that model (dropout off, so results do not change from call to call), and
+    the caller's flags are restored afterwards."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        model = args[0] if args else kwargs.get("model")
+        with eval_mode(model):
+            return fn(*args, **kwargs)
+
+    return wrapper

@@ -94,12 +94,9 @@ def attention_flow(attentions: Any, *, progress: bool = False, **options: Any) -
     errors there), plus ``progress``: True prints a progress bar on stderr (tqdm or rich if installed, else
     plain text). Refuses, with a MemoryError giving the estimate, a graph that would not fit in the memory
     available now."""
-    import numpy as np
+    from . import _checks
 
-    if not isinstance(progress, (bool, np.bool_)):
-        from . import _checks
-
-        raise TypeError(f"progress must be True or False, got {_checks.describe(progress)}")
+    progress = _checks.check_bool("progress", progress)
     bar: list[ProgressBar] = []
 
     def tick(k: int, total: int) -> None:

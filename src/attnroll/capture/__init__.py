@@ -88,6 +88,7 @@ def capture(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {_checks.describe(model)}")
+    _checks.check_model_device(model)
     fuse = _checks.check_fuse_heads(fuse_heads)
     keep_grad = _checks.check_bool("keep_grad", keep_grad)
     eval_mode = _checks.check_bool("eval_mode", eval_mode)
@@ -101,6 +102,7 @@ def capture(
     session = new_session()
     if inputs is None:
         return session
+    session.adapter.check_inputs(inputs)
     return _run_once(model, inputs, session, new_session, keep_grad)
 
 

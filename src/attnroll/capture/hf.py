@@ -247,6 +247,18 @@ class HFAdapter(Adapter):
     def facts(self) -> ModelFacts:
         return hf_facts(self.model, self.family)
 
+    main_inputs = ("input_ids", "inputs_embeds", "pixel_values", "input_features", "input_values")
+
+    @property
+    def inputs_example(self) -> str:  # type: ignore[override]
+        name = getattr(self.model, "main_input_name", "input_ids")
+        if name == "pixel_values":
+            return "For example inputs = processor(images, return_tensors='pt') or {'pixel_values': (B, 3, H, W) tensor}."
+        return (
+            f"For example inputs = tokenizer(texts, return_tensors='pt') or {{'{name}': (B, n) tensor of token ids}} "
+            "(a plain list of ids is not enough: wrap it as torch.tensor([ids]))."
+        )
+
     def input_hint(self, inputs: Any) -> str:
         keys = set(inputs) if isinstance(inputs, dict) or hasattr(inputs, "keys") else set()
         if getattr(self.model.config, "is_encoder_decoder", False) and not keys & {

@@ -294,6 +294,27 @@ class Adapter:
         """A family-specific hint added to the error when the forward rejects ``inputs`` ("" = none)."""
         return ""
 
+    #: Keys of which inputs must hold at least one (e.g. input_ids or pixel_values); () = no such rule.
+    main_inputs: tuple[str, ...] = ()
+    #: An example of valid inputs for error messages.
+    inputs_example = ""
+
+    def check_inputs(self, inputs: Any) -> None:
+        """Refuse inputs the forward cannot take, before it runs: the wrong container, keys that are not
+        arguments of the forward, required arguments missing (see ``_checks.check_model_inputs``)."""
+        params, required, open_kw = forward_params(self.model)
+        positional = isinstance(inputs, (torch.Tensor, tuple, list))
+        main = tuple(k for k in self.main_inputs if k in params)
+        _checks.check_model_inputs(
+            inputs,
+            model=type(self.model).__name__,
+            params=params,
+            required=() if positional else required,
+            required_any=main,
+            open_keywords=open_kw,
+            hint=self.inputs_example,
+        )
+
     # -- the contract ---------------------------------------------------------------------------------
     def stream_infos(self, record: AttentionRecord, inputs: dict[str, Any]) -> dict[str, StreamInfo]:
         """One :class:`StreamInfo` per recorded stream, from the flat metadata :meth:`metadata` filled in.
@@ -398,6 +419,20 @@ def set_attr_temporarily(stack: ExitStack, obj: Any, name: str, value: Any) -> N
     # Plain values (flags, bound functions) live in __dict__, which is also where nn.Module.__setattr__
     # would put them; writing there directly keeps restore() exact.
     obj.__dict__[name] = value
+
+
+def forward_params(model: nn.Module) -> tuple[list[str], list[str], bool]:
+    """(named parameters of ``model.forward``, those without a default, whether it takes ``**kwargs``);
+    everything open when the signature cannot be read."""
+    try:
+        sig = inspect.signature(model.forward)
+    except (TypeError, ValueError):
+        return [], [], True
+    kinds = inspect.Parameter
+    named = [p for p in sig.parameters.values() if p.kind in (kinds.POSITIONAL_OR_KEYWORD, kinds.KEYWORD_ONLY)]
+    required = [p.name for p in named if p.default is kinds.empty]
+    open_kw = any(p.kind is kinds.VAR_KEYWORD for p in sig.parameters.values())
+    return [p.name for p in named], required, open_kw
 
 
 def bind_inputs(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
@@ -627,8 +662,8 @@ def run_forward(model: nn.Module, inputs: Any, hint: Callable[[Any], str] | None
         )
     try:
         return call()
-    except (TypeError, ValueError, RuntimeError, AssertionError) as e:
-        if isinstance(e, (_checks.CaptureError, _checks.UnsupportedModelError)):
+    except Exception as e:  # noqa: BLE001 - the note is added to every error of the model's own forward
+        if isinstance(e, (_checks.CaptureError, _checks.UnsupportedModelError)) or not hasattr(e, "add_note"):
             raise
         what = (
             "keys " + ", ".join(map(str, inputs.keys())) if isinstance(inputs, Mapping) else _checks.describe(inputs)

@@ -29,6 +29,7 @@ def is_timm_model(model: nn.Module) -> bool:
 
 class TimmAdapter(Adapter):
     family = "timm:vit"
+    inputs_example = "For example inputs = a (B, 3, H, W) float tensor of preprocessed images."
 
     def __init__(self, model: nn.Module):
         super().__init__(model)

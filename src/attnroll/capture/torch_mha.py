@@ -44,8 +44,12 @@ class MHAAdapter(Adapter):
         before = torch.backends.mha.get_fastpath_enabled()
         stack.callback(torch.backends.mha.set_fastpath_enabled, before)
         torch.backends.mha.set_fastpath_enabled(False)
+        #: The key padding mask the first self-attention module saw in the latest pass (a model of one's own
+        #: may take the mask under any name and hand it on to nn.Transformer*).
+        self.seen_padding: torch.Tensor | None = None
+        first = next((s for s in sites if s.stream != "cross" and s.layer == 0), None)
         for site in sites:
-            set_attr_temporarily(stack, site.module, "forward", _wrapped_forward(site, recorder))
+            set_attr_temporarily(stack, site.module, "forward", _wrapped_forward(site, recorder, self, site is first))
 
     def metadata(self, record: AttentionRecord, inputs: dict[str, Any]) -> None:
         # nn.Transformer* take key padding masks with True = padding; expose the 1 = real-token form.
@@ -54,9 +58,13 @@ class MHAAdapter(Adapter):
             if isinstance(m, torch.Tensor) and m.dtype == torch.bool:
                 record.attention_mask = (~m).long()
                 break
+        seen = getattr(self, "seen_padding", None)
+        if record.attention_mask is None and seen is not None:
+            record.attention_mask = (~seen).long()
+        self.seen_padding = None
 
 
-def _wrapped_forward(site: Site, recorder: Recorder):
+def _wrapped_forward(site: Site, recorder: Recorder, adapter: MHAAdapter | None = None, first: bool = False):
     module = site.module
     original = module.forward  # the bound method (or a caller's own instance-level forward)
 
@@ -70,6 +78,10 @@ def _wrapped_forward(site: Site, recorder: Recorder):
         average_attn_weights: bool = True,
         is_causal: bool = False,
     ):
+        if first and adapter is not None and isinstance(key_padding_mask, torch.Tensor) and key_padding_mask.ndim == 2:
+            # bool (True = padding) or additive float (-inf = padding, as nn.TransformerEncoder hands it on)
+            kpm = key_padding_mask.detach()
+            adapter.seen_padding = kpm if kpm.dtype == torch.bool else torch.isneginf(kpm)
         if recorder.keep_grad:
             out, weights = _attention_in_graph(module, query, key, value, key_padding_mask, attn_mask, is_causal)
         else:

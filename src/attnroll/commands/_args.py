@@ -85,7 +85,7 @@ def method_options(items: tuple[str, ...], names: list[str]) -> dict[str, dict[s
                 out[m][k] = v
     for m, o in out.items():
         try:
-            check_options(m, o)  # an option the method refuses is a usage error, before any work
-        except ValueError as e:
+            check_options(m, o)  # an option the method refuses, or a bad value, is a usage error, before any work
+        except (TypeError, ValueError) as e:
             raise click.UsageError(f"--option: {e}") from None
     return {m: o for m, o in out.items() if o}

@@ -11,8 +11,8 @@ import click
 from ._output import Failure, one_line
 
 __all__ = ["IMAGE_SUFFIXES", "DATASETS", "expand_images", "read_image", "load", "input_options", "check_inputs",
-           "load_for", "load_eval_model",
-           "load_image_model", "load_texts", "load_data", "fill_tensor"]
+           "load_for", "load_eval_model", "load_image_model", "load_texts", "load_data", "fill_tensor",
+           "check_data", "check_fill", "check_cmap"]
 
 #: Image file suffixes the commands read (what pillow decodes).
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm")
@@ -180,6 +180,35 @@ def load_data(data: str, lm: Any, n: int, seed: int) -> dict[str, Any]:
         raw.append(torch.from_numpy(np.asarray(small, dtype=np.float32) / 255.0).permute(2, 0, 1))
     x, images = torch.cat(xs), torch.stack(raw)
     return {"x": x, "images": images, "labels": None, "masks": None, "marker": None, "files": files}
+
+
+def check_data(data: str) -> None:
+    """``--data`` before any model is loaded: a generated dataset name or an existing file / folder."""
+    if data not in DATASETS and not Path(data).exists():
+        raise click.UsageError(f"--data {data}: neither a folder of images, a text file, nor one of "
+                               f"{', '.join(DATASETS)}")
+
+
+def check_fill(fill: str) -> None:
+    """``--fill`` before any model is loaded: black, mean or a finite number."""
+    if fill in ("black", "mean"):
+        return
+    try:
+        value = float(fill)
+    except ValueError:
+        value = float("nan")
+    if value != value or value in (float("inf"), float("-inf")):
+        raise click.UsageError(f"--fill must be black, mean or a finite number, got {fill!r}")
+
+
+def check_cmap(cmap: str) -> None:
+    """``--cmap`` before any model is loaded: a matplotlib colormap name."""
+    from ..viz import deps
+
+    try:
+        deps.colormap(cmap, "attnroll explain")
+    except ValueError as e:
+        raise click.UsageError(f"--{one_line(str(e))}") from None
 
 
 def fill_tensor(fill: str, lm: Any, x: Any) -> Any:

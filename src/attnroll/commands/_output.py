@@ -13,6 +13,8 @@ from typing import Any
 
 import click
 
+from .._io import held_signals
+
 __all__ = ["Failure", "one_line", "prepare_out", "write", "save_npz", "figure_png", "png_bytes", "progress",
            "echo_written"]
 
@@ -35,9 +37,10 @@ def prepare_out(out: Path) -> Path:
         raise Failure(f"output folder {out} exists and is not a folder")
     try:
         out.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=".attnroll-probe-", dir=out)
-        os.close(fd)
-        os.unlink(probe)
+        with held_signals():  # an interrupt cannot leave the probe behind
+            fd, probe = tempfile.mkstemp(prefix=".attnroll-probe-", dir=out)
+            os.close(fd)
+            os.unlink(probe)
     except OSError as e:
         raise Failure(f"cannot write to output folder {out}: {e.strerror or e}") from None
     return out

@@ -8,8 +8,8 @@ from typing import Any
 
 import click
 
-from ._args import parse_options
-from ._data import load_data, load_image_model
+from ._args import method_and_options
+from ._data import check_data, load_data, load_image_model
 from ._group import cli
 from ._output import Failure, prepare_out, write
 
@@ -56,7 +56,8 @@ def audit_cmd(model_a, model_b, data, n, seed, method, options, examples, fmt, o
 
     if method not in methods():
         raise click.UsageError(f"--method {method!r} is unknown; see 'attnroll methods'")
-    opts = parse_options(options)
+    opts = method_and_options(method, options)  # names and values, before any model is loaded
+    check_data(data)
     out = prepare_out(out)
     la, lb = load_image_model(model_a), load_image_model(model_b)
     d = load_data(data, la, n, seed)

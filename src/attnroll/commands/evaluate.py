@@ -9,7 +9,7 @@ from typing import Any
 import click
 
 from ._args import method_options, methods_list
-from ._data import fill_tensor, load_data, load_eval_model, load_texts
+from ._data import DATASETS, check_data, check_fill, fill_tensor, load_data, load_eval_model, load_texts
 from ._group import cli
 from ._output import echo_written, figure_png, prepare_out, write
 
@@ -135,6 +135,10 @@ def evaluate_cmd(model_spec, method_list, data, n, seed, metric_list, options, f
     names = methods_list(method_list)
     opts = method_options(options, names)
     metrics = _metric_names(metric_list)
+    check_data(data)
+    check_fill(fill)
+    if data not in DATASETS and _needs_masks(metrics):
+        raise click.UsageError("--metrics pointing/mass/iou need object masks: use --data shapes or shapes-marker")
     out = prepare_out(out)
     lm = load_eval_model(model_spec)
     if lm.kind == "text":

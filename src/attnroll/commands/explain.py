@@ -13,7 +13,7 @@ from typing import Any
 import click
 
 from ._args import method_and_options, parse_target
-from ._data import check_inputs, expand_images, input_options, load_for, read_image
+from ._data import check_cmap, check_inputs, expand_images, input_options, load_for, read_image
 from ._group import cli
 from ._output import Failure, one_line, png_bytes, prepare_out, progress, save_npz, write
 from ._text import explain_text
@@ -123,9 +123,10 @@ def _overlay_size(size: int | None, img: Any) -> tuple[int, int] | None:
     """``--size``: the longer side of the overlay in pixels, the other one keeping the image's aspect."""
     if size is None:
         return None
+    # At least one pixel on the short side: a 1x400 strip at --size 16 is 16x1, not 16x0.
     if img.width >= img.height:
-        return size, round(size * img.height / img.width)
-    return round(size * img.width / img.height), size
+        return size, max(1, round(size * img.height / img.width))
+    return max(1, round(size * img.width / img.height)), size
 
 
 def _explain_image(f: Path, lm: Any, method: str, opts: dict, tgt: Any, out: Path, formats: tuple[str, ...],
@@ -250,6 +251,8 @@ def explain_cmd(images, text, pair, model_spec, weights, method, options, target
     formats = formats or (("png",) if kind == "image" else ("html",))
     if kind == "text" and "png" in formats:
         raise click.UsageError("--format png is for images; text gives html, json or npz")
+    if kind == "image":
+        check_cmap(cmap)
     files = expand_images(images) if kind == "image" else []
     for f in files:  # every input is checked before anything is written
         read_image(f)

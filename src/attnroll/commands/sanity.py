@@ -9,7 +9,7 @@ from typing import Any
 import click
 
 from ._args import method_options, methods_list
-from ._data import load_data, load_image_model
+from ._data import check_data, load_data, load_image_model
 from ._group import cli
 from ._output import echo_written, figure_png, prepare_out, write
 
@@ -95,6 +95,7 @@ def sanity_cmd(model_spec, method_list, components, data, n, seed, seeds, option
     opts = method_options(options, names)
     comps = _components(components)
     seed_list = _seeds(seeds)
+    check_data(data)
     out = prepare_out(out)
     lm = load_image_model(model_spec)
     x = load_data(data, lm, n, seed)["x"]

@@ -49,6 +49,11 @@ flow, clipped at the gap, which cannot change its max flow) is solved again at t
 certified by its own minimum cut, shrinking the gap by another factor ~(cut edges)·2⁻²⁹. So every raw value
 is within 5e-7 of the exact max flow (a RuntimeWarning says so otherwise; never seen), and typically within
 1e-9 or exactly equal (when C is also the real graph's minimum cut, U is F up to float rounding).
+
+Capacities of any magnitude: each example's capacities are first scaled by the power of two 2^-e that
+brings the largest into (0.5, 1] (exact; e = 0 for attention probabilities with the default residual) and
+the flows scaled back by 2^e, so the bounds above hold relative to the largest capacity (rounded up to a
+power of two).
 """
 
 from __future__ import annotations
@@ -65,7 +70,7 @@ import numpy as np
 import torch
 
 from .. import _checks
-from .rollout import augmented_layers, parse_rows
+from .rollout import augmented_layers, layer_range, parse_attentions, parse_rows
 
 #: Largest int32 capacity scipy's max-flow solver accepts (its capacities are int32; flow totals are not).
 _INT32_MAX = 2**31 - 1
@@ -88,6 +93,9 @@ _PARALLEL_WORK = 30_000_000
 #: index (4) plus scipy's solver arrays when the subgraph grows into the whole graph (capacities, indices,
 #: reverse edges, edge pointers, flows and transposes: ~40). Measured: 127 MiB at n = 577, L' = 12.
 _BYTES_PER_EDGE = 62
+#: Bytes per entry of the dense capacities built for the whole batch before any graph: the augmented
+#: layers (up to 8) and their float64 stack (8).
+_BYTES_DENSE = 16
 
 
 # ------------------------------------------------------------------------------------------- the solver
@@ -475,15 +483,17 @@ def _solve_task(caps: np.ndarray | int, source: int, sinks: Sequence[int]) -> tu
 
 
 # ------------------------------------------------------------------------------------------- memory
-def estimate_memory(num_layers: int, n: int, workers: int = 1) -> int:
+def estimate_memory(num_layers: int, n: int, workers: int = 1, *, batch: int = 0) -> int:
     """Peak bytes ``attention_flow`` may need for one graph of ``num_layers`` layers of n tokens, times the
-    number of graphs solved at once (``workers``): about 62 bytes per potential edge (L'·n²)."""
-    return int(workers * num_layers * n * n * _BYTES_PER_EDGE)
+    number of graphs solved at once (``workers``): about 62 bytes per potential edge (L'·n²); plus, with
+    ``batch``, the dense capacities of every example built before any graph (the augmented layers and
+    their float64 stack: 16 bytes per entry of B·L'·n²)."""
+    return int(workers * num_layers * n * n * _BYTES_PER_EDGE + batch * num_layers * n * n * _BYTES_DENSE)
 
 
-def _check_memory(num_layers: int, n: int, workers: int, have: int | None) -> None:
+def _check_memory(num_layers: int, n: int, workers: int, have: int | None, batch: int = 0) -> None:
     """MemoryError when the estimate exceeds ``have`` bytes (no check when ``have`` is None)."""
-    need = estimate_memory(num_layers, n, workers)
+    need = estimate_memory(num_layers, n, workers, batch=batch)
     if have is not None and need > have:
         gib = 2**30
         raise MemoryError(
@@ -519,10 +529,16 @@ def _one_torch_thread():
         torch.set_num_threads(before)
 
 
-def _check_bool(name: str, value: Any) -> bool:
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name} must be True or False, got {_checks.describe(value)}")
-    return bool(value)
+def _unit_exponent(caps: np.ndarray) -> int:
+    """e with max(caps)·2^-e in (0.5, 1] (0 for an all-zero graph, and when the largest capacity is in
+    (0.5, 1], as with the default residual). Max flow is linear in the capacities, so the solver works on
+    caps·2^-e — exact in binary floating point, for capacities of any magnitude, subnormal (1e-310) or
+    near the float64 limit — and its values are scaled back by 2^e."""
+    top = float(caps.max()) if caps.size else 0.0
+    if not top > 0:
+        return 0
+    mant, e = np.frexp(top)
+    return int(e) - 1 if mant == 0.5 else int(e)
 
 
 def _check_progress(progress: Any) -> Callable[[int, int], Any] | None:
@@ -532,14 +548,15 @@ def _check_progress(progress: Any) -> Callable[[int, int], Any] | None:
 
 
 def _plan(stack: np.ndarray, mask: np.ndarray | None, row_idx: list[int], workers: int, n_layers: int):
-    """Per example (kept token indices, capacities cropped to them); the (example, output row, source
-    index, block of inputs) tasks; the number of workers worth starting."""
+    """Per example (kept token indices, capacities cropped to them and scaled by 2^-e, e); the (example,
+    output row, source index, block of inputs) tasks; the number of workers worth starting."""
     batch, n = stack.shape[0], stack.shape[-1]
     per_example = []
     for b in range(batch):
         keep = np.arange(n) if mask is None else np.flatnonzero(mask[b])
         caps = np.ascontiguousarray(stack[b][:, keep][:, :, keep]) if mask is not None else stack[b]
-        per_example.append((keep, caps))
+        e = _unit_exponent(caps)
+        per_example.append((keep, np.ldexp(caps, -e), e))
     # One task per (example, output, block of inputs); padded outputs are simply left at 0.
     problems = [
         (b, q, int(np.searchsorted(per_example[b][0], r)))
@@ -568,7 +585,7 @@ def _solve_in_workers(per_example: list, tasks: list, workers: int, out: np.ndar
     lock = _FORK_LOCK if fork else contextlib.nullcontext()
     with lock:
         if fork:  # workers inherit the capacities; only indices travel through the pipes
-            _FORKED[:] = [caps for _, caps in per_example]
+            _FORKED[:] = [caps for _, caps, _ in per_example]
         try:
             with ProcessPoolExecutor(max_workers=min(workers, len(tasks)), mp_context=ctx) as pool:
                 futures = [
@@ -577,7 +594,7 @@ def _solve_in_workers(per_example: list, tasks: list, workers: int, out: np.ndar
                 ]
                 for fut, (b, q, src, chunk) in zip(futures, tasks):
                     values, _ = fut.result()
-                    out[b, q, per_example[b][0][chunk]] = values
+                    out[b, q, per_example[b][0][chunk]] = np.ldexp(values, per_example[b][2])
                     tick(len(chunk))
         finally:
             _FORKED.clear()
@@ -592,12 +609,23 @@ def _solve(per_example: list, tasks: list, workers: int, shape: tuple[int, int, 
     out = np.zeros(shape)
     if workers == 1 or len(tasks) <= 1:
         for b, q, src, chunk in tasks:
-            keep, caps = per_example[b]
+            keep, caps, e = per_example[b]
             values, _ = _RowSolver(caps, src).solve(chunk.tolist(), tick=tick)
-            out[b, q, keep[chunk]] = values
+            out[b, q, keep[chunk]] = np.ldexp(values, e)
     else:
         _solve_in_workers(per_example, tasks, workers, out, tick)
     return out
+
+
+def _rows_within_memory(attentions: Any, fused: bool, mask: Any, start_layer: Any, end_layer: Any, rows: Any,
+                        workers: int, available_memory: int | None) -> list[int] | None:
+    """The output rows, after checking from the shapes alone (before any dense capacity is built) that the
+    graphs fit in ``available_memory``."""
+    shape = parse_attentions(attentions, fused=fused, attention_mask=mask, validate=False)
+    first, last = layer_range(len(shape.tensors), start_layer, end_layer)
+    row_idx = parse_rows(rows, shape.n)
+    _check_memory(last - first, shape.n, workers, available_memory, shape.batch)
+    return row_idx
 
 
 def attention_flow(
@@ -657,9 +685,11 @@ def attention_flow(
     Raises:
         MemoryError: when the graph would need more than ``available_memory`` (the message gives the estimate).
     """
-    normalize = _check_bool("normalize", normalize)
+    normalize = _checks.check_bool("normalize", normalize)
     progress = _check_progress(progress)
     workers = _check_jobs(n_jobs)
+    row_idx = _rows_within_memory(attentions, head_fusion is None, attention_mask, start_layer, end_layer, rows,
+                                  workers, available_memory)
     with _one_torch_thread():
         mats, layers, _ = augmented_layers(
             attentions, head_fusion=head_fusion, alpha=alpha, residual_mode=residual_mode,
@@ -668,9 +698,7 @@ def attention_flow(
             attention_mask=attention_mask, check_stochastic=check_stochastic, dtype=dtype,
         )
     n, batch, out_dtype = layers.n, layers.batch, mats[0].dtype
-    row_idx = parse_rows(rows, n)
     row_idx = list(range(n)) if row_idx is None else row_idx
-    _check_memory(len(mats), n, workers, available_memory)
     stack = np.stack([t.detach().cpu().numpy() for t in mats], axis=1).astype(np.float64)  # (B, L', n, n)
     mask = None if layers.mask is None else layers.mask.cpu().numpy()
     per_example, tasks, workers = _plan(stack, mask, row_idx, workers, len(mats))

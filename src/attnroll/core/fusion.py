@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import torch
 
 from .. import _checks
@@ -13,29 +12,12 @@ HOW = ("mean", "max", "min")
 
 
 def head_weights(how: Any, num_heads: int, *, like: torch.Tensor) -> torch.Tensor | None:
-    """Validate ``how``; for a weight vector return it normalised to sum 1 (shape (H,)), else None."""
+    """Validate ``how``; for a weight vector return it normalised to sum 1 (shape (H,), on ``like``'s
+    device and floating dtype), else None."""
+    how = _checks.check_head_fusion("head_fusion", how, allow_none=False, num_heads=num_heads)
     if isinstance(how, str):
-        _checks.check_choice("head_fusion", how, HOW)
         return None
-    if isinstance(how, (list, tuple, np.ndarray, torch.Tensor)):
-        if isinstance(how, (list, tuple)):
-            # float64 first, so that weights given as Python floats lose no precision before the cast below.
-            how = torch.as_tensor(how, dtype=torch.float64)
-        w, _ = _checks.as_tensor("head_fusion weights", how)
-        w = w.to(device=like.device, dtype=like.dtype if like.is_floating_point() else torch.float32)
-        if w.ndim != 1 or w.shape[0] != num_heads:
-            raise ValueError(
-                f"head_fusion weights must be a vector of length H={num_heads} (one per head), "
-                f"got shape {tuple(w.shape)}"
-            )
-        if not bool(torch.isfinite(w).all()) or bool((w < 0).any()) or float(w.sum()) <= 0:
-            raise ValueError(
-                f"head_fusion weights must be finite, non-negative and not all zero, got {w.tolist()}"
-            )
-        return w / w.sum()
-    raise TypeError(
-        f"head_fusion must be 'mean', 'max', 'min' or a length-H weight vector, got {_checks.describe(how)}"
-    )
+    return how.to(device=like.device, dtype=like.dtype if like.is_floating_point() else torch.float32)
 
 
 def fuse_tensor(attn: torch.Tensor, how: Any) -> torch.Tensor:
@@ -58,6 +40,9 @@ def fuse_heads(attn: Any, how: Any = "mean") -> Any:
         how: "mean" (default), "max", "min", or a length-H vector of non-negative head weights (normalised
             to sum 1 before use).
 
+    Raises:
+        ValueError: NaN or infinite entries (signed values are fused as given).
+
     Returns:
         (..., n, n), the same kind (torch / numpy) and floating dtype as the input. Mean and weighted fusion
         of row-stochastic heads stay row-stochastic; max and min fusion do not.
@@ -68,5 +53,6 @@ def fuse_heads(attn: Any, how: Any = "mean") -> Any:
     _checks.check_square("attn", t)
     if not t.is_floating_point():
         t = t.to(torch.float32)
+    _checks.check_finite("attn", t)
     out = fuse_tensor(t, how)
     return out.numpy() if was_numpy else out

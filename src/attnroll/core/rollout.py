@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 
 from .. import _checks
@@ -44,6 +45,7 @@ class Layers:
     check_stochastic: bool = True
     name: str = "attentions"
     validate: bool = True
+    atol: float = _checks.STOCHASTIC_ATOL  # row-sum tolerance for the input's dtype
     _pending: list = field(default_factory=list, repr=False)
 
     @property
@@ -55,20 +57,26 @@ class Layers:
         return self.tensors[0].shape[0]
 
     def layer(self, i: int) -> torch.Tensor:
-        """Layer i in the working dtype, its values checked."""
+        """Layer i in the working dtype, its values checked. Rows of padded queries are set to 0 first: they
+        carry nothing, and a model may leave anything there (NaN for an example that is all padding)."""
         t = self.tensors[i].to(self.dtype)
+        if self.mask is not None:
+            rows = (self.mask if self.fused else self.mask.unsqueeze(1)).unsqueeze(-1)
+            t = torch.where(rows, t, torch.zeros((), dtype=t.dtype, device=t.device))
         if self.validate and t.numel():
-            self.check(i, float(t.amin()), t.sum(dim=-1))
+            d = t.detach()  # statistics only: no autograd graph, no warning for grad-tracking input
+            self.check(i, float(d.amin()), d.sum(dim=-1), d)
         return t
 
-    def check(self, i: int, minimum: float, sums: torch.Tensor) -> None:
+    def check(self, i: int, minimum: float, sums: torch.Tensor, source: torch.Tensor | None = None) -> None:
         """Judge layer i (or a block of it) from its minimum and row sums (B, [H,] rows)."""
         if self.mask is not None and sums.shape[-1] == self.n:
             # Padding rows may hold anything (zeros, uniform rows); only real queries must be stochastic.
             row_mask = self.mask if self.fused else self.mask.unsqueeze(1)
             sums = sums[row_mask.expand_as(sums)]
         _checks.check_values(
-            f"{self.name}[{i}]", minimum, sums, stochastic=self.check_stochastic, how_to_accept=_ACCEPT_HINT
+            f"{self.name}[{i}]", minimum, sums, stochastic=self.check_stochastic, how_to_accept=_ACCEPT_HINT,
+            atol=self.atol, source=self.tensors[i] if source is None else source,
         )
 
     def defer(self, i: int, minimum: torch.Tensor, sums: torch.Tensor) -> None:
@@ -84,7 +92,7 @@ class Layers:
         sums = torch.cat([p[2].reshape(-1) for p in pending])
         ok = minimum >= 0 and bool(torch.isfinite(sums).all())
         if ok and self.check_stochastic:
-            ok = float((sums - 1).abs().max()) <= _checks.STOCHASTIC_ATOL
+            ok = float((sums - 1).abs().max()) <= self.atol
         if ok:
             return
         for i in sorted({p[0] for p in pending}):
@@ -183,7 +191,10 @@ def parse_attentions(
         mask = mask.to(tensors[0].device)
         if bool(mask.all()):
             mask = None
-    return Layers(tensors, batched, next(iter(kinds)), fused, mask, want, bool(check_stochastic), name, bool(validate))
+    check_stochastic = _checks.check_bool("check_stochastic", check_stochastic)
+    validate = _checks.check_bool("validate", validate)
+    atol = _checks.stochastic_atol(tensors[0].dtype)
+    return Layers(tensors, batched, next(iter(kinds)), fused, mask, want, check_stochastic, name, validate, atol)
 
 
 def layer_range(num_layers: int, start_layer: Any, end_layer: Any) -> tuple[int, int]:
@@ -218,15 +229,9 @@ def parse_rows(rows: Any, n: int) -> list[int] | None:
     """None, an int, or a non-empty sequence of token indices (negative = from the end)."""
     if rows is None:
         return None
-    if isinstance(rows, (int,)) and not isinstance(rows, bool):
-        rows = [rows]
-    if isinstance(rows, torch.Tensor) or type(rows).__module__ == "numpy":
-        rows = [int(r) for r in rows.reshape(-1).tolist()]
-    if not isinstance(rows, (list, tuple, range)):
-        raise TypeError(f"rows must be an int or a sequence of token indices, got {_checks.describe(rows)}")
-    if len(rows) == 0:
+    if isinstance(rows, (list, tuple, range, torch.Tensor, np.ndarray)) and getattr(rows, "ndim", 1) and len(rows) == 0:
         raise ValueError("rows is empty: give at least one output token index, or rows=None for all rows")
-    return [_checks.check_index(f"rows[{i}]", r, n) for i, r in enumerate(rows)]
+    return _checks.check_indices("rows", rows, n)
 
 
 # ------------------------------------------------------------------------------------------- the pipeline
@@ -252,9 +257,7 @@ class LayerPipeline:
         protect_prefix: int = 1,
         mask: torch.Tensor | None = None,
     ) -> None:
-        if isinstance(head_fusion, str):
-            _checks.check_choice("head_fusion", head_fusion, fusion.HOW)
-        self.head_fusion = head_fusion
+        self.head_fusion = _checks.check_head_fusion("head_fusion", head_fusion)
         self.a, self.c = residual.residual_coefficients(alpha, residual_mode)
         self.renorm = residual_mode == "renorm"
         (self.discard_ratio, self.discard_scope, self.top_k, self.threshold, self.protect_prefix) = (
@@ -355,7 +358,8 @@ def _streamed_contract(V: torch.Tensor, layers: Layers, i: int, how: Any) -> tor
             r1 = min(n, r0 + rows_per_block)
             blk = raw[:, h0:h1, r0:r1, :].to(dtype)  # (B, h, rows, n)
             if layers.validate:
-                layers.defer(i, blk.amin(), blk.sum(dim=-1))
+                d = blk.detach()
+                layers.defer(i, d.amin(), d.sum(dim=-1))
             u = wv[..., r0:r1].expand(B, V.shape[1], h1 - h0, r1 - r0).reshape(B, V.shape[1], -1)
             part = u @ blk.reshape(B, -1, n)  # sums over the heads of the block and its rows
             acc = part if acc is None else acc.add_(part)
@@ -475,8 +479,8 @@ def rollout(
         attention_mask: (B, n) — or (n,) unbatched — of 0/1, 1 = real token. Padded tokens neither give nor
             receive: their rows and columns of R are exactly 0; real rows are rescaled as if the padding
             had been cropped away.
-        check_stochastic: require rows of the input (real tokens) to sum to 1 within 1e-3. False accepts any
-            non-negative matrices.
+        check_stochastic: rows of the input (real tokens) must sum to 1 within 1e-3 (4 machine epsilons for
+            bfloat16 / float16 input); False accepts any non-negative matrices.
         dtype: working and output dtype, float32 or float64; default float64 for float64 input, else float32.
         validate: check the values of the input (finite, non-negative, and stochastic rows when
             ``check_stochastic``). These checks cost two extra in-cache passes over the attention; ``False``
@@ -511,7 +515,7 @@ def rollout(
         protect_prefix=protect_prefix,
         mask=layers.mask,
     )
-    out = _product(layers, start, end, pipe, row_idx, bool(return_layers))
+    out = _product(layers, start, end, pipe, row_idx, _checks.check_bool("return_layers", return_layers))
     return layers.give_back(out, batch_axis=1 if return_layers else 0)
 
 
@@ -566,7 +570,7 @@ def per_head_rollout(
         protect_prefix=protect_prefix,
         mask=mask,
     )
-    out = _product(layers, start, end, pipe, row_idx, bool(return_layers))
+    out = _product(layers, start, end, pipe, row_idx, _checks.check_bool("return_layers", return_layers))
     return layers.give_back(out, batch_axis=1 if return_layers else 0)
 
 

@@ -8,8 +8,8 @@ the patches of a grid (h, w) in row-major order; patch (i, j) covers pixels [i·
 by position, see :func:`attnroll.evaluate._common.relevance_order`), and records the model's response.
 
 All copies of a batch are built with tensor operations and run through the model ``batch_size`` images at
-a time, under ``torch.no_grad()``. The model's mode is left as it is: put it in eval mode first (dropout
-would make every curve noisy).
+a time, under ``torch.no_grad()``, in eval mode (dropout off: every call gives the same curve); the
+model's own train/eval flags are restored afterwards.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from .. import _checks
+from .._modes import in_eval_mode
 from ._common import chunks, image_forward, relevance_order
 from .registry import MetricInputs, MetricValues, register_metric
 
@@ -268,6 +269,7 @@ def _run(
     )
 
 
+@in_eval_mode
 def perturbation_curve(
     model: Any,
     pixel_values: Any,
@@ -326,6 +328,7 @@ def _step_counts(steps: Any, units: int) -> list[int]:
 
 
 # --------------------------------------------------------------------------------- deletion / insertion
+@in_eval_mode
 def deletion(
     model: Any,
     pixel_values: Any,
@@ -367,6 +370,7 @@ def deletion(
     return _result("deletion", fr, c.probs, trapezoid(c.probs, fr), False, c.target)
 
 
+@in_eval_mode
 def insertion(
     model: Any,
     pixel_values: Any,
@@ -436,6 +440,7 @@ def _chefer(
     return _result(kind, fr, correct, 100.0 * trapezoid(correct, fr), kind == "negative", c.target)
 
 
+@in_eval_mode
 def positive_perturbation(
     model: Any,
     pixel_values: Any,
@@ -468,6 +473,7 @@ def positive_perturbation(
     return _chefer("positive", model, pixel_values, scores, target, labels, grid, fractions, fill, batch_size)
 
 
+@in_eval_mode
 def negative_perturbation(
     model: Any,
     pixel_values: Any,

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from .. import _checks
+from .._modes import in_eval_mode
 from ..methods import batch_size_of, explain_batches, method_info, take_rows
 from ._common import batched_logits, chunks, image_forward, logits_of, nanmean
 from .registry import METRICS, MetricInputs, metric_info, metric_names
@@ -217,6 +218,7 @@ def _probe(model: Any, x: Any, methods: list[str], tgt: Any, method_options: dic
             raise ValueError(f"method {m!r} cannot explain this model: {e}") from e
 
 
+@in_eval_mode
 def evaluate_methods(
     model: Any,
     inputs: Any,

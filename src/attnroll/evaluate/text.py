@@ -19,8 +19,8 @@ plus those flagged by ``inputs["special_tokens_mask"]`` when the tokenizer was c
 
 The model is a transformers sequence classifier (or any module) called as ``model(input_ids=...,
 attention_mask=..., token_type_ids=...)`` (token_type_ids only when the inputs hold them) returning logits
-(B, C) or an object with ``.logits``. It runs under ``torch.no_grad()`` in the mode it is in: put it in eval
-mode first.
+(B, C) or an object with ``.logits``. It runs under ``torch.no_grad()`` in eval mode (dropout off); the
+model's own train/eval flags are restored afterwards.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from .. import _checks
+from .._modes import in_eval_mode
 from ._common import chunks, logits_of, relevance_order
 from .perturbation import PerturbationResult, _result
 from .registry import MetricInputs, MetricValues, register_metric
@@ -167,6 +168,7 @@ def _aopc(
     return _result(kind, q, curves, curves.mean(axis=1), kind == "comprehensiveness", tgt.numpy())
 
 
+@in_eval_mode
 def comprehensiveness(
     model: Any,
     inputs: Any,
@@ -198,6 +200,7 @@ def comprehensiveness(
     return _aopc("comprehensiveness", model, inputs, scores, target, bins, keep, batch_size)
 
 
+@in_eval_mode
 def sufficiency(
     model: Any,
     inputs: Any,

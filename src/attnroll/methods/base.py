@@ -19,6 +19,7 @@ from .._modes import params_require_grad
 from ..capture import capture as _capture
 from ..capture.outputs import main_logits
 from ..capture.record import AttentionRecord, Readout, StreamInfo, is_causal, last_real, resolve_readout
+from . import _option_checks
 from .explanation import Explanation
 
 __all__ = ["Explanation", "Explainer", "explain", "methods", "method_info", "check_options", "register", "Method",
@@ -113,7 +114,20 @@ class Context:
     def record(self, fuse_heads: Any = None) -> AttentionRecord:
         """Capture the attention of one forward pass (no gradients), resolving the target for the record."""
         self.rec = _capture(self.model, self.inputs, fuse_heads=fuse_heads, tokenizer=self.tokenizer)
+        self.check_attention(self.rec)
         return self.rec
+
+    def check_attention(self, rec: AttentionRecord) -> None:
+        """Refuse NaN / infinite attention at real tokens (what every method reads); padded query rows may
+        hold anything (an example that is all padding gives NaN rows) and are zeroed by the methods."""
+        for s, layers in rec.streams.items():
+            mask = self.mask(rec, s)
+            for i, t in enumerate(layers):
+                x = t.detach()
+                if mask is not None and x.shape[-2] == mask.shape[-1]:
+                    rows = mask.to(device=x.device, dtype=torch.bool)[:, None, :, None]
+                    x = torch.where(rows if x.ndim == 4 else rows[:, 0], x, torch.zeros((), dtype=x.dtype, device=x.device))
+                _checks.check_finite(f"the attention of {type(self.model).__name__} (stream {s!r}, layer {i})", x)
 
     def grad_record(self, streams: list[str] | None = None, scores: Callable | None = None):
         """Forward with autograd, the target scores y (B,), and dy/dA for every layer of ``streams``.
@@ -122,9 +136,10 @@ class Context:
         order of the attention modules in the model, never hook order). ``scores(record) -> (B,)`` replaces
         the default target resolution (CLIP, encoder-decoders)."""
         require_grad_mode(self.method.name)
-        with params_require_grad(self.model):
+        with params_require_grad(self.model, partly=True):
             rec = _capture(self.model, self.inputs, keep_grad=True, tokenizer=self.tokenizer)
         self.rec = rec
+        self.check_attention(rec)
         names = list(rec.streams) if streams is None else streams
         y = scores(rec) if scores is not None else self.target_scores(rec)
         # Parallel branches of one layer are separate tensors in the graph: differentiate each, then
@@ -272,9 +287,11 @@ class Context:
         info = self.info(rec, stream)
         mask = info.mask
         if mask is not None:
-            full_row = full_row * mask.cpu()
+            # where, not a product: a model may leave NaN at padding (an example that is all padding).
+            real = mask.cpu().bool()
+            full_row = torch.where(real, full_row, torch.zeros((), dtype=full_row.dtype))
             if layers is not None:
-                layers = layers * mask.cpu()
+                layers = torch.where(real, layers.cpu(), torch.zeros((), dtype=layers.dtype))
         p = info.prefix if prefix is None else prefix
         stop = full_row.shape[-1] - info.suffix
         if isinstance(readout, (list, tuple)):
@@ -376,6 +393,7 @@ def check_options(method: str | Method, options: dict) -> dict:
         raise ValueError(
             f"method {m.name!r} has no option {k!r}. Its options: {', '.join(sorted(allowed))}.{hint}"
         )
+    _option_checks.check_values(m.name, options)  # values too, before any model runs
     return {**allowed, **options}
 
 
@@ -487,8 +505,9 @@ def rollout_rows(fn: Callable, attentions: Any, readout: Readout | list[int], ma
         n = (attentions[0] if isinstance(attentions, (list, tuple)) else attentions[0]).shape[-1]
         readout = resolve_readout(list(readout), batch=B, n=n, mask=None)
     rows = readout.rows()
-    R = fn(attentions, rows=rows, return_layers=bool(return_layers), attention_mask=mask, **options)
-    return combine_rows(R, readout, rows, layered=bool(return_layers))
+    return_layers = _checks.check_bool("return_layers", return_layers)
+    R = fn(attentions, rows=rows, return_layers=return_layers, attention_mask=mask, **options)
+    return combine_rows(R, readout, rows, layered=return_layers)
 
 
 def combine_rows(R: torch.Tensor, readout: Readout, rows: list[int], *, layered: bool = False):

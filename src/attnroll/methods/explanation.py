@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._io import atomic_write
+from .._io import atomic_write, reading
 
 _FORMAT = "attnroll.Explanation/1"
 
@@ -133,33 +133,25 @@ class Explanation:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Explanation":
-        """Read a file written by :meth:`save` (no pickles are loaded)."""
-        with np.load(os.fspath(path), allow_pickle=False) as z:
-            if "__meta__" not in z.files:
-                raise ValueError(f"{os.fspath(path)} is not an attnroll Explanation file (no metadata record)")
-            meta = json.loads(str(z["__meta__"]))
-            if meta.get("format") != _FORMAT:
-                raise ValueError(f"{os.fspath(path)}: unknown format {meta.get('format')!r}, expected {_FORMAT!r}")
-            t = {k: torch.from_numpy(z[k].copy()) for k in z.files if k != "__meta__"}
-        extra = dict(meta.get("extra") or {})
-        extra.update({k[len("extra__"):]: v for k, v in t.items() if k.startswith("extra__")})
-        return cls(
-            scores=t["scores"],
-            full_row=t["full_row"],
-            layers=t.get("layers"),
-            tokens=meta["tokens"],
-            grid=tuple(meta["grid"]) if meta["grid"] is not None else None,
-            prefix=meta["prefix"],
-            method=meta["method"],
-            options=meta["options"],
-            target=meta["target"],
-            positions=meta["positions"],
-            attention_mask=t.get("attention_mask"),
-            extra=extra,
-            readout=meta.get("readout"),
-            readout_weights=t.get("readout_weights"),
-            suffix=int(meta.get("suffix", 0)),
-        )
+        """Read a file written by :meth:`save` (no pickles are loaded).
+
+        Raises:
+            FileNotFoundError: no such file.
+            ValueError: the file is not a complete Explanation file (empty, truncated, a plain ``.npy``,
+                another ``.npz``, metadata or arrays missing); the message names the file and what is wrong.
+        """
+        path = os.fspath(path)
+        with reading(path, "attnroll Explanation file (.npz)"):
+            with open(path, "rb") as fh:  # a missing file or a folder raises here, unchanged
+                magic = fh.read(6)
+            if magic and not magic.startswith((b"PK", b"\x93NUMPY")):
+                raise ValueError(f"{path} is not an .npz archive (not a zip file): not an attnroll Explanation file")
+            z = np.load(path, allow_pickle=False)
+            if not isinstance(z, np.lib.npyio.NpzFile):
+                raise ValueError(f"{path} is a plain .npy array, not an attnroll Explanation file (.npz)")
+            with z:
+                t, meta = _read_npz(path, z)
+            return _from_parts(cls, path, t, meta)
 
     # ---------------------------------------------------------------------------------------- display
     def to_html(self, index: int | None = None, kind: str = "max", *, interactive: bool = False,
@@ -196,6 +188,65 @@ class Explanation:
             f"Explanation(method={self.method!r}, scores={tuple(self.scores.shape)}, prefix={self.prefix}, "
             f"{where}, target={self.target!r}, layers={None if self.layers is None else tuple(self.layers.shape)})"
         )
+
+
+#: Metadata entries of the file format and the types they must have.
+_META = {"method": (str,), "options": (dict,), "tokens": (list, type(None)), "grid": (list, type(None)),
+         "prefix": (int,), "positions": (list, type(None)), "extra": (dict, type(None))}
+
+
+def _read_npz(path: str, z: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The arrays and the metadata of an open Explanation archive, checked for completeness."""
+    if "__meta__" not in z.files:
+        raise ValueError(f"{path} is not an attnroll Explanation file (no metadata record)")
+    meta = json.loads(str(z["__meta__"]))
+    if not isinstance(meta, dict) or meta.get("format") != _FORMAT:
+        got = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        raise ValueError(f"{path}: unknown format {got!r}, expected {_FORMAT!r}")
+    missing = [k for k in ("scores", "full_row") if k not in z.files] + [k for k in _META if k not in meta]
+    if missing:
+        raise ValueError(f"{path} is an incomplete attnroll Explanation file: {', '.join(missing)} missing")
+    bad = [k for k, types in _META.items() if not isinstance(meta[k], types) or isinstance(meta[k], bool)]
+    if bad:
+        raise ValueError(f"{path}: metadata entries {bad} have the wrong type")
+    t = {k: torch.from_numpy(z[k].copy()) for k in z.files if k != "__meta__"}
+    if t["scores"].ndim != 2 or t["full_row"].ndim != 2 or t["scores"].shape[0] != t["full_row"].shape[0]:
+        raise ValueError(
+            f"{path}: scores {tuple(t['scores'].shape)} and full_row {tuple(t['full_row'].shape)} must be "
+            "(B, units) and (B, n) with the same B"
+        )
+    return t, meta
+
+
+def _from_parts(cls: Any, path: str, t: dict[str, torch.Tensor], meta: dict[str, Any]) -> "Explanation":
+    extra = dict(meta.get("extra") or {})
+    extra.update({k[len("extra__"):]: v for k, v in t.items() if k.startswith("extra__")})
+    grid = meta["grid"]
+    if grid is not None and (len(grid) != 2 or not all(isinstance(g, int) for g in grid)):
+        raise ValueError(f"{path}: grid must be two ints, got {grid!r}")
+    return cls(
+        scores=t["scores"],
+        full_row=t["full_row"],
+        layers=t.get("layers"),
+        tokens=meta["tokens"],
+        grid=tuple(grid) if grid is not None else None,
+        prefix=meta["prefix"],
+        method=meta["method"],
+        options=meta["options"],
+        target=meta.get("target"),
+        positions=meta["positions"],
+        attention_mask=t.get("attention_mask"),
+        extra=extra,
+        readout=meta.get("readout"),
+        readout_weights=t.get("readout_weights"),
+        suffix=_checks_int(path, "suffix", meta.get("suffix", 0)),
+    )
+
+
+def _checks_int(path: str, key: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{path}: metadata entry {key!r} must be an integer, got {value!r}")
+    return value
 
 
 def _np(t: Any) -> np.ndarray:

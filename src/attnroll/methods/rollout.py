@@ -3,6 +3,7 @@ through (see ``attnroll.rollout``)."""
 
 from __future__ import annotations
 
+from .. import _checks
 from ..core.operators import fused_probs
 from ..core.rollout import rollout as core_rollout
 from . import _recompute
@@ -21,6 +22,7 @@ def rollout(ctx: Context, *, stream, return_layers, protect_prefix, attention, *
 
     ``attention``: None picks the matrix-free route when it can, "recompute" insists, "dense" captures
     the n×n matrices (eager)."""
+    opts["head_fusion"] = _checks.check_head_fusion("head_fusion", opts["head_fusion"], allow_none=False)
     if _recompute.choose(ctx, attention, _recompute.sparsity_refusal(opts)):
         how = opts["head_fusion"]
         out = _recompute.explain_rows(
@@ -32,7 +34,7 @@ def rollout(ctx: Context, *, stream, return_layers, protect_prefix, attention, *
             return out
     # Fusing the mean inside the capture hook keeps (B, n, n) per layer instead of (B, H, n, n); its rows
     # still sum to 1, so core rollout validates them as usual (max/min fusion would not: fused in core).
-    fuse = "mean" if opts["head_fusion"] == "mean" else None
+    fuse = "mean" if isinstance(opts["head_fusion"], str) and opts["head_fusion"] == "mean" else None
     rec = ctx.record(fuse_heads=fuse)
     s = ctx.stream(rec)
     ro = ctx.readout(rec, s)

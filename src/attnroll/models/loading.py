@@ -97,7 +97,10 @@ def _quiet_transformers() -> None:
 def load_shapes(marker: bool = False) -> LoadedModel:
     """The embedded image model (``attnroll.models.shapes``); ``marker=True``: the copy fine-tuned to follow a
     class-coded corner marker (``attnroll.models.spurious``)."""
+    from .. import _checks
     from . import shapes
+
+    marker = _checks.check_bool("marker", marker)
 
     try:
         model = shapes.load_shapes_model()
@@ -185,10 +188,22 @@ def _read_state_dict(weights: Path) -> dict:
                     state = state[key]
                     break
     except Exception as e:  # noqa: BLE001
-        raise ValueError(f"weights {weights}: not a weights file: {_one_line(e)[:200]}") from None
+        raise ValueError(f"weights {weights}: not a weights file: {_weights_problem(weights, e)}") from None
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise ValueError(f"weights {weights}: not a state dict of tensors")
     return state
+
+
+def _weights_problem(weights: Path, e: Exception) -> str:
+    """What is wrong with a weights file, in a few words (torch's weights-only refusal is a paragraph)."""
+    import pickle
+
+    if weights.is_file() and weights.stat().st_size == 0:
+        return "the file is empty (0 bytes)"
+    if isinstance(e, pickle.UnpicklingError) and "weights_only" in str(e).replace(" ", "_").lower():
+        return ("it holds Python objects besides tensors, which attnroll does not unpickle "
+                "(torch.load(weights_only=True)); save a state dict of tensors or .safetensors")
+    return _one_line(e)[:200] or type(e).__name__
 
 
 def load_timm(name: str, weights: str | os.PathLike) -> LoadedModel:

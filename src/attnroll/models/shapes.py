@@ -26,6 +26,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from .._io import reading
+
 __all__ = [
     "CLASSES",
     "IMAGE_SIZE",
@@ -430,6 +432,7 @@ def load_shapes_model(path: str | Path | None = None, *, dtype: torch.dtype = to
     Raises:
         FileNotFoundError: ``config.json`` or ``model.safetensors`` is missing (the message says how to
             rebuild them).
+        ValueError: one of them is malformed (empty, truncated, the wrong tensors); the message names it.
     """
     from safetensors.torch import load_file
     from transformers import ViTConfig, ViTForImageClassification
@@ -441,10 +444,12 @@ def load_shapes_model(path: str | Path | None = None, *, dtype: torch.dtype = to
             raise FileNotFoundError(
                 f"load_shapes_model: {f} not found; rebuild it with `python -m attnroll.models.train_shapes`"
             )
-    config = ViTConfig.from_dict(json.loads(cfg_file.read_text()))
+    with reading(cfg_file, "shapes model config (JSON)"):
+        config = ViTConfig.from_dict(json.loads(cfg_file.read_text()))
     model = ViTForImageClassification(config)
-    state = {k: v.to(dtype) for k, v in load_file(str(weights)).items()}
-    model.load_state_dict(state, strict=True)
+    with reading(weights, "shapes model weights (.safetensors)"):
+        state = {k: v.to(dtype) for k, v in load_file(str(weights)).items()}
+        model.load_state_dict(state, strict=True)
     model.to(dtype)
     model.eval()
     return model

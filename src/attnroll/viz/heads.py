@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .. import _checks
 from . import deps
 from ._explanation import is_explanation
 from .layers import _token_labels
@@ -66,6 +67,8 @@ def plot_heads(
     Returns:
         a PIL RGB image.
     """
+    _checks.check_figure(cell=cell, dpi=dpi, max_cols=max_cols, alpha=alpha)
+    _checks.check_int("row", row)
     plt = deps.pyplot("attnroll.viz.plot_heads")
     rows = head_rows(source, index, row=row)  # (H, n)
     is_expl = is_explanation(source)

@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .. import _checks
 from . import deps
 from .overlay import overlay
 
@@ -40,6 +41,7 @@ def plot_layers(
     Returns:
         a PIL RGB image (image models: about ``cell`` pixels per map).
     """
+    _checks.check_figure(cell=cell, dpi=dpi, max_cols=max_cols, alpha=alpha)
     plt = deps.pyplot("attnroll.viz.plot_layers")
     L = _check_layers(expl)[:, index].to(torch.float64)  # (L, n)
     p = expl.prefix

@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .. import _checks
 from . import deps
 from .._callable import make_callable as _make_callable
 from ._explanation import is_explanation
@@ -24,6 +25,7 @@ def grid_map(source: Any, index: int = 0, kind: str = "minmax") -> np.ndarray:
     a [0, 1] scale, only clipped, so that several maps can share one scale).
     """
     if is_explanation(source):
+        index = _checks.check_index("index", index, source.batch_size, "examples")
         g = source.normalized(kind).as_grid()[index].to(torch.float64).numpy()
     else:
         g = source.detach().cpu().numpy() if isinstance(source, torch.Tensor) else np.asarray(source)
@@ -99,15 +101,15 @@ def overlay(
         a PIL RGB image of ``size`` (W, H) pixels.
     """
     Image = deps.pil()
-    if not 0.0 <= float(alpha) <= 1.0:
-        raise ValueError(f"alpha must be in [0, 1], got {alpha!r}")
+    alpha = _checks.check_real("alpha", alpha, low=0.0, high=1.0)
     base = Image.fromarray(to_rgb_array(image))
     if size is None:
         out_size = base.size
-    elif isinstance(size, int):
-        out_size = (size, size)
+    elif isinstance(size, (tuple, list)) and len(size) == 2:
+        out_size = (_checks.check_int("size[0]", size[0], low=1), _checks.check_int("size[1]", size[1], low=1))
     else:
-        out_size = (int(size[0]), int(size[1]))
+        side = _checks.check_int("size", size, low=1)
+        out_size = (side, side)
     if base.size != out_size:
         base = base.resize(out_size, Image.BICUBIC)
     heat = colorize(grid_map(source, index, kind), out_size, cmap, resample)

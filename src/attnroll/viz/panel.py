@@ -6,6 +6,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from .. import _checks
 from . import deps
 from .._callable import make_callable as _make_callable
 from ._explanation import is_explanation
@@ -51,12 +52,14 @@ def panel(
     Returns:
         a PIL RGB image, about ``cell`` pixels per cell plus room for titles.
     """
+    _checks.check_figure(cell=cell, dpi=dpi, alpha=alpha)
+    show_input = _checks.check_bool("show_input", show_input)
     plt = deps.pyplot("attnroll.viz.panel")
     named = _named(explanations)
     if not named:
         raise ValueError("panel needs at least one explanation")
     n_img = len(images)
-    rows = list(range(n_img)) if indices is None else [int(i) for i in indices]
+    rows = list(range(n_img)) if indices is None else _checks.check_indices("indices", indices, n_img, "images")
     for name, e in named:
         if e.batch_size < n_img and indices is None:
             raise ValueError(f"explanation {name!r} has {e.batch_size} examples, images has {n_img}")

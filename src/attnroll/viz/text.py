@@ -7,6 +7,7 @@ from typing import Any, Mapping
 
 import torch
 
+from .. import _checks
 from . import deps
 from ._explanation import is_explanation
 
@@ -26,6 +27,7 @@ def token_scores(expl: Any, index: int = 0, kind: str = "max", skip: Any = None)
     ``skip``: token strings (e.g. the tokenizer's special tokens ``[CLS]``, ``[SEP]``) left out of the scaling;
     their score is None (shown without colour). Useful when the explained row's own token dominates."""
     n = expl.scores.shape[-1]
+    index = _checks.check_index("index", index, expl.batch_size, "examples")
     raw = expl.scores[index].to(torch.float64)
     toks = list(expl.tokens[index][expl.prefix:]) if expl.tokens else [f"#{j}" for j in range(n)]
     keep = list(range(min(n, len(toks))))
@@ -94,7 +96,7 @@ def tokens_html(
         parts.append(
             f"<div class='meta'>method {html.escape(e.method)}, target {html.escape(str(e.target))}</div>"
         )
-        for b in range(e.batch_size) if index is None else [int(index)]:
+        for b in range(e.batch_size) if index is None else [_checks.check_index("index", index, e.batch_size, "examples")]:
             spans = "".join(
                 f"<span class='t' title='{html.escape(tok, quote=True)}: {_num(v)}' style='background:{score_color(v)}'>"
                 f"{html.escape(tok)}</span>"
@@ -109,7 +111,7 @@ def explanation_html(expl: Any, index: int | None = None, kind: str = "max") -> 
     """A self-contained HTML snippet (a ``<div>``, no page) of one Explanation: its method and target, then
     each example (or example ``index``): tokens (prefix and padding left out) or, for images, a table of
     patch cells, on the background :func:`score_color` gives their score (``normalized(kind)``)."""
-    which = range(expl.batch_size) if index is None else [int(index)]
+    which = range(expl.batch_size) if index is None else [_checks.check_index("index", index, expl.batch_size, "examples")]
     parts = [
         "<div class='attnroll' style='font-family:sans-serif;line-height:2'>"
         f"<div><b>{html.escape(expl.method)}</b> target={html.escape(str(expl.target))}</div>"
@@ -166,5 +168,5 @@ def print_tokens(expl: Any, index: int | None = None, *, kind: str = "max", cons
     from rich.console import Console
 
     console = console or Console()
-    for b in range(expl.batch_size) if index is None else [int(index)]:
+    for b in range(expl.batch_size) if index is None else [_checks.check_index("index", index, expl.batch_size, "examples")]:
         console.print(tokens_text(expl, b, kind=kind, skip=skip))

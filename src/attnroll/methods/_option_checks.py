@@ -1,0 +1,87 @@
+"""Model-free checks of method option *values*: each option name (shared by every method that takes it)
+has one rule, applied by ``check_options`` before any model runs, so that ``explain(..., alpha="abc")``
+and ``attnroll explain -o alpha=abc`` fail at once, naming the option, not after a forward pass. Rules
+that need the model (``top_k`` <= n, ``start_layer`` < L, a stream's name) are checked again where the
+record is known."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from .. import _checks
+from ..core import residual, sparsify
+
+
+def _optional(rule: Callable[[str, Any], Any]) -> Callable[[str, Any], Any]:
+    return lambda name, v: None if v is None else rule(name, v)
+
+
+def _n_jobs(name: str, v: Any) -> Any:
+    n = _checks.check_int(name, v)
+    if n < 1 and n != -1:
+        raise ValueError(f"{name} must be a positive number of worker processes or -1 for all cores, got {n}")
+    return n
+
+
+def _position(name: str, v: Any) -> Any:
+    if isinstance(v, (list, tuple)) or (isinstance(v, (np.ndarray, torch.Tensor)) and v.ndim == 1):
+        return [_checks.check_int(f"{name}[{i}]", p) for i, p in enumerate(v)]
+    return _checks.check_int(name, v)
+
+
+def _baseline(name: str, v: Any) -> Any:
+    if isinstance(v, str):
+        return _checks.check_choice(name, v, ("pad", "zeros"))
+    return _checks.check_int(name, v, low=0)
+
+
+def _stream(name: str, v: Any) -> Any:
+    if not isinstance(v, str):
+        raise TypeError(f"{name} must be the name of an attention stream (a string), got {_checks.describe(v)}")
+    return v
+
+
+#: option name -> rule(name, value) raising TypeError / ValueError; options not listed are not checked here.
+RULES: dict[str, Callable[[str, Any], Any]] = {
+    "alpha": lambda n, v: _checks.check_real(n, v, low=0.0, high=1.0),
+    "residual_mode": lambda n, v: _checks.check_choice(n, v, residual.MODES),
+    "head_fusion": lambda n, v: _checks.check_head_fusion(n, v, allow_none=False),
+    "discard_ratio": lambda n, v: _checks.check_real(n, v, low=0.0, high=1.0, high_open=True),
+    "discard_scope": lambda n, v: _checks.check_choice(n, v, sparsify.SCOPES),
+    "top_k": _optional(lambda n, v: _checks.check_int(n, v, low=1)),
+    "threshold": _optional(lambda n, v: _checks.check_real(n, v, low=0.0)),
+    "protect_prefix": _optional(lambda n, v: _checks.check_int(n, v, low=0)),
+    "start_layer": lambda n, v: _checks.check_int(n, v),
+    "start_layer_text": lambda n, v: _checks.check_int(n, v),
+    "end_layer": _optional(lambda n, v: _checks.check_int(n, v)),
+    "layer": lambda n, v: _checks.check_int(n, v),
+    "return_layers": _checks.check_bool,
+    "normalize": _checks.check_bool,
+    "transpose": _checks.check_bool,
+    "dtype": lambda n, v: _checks.check_dtype(v),
+    "clamp": lambda n, v: _checks.check_choice(n, v, ("per_head", "after_mean")),
+    "n_steps": lambda n, v: _checks.check_int(n, v, low=1),
+    "internal_batch_size": _optional(lambda n, v: _checks.check_int(n, v, low=1)),
+    "max_tokens": lambda n, v: _checks.check_int(n, v, low=1),
+    "n_jobs": _optional(_n_jobs),
+    "seed": lambda n, v: _checks.check_int(n, v),
+    "baseline": _baseline,
+    "stream": _optional(_stream),
+    "position": _optional(_position),
+}
+
+
+def check_values(method: str, options: dict[str, Any]) -> None:
+    """Check the value of every option in ``options`` that has a rule; errors name the method and the
+    option (TypeError / ValueError from the shared checkers)."""
+    for name, value in options.items():
+        rule = RULES.get(name)
+        if rule is None:
+            continue
+        try:
+            rule(name, value)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"method {method!r}: {e}") from None
