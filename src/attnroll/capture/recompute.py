@@ -95,9 +95,9 @@ class KernelAdapter(Adapter):
         self.inner = inner
         self.family = inner.family
         # Everything but where the attention comes from is the transformers adapter's own.
-        for name in ("output_streams", "call_inputs", "bound_inputs", "stream_infos", "stream_kind", "affixes",
-                     "input_key", "readout_spec", "facts"):
-            if hasattr(inner, name):
+        own = {"sites", "install", "extract", "metadata", "input_hint"}
+        for name, value in vars(Adapter).items():
+            if callable(value) and not name.startswith("_") and name not in own:
                 setattr(self, name, getattr(inner, name))
         # The kernel is called by the site module itself or by a child (ViTAttention -> ViTSelfAttention).
         self.site_of: dict[int, Site] = {}
@@ -241,7 +241,9 @@ def capture_kernels(model: nn.Module, inputs: Any, *, keep_grad: bool = False, t
     still in the graph, for dy/dO."""
     from .hooks import run_forward
 
+    _checks.check_model_device(model)
     session = KernelCapture(model, keep_grad=keep_grad, tokenizer=tokenizer)
+    session.adapter.check_inputs(inputs)
     with session as record:
         with torch.enable_grad() if keep_grad else torch.no_grad():
             run_forward(model, inputs, session.adapter.input_hint)

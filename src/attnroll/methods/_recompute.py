@@ -72,7 +72,7 @@ def grad_record(ctx: Context, attention: Any, stream: str | None) -> Any:
     ``grad_out`` (B, H, n, d_v). None in auto mode when the capture is not possible."""
     require_grad_mode(ctx.method.name)
     try:
-        with params_require_grad(ctx.model):
+        with params_require_grad(ctx.model, partly=True):
             rec = capture_kernels(ctx.model, ctx.inputs, keep_grad=True, tokenizer=ctx.tokenizer)
     except (CaptureError, UnsupportedModelError):  # no kernel to record (e.g. attention read from outputs)
         if attention == "recompute":
