@@ -35,6 +35,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_rollout.py
 	$(PY) benchmarks/bench_flow.py
 	$(PY) benchmarks/bench_evaluate.py
+	$(PY) benchmarks/bench_batch.py
 	$(PY) benchmarks/bench_viewer.py
 
 clean:

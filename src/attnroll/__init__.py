@@ -29,6 +29,10 @@ from .methods.context import ContextAttribution, context_attribution
 # --- evaluate (issue 7): the subpackage, as attnroll.evaluate.deletion(...), attnroll.evaluate.audit(...) ---
 from . import evaluate
 
+# --- batch (issue 14): whole datasets, read back as a DataFrame ---
+from .batch import read_batch
+# --- end batch ---
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -48,5 +52,6 @@ __all__ = [
     "context_attribution",
     "ContextAttribution",
     "evaluate",
+    "read_batch",
     "__version__",
 ]

@@ -27,7 +27,8 @@ Nothing else is edited. Conventions: usage errors raise ``click.UsageError`` (ex
 :func:`~._output.write` (atomic) after all inputs were checked.
 
 Exit codes: 0 success, 2 usage error, 1 failure, 3 ``attnroll audit --fail-if-flagged`` flagged a shift,
-130 interrupted (Ctrl-C), 143 terminated (SIGTERM).
+3 ``attnroll batch`` completed with some inputs in its failures table, 130 interrupted (Ctrl-C), 143 terminated
+(SIGTERM).
 """
 
 import importlib as _importlib

@@ -11,7 +11,7 @@ import click
 from ._output import Failure, one_line
 
 __all__ = ["IMAGE_SUFFIXES", "DATASETS", "expand_images", "read_image", "load", "input_options", "check_inputs",
-           "load_for", "load_eval_model", "load_image_model", "load_texts", "load_data", "fill_tensor",
+           "load_for", "load_eval_model", "load_image_model", "load_texts", "load_data", "load_files", "fill_tensor",
            "check_data", "check_fill", "check_cmap"]
 
 #: Image file suffixes the commands read (what pillow decodes).
@@ -161,15 +161,19 @@ def _generated(data: str, lm: Any, n: int, seed: int) -> dict[str, Any]:
 def load_data(data: str, lm: Any, n: int, seed: int) -> dict[str, Any]:
     """``--data``: a generated dataset name or a folder of images. Returns pixel_values, and for generated
     data the raw images, labels, object masks (pixels) and marker masks."""
-    import numpy as np
-    import torch
-
     if data in DATASETS:
         return _generated(data, lm, n, seed)
     path = Path(data)
     if not path.exists():
         raise click.UsageError(f"--data {data}: neither a folder of images nor one of {', '.join(DATASETS)}")
-    files = expand_images((path,))[:n]
+    return load_files(expand_images((path,))[:n], lm)
+
+
+def load_files(files: list[Path], lm: Any) -> dict[str, Any]:
+    """Image files as the model's pixel values ``x`` and the pictures at the model's input size (for reports)."""
+    import numpy as np
+    import torch
+
     xs, raw = [], []
     for f in files:
         img = read_image(f)

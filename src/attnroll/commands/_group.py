@@ -96,6 +96,7 @@ def cli(debug: bool) -> None:
     attnroll evaluate                     score methods: deletion/insertion, perturbation AUC, localisation
     attnroll audit shapes shapes-marker   how reliance shifts between two checkpoints
     attnroll sanity                       cascading randomisation: do the maps depend on the weights?
+    attnroll batch photos/ --out maps/    a whole dataset into resumable Parquet (local or Ray)
     """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a model hub
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

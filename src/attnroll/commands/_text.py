@@ -6,30 +6,15 @@ from typing import Any
 
 import click
 
-__all__ = ["mean_pool", "explain_text"]
-
-
-def mean_pool(hidden: Any, mask: Any) -> Any:
-    """Sentence embedding (B, d): the mean of token states (B, n, d) over the real tokens (mask (B, n))."""
-    m = mask.to(hidden.dtype)[..., None]
-    return (hidden * m).sum(1) / m.sum(1).clamp_min(1)
+__all__ = ["explain_text"]
 
 
 def _cosine_target(lm: Any, mask: Any, other_text: str) -> Any:
     """Target ``f(outputs) -> (B,)``: cosine similarity of the mean-pooled embedding (real tokens of
     ``mask``) to ``other_text``'s, which is held fixed."""
-    import torch
-    import torch.nn.functional as F
+    from ..targets import similarity_to
 
-    eb = lm.tokenizer([other_text], return_tensors="pt")
-    with torch.no_grad():
-        other = mean_pool(lm.model(**eb).last_hidden_state, eb["attention_mask"])
-
-    def cosine(outputs: Any) -> Any:
-        return F.cosine_similarity(mean_pool(outputs.last_hidden_state, mask), other, dim=-1)
-
-    cosine.__qualname__ = "cosine similarity of mean-pooled embeddings"
-    return cosine
+    return similarity_to(lm.model, lm.tokenizer, mask, [other_text])
 
 
 def explain_text(lm: Any, text: str, pair: str | None, method: str, options: dict, target: Any) -> dict[str, Any]:

@@ -9,8 +9,9 @@ from typing import Any
 import click
 
 from ._args import method_and_options
-from ._data import check_data, load_data, load_image_model
+from ._data import check_data, load_data, load_files, load_image_model
 from ._group import cli
+from ._maps import batch_maps, batch_model, is_batch_output
 from ._output import Failure, prepare_out, write
 
 
@@ -48,7 +49,8 @@ def _viewer(report: Any, d: dict, la: Any, lb: Any, examples: int) -> str:
 def audit_cmd(model_a, model_b, data, n, seed, method, options, examples, fmt, out, js_threshold, shift_threshold,
               fail_if_flagged) -> int:
     """Explain the same inputs with MODEL_A and MODEL_B (shapes | shapes-marker | a transformers image-model
-    folder) and report how the maps differ: per example Jensen-Shannon divergence, rank correlation and top-k
+    folder | an 'attnroll batch' output, whose maps are read instead of computed, on its images) and report
+    how the maps differ: per example Jensen-Shannon divergence, rank correlation and top-k
     overlap; the mass moving between regions with bootstrap confidence intervals; a verdict; and a picture of the
     examples that changed most. Exit code 3 with --fail-if-flagged when a shift is flagged."""
     from ..evaluate.audit import audit, shapes_regions
@@ -59,12 +61,25 @@ def audit_cmd(model_a, model_b, data, n, seed, method, options, examples, fmt, o
     opts = method_and_options(method, options)  # names and values, before any model is loaded
     check_data(data)
     out = prepare_out(out)
-    la, lb = load_image_model(model_a), load_image_model(model_b)
-    d = load_data(data, la, n, seed)
+    batches = [p for p in (model_a, model_b) if is_batch_output(p)]
+    la, lb = (batch_model(Path(p), "MODEL") if is_batch_output(p) else load_image_model(p) for p in (model_a, model_b))
+    maps = {}
+    if batches:
+        if click.get_current_context().get_parameter_source("data") is not click.core.ParameterSource.DEFAULT:
+            raise click.UsageError("a batch output as MODEL brings its own inputs; leave --data out")
+        if opts and len(batches) == 2:
+            raise click.UsageError("--option: both MODELs are batch outputs, whose maps were made with the options "
+                                   "in their manifests")
+        files, found = batch_maps([(Path(p), method) for p in batches], n, "MODEL")
+        maps = dict(zip(batches, found))
+        d = load_files(files, la)
+        data = f"the inputs of {', '.join(batches)}"
+    else:
+        d = load_data(data, la, n, seed)
     # without masks audit() falls back to grid_regions (centre / border / corners)
     regions = shapes_regions(d["masks"], d["marker"]) if d["masks"] is not None else None
     report = audit(la.model, lb.model, d["x"], method=method, regions=regions, js_threshold=js_threshold,
-                   shift_threshold=shift_threshold, **opts)
+                   shift_threshold=shift_threshold, maps_a=maps.get(model_a), maps_b=maps.get(model_b), **opts)
     click.echo(f"A = {la.name}\nB = {lb.name}\ndata = {data} ({d['x'].shape[0]} images), method = {method}")
     click.echo(report.summary())
     names = [la.labels.get(i, str(i)) for i in range(max(la.labels or {0: 0}) + 1)] if la.labels else None

@@ -9,7 +9,7 @@ from typing import Any
 import click
 
 from ._args import method_options, methods_list
-from ._data import DATASETS, check_data, check_fill, fill_tensor, load_data, load_eval_model, load_texts
+from ._data import DATASETS, check_data, check_fill, fill_tensor, load_data, load_eval_model, load_files, load_texts
 from ._group import cli
 from ._output import echo_written, figure_png, prepare_out, write
 
@@ -127,11 +127,18 @@ def _metrics_help() -> str:
 @click.option("--batch-size", default=64, show_default=True, type=click.IntRange(1), help="Images per forward pass.")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("attnroll-eval"), show_default=True,
               help="Output folder (created): evaluation.csv, evaluation.json, curves.png (perturbation curves).")
-def evaluate_cmd(model_spec, method_list, data, n, seed, metric_list, options, fill, steps, batch_size, out) -> None:
+@click.option("--maps", "maps_dir", type=click.Path(exists=True, file_okay=False, path_type=Path), metavar="DIR",
+              help="An 'attnroll batch' output of images: score its maps instead of explaining again (its model "
+                   "and its images; --methods defaults to its methods, others are explained here).")
+def evaluate_cmd(model_spec, method_list, data, n, seed, metric_list, options, fill, steps, batch_size, out,
+                 maps_dir) -> None:
     """Compare methods on one classifier. Images: deletion / insertion AUC, positive / negative perturbation AUC
     and, on generated data with object masks, the pointing game, the relevance mass in the object and the top-k
     IoU. Text classifiers (--data FILE, one example per line): AOPC comprehensiveness and sufficiency. Prints a
     table (mean ± standard error, best in bold) and writes a CSV, a JSON and a figure of the curves."""
+    if maps_dir is not None:
+        return _evaluate_batch(maps_dir, model_spec, method_list, n, metric_list, options, fill, steps, batch_size,
+                               out)
     names = methods_list(method_list)
     opts = method_options(options, names)
     metrics = _metric_names(metric_list)
@@ -157,4 +164,37 @@ def evaluate_cmd(model_spec, method_list, data, n, seed, metric_list, options, f
     result = _run_suite(lm.model, d["x"], names, labels=d["labels"], masks=masks, metrics=metrics,
                         method_options=opts, fill=fill_value, steps=steps, batch_size=batch_size)
     meta = {"model": lm.name, "data": data, "n": n, "seed": seed, "fill": fill, "steps": steps, "options": opts}
+    _write_results(out, result, meta)
+
+
+def _evaluate_batch(folder: Path, model_spec: str, method_list: str, n: int, metric_list: Any, options: Any,
+                    fill: str, steps: Any, batch_size: int, out: Path) -> None:
+    """``evaluate --maps DIR``: the perturbation metrics of a batch output's maps, on its own images and model."""
+    from ._maps import batch_maps, batch_methods, batch_model
+
+    ctx = click.get_current_context()
+    explicit = {p: ctx.get_parameter_source(p) is not click.core.ParameterSource.DEFAULT
+                for p in ("data", "model_spec", "method_list")}
+    if explicit["data"]:
+        raise click.UsageError("--maps DIR scores the maps of DIR's own inputs; leave --data out")
+    stored = batch_methods(folder, "--maps")
+    names = methods_list(method_list) if explicit["method_list"] else stored
+    opts = method_options(options, names)
+    metrics = _metric_names(metric_list)
+    if _needs_masks(metrics):
+        raise click.UsageError("--metrics pointing/mass/iou need object masks, which a batch output does not carry")
+    given = [m for m in names if m in stored]
+    if not given:
+        raise click.UsageError(f"--maps {folder} holds maps of {', '.join(stored)}, none of --methods {', '.join(names)}")
+    if set(opts) & set(given):
+        raise click.UsageError(f"--option for {sorted(set(opts) & set(given))}: their maps in {folder} were made with "
+                               "the options in its manifest")
+    out = prepare_out(out)
+    lm = batch_model(folder, "--maps", model_spec if explicit["model_spec"] else None)
+    files, maps = batch_maps([(folder, m) for m in given], n, "--maps")
+    d = load_files(files, lm)
+    result = _run_suite(lm.model, d["x"], names, metrics=metrics, method_options=opts, steps=steps,
+                        fill=fill_tensor(fill, lm, d["x"]), batch_size=batch_size, maps=dict(zip(given, maps)))
+    meta = {"model": lm.name, "maps": str(folder), "n": len(files), "fill": fill, "steps": steps, "options": opts,
+            "precomputed": given}
     _write_results(out, result, meta)

@@ -264,7 +264,7 @@ def audit(
     js_threshold: float = 0.05,
     shift_threshold: float = 0.05,
     n_boot: int = 1000,
-    seed: int = 0,
+    seed: int = 0, maps_a: Any = None, maps_b: Any = None,
     **options: Any,
 ) -> AuditReport:
     """Compare the explanations of two checkpoints of an image model on the same inputs.
@@ -288,6 +288,7 @@ def audit(
             bootstrap CI excludes 0 (in [0, 1]).
         n_boot: bootstrap resamples of the examples (paired: the same resample for A and B and every region).
         seed: seed of the bootstrap (``numpy.random.default_rng``).
+        maps_a, maps_b: precomputed maps used instead of running that model: see :func:`_given`.
         **options: the method's options, passed to ``explain`` for both models.
 
     Returns:
@@ -304,11 +305,10 @@ def audit(
         ("top_k", top_k, 1), ("batch_size", batch_size, 1), ("n_boot", n_boot, 1), ("seed", seed, 0)))
     js_threshold, shift_threshold = (_checks.check_real(k, v, low=0.0, high=1.0) for k, v in (
         ("js_threshold", js_threshold), ("shift_threshold", shift_threshold)))
-    target = _checks.check_audit_target(target, B)
-    info = method_info(method)
+    target, info = _checks.check_audit_target(target, B), method_info(method)
     with eval_mode(model_a, model_b):
-        sa, grid_a, pred_a = _explain_all(model_a, x, info, target, batch_size, options)
-        sb, grid_b, pred_b = _explain_all(model_b, x, info, target, batch_size, options)
+        sa, grid_a, pred_a = _maps_of(model_a, maps_a, "maps_a", x, info, target, batch_size, options)
+        sb, grid_b, pred_b = _maps_of(model_b, maps_b, "maps_b", x, info, target, batch_size, options)
     _checks.check_audit_maps(grid_a, grid_b, sa.shape[1], sb.shape[1])
     units = sa.shape[1]
     if top_k > units:
@@ -354,6 +354,27 @@ def _reasons(js: np.ndarray, js_threshold: float, shift: dict, shift_ci: dict, s
             way = "toward" if shift[r] > 0 else "away from"
             reasons.append(f"mass moved {way} {r!r}: {shift[r]:+.3f} [{lo:.3f}, {hi:.3f}]")
     return reasons
+
+
+def _maps_of(model: Any, given: Any, name: str, x: torch.Tensor, info: Any, target: Any, batch_size: int,
+             options: dict) -> tuple[np.ndarray, tuple[int, int] | None, np.ndarray]:
+    """The maps of one side: the ``given`` ones (``maps_a`` / ``maps_b``), else ``model``'s, explained here."""
+    if given is not None:
+        return _given(given, int(x.shape[0]), name)
+    return _explain_all(model, x, info, target, batch_size, options)
+
+
+def _given(maps: Any, B: int, name: str) -> tuple[np.ndarray, tuple[int, int] | None, np.ndarray]:
+    """Scores (B, units) float64, grid and predicted classes (B,) of precomputed maps: an
+    :class:`~attnroll.Explanation` of the B inputs whose target is each one's predicted class, e.g.
+    ``attnroll.batch.explanations(DIR, method)[0]`` of an ``attnroll batch`` output."""
+    scores = _checks.check_scores(name, maps, batch=B).numpy()
+    target = getattr(maps, "target", None)
+    if not (isinstance(target, list) and len(target) == B and all(isinstance(t, int) for t in target)):
+        raise ValueError(f"{name} must be an Explanation of the B={B} inputs whose target is the predicted class "
+                         f"of each (B ints), got target {str(target)[:60]}")
+    grid = getattr(maps, "grid", None)
+    return scores, None if grid is None else (int(grid[0]), int(grid[1])), np.asarray(target, dtype=np.int64)
 
 
 def _explain_all(

@@ -234,7 +234,7 @@ def evaluate_methods(
     bins: Sequence[float] | None = None,
     keep: Any = None,
     batch_size: int = 64,
-    progress: Callable[[str], None] | None = None,
+    progress: Callable[[str], None] | None = None, maps: dict[str, Any] | None = None,
 ) -> EvaluationResult:
     """Score several methods' maps on one classifier, side by side, with the registered metrics
     (:mod:`attnroll.evaluate.registry`).
@@ -266,6 +266,7 @@ def evaluate_methods(
             removed (default the special tokens); see :mod:`attnroll.evaluate.text`.
         batch_size: inputs per forward pass, for explaining and for scoring.
         progress: called with a short message before each method (e.g. ``print``).
+        maps: method -> precomputed maps (an Explanation of the B inputs): scored, not run (see _given_maps).
 
     Returns:
         an :class:`EvaluationResult` (``summary()``, ``to_csv()``, ``plot()``, ``best(metric)``).
@@ -279,26 +280,46 @@ def evaluate_methods(
     unknown = set(method_options) - set(methods)
     if unknown:
         raise ValueError(f"method_options names methods that are not evaluated: {sorted(unknown)}")
-    batch_size = _checks.check_int("batch_size", batch_size, low=1)
+    batch_size, given = _checks.check_int("batch_size", batch_size, low=1), _given_maps(maps, methods, B)
     pred = _predictions(model, x, kind, batch_size).argmax(dim=1)
-    accuracy = None
-    if labels is not None:
-        lab = torch.as_tensor(labels).reshape(-1)
-        if lab.shape[0] != B:
-            raise ValueError(f"labels has {lab.shape[0]} entries but the inputs hold B={B} examples")
-        accuracy = float((pred == lab).float().mean())
+    accuracy = _accuracy(pred, labels, B)
     tgt = pred.tolist() if target is None else target
-    _probe(model, x, methods, tgt, method_options)
+    _probe(model, x, [m for m in methods if m not in given], tgt, method_options)
     inp = MetricInputs(model, full, tgt, masks, batch_size, {"fill": fill, "steps": steps, "bins": bins, "keep": keep})
     res = EvaluationResult(methods, list(metrics), {}, {}, {}, {}, {}, {}, B, accuracy)
     for m in methods:
         if progress is not None:
             progress(f"{m}: explaining {B} inputs")
         t0 = time.perf_counter()
-        scores, grid = explain_scores(model, x, m, target=tgt, batch_size=batch_size, **method_options.get(m, {}))
+        scores, grid = given[m] if m in given else explain_scores(model, x, m, target=tgt, batch_size=batch_size,
+                                                                  **method_options.get(m, {}))
         res.seconds[m] = time.perf_counter() - t0
         _score_method(res, m, inp, scores, grid)
     return res
+
+
+def _accuracy(pred: torch.Tensor, labels: Any, B: int) -> float | None:
+    """Share of predictions equal to ``labels`` (B,), or None without labels."""
+    if labels is None:
+        return None
+    lab = torch.as_tensor(labels).reshape(-1)
+    if lab.shape[0] != B:
+        raise ValueError(f"labels has {lab.shape[0]} entries but the inputs hold B={B} examples")
+    return float((pred == lab).float().mean())
+
+
+def _given_maps(maps: Any, methods: list[str], B: int) -> dict[str, tuple[torch.Tensor, Any]]:
+    """``maps=`` checked: method -> (scores (B, units) float32, grid or None); every key is an evaluated method.
+    A value is an :class:`~attnroll.Explanation` of the B inputs (e.g. ``attnroll.batch.explanations(DIR,
+    method)[0]`` of an ``attnroll batch`` output) or a (B, units) tensor; its method's ``seconds`` are 0."""
+    out = {}
+    for m, v in (maps or {}).items():
+        if m not in methods:
+            raise ValueError(f"maps has maps of {m!r}, which is not among the evaluated methods {methods}")
+        grid = getattr(v, "grid", None)
+        scores = _checks.check_scores(f"maps[{m!r}]", v, batch=B)
+        out[m] = (scores.detach().to(torch.float32).cpu(), None if grid is None else (int(grid[0]), int(grid[1])))
+    return out
 
 
 def _score_method(res: EvaluationResult, m: str, inp: MetricInputs, scores: torch.Tensor, grid: Any) -> None:

@@ -1,0 +1,224 @@
+"""``run_batch``: explain every input of a source into a resumable Parquet dataset.
+
+The run's *key* — the source, the column, the model's fingerprint, the methods and their resolved options —
+is stored in the manifest. A rerun with the same key explains only the inputs that no committed shard
+holds; a different key is refused (:class:`BatchMismatchError`) unless ``overwrite=True``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from .. import _checks
+from . import store
+from .engines import ModelSpec, run_local, run_ray
+from .fingerprint import model_fingerprint
+from .sources import Item, list_items
+from .work import Job, Worker, has_class_scores
+
+ENGINES = ("local", "ray")
+
+
+class BatchMismatchError(ValueError):
+    """The output folder holds results of another model, method set, options or source."""
+
+
+@dataclass
+class BatchResult:
+    """What a run did: ``inputs`` in the source, ``done_before`` already committed by earlier runs,
+    ``explained`` now, ``failed`` (all runs) inputs in the failures table, ``rows`` in total, ``seconds``
+    of this run and its throughput ``rate`` (inputs explained now per second)."""
+
+    out: str
+    inputs: int
+    done_before: int
+    explained: int
+    failed: int
+    rows: int
+    seconds: float
+
+    @property
+    def rate(self) -> float:
+        return self.explained / self.seconds if self.seconds > 0 else 0.0
+
+    def summary(self) -> str:
+        """One line: items, failures, throughput."""
+        resumed = f" ({self.done_before} done before)" if self.done_before else ""
+        return (f"{self.inputs} inputs{resumed}: {self.explained} explained now in {self.seconds:.1f} s "
+                f"({self.rate:.1f}/s), {self.failed} failed, {self.rows} rows in {self.out}")
+
+
+def resolve_methods(methods: Sequence[str] | str, options: dict | None) -> tuple[list[str], dict[str, dict]]:
+    """Method names (validated, in order) and each one's options ({method: {key: value}}, checked by the
+    method registry) with defaults filled in."""
+    from ..methods import check_options
+
+    names = _checks.check_method_names("methods", methods)
+    options = _checks.check_method_options("options", options, names)
+    return names, {m: check_options(m, dict(options.get(m, {}))) for m in names}
+
+
+def run_key(source: Any, column: str | None, fingerprint: str, names: list[str], options: dict) -> dict:
+    """What must match for a rerun to add to an existing output (JSON-comparable)."""
+    from ..methods.explanation import jsonable
+
+    return {"source": str(Path(source).resolve()), "column": column, "model": fingerprint, "methods": names,
+            "options": json.loads(json.dumps(jsonable(options), sort_keys=True))}
+
+
+def check_resumable(meta: dict | None, key: dict, out: Path) -> None:
+    """Refuse to mix: the stored key must equal ``key``; the message says what differs and how to proceed."""
+    if meta is None:
+        return
+    old = meta.get("key", {})
+    diff = [k for k in key if old.get(k) != key[k]]
+    if diff:
+        what = "; ".join(f"{k}: {json.dumps(old.get(k))} before, {json.dumps(key[k])} now" for k in diff)
+        raise BatchMismatchError(f"{out} holds results of a different run ({what}); rerun with the same "
+                                 "settings to complete it, or pass --overwrite (overwrite=True) to start over")
+
+
+def run_batch(
+    source: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    methods: Sequence[str] | str = ("rollout",),
+    options: dict | None = None,
+    model: str | None = None,
+    weights: str | os.PathLike | None = None,
+    loaded: Any = None,
+    engine: str = "local",
+    batch_size: int = 16,
+    num_workers: int = 1,
+    address: str | None = None,
+    png: bool = False,
+    column: str | None = None,
+    overwrite: bool = False,
+    progress: Callable[[int, int], None] | None = None,
+    command: str | None = None,
+) -> BatchResult:
+    """Explain every input of ``source`` with each of ``methods`` and write a Parquet dataset into ``out``.
+
+    Args:
+        source: an image folder (recursive), a text file (a tab separates a pair), a JSONL file (``text``,
+            ``pair``, ``id``) or a Parquet / CSV table (``column``: its column of paths or texts, or
+            "text,pair").
+        out: the output folder (created); see :mod:`attnroll.batch.store` for its layout.
+        methods: method names; options: {method: {key: value}}.
+        model / weights: as ``attnroll explain --model / --weights`` (None = the embedded model); ``loaded``:
+            that model already loaded (``attnroll.models.load_model``), so that it is not loaded again here.
+        engine: "local" (this process) or "ray" (Ray Data actors; ``num_workers`` of them; ``address`` joins
+            a running cluster). batch_size: inputs per ``explain`` call and per committed shard.
+        png: also write overlays to ``out/png/`` (images). overwrite: discard an existing output of a
+            different run instead of refusing. progress: called with (inputs finished, inputs to do).
+
+    Returns:
+        a :class:`BatchResult`. Inputs that cannot be explained are rows of ``out/failures/``, not errors.
+
+    Raises:
+        ValueError: a bad source, method, option or engine; :class:`BatchMismatchError` when ``out`` holds a
+            different run; ImportError: ``engine="ray"`` without Ray; RuntimeError: ``out`` is being written.
+    """
+    t0 = time.perf_counter()
+    engine = _checks.check_choice("engine", engine, ENGINES)
+    batch_size = _checks.check_int("batch_size", batch_size, low=1)
+    num_workers = _checks.check_int("num_workers", num_workers, low=1)
+    if engine == "ray":
+        from .engines import import_ray
+
+        import_ray()
+    items = list_items(source, column)
+    names, resolved = resolve_methods(methods, options)
+    spec = ModelSpec(model, None if weights is None else os.fspath(weights), items[0].kind)
+    lm = spec.load() if loaded is None else loaded
+    _check_model_fits(lm, items, names)
+    fp = model_fingerprint(lm.model)
+    key = run_key(source, column, fp, names, resolved)
+    out = Path(out)
+    with store.locked(out):
+        meta = store.read_manifest(out)
+        if overwrite and meta is not None:
+            store.clear(out)
+            meta = None
+        check_resumable(meta, key, out)
+        store.remove_temporaries(out)
+        done_rows, done_failed = store.committed_ids(out)
+        todo = [it for it in items if it.id not in done_rows and it.id not in done_failed]
+        info = _manifest(key, lm, spec, engine, command, len(items))
+        store.write_manifest(out, {**info, "status": "running"})
+        job = Job(names, resolved, fp, str(out.resolve()), png)
+        counter = _Counter(len(todo), progress)
+        if engine == "local":
+            run_local(Worker(lm, job), todo, batch_size, counter)
+        else:
+            run_ray(spec, job, todo, batch_size, counter, num_workers=num_workers, address=address)
+        result = _finish(out, info, len(items), len(items) - len(todo), len(todo), time.perf_counter() - t0)
+    return result
+
+
+class _Counter:
+    def __init__(self, total: int, progress: Callable[[int, int], None] | None):
+        self.total, self.done, self.progress = total, 0, progress
+        if progress is not None:
+            progress(0, total)
+
+    def __call__(self, counts: dict) -> None:
+        self.done += int(counts.get("inputs", 0))
+        if self.progress is not None:
+            self.progress(self.done, self.total)
+
+
+def _needs_grad(names: list[str]) -> dict[str, bool]:
+    from ..methods import method_info
+
+    return {m: bool(method_info(m).needs_grad) for m in names}
+
+
+def _check_model_fits(lm: Any, items: list[Item], names: list[str]) -> None:
+    """The model's kind must be the inputs'; gradient methods on a bare text encoder need pairs."""
+    kind = items[0].kind
+    if lm.kind != kind:
+        raise ValueError(f"model: {lm.name} is a{'n image' if lm.kind == 'image' else ' text'} model, but the "
+                         f"source holds {kind}s")
+    if kind == "text" and any(_needs_grad(names).values()) and any(it.pair is None for it in items):
+        if not has_class_scores(lm):
+            grad = [m for m, g in _needs_grad(names).items() if g]
+            raise ValueError(f"methods {grad} need a scalar target, and {lm.name} has no class scores: give "
+                             "every text a pair (explained for the cosine similarity of the two sentences)")
+
+
+def _manifest(key: dict, lm: Any, spec: ModelSpec, engine: str, command: str | None, n: int) -> dict:
+    from importlib import metadata
+
+    import torch
+
+    versions = {"attnroll": metadata.version("attnroll"), "python": platform.python_version(), "torch": torch.__version__}
+    for mod in ("transformers", "pyarrow", "ray"):
+        m = sys.modules.get(mod)
+        if m is not None:
+            versions[mod] = getattr(m, "__version__", "?")
+    return {"key": key, "model_name": lm.name, "model_spec": {"name": spec.name, "weights": spec.weights},
+            "kind": spec.kind, "engine": engine, "command": command, "versions": versions,
+            "counts": {"inputs": n}}
+
+
+def _finish(out: Path, info: dict, n: int, before: int, now: int, seconds: float) -> BatchResult:
+    """Count what is committed, write the final manifest, return the result."""
+    import pyarrow.parquet as pq
+
+    done_rows, failed = store.committed_ids(out)
+    rows = sum(pq.ParquetFile(f).metadata.num_rows for f in store.shard_files(out, store.ROWS))
+    counts = {"inputs": n, "explained": len(done_rows - failed), "failed": len(failed), "rows": rows,
+              "missing": n - len(done_rows | failed)}
+    status = "complete" if counts["missing"] == 0 else "incomplete"
+    store.write_manifest(out, {**info, "status": status, "counts": counts, "last_run": {
+        "seconds": round(seconds, 3), "explained": now, "done_before": before,
+        "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}})
+    return BatchResult(str(out), n, before, now, len(failed), rows, seconds)

@@ -1,0 +1,178 @@
+"""What a batch job explains: the inputs of a SOURCE, each with a stable id.
+
+A source is an image folder (searched recursively), a text file (one input per line; a tab separates a
+sentence pair), a JSONL file (one object per line: ``text`` and optionally ``pair``, ``id``), or a Parquet /
+CSV table with a column of image paths or texts (``column="text"`` or ``column="text,pair"``). Listing a
+source reads no image: items carry paths, and a corrupt file only fails when it is explained.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+#: Image file suffixes a folder source picks up (what pillow decodes).
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm")
+TEXT_SUFFIXES = (".txt", ".text")
+JSONL_SUFFIXES = (".jsonl", ".ndjson")
+TABLE_SUFFIXES = (".parquet", ".pq", ".csv")
+
+
+@dataclass(frozen=True)
+class Item:
+    """One input: ``index`` its position in the source, ``id`` a unique stable name (relative path, line or
+    row), ``kind`` "image" or "text"; images have ``path``, texts ``text`` (and ``pair`` for a pair)."""
+
+    index: int
+    id: str
+    kind: str
+    path: str | None = None
+    text: str | None = None
+    pair: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"index": self.index, "id": self.id, "kind": self.kind, "path": self.path, "text": self.text,
+                "pair": self.pair}
+
+    @property
+    def source(self) -> str:
+        """The ``source`` column: the image path, or the text (and pair, after a tab)."""
+        if self.kind == "image":
+            return str(self.path)
+        return self.text if self.pair is None else f"{self.text}\t{self.pair}"
+
+
+def source_kind(source: str | os.PathLike) -> str:
+    """"folder" | "text" | "jsonl" | "table" for a source path; ValueError naming what is accepted."""
+    p = Path(source)
+    if p.is_dir():
+        return "folder"
+    if not p.exists():
+        raise ValueError(f"source {str(p)!r} does not exist; expected an image folder, a text / JSONL file or a "
+                         "Parquet / CSV table")
+    suf = p.suffix.lower()
+    for kind, sufs in (("text", TEXT_SUFFIXES), ("jsonl", JSONL_SUFFIXES), ("table", TABLE_SUFFIXES)):
+        if suf in sufs:
+            return kind
+    raise ValueError(f"source {str(p)!r}: unsupported file type {suf or '(no suffix)'!r}; expected a folder, "
+                     f"{'/'.join(TEXT_SUFFIXES + JSONL_SUFFIXES + TABLE_SUFFIXES)}")
+
+
+def list_items(source: str | os.PathLike, column: str | None = None) -> list[Item]:
+    """Every input of ``source`` in a stable order (sorted paths, file lines, table rows)."""
+    kind = source_kind(source)
+    if column is not None and kind != "table":
+        raise ValueError(f"column={column!r} applies to a Parquet / CSV table, but the source {source} is a {kind}")
+    if kind == "folder":
+        items = _folder_items(Path(source))
+    elif kind == "text":
+        items = _text_items(Path(source))
+    elif kind == "jsonl":
+        items = _jsonl_items(Path(source))
+    else:
+        items = _table_items(Path(source), column)
+    _check_unique(items, source)
+    return items
+
+
+def _folder_items(root: Path) -> list[Item]:
+    files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES
+                   and not any(part.startswith(".") for part in p.relative_to(root).parts))
+    if not files:
+        raise ValueError(f"source {root}: no images in this folder or below (looked for {', '.join(IMAGE_SUFFIXES)})")
+    return [Item(i, f.relative_to(root).as_posix(), "image", path=str(f)) for i, f in enumerate(files)]
+
+
+def _read_lines(path: Path) -> list[str]:
+    try:
+        return path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"source {path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
+def _text_items(path: Path) -> list[Item]:
+    """One input per line; ``text<TAB>pair`` is a sentence pair. Blank lines are inputs too (they fail as
+    empty texts), so that line numbers stay the ids."""
+    items = []
+    for i, line in enumerate(_read_lines(path)):
+        text, _, pair = line.partition("\t")
+        items.append(Item(i, f"line:{i + 1}", "text", text=text, pair=pair if "\t" in line else None))
+    if not items:
+        raise ValueError(f"source {path}: empty file (expected one input per line)")
+    return items
+
+
+def _jsonl_items(path: Path) -> list[Item]:
+    """One JSON object per line: ``text`` (required), ``pair`` (optional), ``id`` (optional, else the line)."""
+    items = []
+    for i, line in enumerate(_read_lines(path)):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except ValueError as e:
+            raise ValueError(f"source {path}, line {i + 1}: not JSON ({e})") from None
+        if not isinstance(obj, dict) or "text" not in obj:
+            raise ValueError(f"source {path}, line {i + 1}: expected an object with a 'text' field (and optionally "
+                             f"'pair', 'id'), got {line[:80]!r}")
+        pair = obj.get("pair")
+        items.append(Item(len(items), str(obj.get("id", f"line:{i + 1}")), "text", text=_as_text(obj["text"]),
+                          pair=None if pair is None else _as_text(pair)))
+    if not items:
+        raise ValueError(f"source {path}: no JSON lines")
+    return items
+
+
+def _as_text(v: Any) -> str:
+    return "" if v is None else str(v)
+
+
+def _table_items(path: Path, column: str | None) -> list[Item]:
+    """A column of image paths (relative to the table's folder) or texts; ``"text,pair"`` names two columns.
+    An ``id`` column, when present, gives the ids; else ``row:N``."""
+    table = read_table(path)
+    if column is None:
+        raise ValueError(f"source {path} is a table: name the column of paths or texts with column= "
+                         f"(--column); its columns: {', '.join(table)}")
+    cols = [c.strip() for c in column.split(",")]
+    missing = [c for c in cols if c not in table]
+    if missing or len(cols) > 2:
+        raise ValueError(f"column must name one column (or two: text,pair) of {path}, got {column!r}; "
+                         f"its columns: {', '.join(table)}")
+    values = table[cols[0]]
+    pairs = table[cols[1]] if len(cols) == 2 else None
+    ids = [str(v) for v in table["id"]] if "id" in table else [f"row:{i}" for i in range(len(values))]
+    non_null = [str(v) for v in values if v is not None]
+    is_image = pairs is None and bool(non_null) and all(v.lower().endswith(IMAGE_SUFFIXES) for v in non_null)
+    items = []
+    for i, v in enumerate(values):
+        if is_image:
+            p = Path(str(v)) if v is not None else Path("")
+            items.append(Item(i, ids[i], "image", path=str(p if p.is_absolute() else path.parent / p)))
+        else:
+            items.append(Item(i, ids[i], "text", text=_as_text(v), pair=None if pairs is None else _as_text(pairs[i])))
+    return items
+
+
+def read_table(path: Path) -> dict[str, list]:
+    """A Parquet or CSV file as {column: list of values} (pyarrow)."""
+    try:
+        import pyarrow.csv as pcsv
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ImportError("reading a Parquet / CSV source needs pyarrow: pip install 'attnroll[batch]'") from None
+    try:
+        t = pcsv.read_csv(path) if path.suffix.lower() == ".csv" else pq.read_table(path)
+    except Exception as e:  # noqa: BLE001 - pyarrow raises several kinds for a bad file
+        raise ValueError(f"source {path}: cannot read this table: {' '.join(str(e).split())[:200]}") from None
+    return t.to_pydict()
+
+
+def _check_unique(items: list[Item], source: Any) -> None:
+    seen: set[str] = set()
+    dup = [it.id for it in items if it.id in seen or seen.add(it.id)]
+    if dup:
+        raise ValueError(f"source {source}: ids must be unique, but {len(dup)} repeat (e.g. {dup[0]!r})")

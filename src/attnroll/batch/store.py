@@ -1,0 +1,173 @@
+"""The on-disk layout of a batch output and its atomic writes.
+
+```
+DIR/manifest.json             the command, versions, model fingerprint, methods, options, counts
+DIR/rows/part-*.parquet       the explanations: one row per (input, method)      (ROW_SCHEMA)
+DIR/failures/part-*.parquet   inputs that could not be explained, with the reason (FAILURE_SCHEMA)
+DIR/png/<id>.<method>.png     overlays (with --png)
+DIR/.lock                     held (flock) while a run writes; released by the OS even after kill -9
+```
+Each batch of inputs is committed by two atomic renames (its rows, then its failures; a temporary file in
+the same folder first). An input is in at most one committed shard, so the committed shards *are* the
+progress: a rerun lists them and explains only the inputs they do not hold. Temporary files left by a killed
+run are never read (they do not match ``part-*.parquet``) and are removed by the next run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import uuid
+from pathlib import Path
+from typing import Any, Iterator
+
+from .._io import atomic_write
+
+FORMAT = "attnroll.batch/1"
+ROWS, FAILURES, MANIFEST = "rows", "failures", "manifest.json"
+
+
+def _pa() -> Any:
+    try:
+        import pyarrow as pa
+    except ImportError:
+        raise ImportError("attnroll batch writes Parquet with pyarrow: pip install 'attnroll[batch]'") from None
+    return pa
+
+
+def row_schema() -> Any:
+    """The Parquet schema of ``rows/`` (see the README's "whole datasets" section)."""
+    pa = _pa()
+    return pa.schema([
+        ("index", pa.int64()),            # position of the input in the source
+        ("id", pa.string()),              # relative path, "line:N", "row:N" or the source's own id
+        ("source", pa.string()),          # image path, or the text (a tab before the pair)
+        ("method", pa.string()),
+        ("options", pa.string()),         # JSON, every option of the method with defaults filled in
+        ("target", pa.int64()),           # the class explained (null for a non-class target)
+        ("target_name", pa.string()),     # its label, or what was explained ("cosine similarity to the pair")
+        ("prediction", pa.int64()),       # argmax of the model's class scores (null without class scores)
+        ("probability", pa.float32()),    # softmax probability of the prediction
+        ("scores", pa.list_(pa.float32())),         # saliency over patches (row-major) or tokens
+        ("prefix_scores", pa.list_(pa.float32())),  # the prefix tokens' entries (CLS...), left out of scores
+        ("grid", pa.list_(pa.int32())),   # [h, w] patch grid of image models, else null
+        ("tokens", pa.list_(pa.string())),  # the tokens of text inputs (padding removed), else null
+        ("model", pa.string()),           # fingerprint of the weights and config
+    ])
+
+
+def failure_schema() -> Any:
+    """The Parquet schema of ``failures/``."""
+    pa = _pa()
+    return pa.schema([("index", pa.int64()), ("id", pa.string()), ("source", pa.string()),
+                      ("method", pa.string()), ("reason", pa.string())])
+
+
+def shard_name(first_index: int) -> str:
+    """``part-<first input index>-<random>.parquet``: sorts in source order, never collides across workers."""
+    return f"part-{first_index:09d}-{uuid.uuid4().hex[:8]}.parquet"
+
+
+def write_table(path: Path, records: list[dict], schema: Any) -> Path:
+    """Write ``records`` (dicts with the schema's fields) as one Parquet file, atomically and fsynced."""
+    import pyarrow.parquet as pq
+
+    pa = _pa()
+    table = pa.Table.from_pylist(records, schema=schema)
+
+    def fill(f: Any) -> None:
+        pq.write_table(table, f, compression="zstd")
+        f.flush()
+        os.fsync(f.fileno())
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(path, fill)
+    return path
+
+
+def commit(out: Path, rows: list[dict], failures: list[dict]) -> None:
+    """Commit one batch: its rows and its failures, each as a shard named after the batch's first input."""
+    if not rows and not failures:
+        return
+    first = min(r["index"] for r in rows + failures)
+    name = shard_name(first)
+    if rows:
+        write_table(out / ROWS / name, rows, row_schema())
+    if failures:
+        write_table(out / FAILURES / name, failures, failure_schema())
+
+
+def shard_files(out: Path, which: str) -> list[Path]:
+    """The committed shards of ``rows`` or ``failures``, sorted by name (source order)."""
+    folder = Path(out) / which
+    return sorted(folder.glob("part-*.parquet")) if folder.is_dir() else []
+
+
+def committed_ids(out: Path) -> tuple[set[str], set[str]]:
+    """(ids with rows, ids with failures) over all committed shards (reads only the ``id`` columns)."""
+    import pyarrow.parquet as pq
+
+    found = []
+    for which in (ROWS, FAILURES):
+        ids: set[str] = set()
+        for f in shard_files(out, which):
+            ids.update(pq.read_table(f, columns=["id"]).column("id").to_pylist())
+        found.append(ids)
+    return found[0], found[1]
+
+
+def remove_temporaries(out: Path) -> int:
+    """Delete the temporary files a killed run left in the shard folders; returns how many."""
+    n = 0
+    for which in (ROWS, FAILURES):
+        folder = Path(out) / which
+        if folder.is_dir():
+            for f in folder.glob(".*.tmp"):
+                f.unlink(missing_ok=True)
+                n += 1
+    return n
+
+
+def read_manifest(out: Path) -> dict | None:
+    """The manifest of a batch output, or None when ``out`` has none."""
+    path = Path(out) / MANIFEST
+    if not path.is_file():
+        return None
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as e:
+        raise ValueError(f"{path}: not a batch manifest (invalid JSON: {e})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise ValueError(f"{path}: not an attnroll batch manifest (format {meta.get('format') if isinstance(meta, dict) else None!r}, expected {FORMAT!r})")
+    return meta
+
+
+def write_manifest(out: Path, meta: dict) -> None:
+    atomic_write(Path(out) / MANIFEST, json.dumps({"format": FORMAT, **meta}, indent=1, sort_keys=False))
+
+
+def clear(out: Path) -> None:
+    """Remove what a batch run wrote (manifest, shards, overlays) — for ``overwrite``; nothing else."""
+    import shutil
+
+    for which in (ROWS, FAILURES, "png"):
+        shutil.rmtree(Path(out) / which, ignore_errors=True)
+    (Path(out) / MANIFEST).unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def locked(out: Path) -> Iterator[None]:
+    """Hold an exclusive lock on ``out`` for a run; a second concurrent run is refused (RuntimeError)."""
+    import fcntl
+
+    Path(out).mkdir(parents=True, exist_ok=True)
+    fd = os.open(Path(out) / ".lock", os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RuntimeError(f"{out} is being written by another attnroll batch run; wait for it to end") from None
+        yield
+    finally:
+        os.close(fd)

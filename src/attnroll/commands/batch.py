@@ -1,0 +1,137 @@
+"""``attnroll batch``: explain a whole dataset into a resumable Parquet dataset, in this process or on Ray Data.
+
+Exit codes: 0 every input explained; 3 the run completed but some inputs failed (they are rows of
+``DIR/failures/``, with the reason); 2 usage error (a bad argument, or ``DIR`` holds a different run and
+``--overwrite`` was not given); 1 failure (the model cannot be loaded, ``DIR`` cannot be written, Ray is
+missing or fails); 130 interrupted (rerun the same command to complete the output).
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from ._args import method_options, methods_list
+from ._data import load
+from ._group import cli
+from ._output import Failure, one_line, prepare_out
+
+#: Exit code of a completed run in which some inputs failed.
+SOME_FAILED = 3
+
+
+def _progress_bar() -> Any:
+    """A rich progress bar with rate and ETA on a terminal (stderr); None elsewhere (logs, pipes, CI)."""
+    try:
+        from rich.console import Console
+        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TaskProgressColumn, TextColumn,
+                                   TimeElapsedColumn, TimeRemainingColumn)
+    except ImportError:
+        return None
+    console = Console(stderr=True)
+    if not console.is_terminal:
+        return None
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TaskProgressColumn(),
+                    TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), TextColumn("ETA"),
+                    TimeRemainingColumn(), console=console, transient=True)
+
+
+class _Bar:
+    """run_batch's progress callback driving a rich bar: done/total, inputs per second, time left."""
+
+    def __init__(self, bar: Any, label: str):
+        self.bar, self.label, self.task, self.t0 = bar, label, None, None
+
+    def __call__(self, done: int, total: int) -> None:
+        import time
+
+        if self.task is None:
+            self.task = self.bar.add_task(self.label, total=total, rate="")
+            self.t0 = time.perf_counter()
+        dt = time.perf_counter() - self.t0
+        rate = f"{done / dt:.1f} inputs/s" if done and dt > 0 else ""
+        self.bar.update(self.task, completed=done, rate=rate)
+
+
+@cli.command("batch", short_help="Explain a whole dataset into resumable Parquet (local or Ray).")
+@click.argument("source", type=click.Path(exists=True, path_type=Path))
+@click.option("--out", type=click.Path(path_type=Path), required=True, help="Output folder (created; reruns resume it).")
+@click.option("--method", "-m", "method_list", default="rollout", show_default=True,
+              help="Method(s), comma-separated: -m rollout,gae.")
+@click.option("--option", "-o", "options", multiple=True, metavar="[METHOD.]KEY=VALUE",
+              help="A method option, repeatable: -o alpha=0.9 (every method that takes it) or -o gae.position=0.")
+@click.option("--model", "model_spec", metavar="MODEL",
+              help="As for 'attnroll explain': embedded by default, a transformers folder, or a timm name with --weights.")
+@click.option("--weights", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Weights file for a timm architecture.")
+@click.option("--engine", type=click.Choice(["local", "ray"]), default="local", show_default=True,
+              help="local: this process. ray: Ray Data actors (pip install 'attnroll[ray]').")
+@click.option("--num-workers", default=1, show_default=True, type=click.IntRange(1),
+              help="Ray actors, each holding one copy of the model.")
+@click.option("--batch-size", default=16, show_default=True, type=click.IntRange(1),
+              help="Inputs per forward pass and per committed shard.")
+@click.option("--address", metavar="ADDR", help="Join this Ray cluster (e.g. auto, or ray://head:10001).")
+@click.option("--png", is_flag=True, help="Also write overlays to DIR/png/<id>.<method>.png (images).")
+@click.option("--column", metavar="C[,PAIR]", help="The column of paths or texts of a Parquet / CSV source "
+              "(two columns: a sentence pair).")
+@click.option("--overwrite", is_flag=True, help="Discard DIR's results when they come from different settings.")
+def batch_cmd(source, out, method_list, options, model_spec, weights, engine, num_workers, batch_size, address, png,
+              column, overwrite) -> int:
+    """Explain every input of SOURCE with each method and write a Parquet dataset to --out: one row per
+    (input, method) under DIR/rows/, unreadable inputs with the reason under DIR/failures/, and
+    DIR/manifest.json. Rerunning the same command after a crash completes only what is missing.
+
+    \b
+    SOURCE: an image folder (recursive), a .txt file (one text per line; TEXT<TAB>PAIR for a pair), a .jsonl
+    file ({"text": ..., "pair": ..., "id": ...} per line), or a .parquet / .csv table with --column.
+    Examples:
+      attnroll batch photos/ --out maps/ -m rollout,gae --model ./my-vit
+      attnroll batch pairs.jsonl --out sims/ -m gae            # MiniLM: which words make each pair similar
+      attnroll batch photos/ --out maps/ --engine ray --num-workers 4 --address auto
+    Read it back with attnroll.read_batch(DIR) (pandas) and attnroll.batch.row_explanation(row).
+    Exit codes: 0 all explained, 3 some inputs failed (see DIR/failures/), 2 usage, 1 failure, 130 interrupted.
+    """
+    from ..batch import BatchMismatchError, list_items, run_batch
+    from ..batch.engines import import_ray
+
+    names = methods_list(method_list)
+    opts = method_options(options, names)
+    try:
+        items = list_items(source, column)
+    except ValueError as e:
+        raise click.UsageError(one_line(e)) from None
+    if png and items[0].kind != "image":
+        raise click.UsageError("--png writes overlays of images; this source holds texts")
+    if engine == "local" and (address or num_workers > 1):
+        raise click.UsageError("--address and --num-workers are for --engine ray")
+    if engine == "ray":
+        try:
+            import_ray()
+        except ImportError as e:
+            raise Failure(one_line(e)) from None
+    out = prepare_out(out)
+    lm = load(model_spec, weights, items[0].kind)
+    bar = _progress_bar()
+    argv = sys.argv[1:]
+    command = shlex.join(["attnroll", *argv[argv.index("batch"):]]) if "batch" in argv else None
+    try:
+        with bar if bar is not None else _null():
+            result = run_batch(source, out, methods=names, options=opts, model=model_spec, weights=weights,
+                               loaded=lm, engine=engine, batch_size=batch_size, num_workers=num_workers,
+                               address=address, png=png, column=column, overwrite=overwrite,
+                               progress=_Bar(bar, f"{','.join(names)}") if bar is not None else None,
+                               command=command)
+    except BatchMismatchError as e:
+        raise click.UsageError(one_line(e)) from None
+    click.echo(result.summary())
+    return SOME_FAILED if result.failed else 0
+
+
+def _null() -> Any:
+    import contextlib
+
+    return contextlib.nullcontext()
