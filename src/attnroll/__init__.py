@@ -22,6 +22,10 @@ from . import methods
 from .methods import Explainer, Explanation, explain
 # --- end explain ---
 
+# --- long prompts (issue 16): context attribution for decoders ---
+from .methods.context import ContextAttribution, context_attribution
+# --- end long prompts ---
+
 # --- evaluate (issue 7): the subpackage, as attnroll.evaluate.deletion(...), attnroll.evaluate.audit(...) ---
 from . import evaluate
 
@@ -45,6 +49,8 @@ __all__ = [
     "Explainer",
     "Explanation",
     "methods",
+    "context_attribution",
+    "ContextAttribution",
     "evaluate",
     "read_batch",
     "__version__",

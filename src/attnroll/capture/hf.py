@@ -208,6 +208,11 @@ class HFAdapter(Adapter):
         if self.from_outputs:
             eager_forwards(stack, self.model)
             ask_for_attentions(stack, self.model)
+        self.install_pool_hooks(stack)
+        super().install(stack, recorder, sites)
+
+    def install_pool_hooks(self, stack: ExitStack) -> None:
+        """Hook attention-pooling heads (SigLIP's MAP head) for their probe's attention, the readout."""
         self.pool_attn: dict[str, torch.Tensor] = {}
         for name, head in self.model.named_modules():
             if isinstance(getattr(head, "attention", None), nn.MultiheadAttention) and isinstance(
@@ -216,7 +221,6 @@ class HFAdapter(Adapter):
                 where = "vision" if "vision" in name.split(".")[0] or name.startswith("vision") else "self"
                 handle = head.register_forward_hook(self._pool_hook(where))
                 stack.callback(handle.remove)
-        super().install(stack, recorder, sites)
 
     def output_streams(self, output: Any) -> dict[str, list[Any]]:
         return output_streams(self.model, output)

@@ -104,7 +104,7 @@ def validate_layers(name: str, stream: str, layers: list[torch.Tensor]) -> None:
             "is pooled or windowed between layers, so there is no single token-to-token product to roll out"
         )
     t = layers[0].detach()
-    if t.ndim == 3:  # heads fused at capture time (max / min fusion need not keep rows stochastic)
+    if t.ndim == 3 or t.is_meta:  # fused at capture time; or matrix-free (recomputed as a softmax, no values)
         return
     sums = t.sum(dim=-1)
     rowsum_ok = bool(((sums - 1).abs() < 1e-3).any(dim=-1).all())

@@ -146,7 +146,7 @@ def last_real(mask: torch.Tensor | None, B: int, n: int) -> list[int]:
 def is_causal(layer: torch.Tensor) -> bool:
     """Whether attention (B, [H,] n, n) never looks ahead (every entry above the diagonal is exactly 0)."""
     n = layer.shape[-1]
-    if n < 2 or layer.shape[-2] != n:
+    if n < 2 or layer.shape[-2] != n or layer.is_meta:  # meta: the shape-only stand-in of a matrix-free record
         return False
     return bool(torch.triu(layer.detach(), diagonal=1).abs().amax() == 0)
 
@@ -260,6 +260,9 @@ class AttentionRecord:
         extra: adapter-specific metadata (e.g. ``decoder_tokens``, ``decoder_attention_mask``).
         info: stream name -> :class:`StreamInfo` (the contract methods read; the flat ``prefix`` / ``grid``
             / ``tokens`` / ``attention_mask`` fields above are kept for the main stream).
+        operators: the matrix-free form (``attention="recompute"``): stream name -> per-layer
+            ``KernelInputs`` (queries, keys, mask... as the model's own kernel saw them); ``streams`` is then
+            empty, since no n×n tensor exists.
     """
 
     streams: dict[str, list[torch.Tensor]] = field(default_factory=dict)
@@ -274,14 +277,31 @@ class AttentionRecord:
     layer_names: dict[str, list[str]] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
     info: dict[str, StreamInfo] = field(default_factory=dict)
+    operators: dict[str, list[Any]] = field(default_factory=dict)
 
     def stream_info(self, name: str) -> StreamInfo:
         """The :class:`StreamInfo` of stream ``name`` (validated)."""
-        self.stream(name)
+        if name not in self.operators:
+            self.stream(name)
         return self.info.get(name) or StreamInfo()
 
     # ------------------------------------------------------------------------------------------- access
+    def stream_names(self) -> list[str]:
+        """Names of the recorded streams, dense or matrix-free."""
+        return list(self.streams or self.operators)
+
+    def stream_shape(self, name: str) -> tuple[int, ...]:
+        """(B, H, n_q, n_k) of stream ``name``'s layers ((B, n_q, n_k) when fused), dense or matrix-free."""
+        if name in self.streams:
+            return tuple(self.streams[name][0].shape)
+        return tuple(self.operators[name][0].shape)
+
     def _default_stream(self) -> str:
+        if not self.streams and self.operators:
+            raise ValueError(
+                "this AttentionRecord is matrix-free (attention='recompute'): it holds per-layer queries and "
+                "keys in record.operators, not attention matrices; capture with attention='dense' for those"
+            )
         if not self.streams:
             raise ValueError(
                 "this AttentionRecord holds no attention: no forward pass of the model was recorded. With "

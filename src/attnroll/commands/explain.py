@@ -15,7 +15,7 @@ import click
 from ._args import method_and_options, parse_target
 from ._data import check_cmap, check_inputs, expand_images, input_options, load_for, read_image
 from ._group import cli
-from ._output import png_bytes, prepare_out, progress, save_npz, write
+from ._output import Failure, one_line, png_bytes, prepare_out, progress, save_npz, write
 from ._text import explain_text
 
 FORMATS = ("png", "html", "json", "npz")
@@ -154,6 +154,56 @@ def _explain_image(f: Path, lm: Any, method: str, opts: dict, tgt: Any, out: Pat
     return written
 
 
+def _generate(images, text, pair, target, formats, method, options, model_spec, weights, out, generate, unit,
+              segments, top) -> None:
+    """``explain --generate N``: checks, then context attribution of the generated answer."""
+    if images or text is None or pair is not None or target is not None:
+        raise click.UsageError("--generate needs --text (a prompt or a prompt file), without IMAGE..., "
+                               "--pair or --target (the generated answer is the target)")
+    if any(f != "json" for f in formats):
+        raise click.UsageError("--generate writes json (the ranked units); other formats are not available")
+    if method not in ("rollout", "gae", "grad_rollout"):
+        raise click.UsageError(f"--generate takes -m rollout, gae or grad_rollout, got {method!r}")
+    opts = method_and_options(method, options)
+    prompt = _prompt_text(text)
+    out = prepare_out(out)
+    lm = load_for(model_spec, weights, "text")
+    written = _context_attribution(lm, prompt, generate, method, opts, unit, segments, out, top)
+    click.echo(f"wrote {len(written)} file to {out}/")
+
+
+def _prompt_text(text: str) -> str:
+    """``--text`` with ``--generate``: the contents of the file it names, else the text itself."""
+    path = Path(text)
+    try:
+        if path.is_file():
+            return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise Failure(f"cannot read {path}: {one_line(getattr(e, 'strerror', None) or e)}") from None
+    except ValueError:  # a text too long to be a path name
+        pass
+    return text
+
+
+def _context_attribution(lm: Any, prompt: str, generate: int, method: str, opts: dict, unit: str,
+                         segments: tuple[str, ...], out: Path, top: int) -> list[Path]:
+    """``--generate N``: generate the answer, print it and the prompt's units ranked by share; write JSON."""
+    from ..methods.context import context_attribution
+
+    try:
+        ca = context_attribution(lm.model, lm.tokenizer, prompt, generate=generate, unit=unit,
+                                 segments=list(segments) or None, method=method, **opts)
+    except (TypeError, ValueError) as e:
+        raise Failure(one_line(str(e))) from None
+    click.echo(f"answer ({len(ca.answer_ids)} tokens): {ca.answer}")
+    click.echo(f"prompt {ca.unit} ranked by share of the answer's {method} relevance:")
+    click.echo(ca.table(top=top or None))
+    rec = {"model": lm.name, "method": method, "options": opts, "unit": ca.unit, "answer": ca.answer,
+           "answer_ids": ca.answer_ids, "total": ca.total,
+           "units": [{**u, "span": list(u["span"]) if u["span"] else None} for u in ca.units]}
+    return [write(out / f"{slug(prompt)}.context.{method}.json", json.dumps(rec, indent=1))]
+
+
 @cli.command("explain", short_help="Explain images or a text; write pictures / data, print top units.")
 @input_options
 @click.option("--method", "-m", default="rollout", show_default=True, help="A method from 'attnroll methods'.")
@@ -169,8 +219,16 @@ def _explain_image(f: Path, lm: Any, method: str, opts: dict, tgt: Any, out: Pat
 @click.option("--cmap", default="jet", show_default=True, help="Matplotlib colormap of the overlay.")
 @click.option("--overlay-alpha", default=0.5, show_default=True, type=click.FloatRange(0, 1),
               help="Weight of the map over the image.")
+@click.option("--generate", type=click.IntRange(1), metavar="N",
+              help="Decoders: generate N tokens after the prompt (--text: a text or a file) and rank the prompt's "
+                   "parts by their share of the answer (context attribution).")
+@click.option("--unit", type=click.Choice(["token", "word", "sentence"]), default="sentence", show_default=True,
+              help="With --generate: the prompt's units.")
+@click.option("--segment", "segments", multiple=True, metavar="TEXT",
+              help="With --generate: a piece of the prompt (e.g. a retrieved passage), repeatable, in order; "
+                   "replaces --unit.")
 def explain_cmd(images, text, pair, model_spec, weights, method, options, target, out, formats, top, size, cmap,
-                overlay_alpha) -> None:
+                overlay_alpha, generate, unit, segments) -> None:
     """Explain IMAGE... (files or folders of images) or --text TEXT [--pair TEXT]; write one file per input
     and format into --out and print each input's top units.
 
@@ -180,7 +238,14 @@ def explain_cmd(images, text, pair, model_spec, weights, method, options, target
       attnroll explain photos/ --model ./vit-base-local -m gae --format png,json
       attnroll explain cat.jpg --model vit_small_patch16_224 --weights vit_s.safetensors
       attnroll explain --text "A man plays guitar." --pair "Someone makes music." -m gae
+      attnroll explain --model ./llama-local --text prompt.txt --generate 20 --unit sentence
     """
+    if generate is not None:
+        _generate(images, text, pair, target, formats, method, options, model_spec, weights, out, generate, unit,
+                  segments, top)
+        return
+    if segments:
+        raise click.UsageError("--segment needs --generate")
     kind = check_inputs(images, text, pair)
     opts = method_and_options(method, options)
     formats = formats or (("png",) if kind == "image" else ("html",))

@@ -1,6 +1,6 @@
 """Explanation methods: ``explain``, ``Explainer``, ``Explanation``, ``methods()``; one file per method.
 
-Every module of this package other than ``base``, ``explanation`` and ``batches`` (and private ``_*`` ones) is
+Every module of this package other than ``base``, ``explanation``, ``batches`` and ``context`` (and private ``_*`` ones) is
 a method file, imported when the package is imported; its ``@register(...)`` decorator adds the method to the registry
 (registering a name twice raises). Adding a method is writing one file here: nothing else to list. The
 built-in methods are imported first, in the order ``methods()`` shows them; other files follow by name.
@@ -20,7 +20,7 @@ __all__ = ["explain", "Explainer", "Explanation", "methods", "method_info", "che
 #: The built-in method files, in the order of ``methods()``.
 _BUILT_IN = ("raw", "rollout", "per_head_rollout", "flow", "grad_rollout", "gae", "attn_gradcam", "encdec", "clip",
              "captum_baselines", "random_baseline")
-_NOT_METHODS = {"base", "explanation", "batches"}  # the infrastructure, not methods
+_NOT_METHODS = {"base", "explanation", "batches", "context"}  # the infrastructure, not methods
 
 
 def _import_method_files() -> None:

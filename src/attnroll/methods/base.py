@@ -175,13 +175,14 @@ class Context:
         if name is not None:
             rec.stream(name)  # validates
             return name
-        if "self" in rec.streams or len(rec.streams) == 1:
-            return next(s for s in rec.streams if s == "self") if "self" in rec.streams else next(iter(rec.streams))
+        names = rec.stream_names()
+        if "self" in names or len(names) == 1:
+            return "self" if "self" in names else names[0]
         special = {"encoder": "'encdec_rollout' or 'encdec_gae'", "vision": "'clip'"}
-        hint = next((v for k, v in special.items() if k in rec.streams), None)
+        hint = next((v for k, v in special.items() if k in names), None)
         raise ValueError(
-            f"{type(self.model).__name__} has several attention streams ({', '.join(rec.streams)}); method "
-            f"{self.method.name!r} explains one: pass stream=one of {list(rec.streams)}"
+            f"{type(self.model).__name__} has several attention streams ({', '.join(names)}); method "
+            f"{self.method.name!r} explains one: pass stream=one of {names}"
             + (f", or use method={hint}, which composes them" if hint else "")
         )
 
@@ -197,13 +198,17 @@ class Context:
         """The output position of a token-level target (and the row of one-hot readouts): the ``position``
         option (an int or one per example), else the last real token for causal attention or token-level
         outputs (decoder-only LMs), else the row of the stream's readout when it is one row, else 0."""
-        layer0 = rec.streams[stream][0]
-        B, n = layer0.shape[0], layer0.shape[-1]
+        shape = rec.stream_shape(stream)
+        B, n = shape[0], shape[-1]
         pos = self.options.get("position")
         if pos is not None:
             return _checks.check_positions(pos, B, n)
         info = self.info(rec, stream)
-        if info.causal or is_causal(layer0) or (stream in ("self", "decoder") and _token_level(rec.outputs, n)):
+        if rec.streams:
+            causal = is_causal(rec.streams[stream][0])
+        else:
+            causal = rec.operators[stream][0].is_causal_model
+        if info.causal or causal or (stream in ("self", "decoder") and _token_level(rec.outputs, n)):
             return last_real(info.mask, B, n)
         one = info.readout.positions() if info.readout is not None else None
         return one if one is not None else [0] * B
@@ -212,8 +217,8 @@ class Context:
         """The rows explained: the ``readout`` option (a position, "cls", "mean", "last", "eot", a weight
         vector), else ``position``, else the adapter's declared readout of the stream (the rows the model's
         prediction reads), else the first token (the last real one for causal streams)."""
-        layer0 = rec.streams[stream][0]
-        B, n = layer0.shape[0], layer0.shape[-1]
+        shape = rec.stream_shape(stream)
+        B, n = shape[0], shape[-1]
         info = self.info(rec, stream)
         spec = self.options.get("readout")
         common = dict(batch=B, n=n, mask=info.mask, prefix=info.prefix, suffix=info.suffix)
@@ -231,11 +236,11 @@ class Context:
 
     def target_scores(self, rec: AttentionRecord) -> torch.Tensor:
         """y (B,): the target's score per example from the recorded outputs (see :func:`resolve_target`)."""
-        stream = "decoder" if "decoder" in rec.streams else self.stream(rec)
+        stream = "decoder" if "decoder" in rec.stream_names() else self.stream(rec)
         pos = None
         logits = main_logits(rec.outputs)
         if logits is not None and logits.ndim == 3 and not callable(self.target):
-            n = rec.streams[stream][0].shape[-1]
+            n = rec.stream_shape(stream)[-1]
             if logits.shape[1] != n:
                 raise ValueError(
                     f"target: the model's logits {tuple(logits.shape)} have one row per query ({logits.shape[1]}), "
@@ -253,9 +258,9 @@ class Context:
             logits = main_logits(rec.outputs)
             if logits is None and self.target is None:
                 return None
-            stream = "decoder" if "decoder" in rec.streams else self.stream(rec)
+            stream = "decoder" if "decoder" in rec.stream_names() else self.stream(rec)
             if logits is not None and logits.ndim == 3 and self.target is None and (
-                logits.shape[1] != rec.streams[stream][0].shape[-1]
+                logits.shape[1] != rec.stream_shape(stream)[-1]
             ):
                 return None  # per-query outputs (detection): no single class to name for a class-agnostic map
             with torch.no_grad():

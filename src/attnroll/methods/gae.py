@@ -6,7 +6,9 @@ the gradient-weighted matrices, computed here right to left for the one row (O(L
 
 from __future__ import annotations
 
+from ..core.operators import weighted_probs
 from ..core.rollout import rollout as core_rollout
+from . import _recompute
 from ..core.gradients import gradient_weighted
 from .base import Context, register, rollout_rows
 
@@ -14,10 +16,10 @@ from .base import Context, register, rollout_rows
 @register(
     "gae",
     description="generic attention explainability (Chefer ICCV'21): R = I; R += mean_h((dy/dA ⊙ A)^+)·R per layer (class-specific)",
-    options={"start_layer": 0, "end_layer": None, "return_layers": False, "stream": None},
+    options={"start_layer": 0, "end_layer": None, "return_layers": False, "stream": None, "attention": None},
     needs_grad=True,
     class_specific=True,
-    cost="1 forward + 1 backward (eager attention)",
+    cost="1 forward + 1 backward (its own attention kernel); dy/dA = dO·Vᵀ recomputed blockwise",
     reference="Chefer, Gur & Wolf, Generic Attention-model Explainability for Interpreting Bi-Modal and Encoder-Decoder Transformers, ICCV 2021",
     refuse={
         "head_fusion": "gae fuses heads as mean_h((dy/dA ⊙ A)^+) by definition; use method='grad_rollout' for clamp orders",
@@ -26,8 +28,15 @@ from .base import Context, register, rollout_rows
         "discard_ratio": "gae does not sparsify; use method='grad_rollout' or 'rollout'",
     },
 )
-def gae(ctx: Context, *, start_layer, end_layer, return_layers, stream):
+def gae(ctx: Context, *, start_layer, end_layer, return_layers, stream, attention):
     """full_row[b] = row position_b of (I + Ā_end−1)···(I + Ā_start)."""
+    if _recompute.choose(ctx, attention, None):
+        out = _recompute.explain_rows(
+            ctx, attention, lambda rec: weighted_probs("per_head"), grad=True, stream_opt=stream, alpha=0.5,
+            residual_mode="add", start_layer=start_layer, end_layer=end_layer, return_layers=return_layers,
+        )
+        if out is not None:
+            return out
     s0 = ctx.options.get("stream")
     rec, atts, grads = ctx.grad_record([s0] if s0 else None)
     s = ctx.stream(rec)
@@ -37,4 +46,4 @@ def gae(ctx: Context, *, start_layer, end_layer, return_layers, stream):
         core_rollout, W, pos, ctx.mask(rec, s), return_layers=return_layers, head_fusion=None,
         residual_mode="add", alpha=0.5, check_stochastic=False, start_layer=start_layer, end_layer=end_layer,
     )
-    return ctx.build(rec, row, pos, s, layers=layers)
+    return ctx.build(rec, row, pos, s, layers=layers, options={**ctx.options, "attention": "dense"})

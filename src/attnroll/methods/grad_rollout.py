@@ -8,14 +8,17 @@ Gradients are paired with attention by layer index (both come from the record's 
 from __future__ import annotations
 
 from ..core.gradients import gradient_weighted
+from .. import _checks
+from ..core.operators import weighted_probs
 from ..core.rollout import rollout as core_rollout
+from . import _recompute
 from .base import Context, prefix_default, register, rollout_rows
 
 
 _OPTIONS = {
     "clamp": "per_head", "alpha": 0.5, "residual_mode": "renorm", "discard_ratio": 0.0, "discard_scope": "layer",
     "top_k": None, "threshold": None, "protect_prefix": None, "start_layer": 0, "end_layer": None,
-    "return_layers": False, "stream": None,
+    "return_layers": False, "stream": None, "attention": None,
 }
 
 
@@ -25,14 +28,23 @@ _OPTIONS = {
     options=_OPTIONS,
     needs_grad=True,
     class_specific=True,
-    cost="1 forward + 1 backward (eager attention)",
+    cost="1 forward + 1 backward (its own attention kernel); dy/dA = dO·Vᵀ recomputed blockwise",
     reference="Gildenblat, vit-explain (2020); clamp-before-mean as Chefer, Gur & Wolf, CVPR 2021",
     refuse={"head_fusion": "the heads are fused by the gradient weighting (mean of (dy/dA ⊙ A)^+); use "
             "clamp='after_mean' for vit-explain's order, or method='rollout' for other fusions"},
 )
-def grad_rollout(ctx: Context, *, clamp, stream, return_layers, protect_prefix, **opts):
+def grad_rollout(ctx: Context, *, clamp, stream, return_layers, protect_prefix, attention, **opts):
     """full_row[b] = row position_b of rollout(W), W_l = mean_h((dy/dA_l ⊙ A_l)^+), residual_mode "renorm"
     by default ((W + I) / row sums at alpha = 0.5)."""
+    _checks.check_choice("clamp", clamp, ("per_head", "after_mean"))
+    if _recompute.choose(ctx, attention, _recompute.sparsity_refusal(opts)):
+        out = _recompute.explain_rows(
+            ctx, attention, lambda rec: weighted_probs(clamp), grad=True, stream_opt=stream,
+            protect_prefix=protect_prefix, alpha=opts["alpha"], residual_mode=opts["residual_mode"],
+            start_layer=opts["start_layer"], end_layer=opts["end_layer"], return_layers=return_layers,
+        )
+        if out is not None:
+            return out
     s0 = ctx.options.get("stream")
     rec, atts, grads = ctx.grad_record([s0] if s0 else None)
     s = ctx.stream(rec)
@@ -43,4 +55,4 @@ def grad_rollout(ctx: Context, *, clamp, stream, return_layers, protect_prefix, 
         core_rollout, W, pos, ctx.mask(rec, s), return_layers=return_layers, head_fusion=None,
         check_stochastic=False, protect_prefix=pp, **opts,
     )
-    return ctx.build(rec, row, pos, s, layers=layers, options={**ctx.options, "protect_prefix": pp})
+    return ctx.build(rec, row, pos, s, layers=layers, options={**ctx.options, "protect_prefix": pp, "attention": "dense"})

@@ -6,36 +6,49 @@ import torch
 
 from .. import _checks
 from ..core.fusion import fuse_tensor, head_weights
+from ..core.operators import attention_rows
+from . import _recompute
 from .base import Context, combine_rows, register
 
 
 @register(
     "raw",
     description="raw attention: the head-fused attention row of one layer (default the last)",
-    options={"layer": -1, "head_fusion": "mean", "stream": None, "return_layers": False},
+    options={"layer": -1, "head_fusion": "mean", "stream": None, "return_layers": False, "attention": None},
     cost="1 forward",
     reference="Abnar & Zuidema 2020 (the 'raw attention' baseline)",
     refuse={"alpha": "raw attention has no residual; use method='rollout'",
             "start_layer": "raw reads one layer; pass layer=k (or use method='rollout' for a range)"},
 )
-def raw(ctx: Context, *, layer: int, head_fusion, stream, return_layers: bool):
+def raw(ctx: Context, *, layer: int, head_fusion, stream, return_layers: bool, attention):
     """full_row[b] = Σ_i w_bi · fuse_h(A_layer)[b, i, :] over the readout's rows (one row for CLS / last
-    token); ``return_layers`` gives that row for every layer (L, B, n)."""
+    token); ``return_layers`` gives that row for every layer (L, B, n). ``attention``: None / "recompute"
+    recompute those rows from the kernel's queries and keys; "dense" captures the matrices."""
+    _checks.check_bool("return_layers", return_layers)
+    if _recompute.choose(ctx, attention, None):
+        rec = _recompute.record(ctx, attention)
+        if rec is not None:
+            s = ctx.stream(rec)
+            return _raw_rows(ctx, rec, s, _recompute.layers_of(rec, s), attention_rows, layer, head_fusion,
+                             return_layers, "recompute")
     rec = ctx.record()
     s = ctx.stream(rec)
-    atts = rec.streams[s]
-    L = len(atts)
-    k = _checks.check_index("layer", layer, L, "layers")
-    _checks.check_bool("return_layers", return_layers)
-    head_weights(head_fusion, atts[0].shape[1], like=atts[0])  # validates
+    return _raw_rows(ctx, rec, s, rec.streams[s], lambda a, rows: a[:, :, rows], layer, head_fusion, return_layers,
+                     "dense")
+
+
+def _raw_rows(ctx, rec, s, layers, rows_of, layer, head_fusion, return_layers, route):
+    """The raw Explanation from per-layer ``layers`` and ``rows_of(layer, rows)`` -> (B, H, r, n)."""
+    k = _checks.check_index("layer", layer, len(layers), "layers")
+    first = layers[0]
+    head_weights(head_fusion, first.shape[1], like=first.q if hasattr(first, "q") else first)  # validates
     pos = ctx.readout(rec, s)
     rows = pos.rows()
 
-    def row(a: torch.Tensor) -> torch.Tensor:
+    def row(a) -> torch.Tensor:
         # Fuse the heads on the readout's rows, then weight the rows: (B, n).
-        a = a.to(torch.float32)
-        return combine_rows(fuse_tensor(a[:, :, rows], head_fusion), pos, rows)[0]
+        return combine_rows(fuse_tensor(rows_of(a, rows).to(torch.float32), head_fusion), pos, rows)[0]
 
-    layers = torch.stack([row(a) for a in atts]) if return_layers else None
-    opts = {**ctx.options, "layer": k}
-    return ctx.build(rec, row(atts[k]), pos, s, layers=layers, options=opts)
+    stacked = torch.stack([row(a) for a in layers]) if return_layers else None
+    opts = {**ctx.options, "layer": k, "attention": route}
+    return ctx.build(rec, row(layers[k]), pos, s, layers=stacked, options=opts)

@@ -4,22 +4,36 @@ through (see ``attnroll.rollout``)."""
 from __future__ import annotations
 
 from .. import _checks
+from ..core.operators import fused_probs
 from ..core.rollout import rollout as core_rollout
+from . import _recompute
 from .base import ROLLOUT_OPTIONS, ROLLOUT_REFUSE, Context, prefix_default, register, rollout_rows
 
 @register(
     "rollout",
     description="attention rollout: product of residual-augmented, head-fused attention over the layers (class-agnostic)",
-    options={**ROLLOUT_OPTIONS, "stream": None},
-    cost="1 forward (eager attention) + O(L·n²)",
+    options={**ROLLOUT_OPTIONS, "stream": None, "attention": None},
+    cost="1 forward (its own attention kernel) + O(L·n²) recomputed blockwise, O(n·d) memory",
     reference="Abnar & Zuidema, Quantifying Attention Flow in Transformers, ACL 2020",
     refuse=ROLLOUT_REFUSE,
 )
-def rollout(ctx: Context, *, stream, return_layers, protect_prefix, **opts):
-    """full_row[b] = row position_b of R = Ã(end−1)···Ã(start) (``attnroll.rollout``)."""
+def rollout(ctx: Context, *, stream, return_layers, protect_prefix, attention, **opts):
+    """full_row[b] = row position_b of R = Ã(end−1)···Ã(start) (``attnroll.rollout``).
+
+    ``attention``: None picks the matrix-free route when it can, "recompute" insists, "dense" captures
+    the n×n matrices (eager)."""
+    opts["head_fusion"] = _checks.check_head_fusion("head_fusion", opts["head_fusion"], allow_none=False)
+    if _recompute.choose(ctx, attention, _recompute.sparsity_refusal(opts)):
+        how = opts["head_fusion"]
+        out = _recompute.explain_rows(
+            ctx, attention, lambda rec: fused_probs(how), grad=False, stream_opt=stream, protect_prefix=protect_prefix,
+            alpha=opts["alpha"], residual_mode=opts["residual_mode"], start_layer=opts["start_layer"],
+            end_layer=opts["end_layer"], return_layers=return_layers, head_fusion=how, dtype=opts["dtype"],
+        )
+        if out is not None:
+            return out
     # Fusing the mean inside the capture hook keeps (B, n, n) per layer instead of (B, H, n, n); its rows
     # still sum to 1, so core rollout validates them as usual (max/min fusion would not: fused in core).
-    opts["head_fusion"] = _checks.check_head_fusion("head_fusion", opts["head_fusion"], allow_none=False)
     fuse = "mean" if isinstance(opts["head_fusion"], str) and opts["head_fusion"] == "mean" else None
     rec = ctx.record(fuse_heads=fuse)
     s = ctx.stream(rec)
@@ -30,4 +44,4 @@ def rollout(ctx: Context, *, stream, return_layers, protect_prefix, **opts):
     row, layers = rollout_rows(
         core_rollout, rec.streams[s], ro, ctx.mask(rec, s), return_layers=return_layers, protect_prefix=pp, **opts
     )
-    return ctx.build(rec, row, ro, s, layers=layers, options={**ctx.options, "protect_prefix": pp})
+    return ctx.build(rec, row, ro, s, layers=layers, options={**ctx.options, "protect_prefix": pp, "attention": "dense"})

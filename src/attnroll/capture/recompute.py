@@ -1,0 +1,253 @@
+"""Matrix-free capture for transformers models: what each attention kernel received, under the model's own
+kernel (SDPA, flash, flex, eager — whatever the model is set to), never switching it.
+
+transformers (5.x) attention modules fetch their kernel with
+``ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, eager_attention_forward)`` and call it
+as ``kernel(module, query, key, value, attention_mask, scaling=..., dropout=..., sliding_window=...,
+softcap=..., ...)`` with query and key after the position encoding. For the duration of the capture,
+``AttentionInterface.get_interface`` hands out a wrapper of the very kernel it would return: the wrapper
+records (query, key, mask, scaling, softcapping, window, sinks, position bias; value and the output for
+gradient rules) as :class:`~attnroll.core.operators.KernelInputs` and then calls the original kernel. The
+method is restored on exit, also when the forward raises. Nothing n×n is kept beyond what the model itself
+builds (a padding mask, when it makes one).
+"""
+
+from __future__ import annotations
+
+import inspect
+from contextlib import ExitStack
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from .. import _checks
+from ..core.operators import KernelInputs
+from .hf import HFAdapter
+from .hooks import Adapter, Capture, Site
+
+
+class KernelRecorder:
+    """Collects one :class:`KernelInputs` per site and pass (the interface of ``hooks.Recorder`` that
+    Capture drives: reset, store, finish, dirty)."""
+
+    def __init__(self, sites: list[Site], keep_grad: bool):
+        self.sites = sites
+        self.keep_grad = keep_grad
+        self.layout: dict[str, list[str]] = {}
+        for s in sites:
+            self.layout.setdefault(s.stream, []).append(s.name)
+        self.taken: dict[str, list[KernelInputs]] = {}
+        self.outputs: dict[str, list[torch.Tensor]] = {}
+        self.reset()
+
+    def reset(self) -> None:
+        self.slots: dict[str, list[KernelInputs | None]] = {k: [None] * len(v) for k, v in self.layout.items()}
+        self.outs: dict[str, list[torch.Tensor | None]] = {k: [None] * len(v) for k, v in self.layout.items()}
+        self.fired: dict[tuple[str, int], int] = {}
+        self.parts: dict = {}  # the dense recorder's multi-branch attention; kernels have none
+        self.dirty = False
+
+    def store(self, site: Site, layer: KernelInputs, output: torch.Tensor) -> None:
+        self.dirty = True
+        key = (site.stream, site.layer)
+        self.fired[key] = self.fired.get(key, 0) + 1
+        self.slots[site.stream][site.layer] = layer
+        if self.keep_grad:
+            self.outs[site.stream][site.layer] = output
+
+    def finish(self) -> dict[str, list[torch.Tensor]]:
+        """Check the pass and keep its layers in ``taken``; returns shape-only (meta) stand-ins of the
+        attention so that the adapter's metadata (prefix, grid) can read n."""
+        repeated = [f"{self.layout[s][i]} ({n} times)" for (s, i), n in sorted(self.fired.items()) if n > 1]
+        if repeated:
+            raise _checks.CaptureError(
+                "each attention kernel must run exactly once per forward pass, but " + ", ".join(repeated)
+                + " ran more than once; capture one forward pass at a time"
+            )
+        taken, outs = {}, {}
+        for stream, slots in self.slots.items():
+            missing = [i for i, t in enumerate(slots) if t is None]
+            if len(missing) == len(slots):
+                continue
+            if missing:
+                names = ", ".join(f"{i} ({self.layout[stream][i]})" for i in missing)
+                raise _checks.CaptureError(
+                    f"stream {stream!r}: the attention of layer(s) {names} did not go through transformers' "
+                    "attention interface, so it cannot be recomputed; use attention='dense'"
+                )
+            taken[stream] = list(slots)
+            outs[stream] = list(self.outs[stream])
+        if not taken:
+            raise _checks.CaptureError(
+                "no attention kernel was called through transformers' attention interface in the forward pass, "
+                "so nothing can be recomputed; use attention='dense'"
+            )
+        self.taken, self.outputs = taken, outs
+        return {s: [torch.empty(lay.shape, device="meta") for lay in layers] for s, layers in taken.items()}
+
+
+class KernelAdapter(Adapter):
+    """The transformers adapter's sites and metadata; installs the kernel wrapper instead of eager."""
+
+    def __init__(self, inner: HFAdapter):
+        super().__init__(inner.model)
+        self.inner = inner
+        self.family = inner.family
+        # Everything but where the attention comes from is the transformers adapter's own.
+        own = {"sites", "install", "extract", "metadata", "input_hint"}
+        for name, value in vars(Adapter).items():
+            if callable(value) and not name.startswith("_") and name not in own:
+                setattr(self, name, getattr(inner, name))
+        # The kernel is called by the site module itself or by a child (ViTAttention -> ViTSelfAttention).
+        self.site_of: dict[int, Site] = {}
+        for site in inner.sites():
+            for m in site.module.modules():
+                self.site_of.setdefault(id(m), site)
+
+    def sites(self) -> list[Site]:
+        return self.inner.sites()
+
+    def metadata(self, record: Any, inputs: dict[str, Any]) -> None:
+        self.inner.metadata(record, inputs)
+
+    def input_hint(self, inputs: Any) -> str:
+        return self.inner.input_hint(inputs)
+
+    def install(self, stack: ExitStack, recorder: Any, sites: list[Site]) -> None:
+        from transformers.modeling_utils import AttentionInterface
+
+        original = AttentionInterface.__dict__["get_interface"]
+        wrap = self._wrapper
+
+        def get_interface(iface: Any, attn_implementation: str, default: Callable) -> Callable:
+            kernel = original(iface, attn_implementation, default)
+            return wrap(kernel, attn_implementation, recorder)
+
+        def restore() -> None:
+            AttentionInterface.get_interface = original
+
+        stack.callback(restore)
+        AttentionInterface.get_interface = get_interface
+        self.inner.install_pool_hooks(stack)
+
+    def _wrapper(self, kernel: Callable, impl: str, recorder: KernelRecorder) -> Callable:
+        sig = _signature(kernel)
+
+        def call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            out = kernel(module, *args, **kwargs)
+            site = self.site_of.get(id(module))
+            if site is not None:
+                bound = sig.bind(module, *args, **kwargs) if sig is not None else None
+                arguments = _arguments(bound, args, kwargs)
+                o = out[0] if isinstance(out, (tuple, list)) else out
+                recorder.store(site, kernel_inputs(module, impl, arguments, recorder.keep_grad), o)
+            return out
+
+        return call
+
+
+def _signature(fn: Callable) -> inspect.Signature | None:
+    try:
+        return inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+
+
+def _arguments(bound: inspect.BoundArguments | None, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """The kernel's arguments by name (its **kwargs flattened in)."""
+    if bound is None:
+        names = ("query", "key", "value", "attention_mask")
+        return {**dict(zip(names, args)), **kwargs}
+    out = {}
+    for k, v in bound.arguments.items():
+        if bound.signature.parameters[k].kind is inspect.Parameter.VAR_KEYWORD:
+            out.update(v)
+        else:
+            out[k] = v
+    return out
+
+
+def kernel_inputs(module: nn.Module, impl: str | None, a: dict[str, Any], keep_value: bool) -> KernelInputs:
+    """What one kernel call sees, with transformers' conventions: ``scaling`` None = 1/√d; a missing mask
+    means causal attention for the fused kernels (SDPA, flash: ``is_causal``, else the module's flag) and
+    no mask at all for eager; a 2-D mask is flash's padding mask (causality and ``sliding_window`` then come
+    from the flags); a 4-D mask already carries causality and the window."""
+    q, k, v, mask = a["query"], a["key"], a["value"], a.get("attention_mask")
+    scaling = a.get("scaling")
+    if scaling is None:
+        scaling = q.shape[-1] ** -0.5
+    if mask is not None and not isinstance(mask, torch.Tensor):
+        raise _checks.CaptureError(
+            f"the attention kernel {impl!r} got a {type(mask).__name__} mask (e.g. flex attention's BlockMask), "
+            "which attnroll cannot recompute blockwise; use attention='dense' or an sdpa/eager/flash model"
+        )
+    module_causal = bool(getattr(module, "is_causal", False))
+    padding_2d = mask is not None and mask.ndim == 2  # flash kernels: (B, n_k) 1 = real token
+    if padding_2d:
+        mask = mask[:, None, None, :].bool()
+    # Fused kernels build causality and the window themselves when no 4-D mask carries them.
+    structural = (mask is None or padding_2d) and impl not in (None, "eager", "paged|eager")
+    causal = False
+    if structural:
+        flag = a.get("is_causal")
+        causal = q.shape[-2] > 1 and bool(getattr(module, "is_causal", True) if flag is None else flag)
+    window = a.get("sliding_window") if structural else None
+    sinks = a.get("s_aux")
+    if sinks is None and isinstance(getattr(module, "sinks", None), torch.Tensor):
+        sinks = module.sinks
+    bias = a.get("position_bias")
+    return KernelInputs(
+        q=q.detach(),
+        k=k.detach(),
+        scaling=float(scaling),
+        mask=None if mask is None else mask.detach(),
+        causal=causal,
+        window=int(window) if window else None,
+        softcap=float(a["softcap"]) if a.get("softcap") else None,
+        sinks=None if sinks is None else sinks.detach(),
+        bias=None if bias is None else bias.detach(),
+        v=v.detach() if keep_value else None,
+        is_causal_model=module_causal,
+    )
+
+
+class KernelCapture(Capture):
+    """A capture session recording kernel inputs instead of attention matrices; the record's ``operators``
+    holds them (``streams`` stays empty)."""
+
+    def __init__(self, model: nn.Module, *, keep_grad: bool, tokenizer: Any = None, eval_mode: bool = True):
+        super().__init__(
+            model, KernelAdapter(HFAdapter(model)), fuse=None, keep_grad=keep_grad, dtype=None,
+            eval_mode=eval_mode, tokenizer=tokenizer,
+        )
+        self.recorder = KernelRecorder(self.site_list, keep_grad)  # type: ignore[assignment]
+        self.record.fused = None
+
+    def _finalize(self, outputs: Any) -> None:
+        super()._finalize(outputs)
+        self.record.operators = self.recorder.taken
+        for s, layers in self.record.operators.items():  # causality from the modules, not from a matrix
+            if s in self.record.info:
+                self.record.info[s].causal = self.record.info[s].causal or layers[0].is_causal_model
+        self.record.extra["kernel_outputs"] = self.recorder.outputs
+        self.record.streams = {}
+
+
+def capture_kernels(model: nn.Module, inputs: Any, *, keep_grad: bool = False, tokenizer: Any = None) -> Any:
+    """One forward pass of a transformers ``model`` under its own attention kernel; returns an
+    AttentionRecord whose ``operators[stream]`` are per-layer ``KernelInputs``. With ``keep_grad`` the forward
+    runs with autograd and ``extra["kernel_outputs"][stream]`` holds each kernel's output (B, n, H, d_v),
+    still in the graph, for dy/dO."""
+    from .hooks import run_forward
+
+    _checks.check_model_device(model)
+    session = KernelCapture(model, keep_grad=keep_grad, tokenizer=tokenizer)
+    session.adapter.check_inputs(inputs)
+    with session as record:
+        with torch.enable_grad() if keep_grad else torch.no_grad():
+            run_forward(model, inputs, session.adapter.input_hint)
+    if session.passes == 0:
+        raise _checks.CaptureError("the forward pass finished without the model's own forward returning")
+    return record
+

@@ -1,0 +1,302 @@
+"""Matrix-free layers: attention applied to relevance rows without ever forming the n×n matrix.
+
+A layer is kept as what its attention kernel saw (:class:`KernelInputs`: queries and keys after position
+encoding, the mask, scaling, softcapping, sinks; values and the output gradient for gradient rules). Its
+probabilities are recomputed one block of queries at a time, exactly as an eager softmax attention computes
+them, and folded straight into the product with the relevance rows:
+
+    r ← r · Ã,   Ã = diag(1/s) · (a·P + c·I),   P = fuse_h(block rule)
+
+with a, c the residual coefficients and s the renorm row sums (1 otherwise), the same affine form as
+``attnroll.core.residual``. Memory is O(n·d) for the layer plus O(block·n) for one block; the cost is one
+QKᵀ and one exponentiation per layer (plus dO·Vᵀ for gradient rules).
+
+Torch only, device-agnostic: everything runs where the captured tensors live (CPU or CUDA).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from . import fusion
+
+#: Elements of one recomputed block (B·H·rows·keys): 1 Mi float32 = 4 MiB per temporary, so that the few
+#: passes over a block (product, softmax, head sum) stay in cache.
+BLOCK_ELEMENTS = 1 << 20
+
+
+@dataclass
+class KernelInputs:
+    """One attention layer as its kernel received it.
+
+    Attributes:
+        q: (B, H, n_q, d) queries after position encoding (RoPE applied).
+        k: (B, H_kv, n_k, d) keys after position encoding; H is a multiple of H_kv (grouped KV heads).
+        scaling: factor on q·k.
+        mask: None, or broadcastable to (B, H, n_q, n_k): bool (True = may attend) or additive float
+            (large negative = masked; ALiBi-style biases included).
+        causal: query i sees keys j ≤ i only (the kernel's ``is_causal``, when no mask tensor carries it).
+        window: a sliding window: query i sees keys j > i − window only (flash's ``sliding_window``).
+        softcap: logits become softcap·tanh(logits / softcap) before the mask (Gemma 2).
+        sinks: (H,) per-head sink logits that join the softmax's denominator only (attention sinks).
+        bias: additive position bias broadcastable to (B, H, n_q, n_k), added after softcapping.
+        v: (B, H_kv, n_k, d_v) values (gradient rules only).
+        grad_out: (B, H, n_q, d_v) gradient of the target with respect to the kernel's output (gradient
+            rules only): dy/dA_ij = grad_out_i · v_j.
+        is_causal_model: the attention module declares itself causal (a decoder), whatever the kernel did.
+    """
+
+    q: torch.Tensor
+    k: torch.Tensor
+    scaling: float
+    mask: torch.Tensor | None = None
+    causal: bool = False
+    window: int | None = None
+    softcap: float | None = None
+    sinks: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
+    v: torch.Tensor | None = None
+    grad_out: torch.Tensor | None = None
+    is_causal_model: bool = False
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """(B, H, n_q, n_k): the shape of the attention this layer never materialises."""
+        B, H, nq, _ = self.q.shape
+        return B, H, nq, self.k.shape[-2]
+
+    def block_rows(self, budget: int = BLOCK_ELEMENTS) -> int:
+        """Query rows per block so that one (B, H, rows, n_k) block holds about ``budget`` elements."""
+        B, H, _, nk = self.shape
+        return max(16, budget // max(1, B * H * nk))
+
+
+# ----------------------------------------------------------------------------------------- probabilities
+def _mask_block(mask: torch.Tensor, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
+    rows = slice(q0, q1) if mask.shape[-2] > 1 else slice(None)
+    cols = slice(k0, k1) if mask.shape[-1] > 1 else slice(None)
+    return mask[..., rows, cols]
+
+
+def _allowed(m: torch.Tensor) -> torch.Tensor:
+    """Bool of the entries a mask block lets through (additive masks: above half the dtype's minimum)."""
+    if m.dtype == torch.bool:
+        return m
+    return m > torch.finfo(m.dtype).min / 2
+
+
+def key_range(layer: KernelInputs, q0: int, q1: int) -> tuple[int, int]:
+    """[k0, k1): the keys that any query of [q0, q1) may attend to; outside it every probability is 0."""
+    nk = layer.k.shape[-2]
+    k1 = min(nk, q1) if layer.causal else nk
+    k0 = max(0, q0 - layer.window + 1) if layer.window is not None else 0
+    if layer.mask is None or k1 <= k0:
+        return k0, max(k0, k1)
+    m = _mask_block(layer.mask, q0, q1, k0, k1)
+    cols = _allowed(m).reshape(-1, m.shape[-1]).any(dim=0)
+    if cols.numel() == 1:  # broadcast over keys
+        return (k0, k1) if bool(cols) else (0, 0)
+    idx = cols.nonzero()
+    if idx.numel() == 0:
+        return 0, 0
+    return k0 + int(idx[0]), k0 + int(idx[-1]) + 1
+
+
+def _structural_mask(layer: KernelInputs, s: torch.Tensor, q0: int, q1: int, k0: int, k1: int) -> None:
+    """Mask causal / sliding-window entries of the logits block ``s`` in place with −inf. Only the columns
+    where the rule can bite are touched: j > q0 (causal), j ≤ q1 − 1 − window (window)."""
+    dev = s.device
+    qi = torch.arange(q0, q1, device=dev)[:, None]
+    if layer.causal and k1 > q0 + 1:
+        c0 = max(k0, q0 + 1)
+        kj = torch.arange(c0, k1, device=dev)[None, :]
+        s[..., c0 - k0 :].masked_fill_(kj > qi, float("-inf"))
+    if layer.window is not None and k0 < q1 - layer.window:
+        c1 = min(k1, q1 - layer.window)
+        kj = torch.arange(k0, c1, device=dev)[None, :]
+        s[..., : c1 - k0].masked_fill_(kj <= qi - layer.window, float("-inf"))
+
+
+def logits_block(layer: KernelInputs, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
+    """(B, H, rows, keys) float32 attention logits of queries [q0, q1) on keys [k0, k1), masked with −inf.
+
+    Each key/value head is multiplied with its whole group of query heads at once (no repeated keys)."""
+    B, H, _, d = layer.q.shape
+    Hkv = layer.k.shape[1]
+    rows = q1 - q0
+    q = (layer.q[:, :, q0:q1].to(torch.float32) * layer.scaling).reshape(B, Hkv, (H // Hkv) * rows, d)
+    k = layer.k[:, :, k0:k1].to(torch.float32)
+    s = (q @ k.transpose(-1, -2)).view(B, H, rows, k1 - k0)
+    if layer.softcap is not None:
+        s = torch.tanh(s.div_(layer.softcap)).mul_(layer.softcap)
+    if layer.bias is not None:
+        s = s + _mask_block(layer.bias, q0, q1, k0, k1).to(torch.float32)
+    if layer.mask is not None:
+        m = _mask_block(layer.mask, q0, q1, k0, k1)
+        if m.dtype == torch.bool:
+            s = s.masked_fill(~m, float("-inf"))
+        else:
+            s = s + m.to(torch.float32)
+    _structural_mask(layer, s, q0, q1, k0, k1)
+    return s
+
+
+def probs_block(layer: KernelInputs, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
+    """(B, H, rows, keys) float32 softmax probabilities; [k0, k1) must cover every key the rows may see
+    (``key_range``). Fully masked rows give 0 (they belong to padding); sinks join the denominator."""
+    s = logits_block(layer, q0, q1, k0, k1)
+    if layer.sinks is None:
+        p = torch.softmax(s, dim=-1)
+        return p.nan_to_num_(0.0) if layer.mask is not None else p
+    sink = layer.sinks.to(torch.float32).reshape(1, -1, 1, 1)
+    top = torch.maximum(s.amax(dim=-1, keepdim=True), sink)
+    top = torch.where(torch.isfinite(top), top, torch.zeros((), dtype=s.dtype, device=s.device))
+    p = torch.exp(s - top)
+    z = p.sum(dim=-1, keepdim=True) + torch.exp(sink - top)
+    return p / z
+
+
+# ------------------------------------------------------------------------------------------ block rules
+BlockRule = Callable[[KernelInputs, int, int, int, int], torch.Tensor]
+
+
+def fused_probs(how: Any) -> BlockRule:
+    """Block rule: head-fused probabilities fuse_h(A) (B, rows, keys); ``how`` as ``fuse_heads``."""
+
+    def rule(layer: KernelInputs, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
+        return fusion.fuse_tensor(probs_block(layer, q0, q1, k0, k1), how)
+
+    if isinstance(how, str) and how == "mean":
+        rule.heads = probs_block  # type: ignore[attr-defined]  (r·mean_h(A) = mean_h(r·A): see apply_layer)
+    return rule
+
+
+def weighted_probs(clamp: str = "per_head") -> BlockRule:
+    """Block rule: mean_h((dy/dA ⊙ A)^+) with dy/dA_ij = dO_i·V_j ("per_head"), or (mean_h(dy/dA ⊙ A))^+
+    ("after_mean"); needs ``v`` and ``grad_out``."""
+
+    def rule(layer: KernelInputs, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
+        a = probs_block(layer, q0, q1, k0, k1)
+        B, H = a.shape[:2]
+        Hkv = layer.v.shape[1]
+        go = layer.grad_out[:, :, q0:q1].to(torch.float32).reshape(B, Hkv, H // Hkv, q1 - q0, -1)
+        v = layer.v[:, :, k0:k1].to(torch.float32).unsqueeze(2)
+        grad = (go @ v.transpose(-1, -2)).reshape(a.shape)
+        prod = grad.mul_(a)
+        return prod.clamp_(min=0).mean(dim=1) if clamp == "per_head" else prod.mean(dim=1).clamp_(min=0)
+
+    return rule
+
+
+# ------------------------------------------------------------------------------------------ the operator
+def apply_layer(
+    r: torch.Tensor,
+    layer: KernelInputs,
+    rule: BlockRule,
+    *,
+    a: float,
+    c: float,
+    renorm: bool = False,
+    mask: torch.Tensor | None = None,
+    block: int | None = None,
+) -> torch.Tensor:
+    """r · Ã for relevance rows r (B, R, n) -> (B, R, n), Ã = diag(1/s)·(a·P + c·I) built block by block.
+
+    P is ``rule``'s (B, rows, keys) block; with a padding ``mask`` (B, n) bool, P is restricted to real
+    tokens (padded rows and columns 0, real rows rescaled to their previous sum, as ``rollout`` drops
+    padding) and the identity sits on real tokens only; ``renorm`` divides each row by its sum
+    s_i = a·Σ_j P_ij + c·[i real] (a zero sum gives a zero row). Blocks whose rows carry no relevance are
+    skipped.
+    """
+    B, H, nq, nk = layer.shape
+    if r.shape[-1] != nq:
+        raise ValueError(f"relevance rows have {r.shape[-1]} entries, the layer has {nq} queries")
+    rows_per = block or layer.block_rows()
+    out = torch.zeros(B, r.shape[1], nk, dtype=r.dtype, device=r.device)
+    live = r.abs().amax(dim=(0, 1)) > 0  # (n,) queries with any relevance
+    for b0 in range(0, nq, rows_per):
+        hit = live[b0 : b0 + rows_per].nonzero()
+        if hit.numel() == 0:
+            continue
+        # Only the rows that carry relevance: the top layer of a sweep starts from one row per example.
+        q0, q1 = b0 + int(hit[0]), b0 + int(hit[-1]) + 1
+        k0, k1 = key_range(layer, q0, q1)
+        rb = r[..., q0:q1]
+        ident = torch.full((B, q1 - q0), c, dtype=r.dtype, device=r.device)
+        if mask is not None:
+            ident = ident * mask[:, q0:q1]
+        if k1 > k0 and mask is None and not renorm and hasattr(rule, "heads"):
+            # One product over (head, row) pairs instead of forming the head mean first: one pass less.
+            A = rule.heads(layer, q0, q1, k0, k1).to(r.dtype)
+            u = rb.unsqueeze(2).expand(B, r.shape[1], H, q1 - q0).reshape(B, r.shape[1], -1)
+            out[..., k0:k1] += (a / H) * (u @ A.view(B, -1, k1 - k0))
+        elif k1 > k0:
+            P = rule(layer, q0, q1, k0, k1).to(r.dtype)
+            if mask is not None:
+                P = _restrict(P, mask[:, q0:q1], mask[:, k0:k1])
+            if renorm:
+                s = a * P.sum(dim=-1) + ident
+                rb = _divide(rb, s)
+                ident = _divide(ident, s)
+            out[..., k0:k1] += a * (rb @ P)
+        elif renorm:
+            ident = _divide(ident, ident)
+        lo, hi = max(q0, 0), min(q1, nk)  # identity: query i -> key i (self-attention)
+        out[..., lo:hi] += r[..., lo:hi] * ident[:, None, : hi - lo]
+    return out
+
+
+def _restrict(P: torch.Tensor, row_ok: torch.Tensor, col_ok: torch.Tensor) -> torch.Tensor:
+    """Padding dropped from a block: padded rows and columns zeroed, real rows rescaled to their sum."""
+    before = P.sum(dim=-1, keepdim=True) * row_ok[..., None]
+    kept = P * (row_ok[..., :, None] & col_ok[..., None, :])
+    after = kept.sum(dim=-1, keepdim=True)
+    scale = torch.where(after > 0, before / torch.where(after > 0, after, torch.ones_like(after)), after)
+    return kept * scale
+
+
+def _divide(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """x (B, [R,] rows) divided by row sums s (B, rows) over the rows axis; zero sums give 0."""
+    s = s if x.ndim == s.ndim else s[:, None, :]
+    ok = s > 0
+    return torch.where(ok, x / torch.where(ok, s, torch.ones_like(s)), torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def rollout_rows(
+    layers: list[KernelInputs],
+    rows: torch.Tensor,
+    rule: BlockRule,
+    *,
+    a: float,
+    c: float,
+    renorm: bool = False,
+    mask: torch.Tensor | None = None,
+    start: int = 0,
+    end: int | None = None,
+    return_layers: bool = False,
+) -> torch.Tensor:
+    """Rows of Ã(end−1)···Ã(start), right to left: ``rows`` (B, R, n) start vectors (one-hot output
+    rows) -> (B, R, n). ``return_layers``: (end − start, B, R, n), entry k the rows of Ã(start+k)···Ã(start)
+    (one right-to-left sweep per prefix: O(L²) layer applications)."""
+    end = len(layers) if end is None else end
+    if mask is not None:
+        rows = rows * mask[:, None, :].to(rows.dtype)
+
+    def sweep(top: int) -> torch.Tensor:
+        v = rows
+        for i in range(top - 1, start - 1, -1):
+            v = apply_layer(v, layers[i], rule, a=a, c=c, renorm=renorm, mask=mask)
+        return v
+
+    if not return_layers:
+        return sweep(end)
+    return torch.stack([sweep(k) for k in range(start + 1, end + 1)])
+
+
+def attention_rows(layer: KernelInputs, rows: list[int]) -> torch.Tensor:
+    """(B, H, len(rows), n_k): the attention rows of the queries ``rows``, every example and head."""
+    nk = layer.shape[3]
+    return torch.stack([probs_block(layer, p, p + 1, 0, nk)[:, :, 0] for p in rows], dim=2)

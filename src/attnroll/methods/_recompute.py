@@ -1,0 +1,147 @@
+"""The matrix-free route of the row methods (``raw``, ``rollout``, ``grad_rollout``, ``gae``).
+
+``attention=None`` (auto) takes it for transformers models whenever the method's options need only the
+explained rows (no sparsification, which ranks a whole matrix); ``"recompute"`` insists on it and says why
+when it cannot; ``"dense"`` keeps the eager capture of n×n matrices. Both routes give the same Explanation
+(to float32 rounding): the recompute route recomputes each layer's probabilities blockwise from the queries
+and keys its own kernel saw (``attnroll.capture.recompute``) and folds them into the row product
+(``attnroll.core.operators``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .. import _checks
+from ..capture import CaptureError
+from .._checks import UnsupportedModelError
+from ..capture.hf import is_hf_model
+from ..capture.recompute import capture_kernels
+from ..core import operators
+from ..core.rollout import LayerPipeline, layer_range
+from .._modes import params_require_grad
+from .base import Context, prefix_default, require_grad_mode
+
+MODES = ("dense", "recompute")
+
+
+def choose(ctx: Context, attention: Any, refusal: str | None) -> bool:
+    """Whether to take the recompute route. ``refusal``: why these options need the dense matrices (None
+    when rows suffice)."""
+    if attention is not None:
+        _checks.check_choice("attention", attention, MODES)
+    if attention == "dense":
+        return False
+    supported = is_hf_model(ctx.model) and not getattr(ctx.model.config, "is_encoder_decoder", False)
+    if attention == "recompute":
+        if not supported:
+            raise ValueError(
+                f"attention='recompute' needs a transformers model whose attention goes through its attention "
+                f"interface (decoder-only or encoder-only); got {type(ctx.model).__name__}. Use attention='dense'"
+            )
+        if refusal:
+            raise ValueError(f"attention='recompute' cannot be used here: {refusal}; use attention='dense'")
+        return True
+    return supported and refusal is None
+
+
+def sparsity_refusal(opts: dict) -> str | None:
+    """Why sparsification options need the dense path (they rank entries of whole matrices), or None."""
+    for k in ("discard_ratio", "top_k", "threshold"):
+        if opts.get(k):
+            return f"{k}={opts[k]!r} sparsifies whole attention matrices"
+    return None
+
+
+def record(ctx: Context, attention: Any) -> Any:
+    """Capture kernel inputs (no gradients); in auto mode None when the model's attention did not go through
+    the interface (the caller then takes the dense route)."""
+    try:
+        ctx.rec = capture_kernels(ctx.model, ctx.inputs, tokenizer=ctx.tokenizer)
+    except (CaptureError, UnsupportedModelError):  # no kernel to record (e.g. attention read from outputs)
+        if attention == "recompute":
+            raise
+        return None
+    return ctx.rec
+
+
+def grad_record(ctx: Context, attention: Any, stream: str | None) -> Any:
+    """Capture with autograd, then dy/dO for every kernel output of the stream(s), stored on the layers as
+    ``grad_out`` (B, H, n, d_v). None in auto mode when the capture is not possible."""
+    require_grad_mode(ctx.method.name)
+    try:
+        with params_require_grad(ctx.model, partly=True):
+            rec = capture_kernels(ctx.model, ctx.inputs, keep_grad=True, tokenizer=ctx.tokenizer)
+    except (CaptureError, UnsupportedModelError):  # no kernel to record (e.g. attention read from outputs)
+        if attention == "recompute":
+            raise
+        return None
+    ctx.rec = rec
+    outs_by_stream = rec.extra.pop("kernel_outputs")
+    names = [stream] if stream else rec.stream_names()
+    y = ctx.target_scores(rec)
+    outs = [o for s in names for o in outs_by_stream[s]]
+    grads = torch.autograd.grad(y.sum(), outs, allow_unused=True)
+    layers = [lay for s in names for lay in rec.operators[s]]
+    for lay, o, g in zip(layers, outs, grads):
+        B, H, nq, _ = lay.shape
+        g = torch.zeros_like(o) if g is None else g.detach()
+        lay.grad_out = g.reshape(B, nq, H, -1).transpose(1, 2)  # kernels return (B, n, H, d_v)
+    return rec
+
+
+def layers_of(rec: Any, stream: str) -> list[operators.KernelInputs]:
+    """The stream's layers; self-attention only (the row operator maps a layer's queries onto its keys)."""
+    layers = rec.operators[stream]
+    B, H, nq, nk = layers[0].shape
+    if nq != nk:
+        raise ValueError(
+            f"stream {stream!r} is cross-attention ({nq} queries x {nk} keys); the recompute route handles "
+            "self-attention streams; use attention='dense'"
+        )
+    return layers
+
+
+def product(ctx: Context, rec: Any, stream: str, rule: Any, *, alpha: float, residual_mode: str,
+            start_layer: int, end_layer: Any, return_layers: bool, head_fusion: Any = None,
+            protect_prefix: int = 1, dtype: Any = None) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
+    """The explained row of every example, (B, n) — the readout's weights (B, n) carried through the layers
+    as one relevance row — with ``return_layers`` also (L', B, n), and the readout."""
+    layers = layers_of(rec, stream)
+    B, H, n, _ = layers[0].shape
+    pipe = LayerPipeline(n, head_fusion=head_fusion, alpha=alpha, residual_mode=residual_mode,
+                         protect_prefix=protect_prefix)  # validates the options, gives a and c
+    if head_fusion is not None and not isinstance(head_fusion, str):
+        from ..core.fusion import head_weights
+
+        head_weights(head_fusion, H, like=layers[0].q)
+    start, end = layer_range(len(layers), start_layer, end_layer)
+    _checks.check_bool("return_layers", return_layers)
+    want = _checks.check_dtype(dtype) or torch.float32
+    ro = ctx.readout(rec, stream)
+    mask = ctx.mask(rec, stream)
+    mask = None if mask is None or bool(mask.all()) else mask.to(layers[0].q.device).bool()
+    E = ro.weights.to(device=layers[0].q.device, dtype=want)[:, None, :]
+    R = operators.rollout_rows(layers, E, rule, a=pipe.a, c=pipe.c, renorm=pipe.renorm, mask=mask,
+                               start=start, end=end, return_layers=return_layers)
+    if return_layers:
+        return R[-1, :, 0], R[:, :, 0], ro
+    return R[:, 0], None, ro
+
+
+def explain_rows(ctx: Context, attention: Any, rule_for: Any, *, grad: bool, stream_opt: Any,
+                 protect_prefix: Any = None, **product_opts: Any) -> Any:
+    """The whole recompute route of a row method: capture, product, Explanation; None when auto mode falls
+    back to dense. ``rule_for(rec)`` gives the block rule; ``protect_prefix`` None = the record's prefix."""
+    rec = grad_record(ctx, attention, stream_opt) if grad else record(ctx, attention)
+    if rec is None:
+        return None
+    s = ctx.stream(rec)
+    pp = prefix_default(protect_prefix, ctx.info(rec, s))
+    row, layers, ro = product(ctx, rec, s, rule_for(rec), protect_prefix=pp, **product_opts)
+    options = {**ctx.options, "attention": "recompute"}
+    if "protect_prefix" in ctx.options:
+        options["protect_prefix"] = pp
+    return ctx.build(rec, row, ro, s, layers=layers, options=options)

@@ -1,0 +1,201 @@
+"""Context attribution for decoders: which parts of a prompt a generated answer drew on.
+
+``context_attribution(model, tokenizer, prompt, generate=N)`` generates N tokens greedily (or takes a given
+``answer``), runs one forward pass over prompt + answer under the model's own attention kernel, and traces
+every answer token's predicting row (the row of the token before it) back to the input with the matrix-free
+operators: ``rollout`` traces all rows in one right-to-left sweep; ``gae`` / ``grad_rollout`` weight the
+attention by the gradient of the answer's total log-probability Σ_t log p(answer_t | prefix) (one backward
+pass for the whole span). The relevance of each prompt token, summed over the answer tokens, is then summed
+within tokens, words, sentences or given segments (e.g. the retrieved passages of a RAG prompt); shares are
+relative to the prompt's total, so they add up to 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from .. import _checks
+from ..capture.hf import is_hf_model
+from ..capture.recompute import capture_kernels
+from ..core import operators
+from ..core import segments as seg
+from ..core.residual import residual_coefficients
+from . import _recompute
+from .base import Context, method_info
+
+METHODS = ("rollout", "gae", "grad_rollout")
+
+
+@dataclass
+class ContextAttribution:
+    """The prompt's units ranked by their share of the answer's relevance.
+
+    Attributes:
+        prompt, answer: the texts; ``answer_ids`` the answer's token ids.
+        token_scores: (n_prompt,) relevance of each prompt token, summed over the answer tokens.
+        units: one dict per unit in prompt order: ``text``, ``span`` (character [start, end)), ``score``,
+            ``share`` (score / total); a final "(other)" unit holds tokens outside every unit (special tokens,
+            text between given segments) when there are any.
+        total: the prompt's total relevance (the sum of ``token_scores``).
+        method, unit: how it was made.
+    """
+
+    prompt: str
+    answer: str
+    answer_ids: list[int]
+    token_scores: torch.Tensor
+    units: list[dict]
+    total: float
+    method: str
+    unit: str
+    options: dict = field(default_factory=dict)
+
+    def ranked(self) -> list[dict]:
+        """The units sorted by share, largest first."""
+        return sorted(self.units, key=lambda u: -u["share"])
+
+    def table(self, top: int | None = None, width: int = 70) -> str:
+        """Plain-text ranking: share, then the unit's text (shortened to ``width`` characters)."""
+        lines = []
+        for u in self.ranked()[:top]:
+            text = " ".join(u["text"].split())
+            text = text if len(text) <= width else text[: width - 1] + "…"
+            lines.append(f"{100 * u['share']:6.2f}%  {text}")
+        return "\n".join(lines)
+
+
+def context_attribution(
+    model: nn.Module,
+    tokenizer: Any,
+    prompt: str,
+    *,
+    generate: int | None = None,
+    answer: str | None = None,
+    unit: str = "sentence",
+    segments: Sequence[str] | None = None,
+    method: str = "rollout",
+    **options: Any,
+) -> ContextAttribution:
+    """Attribute a decoder's answer to the parts of its prompt.
+
+    Args:
+        model: a transformers decoder-only LM (GPT-2, Llama, Mistral, Gemma 2, ...), any attention kernel.
+        tokenizer: its tokenizer (a fast one: character offsets place tokens in words and sentences).
+        prompt: the prompt text.
+        generate: number of tokens to generate greedily as the answer; or give ``answer`` (text) instead.
+        unit: "token" | "word" | "sentence" (ignored when ``segments`` is given).
+        segments: consecutive pieces of the prompt (e.g. retrieved passages), in order; text outside them
+            goes to "(other)".
+        method: "rollout" (default), "gae" or "grad_rollout".
+        **options: rollout's ``head_fusion``, ``alpha``, ``residual_mode``; ``start_layer``/``end_layer``.
+
+    Returns:
+        a :class:`ContextAttribution`; its units' shares add up to 1.
+    """
+    if not _is_decoder_lm(model):
+        raise TypeError(f"model must be a transformers decoder-only language model, got {_checks.describe(model)}")
+    _checks.check_choice("method", method, METHODS)
+    if segments is None:
+        _checks.check_choice("unit", unit, seg.UNITS)
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise ValueError(f"prompt must be a non-empty string, got {prompt!r}")
+    enc = tokenizer(prompt, return_offsets_mapping=True, return_tensors="pt")
+    prompt_ids = enc["input_ids"][:, :]
+    offsets = [tuple(map(int, o)) for o in enc["offset_mapping"][0].tolist()]
+    answer_ids = _answer_ids(model, tokenizer, prompt_ids, generate, answer)
+    ids = torch.cat([prompt_ids, torch.tensor([answer_ids], dtype=prompt_ids.dtype)], dim=1)
+    n_prompt, T = prompt_ids.shape[1], len(answer_ids)
+    rows = [n_prompt - 1 + t for t in range(T)]  # the row that predicts answer token t
+    R = _relevance(model, tokenizer, ids, rows, answer_ids, method, options)  # (T, n)
+    scores = R[:, :n_prompt].sum(dim=0).to(torch.float32).cpu()
+    units = _units(prompt, offsets, scores, unit, segments)
+    text = tokenizer.decode(answer_ids, skip_special_tokens=True)
+    return ContextAttribution(prompt, text, answer_ids, scores, units, float(scores.sum()), method,
+                              "segments" if segments is not None else unit, dict(options))
+
+
+def _is_decoder_lm(model: Any) -> bool:
+    """A transformers model that generates text and is not an encoder-decoder."""
+    if not is_hf_model(model) or getattr(model.config, "is_encoder_decoder", False):
+        return False
+    from transformers import GenerationMixin
+
+    return isinstance(model, GenerationMixin)
+
+
+def _answer_ids(model, tokenizer, prompt_ids, generate, answer) -> list[int]:
+    if (generate is None) == (answer is None):
+        raise ValueError("give exactly one of generate=N (tokens to generate) and answer='text'")
+    if answer is not None:
+        ids = tokenizer(answer, add_special_tokens=False)["input_ids"]
+        if not ids:
+            raise ValueError(f"answer {answer!r} has no tokens")
+        return list(ids)
+    n = _checks.check_int("generate", generate)
+    if n < 1:
+        raise ValueError(f"generate must be >= 1 (tokens to generate), got {n}")
+    pad = model.config.pad_token_id if model.config.pad_token_id is not None else (model.config.eos_token_id or 0)
+    with torch.no_grad():
+        out = model.generate(prompt_ids, attention_mask=torch.ones_like(prompt_ids), max_new_tokens=n,
+                             do_sample=False, pad_token_id=pad)
+    return out[0, prompt_ids.shape[1]:].tolist()
+
+
+def _relevance(model, tokenizer, ids, rows, answer_ids, method, options) -> torch.Tensor:
+    """(T, n): the relevance rows of the answer's predicting positions."""
+    inputs = {"input_ids": ids}
+    allowed = {"rollout": ("head_fusion", "alpha", "residual_mode", "start_layer", "end_layer"),
+               "gae": ("start_layer", "end_layer"),
+               "grad_rollout": ("clamp", "alpha", "residual_mode", "start_layer", "end_layer")}[method]
+    for k in options:
+        if k not in allowed:
+            raise ValueError(f"context attribution with method {method!r} has no option {k!r}; options: {allowed}")
+    if method == "rollout":
+        rec = capture_kernels(model, inputs)
+        rule = operators.fused_probs(options.get("head_fusion", "mean"))
+        mode, alpha = options.get("residual_mode", "blend"), options.get("alpha", 0.5)
+    else:
+        r_idx, tok = torch.tensor(rows), torch.tensor(answer_ids)
+
+        def target(outputs):  # Σ_t log p(answer_t | prefix): the whole span at once
+            logp = outputs.logits[:, r_idx].float().log_softmax(dim=-1)
+            return logp[:, torch.arange(len(rows)), tok].sum(dim=-1)
+
+        ctx = Context(model, inputs, target, method_info(method), {}, tokenizer)
+        rec = _recompute.grad_record(ctx, "recompute", None)
+        rule = operators.weighted_probs(options.get("clamp", "per_head"))
+        mode = "add" if method == "gae" else options.get("residual_mode", "renorm")
+        alpha = 0.5 if method == "gae" else options.get("alpha", 0.5)
+    layers = _recompute.layers_of(rec, "self" if "self" in rec.operators else rec.stream_names()[0])
+    a, c = residual_coefficients(alpha, mode)
+    from ..core.rollout import layer_range
+
+    start, end = layer_range(len(layers), options.get("start_layer", 0), options.get("end_layer"))
+    E = torch.zeros(1, len(rows), ids.shape[1], dtype=torch.float32, device=layers[0].q.device)
+    E[0, torch.arange(len(rows)), torch.tensor(rows)] = 1.0
+    R = operators.rollout_rows(layers, E, rule, a=a, c=c, renorm=mode == "renorm", start=start, end=end)
+    return R[0]
+
+
+def _units(prompt, offsets, scores, unit, given) -> list[dict]:
+    if given is not None:
+        spans = seg.segment_spans(prompt, given)
+    elif unit == "token":
+        spans = [o for o in offsets if o[1] > o[0]]
+    elif unit == "word":
+        spans = seg.word_spans(prompt)
+    else:
+        spans = seg.sentence_spans(prompt)
+    owner = seg.assign(offsets, prompt, spans)
+    sums, other = seg.aggregate(scores, owner, len(spans))
+    total = float(scores.sum())
+    share = (lambda v: v / total) if total > 0 else (lambda v: 0.0)
+    units = [{"text": prompt[s:e], "span": (s, e), "score": float(v), "share": share(float(v))}
+             for (s, e), v in zip(spans, sums.tolist())]
+    if any(o < 0 for o in owner):
+        units.append({"text": "(other)", "span": None, "score": float(other), "share": share(float(other))})
+    return units

@@ -1,0 +1,146 @@
+"""core.operators: blockwise recomputed probabilities against a naive full softmax written here, and the row
+operator against ``rollout`` on the materialised matrices."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from attnroll.core import operators as op
+from attnroll.core.rollout import rollout
+
+B, H, HKV, N, D = 2, 4, 2, 19, 8
+
+
+def naive_probs(q, k, scaling, *, mask=None, causal=False, window=None, softcap=None, sinks=None, bias=None):
+    """Eager attention written out in full: (B, H, n, n), as transformers' eager kernels do it (sinks as
+    gpt-oss: an extra logit column dropped after the softmax)."""
+    k = k.repeat_interleave(H // k.shape[1], dim=1)
+    s = q @ k.transpose(-1, -2) * scaling
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    if bias is not None:
+        s = s + bias
+    n = q.shape[-2]
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    allowed = torch.ones(n, n, dtype=torch.bool)
+    if causal:
+        allowed &= j <= i
+    if window is not None:
+        allowed &= j > i - window
+    s = s.masked_fill(~allowed, -math.inf)
+    if mask is not None:
+        s = s.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else s + mask
+    if sinks is not None:
+        s = torch.cat([s, sinks.reshape(1, -1, 1, 1).expand(*s.shape[:-1], 1)], dim=-1)
+    p = torch.softmax(s, dim=-1)
+    return p[..., :n] if sinks is not None else p
+
+
+def layer(**kw):
+    g = torch.Generator().manual_seed(1)
+    q, k = torch.randn(B, H, N, D, generator=g) * 2, torch.randn(B, HKV, N, D, generator=g) * 2
+    return op.KernelInputs(q=q, k=k, scaling=D ** -0.5, **kw)
+
+
+def alibi(n):
+    slopes = torch.tensor([2.0 ** (-(h + 1)) for h in range(H)])
+    dist = (torch.arange(n)[None, :] - torch.arange(n)[:, None]).float()
+    return (slopes[:, None, None] * dist)[None]  # (1, H, n, n)
+
+
+def padding_mask():
+    keep = torch.ones(B, N, dtype=torch.bool)
+    keep[1, :4] = False
+    i, j = torch.arange(N)[:, None], torch.arange(N)[None, :]
+    return (j <= i)[None, None] & keep[:, None, None, :] | (i == j)  # (B, 1, n, n), no empty row
+
+
+CASES = {
+    "plain": {},
+    "causal": dict(causal=True),
+    "window": dict(causal=True, window=5),
+    "softcap": dict(softcap=1.5),
+    "sinks": dict(sinks=torch.tensor([0.5, -1.0, 2.0, 0.0]), causal=True),
+    "bool_mask": dict(mask=padding_mask()),
+    "alibi_additive_mask": dict(mask=alibi(N) + torch.where(padding_mask(), 0.0, torch.finfo(torch.float32).min)),
+    "bias_and_window": dict(bias=alibi(N), causal=True, window=7),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("block", [1, 16, 64])
+def test_blockwise_probabilities_equal_naive(case, block):
+    lay = layer(**CASES[case])
+    ref = naive_probs(lay.q, lay.k, lay.scaling, **CASES[case])
+    got = torch.zeros_like(ref)
+    for q0 in range(0, N, block):
+        q1 = min(N, q0 + block)
+        k0, k1 = op.key_range(lay, q0, q1)
+        outside = torch.cat([ref[:, :, q0:q1, :k0], ref[:, :, q0:q1, k1:]], dim=-1)
+        assert float(outside.abs().sum()) == 0  # the key range drops only exact zeros
+        got[:, :, q0:q1, k0:k1] = op.probs_block(lay, q0, q1, k0, k1)
+    torch.testing.assert_close(got, ref, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("mode", ["blend", "renorm", "add"])
+@pytest.mark.parametrize("fusion", ["mean", "max"])
+@pytest.mark.parametrize("padded", [False, True])
+def test_row_operator_equals_rollout_of_matrices(mode, fusion, padded):
+    layers = [layer(causal=True), layer(window=6), layer(softcap=2.0)]
+    mats = [naive_probs(lay.q, lay.k, lay.scaling, causal=lay.causal, window=lay.window, softcap=lay.softcap)
+            for lay in layers]
+    mask = None
+    if padded:
+        mask = torch.ones(B, N, dtype=torch.bool)
+        mask[0, -3:] = False
+    rows = [N - 4, 2]
+    ref = rollout(mats, head_fusion=fusion, residual_mode=mode, alpha=0.3, rows=rows, attention_mask=mask,
+                  check_stochastic=fusion == "mean")
+    E = torch.zeros(B, 2, N)
+    E[:, 0, rows[0]], E[:, 1, rows[1]] = 1.0, 1.0
+    from attnroll.core.residual import residual_coefficients
+
+    a, c = residual_coefficients(0.3, mode)
+    for blk in (None, 5):
+        got = op.rollout_rows(layers, E, op.fused_probs(fusion), a=a, c=c, renorm=mode == "renorm", mask=mask) \
+            if blk is None else _with_block(layers, E, fusion, a, c, mode, mask, blk)
+        torch.testing.assert_close(got, ref, atol=1e-6, rtol=0)
+
+
+def _with_block(layers, E, fusion, a, c, mode, mask, blk):
+    v = E * (1 if mask is None else mask[:, None, :])
+    for lay in reversed(layers):
+        v = op.apply_layer(v, lay, op.fused_probs(fusion), a=a, c=c, renorm=mode == "renorm", mask=mask, block=blk)
+    return v
+
+
+def test_gradient_rule_is_grad_times_attention():
+    """weighted_probs: mean_h((dO·Vᵀ ⊙ A)^+), checked against autograd through a naive attention."""
+    lay = layer(causal=True)
+    g = torch.Generator().manual_seed(2)
+    v = torch.randn(B, HKV, N, 5, generator=g)
+    A = naive_probs(lay.q, lay.k, lay.scaling, causal=True).requires_grad_(True)
+    out = A @ v.repeat_interleave(H // HKV, dim=1)
+    w = torch.randn(out.shape, generator=g)
+    (grad_a,) = torch.autograd.grad((out * w).sum(), A)
+    lay.v, lay.grad_out = v, w  # d(sum(out * w)) / d out = w
+    ref = (grad_a * A).clamp(min=0).mean(dim=1).detach()
+    got = op.weighted_probs("per_head")(lay, 0, N, 0, N)
+    torch.testing.assert_close(got, ref, atol=1e-6, rtol=0)
+    ref_after = (grad_a * A).mean(dim=1).clamp(min=0).detach()
+    torch.testing.assert_close(op.weighted_probs("after_mean")(lay, 0, N, 0, N), ref_after, atol=1e-6, rtol=0)
+
+
+def test_attention_rows_pick_the_given_queries():
+    lay = layer(causal=True)
+    ref = naive_probs(lay.q, lay.k, lay.scaling, causal=True)
+    got = op.attention_rows(lay, [3, 11])
+    torch.testing.assert_close(got, ref[:, :, [3, 11]], atol=1e-6, rtol=0)
+
+
+def test_rows_of_the_wrong_length_are_refused():
+    with pytest.raises(ValueError, match="relevance rows have 5 entries"):
+        op.apply_layer(torch.ones(B, 1, 5), layer(), op.fused_probs("mean"), a=0.5, c=0.5)

@@ -1,0 +1,262 @@
+"""The matrix-free route (attention="recompute") against the dense one (eager n×n capture), family by family.
+
+The dense route switches the model to eager attention and rolls out the captured probabilities; the
+recompute route leaves the model's own kernel (SDPA here, eager for Gemma 2) in place and recomputes the
+probabilities blockwise from the queries and keys the kernel received. They must agree to 1e-5."""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import attnroll
+from attnroll.core import operators
+
+from .models import T, inputs_for, model
+
+GEMMA2 = dict(vocab_size=99, hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=8, query_pre_attn_scalar=8, max_position_embeddings=64,
+              initializer_range=0.3, sliding_window=4, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+FAMILIES = {
+    "vit": lambda: model("vit"),
+    "bert": lambda: model("bert"),
+    "gpt2": lambda: model("gpt2"),
+    "llama": lambda: model("llama"),  # 4 query heads sharing 2 key/value heads
+    "mistral": lambda: T.MistralForCausalLM(T.MistralConfig(
+        vocab_size=99, hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, sliding_window=4, initializer_range=0.3,
+        bos_token_id=0, eos_token_id=0)),
+    # Gemma 2: softcapping at 1.0 (so that tanh bends the logits) and alternating sliding / global layers.
+    "gemma2": lambda: T.Gemma2ForCausalLM(T.Gemma2Config(**GEMMA2, attn_logit_softcapping=1.0)),
+}
+TEXT_INPUTS = {"mistral": "llama", "gemma2": "llama"}
+METHODS = ("raw", "rollout", "grad_rollout", "gae")
+
+
+def build(name: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return FAMILIES[name]().eval()
+
+
+def inputs(name: str, n: int, pad: bool = True) -> dict:
+    out = inputs_for(TEXT_INPUTS.get(name, name), batch=3, n=n, pad=pad)
+    if pad and name not in ("vit", "bert"):
+        # Decoders get left padding as well (example 0), the usual layout for generation.
+        out["attention_mask"][0, :3] = 0
+    return out
+
+
+def assert_same(d: attnroll.Explanation, r: attnroll.Explanation) -> None:
+    scale = max(1.0, float(d.full_row.abs().max()))
+    assert d.positions == r.positions
+    torch.testing.assert_close(r.full_row, d.full_row, atol=1e-5 * scale, rtol=0)
+    torch.testing.assert_close(r.scores, d.scores, atol=1e-5 * scale, rtol=0)
+    if d.layers is not None:
+        torch.testing.assert_close(r.layers, d.layers, atol=1e-5 * scale, rtol=0)
+    assert d.options["attention"] == "dense" and r.options["attention"] == "recompute"
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("method", METHODS)
+def test_recompute_equals_dense(family, method):
+    m = build(family)
+    n = {"gpt2": 9, "llama": 13, "mistral": 11, "gemma2": 10}.get(family, 8)
+    x = inputs(family, n)
+    d = attnroll.explain(m, x, method, attention="dense")
+    r = attnroll.explain(m, x, method, attention="recompute")
+    assert_same(d, r)
+    # Auto mode takes the recompute route for transformers models.
+    assert attnroll.explain(m, x, method).options["attention"] == "recompute"
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "mistral"])
+@pytest.mark.parametrize("n", [5, 17, 40])
+def test_recompute_several_lengths_with_and_without_padding(family, n):
+    """Without padding the fused kernel gets no mask at all (is_causal): the causal structure is rebuilt."""
+    m = build(family)
+    for pad in (False, True):
+        x = inputs(family, n, pad=pad)
+        for method in ("rollout", "gae"):
+            assert_same(attnroll.explain(m, x, method, attention="dense"),
+                        attnroll.explain(m, x, method, attention="recompute"))
+
+
+@pytest.mark.parametrize("opts", [
+    dict(method="rollout", head_fusion="max"),
+    dict(method="rollout", head_fusion=[0.1, 0.2, 0.3, 0.4], residual_mode="renorm", alpha=0.3),
+    dict(method="rollout", start_layer=1, return_layers=True),
+    dict(method="rollout", end_layer=1, position=4, residual_mode="add"),
+    dict(method="grad_rollout", clamp="after_mean", return_layers=True),
+    dict(method="grad_rollout", residual_mode="blend", alpha=0.7),
+    dict(method="gae", start_layer=1),
+    dict(method="raw", layer=0, head_fusion="min", return_layers=True),
+])
+@pytest.mark.parametrize("family", ["bert", "llama"])
+def test_recompute_options_match_dense(opts, family):
+    m = build(family)
+    x = inputs(family, 9)
+    opts = dict(opts)
+    method = opts.pop("method")
+    assert_same(attnroll.explain(m, x, method, attention="dense", **opts),
+                attnroll.explain(m, x, method, attention="recompute", **opts))
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "bert"])
+def test_attention_implementation_never_changes(family):
+    """Asserted during the forward, inside every attention module: the recompute route runs the model's own
+    kernel. The dense route, for contrast, does switch it (so the check can fail)."""
+    m = build(family)
+    own = m.config._attn_implementation
+    seen = []
+    handles = [mod.register_forward_pre_hook(lambda mod, args: seen.append(mod.config._attn_implementation))
+               for mod in m.modules() if type(mod).__name__.endswith(("Attention", "SelfAttention"))
+               and hasattr(mod, "config")]
+    x = inputs(family, 8)
+    for method in ("rollout", "gae"):
+        seen.clear()
+        attnroll.explain(m, x, method, attention="recompute")
+        assert seen and set(seen) == {own}
+    seen.clear()
+    attnroll.explain(m, x, "rollout", attention="dense")
+    assert set(seen) == {"eager"}
+    for h in handles:
+        h.remove()
+    assert m.config._attn_implementation == own
+
+
+def test_kernel_wrapper_restored_on_exceptions():
+    from transformers.modeling_utils import AttentionInterface
+
+    before = AttentionInterface.__dict__["get_interface"]
+    m = build("llama")
+    with pytest.raises(Exception):
+        attnroll.explain(m, {"input_ids": torch.full((1, 5), 10_000)}, "rollout", attention="recompute")
+    assert AttentionInterface.__dict__["get_interface"] is before
+
+
+def test_recompute_record_keeps_no_matrix():
+    """The record holds per-layer queries and keys of O(n·d) size, post-RoPE (not the raw projections)."""
+    m = build("llama")
+    x = inputs("llama", 12)
+    from attnroll.capture.recompute import capture_kernels
+
+    rec = capture_kernels(m, x)
+    assert rec.streams == {} and len(rec.operators["self"]) == 2
+    lay = rec.operators["self"][0]
+    assert lay.q.shape == (3, 4, 12, 8) and lay.k.shape == (3, 2, 12, 8)
+    hidden = m.model.embed_tokens(x["input_ids"])
+    attn = m.model.layers[0].self_attn
+    raw_q = attn.q_proj(m.model.layers[0].input_layernorm(hidden)).view(3, 12, 4, 8).transpose(1, 2)
+    assert not torch.allclose(raw_q, lay.q, atol=1e-3)  # RoPE was applied before the kernel saw it
+    assert torch.allclose(raw_q[:, :, 0], lay.q[:, :, 0], atol=1e-5)  # position 0: rotation by angle 0
+
+
+def test_recompute_refusals():
+    m = build("bert")
+    x = inputs("bert", 7)
+    with pytest.raises(ValueError, match="discard_ratio"):
+        attnroll.explain(m, x, "rollout", attention="recompute", discard_ratio=0.5)
+    with pytest.raises(ValueError, match="attention must be one of"):
+        attnroll.explain(m, x, "rollout", attention="fast")
+    # Auto mode falls back to the dense route for sparsification.
+    e = attnroll.explain(m, x, "rollout", discard_ratio=0.5)
+    assert e.options["attention"] == "dense"
+    mha = torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(16, 2, 32, batch_first=True), 1)
+    with pytest.raises(ValueError, match="transformers model"):
+        attnroll.explain(mha.eval(), torch.randn(1, 4, 16), "rollout", attention="recompute",
+                         target=lambda o: o.sum(dim=(1, 2)))
+
+
+def test_blocks_smaller_than_the_sequence(monkeypatch):
+    """Many query blocks (and skipped blocks of the last layer) give the same rows as one block."""
+    m = build("llama")
+    x = inputs("llama", 40)
+    one = attnroll.explain(m, x, "gae", attention="recompute")
+    monkeypatch.setattr(operators, "BLOCK_ELEMENTS", 1)  # 16-row blocks
+    monkeypatch.setattr(operators.KernelInputs.block_rows, "__defaults__", (1,))
+    many = attnroll.explain(m, x, "gae", attention="recompute")
+    torch.testing.assert_close(many.full_row, one.full_row, atol=1e-6, rtol=0)
+    assert_same(attnroll.explain(m, x, "gae", attention="dense"), many)
+
+
+def test_same_model_copy_is_untouched():
+    m = build("gpt2")
+    ref = copy.deepcopy(m)
+    attnroll.explain(m, inputs("gpt2", 6), "gae", attention="recompute")
+    assert all(p.grad is None for p in m.parameters())
+    for a, b in zip(m.state_dict().values(), ref.state_dict().values()):
+        assert torch.equal(a, b)
+
+
+@pytest.fixture
+def flashlike():
+    """A kernel registered the way flash attention is: it gets no 4-D mask (None, or the (B, n) padding
+    mask) and builds causality and the sliding window from its flags, as flash does (keys i−w+1..i)."""
+    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+    from transformers.modeling_utils import AttentionInterface
+
+    def kernel(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None, **kw):
+        assert attention_mask is None or attention_mask.ndim == 2
+        n = query.shape[-2]
+        i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+        ok = j <= i
+        if sliding_window is not None:
+            ok = ok & (j > i - sliding_window)
+        ok = ok[None, None]
+        if attention_mask is not None:
+            ok = ok & attention_mask.bool()[:, None, None, :] | (i == j)  # padded rows keep themselves
+        g = query.shape[1] // key.shape[1]
+        k, v = key.repeat_interleave(g, dim=1), value.repeat_interleave(g, dim=1)
+        out = torch.nn.functional.scaled_dot_product_attention(query, k, v, attn_mask=ok, scale=scaling)
+        return out.transpose(1, 2).contiguous(), None
+
+    AttentionInterface.register("attnroll_windowed", kernel)
+    AttentionMaskInterface.register("attnroll_windowed", flash_attention_mask)
+    yield "attnroll_windowed"
+    AttentionInterface._global_mapping.pop("attnroll_windowed")
+    AttentionMaskInterface._global_mapping.pop("attnroll_windowed")
+
+
+@pytest.mark.parametrize("pad", [False, True])
+def test_flash_convention_window_and_padding(flashlike, pad):
+    m = build("mistral")
+    m.set_attn_implementation(flashlike)
+    x = inputs("mistral", 13, pad=pad)
+    for method in ("rollout", "gae"):
+        assert_same(attnroll.explain(m, x, method, attention="dense"),
+                    attnroll.explain(m, x, method, attention="recompute"))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ru_maxrss in KiB is Linux's convention")
+def test_recompute_memory_grows_linearly():
+    """Peak memory of explain(rollout) at n = 1024 and 4096 in a fresh process: the growth must stay below one
+    n×n float32 matrix at n = 4096 (64 MiB), where keeping the attention (2 layers x 4 heads) would need 8 of
+    them (512 MiB). Loose on purpose: allocator noise is a few MiB."""
+    script = Path(__file__).with_name("_peak_memory.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(attnroll.__file__).parents[1])}
+    res = subprocess.run([sys.executable, str(script), "rollout", "1024", "4096"], capture_output=True, text=True,
+                         env=env, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    small, large = (int(v) for v in res.stdout.split())
+    assert large - small < 4096 * 4096 * 4, (small, large)
+
+
+@pytest.mark.parametrize("method", ["raw", "grad_rollout", "gae"])
+def test_attention_sinks_gpt_oss(method):
+    """gpt-oss: per-head sink logits join the softmax's denominator (rows sum to less than 1), alternating
+    sliding-window and full layers; eager is its default kernel and stays so. (Dense ``rollout`` refuses such
+    rows as non-stochastic, hence the three methods here.)"""
+    torch.manual_seed(0)
+    cfg = T.GptOssConfig(vocab_size=99, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=2,
+                         num_experts_per_tok=1, sliding_window=4, max_position_embeddings=64, initializer_range=0.3,
+                         layer_types=["sliding_attention", "full_attention"])
+    m = T.GptOssForCausalLM(cfg).eval()
+    x = inputs("llama", 11)
+    assert_same(attnroll.explain(m, x, method, attention="dense"), attnroll.explain(m, x, method, attention="recompute"))
