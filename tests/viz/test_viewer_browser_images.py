@@ -21,13 +21,6 @@ GRID = 8
 
 
 @pytest.fixture(scope="module")
-def d():
-    drv = browser.driver()
-    yield drv
-    drv.quit()
-
-
-@pytest.fixture(scope="module")
 def data():
     model = shapes.load_shapes_model()
     images, labels, masks = shapes.make_dataset(3, 11)

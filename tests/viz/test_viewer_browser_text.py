@@ -26,13 +26,6 @@ ALPHA = 1 / 255 + 5e-4 + 1e-6
 
 
 @pytest.fixture(scope="module")
-def d():
-    drv = browser.driver()
-    yield drv
-    drv.quit()
-
-
-@pytest.fixture(scope="module")
 def bert(bert_dir):
     tok = T.AutoTokenizer.from_pretrained(bert_dir)
     model = T.AutoModelForSequenceClassification.from_pretrained(bert_dir).eval()

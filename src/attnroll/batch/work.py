@@ -202,18 +202,14 @@ def _one_line(e: Any) -> str:
 
 def read_image(path: str) -> Any:
     """A fully decoded PIL RGB image; a missing, unreadable or corrupt file raises :class:`_Bad`."""
-    from ..viz import deps
+    from ..viz.pixels import read_image as decode
 
-    Image = deps.pil("attnroll batch")
     try:
-        with Image.open(path) as im:
-            im.load()
-            return im.convert("RGB")
+        return decode(path, "attnroll batch")
     except FileNotFoundError:
         raise _Bad("file not found") from None
-    except (OSError, ValueError, Image.DecompressionBombError) as e:  # truncated / unidentified images
-        why = "not an image or corrupt" if "identify" in str(e) else _one_line(e)
-        raise _Bad(f"cannot read image: {why}") from None
+    except ValueError as e:
+        raise _Bad(str(e)) from None
 
 
 def write_overlay(out: Path, item_id: str, method: str, e: Any, b: int, img: Any) -> None:

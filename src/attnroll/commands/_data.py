@@ -39,16 +39,14 @@ def expand_images(paths: tuple[Path, ...]) -> list[Path]:
 
 def read_image(path: Path) -> Any:
     """A PIL RGB image, fully decoded; an unreadable or corrupt file is a one-line failure."""
-    from ..viz import deps
+    from ..viz.pixels import read_image as decode
 
-    Image = deps.pil("attnroll explain")
     try:
-        with Image.open(path) as im:
-            im.load()
-            return im.convert("RGB")
-    except OSError as e:  # UnidentifiedImageError and truncated files are OSErrors
-        why = "not an image or corrupt" if "identify" in str(e) else one_line(str(e))
-        raise Failure(f"cannot read image {path}: {why}") from None
+        return decode(path, "attnroll explain")
+    except ValueError as e:
+        raise Failure(str(e)) from None
+    except OSError as e:  # a missing or unopenable file
+        raise Failure(f"cannot read image {path}: {one_line(str(e))}") from None
 
 
 def _as_option(msg: str) -> str:

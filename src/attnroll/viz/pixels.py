@@ -35,3 +35,21 @@ def to_rgb_array(image: Any) -> np.ndarray:
             arr = arr * 255.0
         arr = np.clip(np.round(arr), 0, 255).astype(np.uint8)
     return np.ascontiguousarray(arr)
+
+
+def read_image(path: Any, who: str = "attnroll") -> Any:
+    """Decode the image file ``path`` fully and return it as a PIL RGB image.
+
+    A missing file raises FileNotFoundError; an unreadable, truncated or corrupt file (or a decompression bomb)
+    raises ValueError ``"cannot read image PATH: why"``. ``who`` names the caller in the install hint for Pillow.
+    """
+    Image = deps.pil(who)
+    try:
+        with Image.open(path) as im:
+            im.load()
+            return im.convert("RGB")
+    except FileNotFoundError:
+        raise
+    except (OSError, ValueError, Image.DecompressionBombError) as e:  # UnidentifiedImageError, truncated files
+        why = "not an image or corrupt" if "identify" in str(e) else " ".join(str(e).split())[:500]
+        raise ValueError(f"cannot read image {path}: {why or type(e).__name__}") from None
