@@ -34,6 +34,11 @@ class UnsupportedModelError(TypeError):
     """Raised when no capture adapter knows the model; the message lists the supported families."""
 
 
+def one_line(msg: Any) -> str:
+    """``msg`` as text with every run of whitespace (newlines included) collapsed to one space."""
+    return " ".join(str(msg).split())
+
+
 def describe(x: Any) -> str:
     """A short human description of a value for error messages: type, shape and dtype."""
     if isinstance(x, torch.Tensor):

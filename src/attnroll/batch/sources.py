@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .._checks import one_line
+
 #: Image file suffixes a folder source picks up (what pillow decodes).
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm")
 TEXT_SUFFIXES = (".txt", ".text")
@@ -167,7 +169,7 @@ def read_table(path: Path) -> dict[str, list]:
     try:
         t = pcsv.read_csv(path) if path.suffix.lower() == ".csv" else pq.read_table(path)
     except Exception as e:  # noqa: BLE001 - pyarrow raises several kinds for a bad file
-        raise ValueError(f"source {path}: cannot read this table: {' '.join(str(e).split())[:200]}") from None
+        raise ValueError(f"source {path}: cannot read this table: {one_line(e)[:200]}") from None
     return t.to_pydict()
 
 

@@ -17,6 +17,7 @@ from typing import Any, Iterator
 import torch
 
 from . import store
+from .._checks import one_line
 from ..targets import similarity_to
 from .sources import Item
 
@@ -197,7 +198,7 @@ def failure(it: Item, method: str | None, reason: str) -> dict:
 
 
 def _one_line(e: Any) -> str:
-    return " ".join(str(e).split())[:500] or type(e).__name__
+    return one_line(e)[:500] or type(e).__name__
 
 
 def read_image(path: str) -> Any:

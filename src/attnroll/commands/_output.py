@@ -13,6 +13,7 @@ from typing import Any
 
 import click
 
+from .._checks import one_line
 from .._io import held_signals
 
 __all__ = ["Failure", "one_line", "prepare_out", "write", "save_npz", "figure_png", "png_bytes", "progress",
@@ -23,11 +24,6 @@ class Failure(click.ClickException):
     """A failure (exit 1) reported as one line."""
 
     exit_code = 1
-
-
-def one_line(msg: Any) -> str:
-    """``msg`` with every run of whitespace (newlines included) collapsed to one space."""
-    return " ".join(str(msg).split())
 
 
 def prepare_out(out: Path) -> Path:

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from .._checks import one_line
+
 __all__ = ["LoadedModel", "MissingWeightsError", "load_model", "resize_normalize"]
 
 #: Names :func:`load_model` knows without a folder.
@@ -59,10 +61,6 @@ class LoadedModel:
         if isinstance(target, int) and target in self.labels:
             return f"{target} ({self.labels[target]})"
         return str(target)
-
-
-def _one_line(msg: Any) -> str:
-    return " ".join(str(msg).split())
 
 
 def resize_normalize(size: tuple[int, int], mean: Any, std: Any, resample: str = "bilinear") -> Callable:
@@ -159,7 +157,7 @@ def load_hf_dir(path: str | os.PathLike) -> LoadedModel:
         cls = next((getattr(transformers, a) for a in archs if hasattr(transformers, a)), transformers.AutoModel)
         model = cls.from_pretrained(path, local_files_only=True).eval()
     except Exception as e:  # noqa: BLE001 - any loading problem is "not a model"
-        raise ValueError(f"model {path}: cannot load a model from this folder: {_one_line(e)[:300]}") from None
+        raise ValueError(f"model {path}: cannot load a model from this folder: {one_line(e)[:300]}") from None
     labels = {int(k): str(v) for k, v in (getattr(config, "id2label", None) or {}).items()}
     if hasattr(config, "image_size") and hasattr(config, "num_channels"):
         return LoadedModel(model, "image", str(path), _hf_image_prep(transformers, path, config), labels=labels)
@@ -167,7 +165,7 @@ def load_hf_dir(path: str | os.PathLike) -> LoadedModel:
         tok = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as e:  # noqa: BLE001
         raise ValueError(f"model {path}: a text model needs its tokenizer files in the folder: "
-                         f"{_one_line(e)[:200]}") from None
+                         f"{one_line(e)[:200]}") from None
     return LoadedModel(model, "text", str(path), tokenizer=tok, labels=labels)
 
 
@@ -203,7 +201,7 @@ def _weights_problem(weights: Path, e: Exception) -> str:
     if isinstance(e, pickle.UnpicklingError) and "weights_only" in str(e).replace(" ", "_").lower():
         return ("it holds Python objects besides tensors, which attnroll does not unpickle "
                 "(torch.load(weights_only=True)); save a state dict of tensors or .safetensors")
-    return _one_line(e)[:200] or type(e).__name__
+    return one_line(e)[:200] or type(e).__name__
 
 
 def load_timm(name: str, weights: str | os.PathLike) -> LoadedModel:
@@ -223,7 +221,7 @@ def load_timm(name: str, weights: str | os.PathLike) -> LoadedModel:
         model = timm.create_model(name, pretrained=False, **kwargs)
         model.load_state_dict(state, strict=True)
     except Exception as e:  # noqa: BLE001
-        raise ValueError(f"weights {weights} do not fit {name}: {_one_line(e)[:300]}") from None
+        raise ValueError(f"weights {weights} do not fit {name}: {one_line(e)[:300]}") from None
     model.eval()
     cfg = timm.data.resolve_data_config({}, model=model)
     _, h, w = cfg["input_size"]

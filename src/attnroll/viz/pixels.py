@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .._checks import one_line
 from . import deps
 
 
@@ -51,5 +52,5 @@ def read_image(path: Any, who: str = "attnroll") -> Any:
     except FileNotFoundError:
         raise
     except (OSError, ValueError, Image.DecompressionBombError) as e:  # UnidentifiedImageError, truncated files
-        why = "not an image or corrupt" if "identify" in str(e) else " ".join(str(e).split())[:500]
+        why = "not an image or corrupt" if "identify" in str(e) else one_line(e)[:500]
         raise ValueError(f"cannot read image {path}: {why or type(e).__name__}") from None
