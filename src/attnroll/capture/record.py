@@ -202,6 +202,10 @@ class ModelFacts:
         special_token_ids: ids of CLS / SEP / BOS / EOS / PAD tokens the config records.
         pad_token_id: the padding id (None when the config has none).
         similarity: for dual towers, ``f(outputs) -> (B_images, B_texts)`` similarity logits, else None.
+        anatomy: the layer anatomy (:class:`attnroll.capture.layers.ModelAnatomy`: per layer the attention
+            module, q/k/v/o projections, heads and KV grouping, norms and their position, MLP, residual
+            layout; the head), or None when no family builder knows the model (``anatomy_reason`` says why).
+        anatomy_reason: why ``anatomy`` is None ("" otherwise).
     """
 
     family: str = ""
@@ -211,6 +215,8 @@ class ModelFacts:
     special_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
     similarity: Callable[[Any], torch.Tensor] | None = None
+    anatomy: Any = None
+    anatomy_reason: str = ""
 
 
 #: Config fields holding special-token ids.
