@@ -312,3 +312,13 @@ def test_decompx_refuses_a_head_it_cannot_decompose_naming_it():
     x = torch.randn(1, 3, 32, 32)
     with pytest.raises(UnsupportedModelError, match="global_pool='max'"):
         attnroll.explain(m, x, "decompx", readout="cls")
+
+
+# ------------------------------------------------------------------------------------------- special tokens
+def test_model_facts_give_the_end_of_sequence_id_generation_pads_with():
+    gpt2 = R.build("gpt2")
+    facts = model_facts(gpt2)
+    assert (facts.pad_token_id, facts.eos_token_id) == (None, gpt2.config.eos_token_id)
+    cfg = T.LlamaConfig(vocab_size=30, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=12, eos_token_id=[7, 9], pad_token_id=None)
+    assert model_facts(T.LlamaForCausalLM(cfg)).eos_token_id == 7  # a list of ids: the first one
