@@ -322,3 +322,23 @@ def test_model_facts_give_the_end_of_sequence_id_generation_pads_with():
     cfg = T.LlamaConfig(vocab_size=30, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
                         intermediate_size=12, eos_token_id=[7, 9], pad_token_id=None)
     assert model_facts(T.LlamaForCausalLM(cfg)).eos_token_id == 7  # a list of ids: the first one
+
+
+@pytest.mark.parametrize("bias", ["absdot", "separate"])
+def test_decompx_through_distilberts_pre_classifier_adds_up_to_its_logit(bias):
+    m, x = build("distilbert")
+    logits = run(m, x).logits
+    e = attnroll.explain(m, x, "decompx", target=1, bias=bias)
+    torch.testing.assert_close(e.full_row.double().sum(-1) + e.extra["bias_share"].double(), logits[:, 1],
+                               atol=1e-5, rtol=0)
+
+
+def test_distilbert_attention_shares_add_up_to_what_its_first_norm_reads():
+    from attnroll.capture.value_path import record_states
+    from attnroll.core.value_aware import head_mix, value_outputs
+
+    m, x = build("distilbert")
+    rec, st, anat = record_states(m, x)
+    for i, blk in enumerate(anat.blocks(F64)):
+        z = head_mix(rec.attentions[i], value_outputs(st.inputs[i], blk), st.inputs[i])
+        torch.testing.assert_close(z.sum(2) + blk.bo, st.norm1_in[i], atol=1e-9, rtol=0)
