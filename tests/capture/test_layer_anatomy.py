@@ -342,3 +342,14 @@ def test_distilbert_attention_shares_add_up_to_what_its_first_norm_reads():
     for i, blk in enumerate(anat.blocks(F64)):
         z = head_mix(rec.attentions[i], value_outputs(st.inputs[i], blk), st.inputs[i])
         torch.testing.assert_close(z.sum(2) + blk.bo, st.norm1_in[i], atol=1e-9, rtol=0)
+
+
+def test_two_stacks_of_one_family_are_described_but_refused_by_the_value_aware_methods():
+    class Towers(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.left, self.right = R.build("bert").bert, R.build("bert", seed=1).bert
+
+    anat = anatomy(Towers())
+    assert [L.path for L in anat.layers] == [f"{s}.encoder.layer.{i}" for s in ("left", "right") for i in (0, 1)]
+    assert "several stacks (left.encoder.layer, right.encoder.layer)" in anat.value_aware

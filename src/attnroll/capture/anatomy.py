@@ -305,6 +305,9 @@ def _value_aware_reason(family: str, layers: list[LayerAnatomy], model: nn.Modul
     """Why the value-aware methods cannot use this anatomy ("" when they can)."""
     if family == "torch":
         return "torch nn.TransformerEncoderLayer blocks: the value-aware methods do not record their states"
+    stacks = sorted({layer.path.rsplit(".", 1)[0] if "." in layer.path else "" for layer in layers})
+    if len(stacks) > 1:
+        return f"blocks in several stacks ({', '.join(stacks)}); the value-aware methods explain one stack"
     for layer in layers:
         if getattr(layer.module, "crossattention", None) is not None:
             return f"{type(layer.module).__name__} has cross-attention (the value-aware maths models self-attention)"
