@@ -47,6 +47,10 @@ def build(family: str) -> tuple[nn.Module, object]:
         m = timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=3, depth=2, img_size=32,
                               patch_size=16, embed_dim=16, num_heads=2, init_values=0.5)
         return R._randomise(m, 4), img(32)
+    if family == "qwen2":  # biased q / k / v projections, grouped KV
+        cfg = T.Qwen2Config(vocab_size=30, hidden_size=8, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, intermediate_size=12, head_dim=2, **eager)
+        return R._randomise(T.Qwen2ForCausalLM(cfg), 6), R.inputs_for("llama")
     if family == "torch":
         layer = nn.TransformerEncoderLayer(8, 2, 12, dropout=0.0, batch_first=True, norm_first=False)
         enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
@@ -59,8 +63,8 @@ def run(model, x):
         return model(**x) if isinstance(x, dict) else model(x)
 
 
-FAMILIES = ["bert", "distilbert", "vit", "dinov2", "timm", "gpt2", "llama", "torch"]
-CAUSAL = {"gpt2", "llama"}
+FAMILIES = ["bert", "distilbert", "vit", "dinov2", "timm", "gpt2", "llama", "qwen2", "torch"]
+CAUSAL = {"gpt2", "llama", "qwen2"}
 
 
 # ------------------------------------------------------------------------------------------- naive block
@@ -143,7 +147,7 @@ def _block_io(model, x, anat):
 def test_every_block_recomputed_from_the_anatomy_equals_its_real_output(family):
     model, x = build(family)
     anat = model_facts(model).anatomy
-    builder = {"dinov2": "vit"}.get(family, family)  # DINOv2 blocks are the ViT builder's (with layer scales)
+    builder = {"dinov2": "vit", "qwen2": "llama"}.get(family, family)  # DINOv2 blocks are the ViT builder's (with layer scales)
     assert isinstance(anat, ModelAnatomy) and anat.family == builder and len(anat.layers) == 2
     modules = dict(model.named_modules())
     for layer in anat.layers:
@@ -187,6 +191,32 @@ def test_an_unknown_family_is_refused_naming_it():
     with pytest.raises(ValueError, match="GPTNeoBlock"):
         cascading_randomization(m, x, ("rollout",))
     attnroll.explain(m, x, "rollout")  # the capture itself still knows the model
+
+
+def _lookalike(kind):
+    small = dict(vocab_size=30, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=12)
+    if kind == "gemma":  # RMSNorm computing x ⊙ (1 + γ)
+        return T.GemmaForCausalLM(T.GemmaConfig(**small, num_key_value_heads=1, head_dim=4))
+    if kind == "gemma2":  # norms around the MLP branch the Llama layout does not have
+        return T.Gemma2ForCausalLM(T.Gemma2Config(**small, num_key_value_heads=1, head_dim=4))
+    if kind == "convbert":  # a span-convolution branch inside self-attention
+        return T.ConvBertForSequenceClassification(T.ConvBertConfig(**small, embedding_size=8))
+    return T.CohereForCausalLM(T.CohereConfig(**small, num_key_value_heads=1, head_dim=4))  # parallel branches
+
+
+@pytest.mark.parametrize("kind,reason", [
+    ("gemma", "GemmaRMSNorm.*does not compute a LayerNorm / RMSNorm"),
+    ("gemma2", "does not place: pre_feedforward_layernorm.weight, post_feedforward_layernorm.weight"),
+    ("convbert", "does not place: attention.self.key_conv_attn_layer"),
+    ("cohere", "CohereDecoderLayer looks like a llama block but lacks .*post_attention_layernorm"),
+])
+def test_a_lookalike_block_the_anatomy_would_misdescribe_is_refused(kind, reason):
+    m = _lookalike(kind)
+    with pytest.raises(UnsupportedModelError, match=reason):
+        anatomy(m)
+    assert model_facts(m).anatomy is None
+    with pytest.raises(ValueError, match=reason):
+        cascading_randomization(m, {"input_ids": torch.ones(1, 3, dtype=torch.long)}, ("rollout",))
 
 
 def test_a_model_without_blocks_names_what_was_looked_for():

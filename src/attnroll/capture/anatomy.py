@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from .. import _checks
-from .layers import RESET, LayerAnatomy, ModelAnatomy, Proj, Target
+from .layers import RESET, LayerAnatomy, ModelAnatomy, Proj, Target, norm_params
 
 __all__ = ["anatomy", "anatomy_or_reason", "layer_anatomy", "find_blocks", "find_head", "component_parameters", "KNOWN_FAMILIES",
            "VALUE_AWARE_FAMILIES", "Target", "RESET"]
@@ -226,15 +226,77 @@ _FAMILY = {_bert: "bert", _distilbert: "distilbert", _vit: "vit", _gpt2: "gpt2",
 
 
 def layer_anatomy(block: nn.Module, index: int = 0, path: str = "") -> LayerAnatomy:
-    """The :class:`LayerAnatomy` of one block. Raises UnsupportedModelError naming the block's type and the
-    parts looked for when no family builder knows it."""
+    """The :class:`LayerAnatomy` of one block, checked against the block (see :func:`_check_layer`).
+
+    Raises UnsupportedModelError naming the block's type and what is missing or unplaced when no family
+    builder can describe it honestly."""
     kind = _kind(block)
+    name = type(block).__name__
     if kind is None:
         raise _checks.UnsupportedModelError(
-            f"the layer anatomy knows no block like {type(block).__name__}: it has none of the part sets "
+            f"the layer anatomy knows no block like {name}: it has none of the part sets "
             f"looked for ({_LOOKED_FOR_PARTS}). Known families: {KNOWN_FAMILIES}"
         )
-    return kind(index, path, block)
+    try:
+        layer = kind(index, path, block)
+    except (AttributeError, TypeError, ValueError) as e:
+        raise _checks.UnsupportedModelError(
+            f"{name} looks like a {_FAMILY[kind]} block but lacks a part the layer anatomy reads ({e}). "
+            f"Known families: {KNOWN_FAMILIES}"
+        ) from None
+    _check_layer(layer, _FAMILY[kind])
+    return layer
+
+
+#: Parameters a builder may leave unplaced: they only shape the attention probabilities (captured as such).
+_SCORE_ONLY = ("distance_embedding", "relative_position", "rel_pos")
+
+
+def _check_layer(layer: LayerAnatomy, family: str) -> None:
+    """Refuse (UnsupportedModelError) a block the anatomy would describe wrongly: a parameter that no part
+    of the anatomy places (an extra branch, norm or convolution), a norm that does not compute what its
+    arrays say (e.g. Gemma's x ⊙ (1 + γ)), or a residual scaled by a multiplier."""
+    name = type(layer.module).__name__
+    placed = {id(t[1]) for proj in (layer.q, layer.k, layer.v, layer.o, layer.fc1, layer.fc2, layer.gate)
+              if proj is not None for t in proj.targets()}
+    placed |= {id(p) for _, m in layer.norms for p in m.parameters()}
+    placed |= {id(p) for m in (layer.ls1, layer.ls2) if m is not None for p in m.parameters()}
+    stray = [n for n, p in layer.module.named_parameters() if id(p) not in placed
+             and not any(k in n for k in _SCORE_ONLY)]
+    if stray:
+        raise _checks.UnsupportedModelError(
+            f"{name} (a {family}-like block) has parameters the layer anatomy does not place: "
+            f"{', '.join(stray[:6])}{' ...' if len(stray) > 6 else ''}. Known families: {KNOWN_FAMILIES}"
+        )
+    if float(getattr(layer.module, "residual_multiplier", 1.0)) != 1.0:
+        raise _checks.UnsupportedModelError(f"{name} scales its residual branches (residual_multiplier)")
+    for path, mod in layer.norms:
+        if not _norm_matches(mod):
+            raise _checks.UnsupportedModelError(
+                f"{name}.{path} ({type(mod).__name__}) does not compute a LayerNorm / RMSNorm with its weight "
+                "and bias as γ and β (the layer anatomy's arrays would be wrong)"
+            )
+
+
+def _norm_matches(mod: nn.Module) -> bool:
+    """Whether the norm module's output on a probe input equals the LayerNorm / RMSNorm its arrays describe."""
+    from ..core.value_aware import apply_norm
+
+    try:
+        p = norm_params(mod)
+    except AttributeError:
+        return False
+    ref = next((t for t in (p.weight, p.bias) if t is not None), None)
+    d = ref.shape[0] if ref is not None else int(getattr(mod, "normalized_shape", (0,))[0])
+    dtype = ref.dtype if ref is not None else torch.float32
+    probe = torch.randn(2, d, generator=torch.Generator().manual_seed(0)).to(
+        dtype=dtype, device=ref.device if ref is not None else "cpu")
+    try:
+        with torch.no_grad():
+            got = mod.forward(probe)  # forward, not __call__: no hook of a running capture sees the probe
+    except Exception:  # noqa: BLE001  (a norm that cannot run on one row is not one the anatomy describes)
+        return False
+    return torch.allclose(got.to(torch.float64), apply_norm(probe, p).to(torch.float64), atol=1e-3, rtol=1e-3)
 
 
 def component_parameters(block: nn.Module, component: str) -> list[Target]:
@@ -269,9 +331,9 @@ def _hf_head(model: nn.Module, layers: list[LayerAnatomy], family: str) -> dict[
         out["pooler"] = (base.pooler.dense, base.pooler.activation)
     elif family == "distilbert" and isinstance(getattr(model, "pre_classifier", None), nn.Linear):
         out["pooler"] = (model.pre_classifier, torch.relu)
-    if not isinstance(head, nn.Linear):
-        return out
     config = getattr(model, "config", None)
+    if not isinstance(head, nn.Linear) or float(getattr(config, "logits_scaling", 1.0) or 1.0) != 1.0:
+        return out  # no logit layer the anatomy can describe (Granite divides its logits by a scale)
     if family == "vit" and head.in_features == 2 * d and getattr(config, "model_type", "").startswith("dinov2"):
         # DINOv2's classifier reads [CLS ; mean of the patch rows] of the normed output
         out.update(token_norm=out.pop("final_norm", None), classifier=head,
@@ -305,6 +367,8 @@ def _value_aware_reason(family: str, layers: list[LayerAnatomy], model: nn.Modul
     """Why the value-aware methods cannot use this anatomy ("" when they can)."""
     if family == "torch":
         return "torch nn.TransformerEncoderLayer blocks: the value-aware methods do not record their states"
+    if any(hasattr(m, "window_size") or hasattr(m, "shift_size") for m in (layers[0].module, layers[0].attention)):
+        return f"{type(layers[0].module).__name__} attends within windows (Swin-style): not modelled"
     stacks = sorted({layer.path.rsplit(".", 1)[0] if "." in layer.path else "" for layer in layers})
     if len(stacks) > 1:
         return f"blocks in several stacks ({', '.join(stacks)}); the value-aware methods explain one stack"
@@ -353,7 +417,7 @@ def anatomy(model: nn.Module) -> ModelAnatomy:
             f"{type(model).__name__} mixes block families ({', '.join(sorted(_FAMILY[k] for k in kinds))}); the "
             f"layer anatomy describes one stack of blocks. Known families: {KNOWN_FAMILIES}"
         )
-    layers = [kind(i, path, m) for i, (path, m, kind) in enumerate(found)]
+    layers = [layer_anatomy(m, i, path) for i, (path, m, _) in enumerate(found)]
     family = _FAMILY[found[0][2]]
     stack = found[0][0].rsplit(".", 1)[0] if "." in found[0][0] else ""
     reason = _value_aware_reason(family, layers, model)
