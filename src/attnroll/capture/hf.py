@@ -122,6 +122,8 @@ def _specs(pm: nn.Module) -> list[tuple[str, type | None, str | None, int, str |
 
 class HFAdapter(Adapter):
     family = "hf"
+    #: True for the VLM adapter (capture/vlm.py), which splits the streams; the plain adapter refuses VLMs.
+    composes_vlm = False
 
     def __init__(self, model: nn.Module):
         super().__init__(model)
@@ -142,15 +144,16 @@ class HFAdapter(Adapter):
                 f"modules=/to_probs= if you have your own composition. Supported: {SUPPORTED_FAMILIES}"
             )
         vlm_token = next((k for k in ("image_token_index", "image_token_id") if hasattr(config, k)), None)
-        if vlm_token is not None and getattr(config, "vision_config", None) is not None and (
+        if vlm_token is not None and not self.composes_vlm and getattr(config, "vision_config", None) is not None and (
             getattr(config, "text_config", None) is not None
         ):
             raise _checks.UnsupportedModelError(
                 f"{type(model).__name__} ({self.model_type}) is a vision-language model: its image patches enter "
                 "the language model as tokens (config." + vlm_token + "), so the vision tower and the language "
                 "model would be merged into one stream and the image tokens could not be mapped back to the patch "
-                "grid. attnroll does not compose VLMs yet; explain the vision tower (model.vision_tower / "
-                f"model.model.vision_tower) or the language model on its own. Supported: {SUPPORTED_FAMILIES}"
+                "grid. attnroll composes LLaVA and PaliGemma only (capture/vlm.py); explain the vision tower "
+                "(model.vision_tower / model.model.vision_tower) or the language model on its own. "
+                f"Supported: {SUPPORTED_FAMILIES}"
             )
         found: list[tuple[str, nn.Module, str, int]] = []
 
