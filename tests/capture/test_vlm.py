@@ -236,3 +236,45 @@ def test_qwen2_vl_is_refused_with_the_reason():
     model = transformers.Qwen2VLForConditionalGeneration(cfg).eval()
     with pytest.raises(UnsupportedModelError, match="returns no probabilities"):
         attnroll.capture(model)
+
+
+def naive_gae(atts, grads):
+    """R = Π (I + mean_h((dy/dA ⊙ A)^+)) in numpy, one example: lists of (H, n, n)."""
+    n = atts[0].shape[-1]
+    R = np.eye(n)
+    for a, g in zip(atts, grads):
+        R = R + np.clip(a * g, 0, None).mean(axis=0) @ R
+    return R
+
+
+def test_gae_composition_equals_a_naive_one_on_the_models_own_gradients():
+    model = llava()
+    inp = prompt("llava", starts=(2,))
+    e = attnroll.explain(model, inp, "gae", target=5)
+    rec = attnroll.capture(model, inp, keep_grad=True)
+    rec.outputs.logits[0, -1, 5].backward()  # the next-token logit of token 5 at the last position
+    np_ = lambda ts: [t[0].detach().double().numpy() for t in ts]  # noqa: E731
+    lang, vision = rec.streams["language"], rec.streams["vision"][:2]  # feature layer -2: two of three layers
+    assert rec.streams["vision"][2].grad is None  # the last vision layer is not read: no gradient reaches it
+    row = naive_gae(np_(lang), np_([t.grad for t in lang]))[-1]
+    R_v = naive_gae(np_(vision), np_([t.grad for t in vision]))
+    share = row[2:18]
+    src = (share / share.sum()) @ R_v[1:17]
+    want = share.sum() * src / src.sum()
+    assert np.allclose(e.full_row[0].numpy(), want, rtol=1e-4, atol=1e-6)
+    assert np.allclose(e.extra["language_row"][0].numpy(), row, rtol=1e-4, atol=1e-6)
+
+
+def test_model_facts_name_both_streams_inputs_and_the_dense_route():
+    facts = attnroll.capture.model_facts(paligemma())
+    assert facts.stream_inputs == {"vision": "pixel_values", "language": "input_ids"}
+    assert "dense" in facts.dense_only and facts.family == "hf:paligemma"
+
+
+def test_an_explanation_of_a_vlm_saves_and_loads(tmp_path):
+    model = llava()
+    e = attnroll.explain(model, prompt("llava", starts=(2,)), "rollout")
+    back = attnroll.Explanation.load(e.save(tmp_path / "vlm.npz"))
+    assert back.grid == (4, 4) and torch.equal(back.scores, e.scores)
+    assert torch.equal(back.extra["text_scores"], e.extra["text_scores"])
+    assert back.extra["image_positions"] == e.extra["image_positions"]

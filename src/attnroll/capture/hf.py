@@ -388,9 +388,12 @@ def hf_facts(model: nn.Module, family: str = "") -> ModelFacts:
     except (NotImplementedError, AttributeError):
         emb = None
     ids, pad = config_token_ids(text_cfg)
-    similarity = None
+    similarity, stream_inputs = None, {}
     if hasattr(model, "get_image_features") and hasattr(model, "get_text_features"):
         similarity = lambda outputs: outputs.logits_per_image  # noqa: E731  (dual towers: (images, texts))
+        # Each tower's input: the first argument of the model's own feature function for it.
+        stream_inputs = {s: first_argument(getattr(model, f"get_{k}_features")) for s, k in (("vision", "image"),
+                                                                                            ("text", "text"))}
     return ModelFacts(
         family=family or f"hf:{getattr(config, 'model_type', '')}",
         input_key=getattr(model, "main_input_name", None),
@@ -399,7 +402,19 @@ def hf_facts(model: nn.Module, family: str = "") -> ModelFacts:
         special_token_ids=ids,
         pad_token_id=pad,
         similarity=similarity,
+        stream_inputs={s: k for s, k in stream_inputs.items() if k},
     )
+
+
+def first_argument(fn: Any) -> str | None:
+    """The name of a bound method's first parameter, or None when its signature cannot be read."""
+    import inspect
+
+    try:
+        params = list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return None
+    return params[0] if params else None
 
 
 def _eot_positions(config: Any, ids: torch.Tensor) -> list[int]:

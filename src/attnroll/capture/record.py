@@ -233,6 +233,8 @@ class ModelFacts:
         similarity: for dual towers, ``f(outputs) -> (B_images, B_texts)`` similarity logits, else None.
         dense_only: why this model's methods need the dense (eager) attention route ("" = any route; a VLM's
             streams are composed from the dense record).
+        stream_inputs: for models with several input streams, stream name -> the forward argument carrying its
+            input ({"vision": "pixel_values", "text": "input_ids"} for CLIP), else empty.
     """
 
     family: str = ""
@@ -243,6 +245,7 @@ class ModelFacts:
     pad_token_id: int | None = None
     similarity: Callable[[Any], torch.Tensor] | None = None
     dense_only: str = ""
+    stream_inputs: dict[str, str] = field(default_factory=dict)
 
 
 #: Config fields holding special-token ids.

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from .. import _checks
-from .hf import HFAdapter, hf_facts, is_hf_model
+from .hf import HFAdapter, first_argument, hf_facts, is_hf_model
 from .hooks import make_sites
 from .record import AttentionRecord, ModelFacts, StreamInfo, StreamLink, resolve_readout
 
@@ -98,6 +98,8 @@ def vlm_facts(model: nn.Module) -> ModelFacts | None:
     if not is_vlm(model) or getattr(model.config, "model_type", "") not in COMPOSED:
         return None
     facts = hf_facts(model)
+    facts.stream_inputs = {"vision": first_argument(model.get_image_features) or "pixel_values",
+                           "language": getattr(model, "main_input_name", "input_ids")}
     facts.dense_only = ("a vision-language model's streams are composed from the dense eager record (the "
                         "recompute route has no vision-to-language link)")
     return facts
