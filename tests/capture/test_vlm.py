@@ -152,6 +152,8 @@ def test_the_image_map_equals_a_naive_composition_and_shares_add_to_one(name):
     assert float(e.extra["image_share"][0] + e.extra["text_share"][0]) == pytest.approx(1.0, abs=1e-5)
     assert float(e.full_row.sum()) == pytest.approx(float(e.extra["image_share"][0]), abs=1e-6)
     assert e.extra["image_positions"] == [list(range(3, 19))]
+    layered = attnroll.explain(model, inp, "rollout", return_layers=True)
+    assert np.allclose(layered.extra["language_layers"][-1, 0].numpy(), row, atol=1e-5)
 
 
 def test_llava_full_strategy_and_call_override_of_the_feature_layer():
@@ -212,12 +214,15 @@ def test_gradient_methods_reach_both_streams_and_shares_add_to_the_rows_total(me
 def test_refusals_say_why():
     model = llava()
     inp = prompt("llava", starts=(2,))
-    with pytest.raises(ValueError, match="does not compose the streams"):
-        attnroll.explain(model, inp, "raw")
+    for method in ("raw", "flow", "integrated_gradients"):  # IG would perturb the image tokens away
+        with pytest.raises(ValueError, match="does not compose the streams"):
+            attnroll.explain(model, inp, method)
     with pytest.raises(ValueError, match="recompute"):
         attnroll.explain(model, inp, "rollout", attention="recompute")
     alone = attnroll.explain(model, inp, "rollout", stream="language")  # one stream, image tokens as positions
     assert alone.scores.shape == (1, 24)
+    tower = attnroll.explain(model, inp, "rollout", stream="vision")  # the tower alone, read at the patch tokens
+    assert tower.grid == (4, 4) and tower.readout["kind"] == "weights"
     two = prompt("llava", starts=(2,), n=40)
     two["input_ids"][0, 20:36] = IMG
     two["pixel_values"] = torch.randn(2, 3, 32, 32)

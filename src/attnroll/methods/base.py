@@ -291,13 +291,7 @@ class Context:
         language stream), ``f(stream, readout, layers) -> (N, n_v)`` rows of that stream's relevance (see
         :func:`source_rows`); the Explanation is then composed over both (see :meth:`build_linked`)."""
         info = self.info(rec, stream)
-        if info.link_reason and self.options.get("stream") is None:
-            raise ValueError(
-                f"{type(self.model).__name__}: the image tokens of the {stream} stream cannot be mapped to the vision "
-                f"tokens ({info.link_reason}); pass stream='{stream}' to explain that stream alone (image tokens as "
-                "positions) or stream='vision'"
-            )
-        if info.link is not None and info.link.source in rec.streams and self.options.get("stream") is None:
+        if self.composes(rec, stream, source):
             return self.build_linked(rec, full_row, readout, stream, source, layers=layers, options=options)
         full_row = full_row.detach().to(torch.float32).cpu()
         mask = info.mask
@@ -331,20 +325,36 @@ class Context:
         )
 
 
+    def composes(self, rec: AttentionRecord, stream: str, source: Callable | None) -> bool:
+        """Whether ``stream`` is linked to another recorded stream (a VLM's image tokens) and the Explanation is
+        composed over both: needs a ``source`` (ValueError naming the methods that compose, or the reason the
+        tokens cannot be linked); never when the ``stream`` option picks one stream."""
+        info = self.info(rec, stream)
+        if self.options.get("stream") is not None:
+            return False
+        if info.link_reason:
+            raise ValueError(
+                f"{type(self.model).__name__}: the image tokens of the {stream} stream cannot be mapped to the vision "
+                f"tokens ({info.link_reason}); pass stream='{stream}' to explain that stream alone (image tokens as "
+                "positions) or stream='vision'"
+            )
+        linked = info.link is not None and info.link.source in rec.streams
+        if linked and source is None:
+            raise ValueError(
+                f"method {self.method.name!r} does not compose the streams of {type(self.model).__name__} (a vision-"
+                "language model); use 'rollout', 'grad_rollout' or 'gae', or pass stream='language' or "
+                "stream='vision' to explain one stream alone"
+            )
+        return linked
+
     def build_linked(self, rec: AttentionRecord, row: torch.Tensor, readout: Readout, stream: str,
-                     source: Callable | None, *, layers: torch.Tensor | None = None,
+                     source: Callable, *, layers: torch.Tensor | None = None,
                      options: dict | None = None) -> Explanation:
         """The Explanation of a VLM (attnroll.core.multimodal): the language row's shares of the image tokens
         pushed through the vision stream's relevance onto its patch grid (``scores`` (B, h·w), ``grid``), the
         text positions' shares in ``extra["text_scores"]`` (B, n_l) (0 at image tokens and padding);
         ``extra["image_share"] + extra["text_share"]`` = the row's total (1 for rollout)."""
         link = self.info(rec, stream).link
-        if source is None:
-            raise ValueError(
-                f"method {self.method.name!r} does not compose the streams of {type(self.model).__name__} (a vision-"
-                "language model); use 'rollout', 'grad_rollout' or 'gae', or pass stream='language' or "
-                "stream='vision' to explain one stream alone"
-            )
         mask = self.mask(rec, stream)
         row = row.detach().to(torch.float32).cpu()
         if mask is not None:
