@@ -283,3 +283,24 @@ def test_an_explanation_of_a_vlm_saves_and_loads(tmp_path):
     assert back.grid == (4, 4) and torch.equal(back.scores, e.scores)
     assert torch.equal(back.extra["text_scores"], e.extra["text_scores"])
     assert back.extra["image_positions"] == e.extra["image_positions"]
+
+
+def test_a_batch_with_and_without_an_image_equals_its_single_prompts():
+    model = llava()
+    inp = prompt("llava", starts=(2, 4))
+    inp["input_ids"][1, 4:20] = 7  # prompt 1 is text only; one image, for prompt 0
+    inp["pixel_values"] = inp["pixel_values"][:1]
+    both = attnroll.explain(model, inp, "rollout")
+    first = attnroll.explain(model, {k: v[:1] for k, v in inp.items()}, "rollout")
+    text = attnroll.explain(model, {k: v[1:] for k, v in inp.items() if k != "pixel_values"}, "rollout")
+    assert torch.allclose(both.scores[0], first.scores[0], atol=1e-5)
+    assert float(both.scores[1].abs().sum()) == 0 and float(both.extra["image_share"][1]) == 0
+    assert text.grid is None and torch.allclose(both.extra["text_scores"][1], text.scores[0], atol=1e-5)
+
+
+def test_llava_next_is_refused_with_the_reason():
+    cfg = transformers.LlavaNextConfig(vision_config=transformers.CLIPVisionConfig(**VISION).to_dict(),
+                                       text_config=transformers.LlamaConfig(**TEXT).to_dict(), image_token_index=IMG)
+    model = transformers.LlavaNextForConditionalGeneration(cfg).eval()
+    with pytest.raises(UnsupportedModelError, match="any-resolution"):
+        attnroll.capture(model)
