@@ -53,7 +53,7 @@ def capture(
 
     Args:
         model: a transformers model (ViT, DeiT, BEiT, DINOv2, BERT, RoBERTa, DistilBERT, ELECTRA, GPT-2,
-            Llama, CLIP, T5, BART, Marian, ...), a timm VisionTransformer, a model built from
+            Llama, CLIP, T5, BART, Marian, LLaVA, PaliGemma, ...), a timm VisionTransformer, a model built from
             ``nn.MultiheadAttention``, or any model together with ``modules=``.
         inputs: what the model's processor / tokenizer returns (a dict or BatchEncoding, passed as keyword
             arguments), a tensor (passed positionally, e.g. pixels (B, 3, H, W)), or a tuple of positional
