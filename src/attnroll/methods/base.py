@@ -324,7 +324,6 @@ class Context:
             suffix=info.suffix,
         )
 
-
     def composes(self, rec: AttentionRecord, stream: str, source: Callable | None) -> bool:
         """Whether ``stream`` is linked to another recorded stream (a VLM's image tokens) and the Explanation is
         composed over both: needs a ``source`` (ValueError naming the methods that compose, or the reason the
@@ -389,8 +388,11 @@ def unread_layers(rec: AttentionRecord) -> set[tuple[str, int]]:
     return out
 
 
+_ABSENT = object()  # source_rows: the method takes no protect_prefix option
+
+
 def source_rows(ctx: Context, rec: AttentionRecord, fn: Callable, layers_of: Callable, *,
-                protect_prefix: Any = "absent", **options: Any) -> Callable:
+                protect_prefix: Any = _ABSENT, **options: Any) -> Callable:
     """The ``source=`` of :meth:`Context.build` for a linked stream: ``f(stream, readout, k) -> (N, n)`` rows
     of ``fn`` (a core rollout) over the first k layers of ``layers_of(stream)``, with the method's per-layer
     options; start_layer / end_layer / return_layers belong to the explained stream and are not passed on.
@@ -400,7 +402,7 @@ def source_rows(ctx: Context, rec: AttentionRecord, fn: Callable, layers_of: Cal
     def rows(stream: str, readout: Readout, k: int) -> torch.Tensor:
         if k == 0:  # the projector reads the embeddings: no vision layer mixes the tokens
             return readout.weights
-        extra = {} if protect_prefix == "absent" else {"protect_prefix": prefix_default(protect_prefix, ctx.info(rec, stream))}
+        extra = {} if protect_prefix is _ABSENT else {"protect_prefix": prefix_default(protect_prefix, ctx.info(rec, stream))}
         return rollout_rows(fn, list(layers_of(stream))[:k], readout, ctx.mask(rec, stream), **extra, **opts)[0]
 
     return rows
