@@ -383,3 +383,13 @@ def test_two_stacks_of_one_family_are_described_but_refused_by_the_value_aware_m
     anat = anatomy(Towers())
     assert [L.path for L in anat.layers] == [f"{s}.encoder.layer.{i}" for s in ("left", "right") for i in (0, 1)]
     assert "several stacks (left.encoder.layer, right.encoder.layer)" in anat.value_aware
+
+
+def test_a_known_language_model_beside_an_unknown_vision_tower_is_refused_not_half_described():
+    from .test_vlm import llava
+
+    m = llava()
+    with pytest.raises(UnsupportedModelError, match=r"also holds blocks the layer anatomy does not know: .*"
+                                                    r"vision.*\(CLIPEncoderLayer\)"):
+        anatomy(m)
+    assert model_facts(m).anatomy is None

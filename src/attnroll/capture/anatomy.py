@@ -396,6 +396,25 @@ def _known_blocks(model: nn.Module) -> list[tuple[str, nn.Module, Callable]]:
     return found
 
 
+def _refuse_unknown_stacks(model: nn.Module, found: list[tuple[str, nn.Module, Callable]]) -> None:
+    """UnsupportedModelError when the model also holds a stack of blocks no builder knows (a VLM's vision
+    tower beside a known language model): describing only part of the model would be a silent half answer."""
+    known = {id(m) for _, m, _ in found}
+    inside = {id(s) for _, m, _ in found for s in m.modules()}
+    for path, mod in model.named_modules():
+        kids = _stack_of_blocks(mod)
+        if not kids or id(mod) in inside:
+            continue
+        subs = {id(s) for k in kids for s in k.modules()}
+        if subs & known:  # the stack holds known blocks (a stage of blocks, the stack itself)
+            continue
+        if any(isinstance(s, (nn.Linear, nn.MultiheadAttention)) for k in kids for s in k.modules()):
+            raise _checks.UnsupportedModelError(
+                f"{type(model).__name__} also holds blocks the layer anatomy does not know: {path} "
+                f"({type(kids[0]).__name__}); it describes one family's stack only. Known families: {KNOWN_FAMILIES}"
+            )
+
+
 def anatomy(model: nn.Module) -> ModelAnatomy:
     """The :class:`ModelAnatomy` of ``model`` (blocks in module order, the head).
 
@@ -411,6 +430,7 @@ def anatomy(model: nn.Module) -> ModelAnatomy:
     if not found:
         path, blocks = find_blocks(model)  # raises ValueError when there is no stack at all
         layer_anatomy(blocks[0], 0, path)  # raises naming the block type and the parts looked for
+    _refuse_unknown_stacks(model, found)
     kinds = {k for _, _, k in found}
     if len(kinds) > 1:
         raise _checks.UnsupportedModelError(
