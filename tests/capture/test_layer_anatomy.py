@@ -299,12 +299,13 @@ def _pooled(kind):
                      mlp_ratio=2, num_labels=3, layerscale_value=0.5, attn_implementation="eager", **regs)
         return R._randomise(Model(cfg), 11), torch.randn(2, 3, 16, 16, generator=g, dtype=F64)
     m = timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=3, depth=2, img_size=32,
-                          patch_size=16, embed_dim=16, num_heads=2, init_values=0.5, global_pool="avg",
-                          fc_norm=kind == "timm_avg_fc_norm", reg_tokens=1)
+                          patch_size=16, embed_dim=16, num_heads=2, init_values=0.5,
+                          global_pool="token" if kind == "timm_token_fc_norm" else "avg",
+                          fc_norm=kind != "timm_avg", reg_tokens=1)
     return R._randomise(m, 12), torch.randn(2, 3, 32, 32, generator=g, dtype=F64)
 
 
-POOLED = ["dinov2", "dinov2_registers", "timm_avg_fc_norm", "timm_avg"]
+POOLED = ["dinov2", "dinov2_registers", "timm_avg_fc_norm", "timm_avg", "timm_token_fc_norm"]
 
 
 @pytest.mark.parametrize("kind", POOLED)

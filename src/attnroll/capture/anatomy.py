@@ -344,9 +344,9 @@ def _hf_head(model: nn.Module, layers: list[LayerAnatomy], family: str) -> dict[
 
 
 def _timm_head(model: nn.Module, layers: list[LayerAnatomy]) -> tuple[dict[str, Any], str]:
-    """timm VisionTransformer heads: ``global_pool='token'`` (the CLS row after ``norm``) and ``'avg'`` (the
-    mean of the rows after the prefix, or of all rows with ``pool_include_prefix``, with ``norm`` before and
-    ``fc_norm`` after the pooling). Returns (fields, why decompx cannot read the head or "")."""
+    """timm VisionTransformer heads: ``global_pool='token'`` (the CLS row) and ``'avg'`` (the mean of the rows
+    after the prefix, or of all rows with ``pool_include_prefix``), with ``norm`` before and ``fc_norm`` after
+    the pooling. Returns (fields, why decompx cannot read the head or "")."""
     out: dict[str, Any] = {"readout": "first"}
     head = getattr(model, "head", None)
     pool = getattr(model, "global_pool", "token")
@@ -355,11 +355,12 @@ def _timm_head(model: nn.Module, layers: list[LayerAnatomy]) -> tuple[dict[str, 
     if not isinstance(head, nn.Linear):
         return out, ""
     norm, fc_norm = _ls(getattr(model, "norm", None)), _ls(getattr(model, "fc_norm", None))
-    if pool == "token":
-        out.update(final_norm=norm if fc_norm is None else None, classifier=head)
-        return out, "" if fc_norm is None else "timm head with global_pool='token' and an fc_norm"
+    if pool == "token" and fc_norm is None:
+        out.update(final_norm=norm, classifier=head)
+        return out, ""
     start = 0 if getattr(model, "pool_include_prefix", False) else int(getattr(model, "num_prefix_tokens", 1))
-    out.update(token_norm=norm, final_norm=fc_norm, classifier=head, pool=(("mean", start),))
+    part = ("row", 0) if pool == "token" else ("mean", start)
+    out.update(token_norm=norm, final_norm=fc_norm, classifier=head, pool=(part,))
     return out, ""
 
 
