@@ -201,6 +201,8 @@ def _lookalike(kind):
         return T.Gemma2ForCausalLM(T.Gemma2Config(**small, num_key_value_heads=1, head_dim=4))
     if kind == "convbert":  # a span-convolution branch inside self-attention
         return T.ConvBertForSequenceClassification(T.ConvBertConfig(**small, embedding_size=8))
+    if kind == "gpt_bigcode":  # GPT-2 names, but a multi-query Linear c_attn instead of GPT-2's (in, 3d) Conv1D
+        return T.GPTBigCodeForCausalLM(T.GPTBigCodeConfig(vocab_size=30, n_embd=8, n_layer=1, n_head=2))
     return T.CohereForCausalLM(T.CohereConfig(**small, num_key_value_heads=1, head_dim=4))  # parallel branches
 
 
@@ -209,6 +211,7 @@ def _lookalike(kind):
     ("gemma2", "does not place: pre_feedforward_layernorm.weight, post_feedforward_layernorm.weight"),
     ("convbert", "does not place: attention.self.key_conv_attn_layer"),
     ("cohere", "CohereDecoderLayer looks like a llama block but lacks .*post_attention_layernorm"),
+    ("gpt_bigcode", "knows no block like GPTBigCodeBlock"),
 ])
 def test_a_lookalike_block_the_anatomy_would_misdescribe_is_refused(kind, reason):
     m = _lookalike(kind)

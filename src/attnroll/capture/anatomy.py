@@ -208,8 +208,9 @@ def _kind(m: nn.Module) -> Callable[[int, str, nn.Module], LayerAnatomy] | None:
         return _distilbert
     if att is not None and hasattr(att, "v_proj") and hasattr(getattr(m, "mlp", None), "fc1"):
         return _vit
-    if hasattr(m, "ln_1") and hasattr(getattr(m, "attn", None), "c_attn") and hasattr(m, "mlp"):
-        return _gpt2
+    c_attn = getattr(getattr(m, "attn", None), "c_attn", None)
+    if hasattr(m, "ln_1") and type(c_attn).__name__ == "Conv1D" and hasattr(m, "mlp"):
+        return _gpt2  # GPT-2's (in, 3·d) Conv1D; GPTBigCode's per-head interleaved / multi-query Linear is not it
     if hasattr(m, "input_layernorm") and hasattr(getattr(m, "self_attn", None), "v_proj") and hasattr(
             getattr(m, "mlp", None), "gate_proj"):
         return _llama
@@ -328,7 +329,13 @@ def _hf_head(model: nn.Module, layers: list[LayerAnatomy], family: str) -> dict[
     if family == "bert" and head is not None and hasattr(head, "out_proj") and hasattr(head, "dense"):
         out["pooler"], head = (head.dense, torch.tanh), head.out_proj  # RoBERTa-style head on CLS
     elif family == "bert" and isinstance(getattr(base, "pooler", None), nn.Module):
-        out["pooler"] = (base.pooler.dense, base.pooler.activation)
+        pooler = base.pooler
+        if isinstance(getattr(pooler, "dense", None), nn.Linear) and callable(getattr(pooler, "activation", None)):
+            out["pooler"] = (pooler.dense, pooler.activation)
+        elif isinstance(pooler, nn.Linear) and callable(getattr(base, "activation", None)):
+            out["pooler"] = (pooler, base.activation)  # BigBird: the pooler is a Linear, its tanh on the model
+        else:
+            return out  # a pooler the anatomy cannot describe: no logit layer either
     elif family == "distilbert" and isinstance(getattr(model, "pre_classifier", None), nn.Linear):
         out["pooler"] = (model.pre_classifier, torch.relu)
     config = getattr(model, "config", None)
@@ -442,12 +449,15 @@ def anatomy(model: nn.Module) -> ModelAnatomy:
     family = _FAMILY[found[0][2]]
     stack = found[0][0].rsplit(".", 1)[0] if "." in found[0][0] else ""
     reason = _value_aware_reason(family, layers, model)
-    if family == "timm":
-        fields, head_reason = _timm_head(model, layers)
-    elif family == "torch":
-        fields, head_reason = {}, ""
-    else:
-        fields, head_reason = _hf_head(model, layers, family), ""
+    try:
+        if family == "timm":
+            fields, head_reason = _timm_head(model, layers)
+        elif family == "torch":
+            fields, head_reason = {}, ""
+        else:
+            fields, head_reason = _hf_head(model, layers, family), ""
+    except (AttributeError, TypeError) as e:  # a head laid out otherwise: no logit layer, with the reason
+        fields, head_reason = {}, f"a {type(model).__name__} head the layer anatomy cannot read ({e})"
     try:
         head_path, head_module = find_head(model, stack)
     except ValueError:
