@@ -258,6 +258,8 @@ def _check_layer(layer: LayerAnatomy, family: str) -> None:
     of the anatomy places (an extra branch, norm or convolution), a norm that does not compute what its
     arrays say (e.g. Gemma's x ⊙ (1 + γ)), or a residual scaled by a multiplier."""
     name = type(layer.module).__name__
+    if any(p.is_meta for p in layer.module.parameters()):
+        raise _checks.UnsupportedModelError(f"{name} is on the meta device: there are no weights to describe")
     placed = {id(t[1]) for proj in (layer.q, layer.k, layer.v, layer.o, layer.fc1, layer.fc2, layer.gate)
               if proj is not None for t in proj.targets()}
     placed |= {id(p) for _, m in layer.norms for p in m.parameters()}
