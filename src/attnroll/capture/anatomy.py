@@ -16,7 +16,14 @@ structure (never by the model's class name):
 * Llama family (``input_layernorm`` / ``post_attention_layernorm`` RMSNorms, ``self_attn.{q,k,v,o}_proj``
   with grouped KV heads, gated ``mlp.{gate,up,down}_proj``): pre-norm;
 * torch ``nn.TransformerEncoderLayer`` (fused ``self_attn.in_proj_weight``, ``out_proj``, ``linear1/2``,
-  ``norm1/2``, ``norm_first``).
+  ``norm1/2``, ``norm_first``);
+* transformers BEiT (the ViT names plus block-level ``lambda_1`` / ``lambda_2`` scales) and Data2Vec-Vision
+  (``attention.attention.{query,key,value}``, ``layernorm_before`` / ``layernorm_after``, λ scales): pre-norm;
+* transformers CLIP / SigLIP encoder layers, vision and text (``layer_norm1``, ``self_attn.{q,k,v,out}_proj``,
+  ``layer_norm2``, ``mlp.fc1/fc2``): pre-norm;
+* transformers wav2vec2 / HuBERT / SEW / UniSpeech / Data2Vec-Audio encoder layers (``attention.{q,k,v,
+  out}_proj``, ``layer_norm``, ``feed_forward``, ``final_layer_norm``): post-norm or stable-layer-norm
+  (pre-norm), the layout probed on a hook-free copy of the block.
 
 :func:`anatomy` returns the model's :class:`~attnroll.capture.layers.ModelAnatomy` (head included);
 :func:`layer_anatomy` one block's. :func:`find_blocks` / :func:`find_head` are structural finders (a stack
@@ -25,6 +32,7 @@ of identical blocks, the module producing the logits) for any model.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Callable
 
 import torch
@@ -37,19 +45,23 @@ __all__ = ["anatomy", "anatomy_or_reason", "layer_anatomy", "find_blocks", "find
            "VALUE_AWARE_FAMILIES", "Target", "RESET"]
 
 KNOWN_FAMILIES = (
-    "transformers BERT family (BERT, RoBERTa, ELECTRA), DistilBERT, ViT / DeiT / DINOv2, GPT-2 and Llama-family "
-    "decoders; timm VisionTransformer; torch nn.TransformerEncoderLayer"
+    "transformers BERT family (BERT, RoBERTa, ELECTRA), DistilBERT, ViT / DeiT / DINOv2, BEiT, Data2Vec-Vision, "
+    "CLIP / SigLIP encoders, wav2vec2 / HuBERT encoders, GPT-2 and Llama-family decoders; timm VisionTransformer; "
+    "torch nn.TransformerEncoderLayer"
 )
 VALUE_AWARE_FAMILIES = (
     "transformers BERT family (BERT, RoBERTa, ELECTRA: post-LN), DistilBERT, transformers ViT / DeiT / DINOv2 "
-    "and timm VisionTransformer (pre-LN), GPT-2 (pre-LN), Llama-family decoders (RMSNorm, grouped KV)"
+    "and timm VisionTransformer (pre-LN), GPT-2 (pre-LN), Llama-family decoders (RMSNorm, grouped KV), BEiT / "
+    "Data2Vec-Vision and CLIP / SigLIP (pre-LN), wav2vec2 / HuBERT (post-LN or stable-LN)"
 )
 #: What a block must have for each builder (named in the refusal of an unknown block).
 _LOOKED_FOR_PARTS = (
     "attention.self.{query,key,value} + intermediate (BERT), attention.{q,k,v,out}_lin + ffn (DistilBERT), "
     "attention.{q,k,v,o}_proj + mlp.fc1 (ViT), attn.c_attn + ln_1 (GPT-2), self_attn.{q,k,v,o}_proj + "
     "input_layernorm + mlp.gate_proj (Llama), attn.qkv + ls1 + mlp.fc1 (timm), self_attn "
-    "(nn.MultiheadAttention) + linear1 (torch)"
+    "(nn.MultiheadAttention) + linear1 (torch), attention.attention.value + layernorm_before (Data2Vec-Vision), "
+    "layer_norm1 + self_attn.out_proj + mlp.fc1 (CLIP), attention.out_proj + feed_forward.output_dense + "
+    "final_layer_norm (wav2vec2)"
 )
 _LOOKED_FOR_BLOCKS = (
     "transformers' `encoder.layer` or `layers` (a ModuleList of identical layers), timm's `blocks`, or any "
@@ -199,9 +211,130 @@ def _torch(i: int, path: str, m: nn.Module) -> LayerAnatomy:
     )
 
 
+
+# ----------------------------------------------------------------- builders added for issue 12's sanity regression
+class _Scale(nn.Module):
+    """A layer scale kept as a bare parameter on the block (BEiT's ``lambda_1``): y ↦ y ⊙ γ. The parameter
+    stays the block's own (this module is not attached to the model); :func:`layers._scaled` reads ``gamma``."""
+
+    def __init__(self, gamma: nn.Parameter) -> None:
+        super().__init__()
+        self.gamma = gamma
+
+    def forward(self, y: torch.Tensor) -> torch.Tensor:
+        return y * self.gamma
+
+
+def _lambda(m: nn.Module, name: str) -> nn.Module | None:
+    p = getattr(m, name, None)
+    return _Scale(p) if isinstance(p, nn.Parameter) else None
+
+
+def _beit(i: int, path: str, m: nn.Module) -> LayerAnatomy:
+    """transformers BEiT (ViT names, block-level ``lambda_1`` / ``lambda_2`` scales): pre-norm."""
+    layer = _vit(i, path, m)
+    return replace(layer, ls1=_lambda(m, "lambda_1"), ls2=_lambda(m, "lambda_2"))
+
+
+def _d2v_vision(i: int, path: str, m: nn.Module) -> LayerAnatomy:
+    """transformers Data2Vec-Vision (BERT names inside, ``layernorm_before`` / ``layernorm_after``, λ scales):
+    pre-norm."""
+    sa = m.attention.attention
+    heads, _ = _heads_of(sa)
+    q, k, v = (_proj(m, f"attention.attention.{n}") for n in ("query", "key", "value"))
+    return LayerAnatomy(
+        i, m, path, sa, q, k, v, _proj(m, "attention.output.dense"), heads, heads, True, m.layernorm_before,
+        m.layernorm_after, _norms(m, ("layernorm_before", "layernorm_after")), _proj(m, "intermediate.dense"),
+        m.intermediate.intermediate_act_fn, _proj(m, "output.dense"),
+        ls1=_lambda(m, "lambda_1"), ls2=_lambda(m, "lambda_2"),
+    )
+
+
+def _clip(i: int, path: str, m: nn.Module) -> LayerAnatomy:
+    """transformers CLIP / SigLIP encoder layers (vision and text): ``layer_norm1``, ``self_attn.{q,k,v,
+    out}_proj``, ``layer_norm2``, ``mlp.fc1`` / ``fc2``: pre-norm."""
+    att = m.self_attn
+    heads, _ = _heads_of(att)
+    q, k, v, o = (_proj(m, f"self_attn.{n}_proj") for n in ("q", "k", "v", "out"))
+    return LayerAnatomy(
+        i, m, path, att, q, k, v, o, heads, heads, True, m.layer_norm1, m.layer_norm2,
+        _norms(m, ("layer_norm1", "layer_norm2")), _proj(m, "mlp.fc1"), m.mlp.activation_fn, _proj(m, "mlp.fc2"),
+    )
+
+
+def _wav2vec2_layout(i: int, path: str, m: nn.Module, pre_norm: bool) -> LayerAnatomy:
+    att = m.attention
+    heads, _ = _heads_of(att)
+    q, k, v, o = (_proj(m, f"attention.{n}_proj") for n in ("q", "k", "v", "out"))
+    return LayerAnatomy(
+        i, m, path, att, q, k, v, o, heads, heads, pre_norm, m.layer_norm, m.final_layer_norm,
+        _norms(m, ("layer_norm", "final_layer_norm")), _proj(m, "feed_forward.intermediate_dense"),
+        m.feed_forward.intermediate_act_fn, _proj(m, "feed_forward.output_dense"),
+    )
+
+
+def _wav2vec2(i: int, path: str, m: nn.Module) -> LayerAnatomy:
+    """transformers wav2vec2 / HuBERT encoder layers (``attention.{q,k,v,out}_proj``, ``layer_norm``,
+    ``feed_forward.{intermediate,output}_dense``, ``final_layer_norm``). The post-norm and the stable-layer-norm
+    (pre-norm) variants hold the same parameters: which one the block computes is probed (:func:`_probe_residual`)."""
+    return _wav2vec2_layout(i, path, m, _probe_residual(m, _wav2vec2_layout))
+
+
+def _probe_residual(block: nn.Module, layout: Callable[[int, str, nn.Module, bool], LayerAnatomy]) -> bool:
+    """Whether ``block`` computes the pre-norm (True) or the post-norm (False) residual layout, from one forward
+    of a hook-free copy of it on a random (1, 3, d) input (a running capture's hooks see nothing): the first
+    norm's input must be the block input (pre-norm) or block input + attention branch (post-norm), and
+    :meth:`LayerAnatomy.finish` of that layout (``layout(0, "", copy, pre_norm)``) must give the block's output.
+    ValueError when neither holds (another layout)."""
+    import copy
+
+    work = copy.deepcopy(block)
+    for mod in work.modules():
+        mod._forward_hooks.clear()
+        mod._forward_pre_hooks.clear()
+    cand = {pre: layout(0, "", work, pre) for pre in (True, False)}
+    seen: dict[str, torch.Tensor] = {}
+
+    def keep_in(mod: nn.Module, args: tuple) -> None:  # hooks return None: the block's own values flow on
+        seen.setdefault("n1", args[0])
+
+    def keep_out(mod: nn.Module, args: tuple, out: Any) -> None:
+        seen.setdefault("attn", out[0] if isinstance(out, tuple) else out)
+
+    cand[True].norm1.register_forward_pre_hook(keep_in)
+    cand[True].attention.register_forward_hook(keep_out)
+    w = cand[True].fc1.arrays()[0]
+    x = torch.randn(1, 3, w.shape[1], generator=torch.Generator().manual_seed(0)).to(w)
+    with torch.no_grad():
+        out = work(x)
+        out = out[0] if isinstance(out, (tuple, list)) else out
+        for pre, start in ((True, x), (False, x + seen["attn"])):
+            if torch.allclose(seen["n1"], start, atol=1e-5, rtol=1e-4) and torch.allclose(
+                    cand[pre].finish(x, seen["attn"]), out, atol=1e-4, rtol=1e-4):
+                return pre
+    raise ValueError("the block computes neither the pre-norm nor the post-norm residual layout")
+
+
+#: Families whose blocks are described but whose heads are not read (decompx refuses them with this reason).
+_HEAD_NOT_READ = {"beit": "mean pooling with its own norm", "data2vec-vision": "mean pooling with its own norm",
+                  "clip": "post-layernorm / projection / mean-pooled classifier", "wav2vec2": "mean over frames"}
+
+
 def _kind(m: nn.Module) -> Callable[[int, str, nn.Module], LayerAnatomy] | None:
     """Which family's block ``m`` is, from its structure (None: not a block attnroll knows)."""
     att = getattr(m, "attention", None)
+    if att is not None and hasattr(getattr(att, "attention", None), "value") and hasattr(
+            m, "intermediate") and hasattr(m, "layernorm_before"):
+        return _d2v_vision
+    if att is not None and hasattr(att, "v_proj") and hasattr(getattr(m, "mlp", None), "fc1") and (
+            isinstance(getattr(m, "lambda_1", None), nn.Parameter)):
+        return _beit
+    if att is not None and hasattr(att, "out_proj") and hasattr(getattr(m, "feed_forward", None), "output_dense") and (
+            hasattr(m, "final_layer_norm")):
+        return _wav2vec2
+    sa = getattr(m, "self_attn", None)
+    if hasattr(m, "layer_norm1") and hasattr(sa, "out_proj") and hasattr(getattr(m, "mlp", None), "fc1"):
+        return _clip
     if att is not None and hasattr(getattr(att, "self", None), "value") and hasattr(m, "intermediate"):
         return _bert
     if att is not None and hasattr(att, "v_lin") and hasattr(getattr(m, "ffn", None), "lin1"):
@@ -223,7 +356,8 @@ def _kind(m: nn.Module) -> Callable[[int, str, nn.Module], LayerAnatomy] | None:
 
 
 _FAMILY = {_bert: "bert", _distilbert: "distilbert", _vit: "vit", _gpt2: "gpt2", _llama: "llama",
-           _timm: "timm", _torch: "torch"}
+           _timm: "timm", _torch: "torch", _beit: "beit", _d2v_vision: "data2vec-vision", _clip: "clip",
+           _wav2vec2: "wav2vec2"}
 
 
 def layer_anatomy(block: nn.Module, index: int = 0, path: str = "") -> LayerAnatomy:
@@ -456,6 +590,8 @@ def anatomy(model: nn.Module) -> ModelAnatomy:
             fields, head_reason = _timm_head(model, layers)
         elif family == "torch":
             fields, head_reason = {}, ""
+        elif family in _HEAD_NOT_READ:
+            fields, head_reason = {"readout": "first"}, f"the {family} head ({_HEAD_NOT_READ[family]}) is not described"
         else:
             fields, head_reason = _hf_head(model, layers, family), ""
     except (AttributeError, TypeError) as e:  # a head laid out otherwise: no logit layer, with the reason

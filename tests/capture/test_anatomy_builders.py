@@ -1,0 +1,204 @@
+"""The layer-anatomy builders added for the sanity check's regression (issue 12): transformers BEiT and
+Data2Vec-Vision (block-level λ scales), CLIP / SigLIP encoder layers (vision and causal text), wav2vec2 /
+HuBERT encoder layers (post-norm and stable-layer-norm, told apart by a probe).
+
+Each family: every block recomputed in the test from the anatomy's arrays (the naive block of
+test_layer_anatomy) equals the block's real output; DecompX shares summed over the tokens equal every layer's
+real output; sanity's components re-draw exactly the tensors a hand-written table names."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import attnroll
+from attnroll._checks import UnsupportedModelError
+from attnroll.capture import model_facts
+from attnroll.capture.anatomy import anatomy
+from attnroll.evaluate.sanity import _reinitialise
+
+from ..methods import value_aware_reference as R
+from .test_layer_anatomy import _block, _block_io
+
+T = pytest.importorskip("transformers")
+F64 = torch.float64
+SMALL = dict(hidden_size=8, num_hidden_layers=2, num_attention_heads=2, intermediate_size=12,
+             attn_implementation="eager")
+
+
+def _wav2vec2_config(Config, **kw):
+    return Config(**SMALL, conv_dim=(8, 8), conv_kernel=(10, 3), conv_stride=(5, 2), num_conv_pos_embeddings=4,
+                  num_conv_pos_embedding_groups=2, vocab_size=12, **kw)
+
+
+def build(family: str):
+    """(2-block float64 random-weight model, inputs, expected builder name, causal) of ``family``."""
+    g = torch.Generator().manual_seed(5)
+    img = torch.randn(2, 3, 16, 16, generator=g, dtype=F64)
+    vision = dict(image_size=16, patch_size=8, num_channels=3)
+    ids = {"input_ids": torch.randint(1, 30, (2, 6), generator=g)}
+    if family == "beit":
+        cfg = T.BeitConfig(**SMALL, **vision, layer_scale_init_value=0.5, use_mean_pooling=True, num_labels=3)
+        return R._randomise(T.BeitForImageClassification(cfg), 1), img, "beit", False
+    if family == "data2vec-vision":
+        cfg = T.Data2VecVisionConfig(**SMALL, **vision, layer_scale_init_value=0.5, num_labels=3)
+        return R._randomise(T.Data2VecVisionForImageClassification(cfg), 2), img, "data2vec-vision", False
+    if family == "clip_vision":
+        cfg = T.CLIPVisionConfig(**SMALL, **vision)
+        return R._randomise(T.CLIPVisionModel(cfg), 3), img, "clip", False
+    if family == "clip_text":
+        cfg = T.CLIPTextConfig(**SMALL, vocab_size=30, max_position_embeddings=16)
+        return R._randomise(T.CLIPTextModel(cfg), 4), ids, "clip", True
+    if family == "siglip_vision":
+        cfg = T.SiglipVisionConfig(**SMALL, **vision)
+        return R._randomise(T.SiglipVisionModel(cfg), 5), img, "clip", False
+    audio = torch.randn(2, 160, generator=g, dtype=F64)
+    if family == "wav2vec2":
+        return R._randomise(T.Wav2Vec2Model(_wav2vec2_config(T.Wav2Vec2Config)), 6), audio, "wav2vec2", False
+    if family == "wav2vec2_stable":
+        cfg = _wav2vec2_config(T.Wav2Vec2Config, do_stable_layer_norm=True, feat_extract_norm="layer")
+        return R._randomise(T.Wav2Vec2Model(cfg), 7), audio, "wav2vec2", False
+    if family == "hubert":
+        return R._randomise(T.HubertModel(_wav2vec2_config(T.HubertConfig)), 8), audio, "wav2vec2", False
+    raise ValueError(family)
+
+
+FAMILIES = ["beit", "data2vec-vision", "clip_vision", "clip_text", "siglip_vision", "wav2vec2", "wav2vec2_stable",
+            "hubert"]
+#: The residual layout each tiny model's blocks compute (from the transformers sources).
+RESIDUAL = {"wav2vec2": "post-norm", "hubert": "post-norm"}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_block_recomputed_from_the_anatomy_equals_its_real_output(family):
+    model, x, builder, causal = build(family)
+    anat = model_facts(model).anatomy
+    assert anat.family == builder and len(anat.layers) == 2 and anat.value_aware == ""
+    assert {L.residual for L in anat.layers} == {RESIDUAL.get(family, "pre-norm")}
+    for layer, (inp, _, out) in zip(anat.layers, _block_io(model, x, anat)):
+        with torch.no_grad():
+            mine = _block(layer, inp, causal, None)
+        torch.testing.assert_close(mine, out, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_decompx_shares_add_up_to_every_layer_output(family):
+    from attnroll.capture.value_path import record_states
+    from attnroll.core.decompx import block_shares, initial_shares
+
+    model, x, _, _ = build(family)
+    rec, st, anat = record_states(model, x)
+    S = initial_shares(st.inputs[0])
+    for i, blk in enumerate(anat.blocks(F64)):
+        S = block_shares(S, rec.attentions[i], blk)
+        torch.testing.assert_close(S.sum(2), st.outputs[i], atol=1e-9, rtol=0)
+
+
+def test_beit_layer_scales_are_the_blocks_own_lambda_parameters():
+    model, *_ = build("beit")
+    layer = model_facts(model).anatomy.layers[0]
+    assert layer.ls1.gamma is layer.module.lambda_1 and layer.ls2.gamma is layer.module.lambda_2
+    blk = layer.block(F64)
+    w_o = layer.module.attention.o_proj.weight.detach()
+    torch.testing.assert_close(blk.wo, w_o * layer.module.lambda_1.detach()[:, None])
+
+
+def test_decompx_refuses_a_head_the_anatomy_does_not_read_naming_it():
+    model, x, _, _ = build("beit")
+    with pytest.raises(UnsupportedModelError, match="beit head .*mean pooling.* is not described"):
+        attnroll.explain(model, x, "decompx")
+
+
+class _ParallelLayer(T.models.wav2vec2.modeling_wav2vec2.Wav2Vec2EncoderLayer):
+    """wav2vec2's parameters, but parallel branches: x + Attn(LN(x)) + FF(LN'(x)) (neither layout)."""
+
+    def forward(self, hidden_states, attention_mask=None, output_attentions=False):
+        a = self.attention(self.layer_norm(hidden_states))[0]
+        return (hidden_states + a + self.feed_forward(self.final_layer_norm(hidden_states)),)
+
+
+def test_a_block_with_wav2vec2_parameters_but_another_residual_layout_is_refused():
+    cfg = _wav2vec2_config(T.Wav2Vec2Config)
+    block = R._randomise(_ParallelLayer(cfg), 9)
+    with pytest.raises(UnsupportedModelError, match="neither the pre-norm nor the post-norm"):
+        anatomy(nn.ModuleDict({"encoder": nn.ModuleDict({"layers": nn.ModuleList([block])})}))
+
+
+def test_the_residual_probe_leaves_a_running_captures_hooks_unfired():
+    model, *_ = build("wav2vec2")
+    calls = []
+    handles = [m.register_forward_hook(lambda *a: calls.append(1)) for m in model.modules()]
+    try:
+        assert model_facts(model).anatomy.layers[0].residual == "post-norm"
+    finally:
+        for h in handles:
+            h.remove()
+    assert calls == []  # the probe ran on a hook-free copy
+    assert not any(m._forward_hooks for m in model.modules())
+
+
+# ------------------------------------------------------------------------------------------- sanity
+A = slice(None)
+_WB = ("weight", "bias")
+#: family -> component -> block-relative parameters re-drawn (whole tensors), written from the modules' layouts.
+EXPECTED = {
+    "beit": {
+        "qk": {"attention.q_proj.weight", "attention.q_proj.bias", "attention.k_proj.weight"},
+        "value": {f"attention.{n}_proj.{p}" for n in "vo" for p in _WB},
+        "mlp": {f"mlp.fc{n}.{p}" for n in "12" for p in _WB},
+    },
+    "data2vec-vision": {
+        "qk": {"attention.attention.query.weight", "attention.attention.query.bias", "attention.attention.key.weight"},
+        "value": {"attention.attention.value.weight", "attention.attention.value.bias",
+                  "attention.output.dense.weight", "attention.output.dense.bias"},
+        "mlp": {f"{n}.dense.{p}" for n in ("intermediate", "output") for p in _WB},
+    },
+    "clip_text": {
+        "qk": {f"self_attn.{n}_proj.{p}" for n in "qk" for p in _WB},
+        "value": {f"self_attn.{n}_proj.{p}" for n in ("v", "out") for p in _WB},
+        "mlp": {f"mlp.fc{n}.{p}" for n in "12" for p in _WB},
+    },
+    "wav2vec2": {
+        "qk": {f"attention.{n}_proj.{p}" for n in "qk" for p in _WB},
+        "value": {f"attention.{n}_proj.{p}" for n in ("v", "out") for p in _WB},
+        "mlp": {f"feed_forward.{n}_dense.{p}" for n in ("intermediate", "output") for p in _WB},
+    },
+}
+EXPECTED["siglip_vision"] = EXPECTED["clip_vision"] = EXPECTED["clip_text"]
+EXPECTED["hubert"] = EXPECTED["wav2vec2_stable"] = EXPECTED["wav2vec2"]
+#: The block's norm parameters (reset to 1 / 0 by "all").
+NORMS = {"beit": ("layernorm_before", "layernorm_after"), "data2vec-vision": ("layernorm_before", "layernorm_after"),
+         "clip": ("layer_norm1", "layer_norm2"), "wav2vec2": ("layer_norm", "final_layer_norm")}
+
+
+@pytest.mark.parametrize("family", sorted(EXPECTED))
+@pytest.mark.parametrize("component", ["qk", "value", "mlp", "all"])
+def test_sanity_redraws_exactly_the_tensors_the_table_names(family, component):
+    model, _, builder, _ = build(family)
+    layer = model_facts(model).anatomy.layers[-1]
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    _reinitialise(layer.targets(component), torch.Generator().manual_seed(0))
+    prefix = layer.path + "."
+    changed = {n for n, p in model.named_parameters() if not torch.equal(before[n], p.detach())}
+    if component != "all":
+        assert changed == {prefix + n for n in EXPECTED[family][component]}
+        return
+    assert changed == {n for n in before if n.startswith(prefix)}  # every parameter of the block, λ included
+    for norm in NORMS[builder]:
+        for p in _WB:
+            new = dict(model.named_parameters())[f"{prefix}{norm}.{p}"]
+            assert torch.all(new == (0.0 if p == "bias" else 1.0))
+
+
+def test_a_known_stack_beside_an_unknown_one_is_refused_not_half_described():
+    from .test_layer_anatomy import _gpt_neo
+
+    class TwoTowers(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.text, self.other = build("clip_text")[0], _gpt_neo().transformer
+
+    with pytest.raises(UnsupportedModelError, match=r"also holds blocks the layer anatomy does not know: "
+                                                    r"other\.h \(GPTNeoBlock\)"):
+        anatomy(TwoTowers())
