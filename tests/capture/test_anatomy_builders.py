@@ -61,11 +61,29 @@ def build(family: str):
         return R._randomise(T.Wav2Vec2Model(cfg), 7), audio, "wav2vec2", False
     if family == "hubert":
         return R._randomise(T.HubertModel(_wav2vec2_config(T.HubertConfig)), 8), audio, "wav2vec2", False
+    if family.startswith("eva") or family == "timm_beit":
+        return _timm(family), img, "timm-eva", False
     raise ValueError(family)
 
 
+def _timm(family: str):
+    timm = pytest.importorskip("timm")
+    from timm.models.beit import Beit
+    from timm.models.eva import Eva
+
+    base = dict(img_size=16, patch_size=8, embed_dim=16, depth=2, num_heads=2, num_classes=3)
+    kw = {"eva_glu": dict(swiglu_mlp=True, init_values=0.5),  # packed GLU MLP, fused qkv with q / v biases
+          "eva_swiglu": dict(swiglu_mlp=True, swiglu_align_to=8, qkv_fused=False),  # SwiGLU, separate q / k / v
+          "eva_rope": dict(use_rot_pos_emb=True, init_values=0.5, ref_feat_shape=(2, 2))}.get(family)
+    model = Beit(**base, init_values=0.5, qkv_bias=True, use_rel_pos_bias=True) if family == "timm_beit" else Eva(**base, **kw)
+    assert timm is not None
+    return R._randomise(model, 10)
+
+
 FAMILIES = ["beit", "data2vec-vision", "clip_vision", "clip_text", "siglip_vision", "wav2vec2", "wav2vec2_stable",
-            "hubert"]
+            "hubert", "eva_glu", "eva_swiglu"]
+#: Rotary EVA: its blocks are checked through the captured attention (DecompX shares) only.
+ROPE = ["eva_rope"]
 #: The residual layout each tiny model's blocks compute (from the transformers sources).
 RESIDUAL = {"wav2vec2": "post-norm", "hubert": "post-norm"}
 
@@ -82,7 +100,7 @@ def test_every_block_recomputed_from_the_anatomy_equals_its_real_output(family):
         torch.testing.assert_close(mine, out, atol=1e-6, rtol=0)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES + ROPE)
 def test_decompx_shares_add_up_to_every_layer_output(family):
     from attnroll.capture.value_path import record_states
     from attnroll.core.decompx import block_shares, initial_shares
@@ -93,6 +111,18 @@ def test_decompx_shares_add_up_to_every_layer_output(family):
     for i, blk in enumerate(anat.blocks(F64)):
         S = block_shares(S, rec.attentions[i], blk)
         torch.testing.assert_close(S.sum(2), st.outputs[i], atol=1e-9, rtol=0)
+
+
+def test_the_timm_variants_are_the_layouts_the_tables_assume():
+    glu, swiglu, beit = (build(f)[0].blocks[0] for f in ("eva_glu", "eva_swiglu", "timm_beit"))
+    assert type(glu.mlp).__name__ == "GluMlp" and not glu.mlp.gate_last and glu.attn.q_bias is not None
+    assert type(swiglu.mlp).__name__ == "SwiGLU" and swiglu.attn.qkv is None
+    assert beit.attn.relative_position_bias_table is not None and beit.attn.q_bias is not None
+    layer = model_facts(build("eva_glu")[0]).anatomy.layers[0]
+    w = layer.module.mlp.fc1.weight.detach()  # gate_last=False: act(first half) * second half
+    torch.testing.assert_close(layer.gate.arrays()[0], w[: w.shape[0] // 2])
+    torch.testing.assert_close(layer.fc1.arrays()[0], w[w.shape[0] // 2:])
+    assert "window" in model_facts(build("timm_beit")[0]).anatomy.value_aware  # relative-position BEiT: sanity only
 
 
 def test_beit_layer_scales_are_the_blocks_own_lambda_parameters():
@@ -167,9 +197,21 @@ EXPECTED = {
 }
 EXPECTED["siglip_vision"] = EXPECTED["clip_vision"] = EXPECTED["clip_text"]
 EXPECTED["hubert"] = EXPECTED["wav2vec2_stable"] = EXPECTED["wav2vec2"]
+EXPECTED = {f: {c: {n: A for n in names} for c, names in comps.items()} for f, comps in EXPECTED.items()}
+#: timm EVA / BEiT with a fused qkv (d = 16): q, k = rows 0..31, v = rows 32..47, separate q / v biases.
+_FUSED = {"qk": {"attn.qkv.weight": slice(0, 32), "attn.q_bias": A},
+          "value": {"attn.qkv.weight": slice(32, 48), "attn.v_bias": A, "attn.proj.weight": A, "attn.proj.bias": A}}
+EXPECTED["eva_glu"] = {**_FUSED, "mlp": {f"mlp.fc{n}.{p}": A for n in "12" for p in _WB}}  # the packed fc1: whole
+EXPECTED["timm_beit"] = EXPECTED["eva_rope"] = EXPECTED["eva_glu"]
+EXPECTED["eva_swiglu"] = {
+    "qk": {"attn.q_proj.weight": A, "attn.q_proj.bias": A, "attn.k_proj.weight": A},  # timm: a bias-free k_proj
+    "value": {**{f"attn.v_proj.{p}": A for p in _WB}, "attn.proj.weight": A, "attn.proj.bias": A},
+    "mlp": {f"mlp.{n}.{p}": A for n in ("fc1_x", "fc1_g", "fc2") for p in _WB},
+}
 #: The block's norm parameters (reset to 1 / 0 by "all").
 NORMS = {"beit": ("layernorm_before", "layernorm_after"), "data2vec-vision": ("layernorm_before", "layernorm_after"),
-         "clip": ("layer_norm1", "layer_norm2"), "wav2vec2": ("layer_norm", "final_layer_norm")}
+         "clip": ("layer_norm1", "layer_norm2"), "wav2vec2": ("layer_norm", "final_layer_norm"),
+         "timm-eva": ("norm1", "norm2")}
 
 
 @pytest.mark.parametrize("family", sorted(EXPECTED))
@@ -182,7 +224,13 @@ def test_sanity_redraws_exactly_the_tensors_the_table_names(family, component):
     prefix = layer.path + "."
     changed = {n for n, p in model.named_parameters() if not torch.equal(before[n], p.detach())}
     if component != "all":
-        assert changed == {prefix + n for n in EXPECTED[family][component]}
+        want = EXPECTED[family][component]
+        assert changed == {prefix + n for n in want}
+        for n, idx in want.items():
+            p = dict(model.named_parameters())[prefix + n].detach()
+            mask = torch.zeros_like(p, dtype=torch.bool)
+            mask[idx] = True
+            assert torch.equal(before[prefix + n] != p, mask), n
         return
     assert changed == {n for n in before if n.startswith(prefix)}  # every parameter of the block, λ included
     for norm in NORMS[builder]:

@@ -315,9 +315,55 @@ def _probe_residual(block: nn.Module, layout: Callable[[int, str, nn.Module, boo
     raise ValueError("the block computes neither the pre-norm nor the post-norm residual layout")
 
 
+def _eva_qkv(m: nn.Module) -> tuple[Proj, Proj, Proj]:
+    """q, k, v of a timm EVA / BEiT attention: separate ``attn.{q,k,v}_proj``, or a fused ``attn.qkv`` (row
+    thirds) whose biases are ``attn.q_bias`` / ``attn.v_bias`` beside a zero key bias buffer."""
+    att = m.attn
+    if getattr(att, "qkv", None) is None:
+        return tuple(_proj(m, f"attn.{n}_proj") for n in "qkv")  # type: ignore
+    d = att.proj.in_features
+    if getattr(att, "q_bias", None) is None:
+        return _fused(m, "attn.qkv", d)
+    if getattr(att, "k_bias", None) is not None and bool(att.k_bias.detach().ne(0).any()):
+        raise ValueError("attn.k_bias is not zero")
+    sep = dict(bias_module=att, bias_path="attn")
+    return (_proj(m, "attn.qkv", rows=slice(0, d), bias="q_bias", **sep),
+            _proj(m, "attn.qkv", rows=slice(d, 2 * d), bias=None),
+            _proj(m, "attn.qkv", rows=slice(2 * d, 3 * d), bias="v_bias", **sep))
+
+
+def _eva_mlp(m: nn.Module) -> tuple[Proj, Proj | None]:
+    """(fc1, gate or None) of a timm ``Mlp``, ``SwiGLU`` (``fc1_x``, ``fc1_g``) or ``GluMlp`` (one fused fc1,
+    its halves the value and the gate; ``gate_last``: the gate is the second half)."""
+    mlp = m.mlp
+    if hasattr(mlp, "fc1_g"):
+        return _proj(m, "mlp.fc1_x"), _proj(m, "mlp.fc1_g")
+    if hasattr(mlp, "gate_last"):
+        if getattr(mlp, "chunk_dim", -1) != -1:
+            raise ValueError("a convolutional GluMlp")
+        h = mlp.fc1.out_features // 2
+        first, second = (_proj(m, "mlp.fc1", rows=slice(j * h, (j + 1) * h)) for j in range(2))
+        return (first, second) if mlp.gate_last else (second, first)
+    return _proj(m, "mlp.fc1"), None
+
+
+def _timm_eva(i: int, path: str, m: nn.Module) -> LayerAnatomy:
+    """timm EVA / EVA02 (``EvaBlock``) and timm BEiT blocks: pre-norm, rotary or relative-position attention (it
+    shapes the attention probabilities only), fused or separate q / k / v, plain / SwiGLU / packed-GLU MLP,
+    block-level ``gamma_1`` / ``gamma_2`` layer scales."""
+    fc1, gate = _eva_mlp(m)
+    q, k, v = _eva_qkv(m)
+    return LayerAnatomy(
+        i, m, path, m.attn, q, k, v, _proj(m, "attn.proj"), int(m.attn.num_heads), int(m.attn.num_heads), True,
+        m.norm1, m.norm2, _norms(m, ("norm1", "norm2", "attn.q_norm", "attn.k_norm", "attn.norm", "mlp.norm")),
+        fc1, m.mlp.act, _proj(m, "mlp.fc2"), gate=gate, ls1=_lambda(m, "gamma_1"), ls2=_lambda(m, "gamma_2"),
+    )
+
+
 #: Families whose blocks are described but whose heads are not read (decompx refuses them with this reason).
 _HEAD_NOT_READ = {"beit": "mean pooling with its own norm", "data2vec-vision": "mean pooling with its own norm",
-                  "clip": "post-layernorm / projection / mean-pooled classifier", "wav2vec2": "mean over frames"}
+                  "clip": "post-layernorm / projection / mean-pooled classifier", "wav2vec2": "mean over frames",
+                  "timm-eva": "EVA / BEiT pooling and norms, not checked"}
 
 
 def _kind(m: nn.Module) -> Callable[[int, str, nn.Module], LayerAnatomy] | None:
@@ -347,6 +393,9 @@ def _kind(m: nn.Module) -> Callable[[int, str, nn.Module], LayerAnatomy] | None:
     if hasattr(m, "input_layernorm") and hasattr(getattr(m, "self_attn", None), "v_proj") and hasattr(
             getattr(m, "mlp", None), "gate_proj"):
         return _llama
+    if type(m).__module__.startswith("timm.") and hasattr(m, "gamma_1") and hasattr(m, "norm2") and hasattr(
+            getattr(m, "attn", None), "proj") and hasattr(getattr(m, "mlp", None), "fc2"):
+        return _timm_eva
     if type(m).__module__.startswith("timm.") and hasattr(getattr(m, "attn", None), "qkv") and hasattr(
             m, "ls1") and hasattr(getattr(m, "mlp", None), "fc1"):
         return _timm
@@ -357,7 +406,7 @@ def _kind(m: nn.Module) -> Callable[[int, str, nn.Module], LayerAnatomy] | None:
 
 _FAMILY = {_bert: "bert", _distilbert: "distilbert", _vit: "vit", _gpt2: "gpt2", _llama: "llama",
            _timm: "timm", _torch: "torch", _beit: "beit", _d2v_vision: "data2vec-vision", _clip: "clip",
-           _wav2vec2: "wav2vec2"}
+           _wav2vec2: "wav2vec2", _timm_eva: "timm-eva"}
 
 
 def layer_anatomy(block: nn.Module, index: int = 0, path: str = "") -> LayerAnatomy:
@@ -588,10 +637,10 @@ def anatomy(model: nn.Module) -> ModelAnatomy:
     try:
         if family == "timm":
             fields, head_reason = _timm_head(model, layers)
-        elif family == "torch":
-            fields, head_reason = {}, ""
         elif family in _HEAD_NOT_READ:
             fields, head_reason = {"readout": "first"}, f"the {family} head ({_HEAD_NOT_READ[family]}) is not described"
+        elif family == "torch":
+            fields, head_reason = {}, ""
         else:
             fields, head_reason = _hf_head(model, layers, family), ""
     except (AttributeError, TypeError) as e:  # a head laid out otherwise: no logit layer, with the reason

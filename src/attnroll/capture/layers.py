@@ -41,7 +41,9 @@ class Proj:
     ``weight`` / ``bias``: the parameter names on ``module`` (bias None when it has none); ``rows``: the
     output features this projection owns when the tensor is fused (q, k, v thirds of a qkv projection);
     ``in_out``: the weight is stored (in, out) (transformers' ``Conv1D``) instead of (out, in); ``path``:
-    the module's path inside its block ("" = the block itself)."""
+    the module's path inside its block ("" = the block itself); ``bias_module`` / ``bias_path``: the module
+    holding the bias when it is not ``module`` (timm EVA / BEiT: separate q / v biases beside a bias-free fused
+    qkv), a whole (out,) tensor that ``rows`` does not index."""
 
     module: nn.Module
     path: str
@@ -49,34 +51,38 @@ class Proj:
     bias: str | None = "bias"
     rows: slice | None = None
     in_out: bool = False
+    bias_module: nn.Module | None = None
+    bias_path: str = ""
 
-    def _param(self, name: str | None) -> nn.Parameter | None:
-        p = None if name is None else getattr(self.module, name, None)
+    def _param(self, name: str | None, of: nn.Module | None = None) -> nn.Parameter | None:
+        p = None if name is None else getattr(of if of is not None else self.module, name, None)
         return p if isinstance(p, torch.Tensor) else None
 
     def arrays(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(W (out, in), b (out,) or None), detached, in ``dtype`` (None = as stored)."""
-        w, b = self._param(self.weight).detach(), self._param(self.bias)
+        w, b = self._param(self.weight).detach(), self._param(self.bias, self.bias_module)
         w = w.T if self.in_out else w
         b = None if b is None else b.detach()
         if self.rows is not None:
-            w, b = w[self.rows], None if b is None else b[self.rows]
+            w = w[self.rows]
+            b = b if b is None or self.bias_module is not None else b[self.rows]
         if dtype is not None:
             w, b = w.to(dtype), None if b is None else b.to(dtype)
         return w, b
 
     def targets(self) -> list[Target]:
         """The parameters (and the part of a fused one) this projection is made of, weight first."""
-        name = (lambda p: f"{self.path}.{p}" if self.path else p)  # noqa: E731
         out: list[Target] = []
         for pname, is_weight in ((self.weight, True), (self.bias, False)):
-            p = self._param(pname)
+            own = is_weight or self.bias_module is None
+            p = self._param(pname, None if own else self.bias_module)
             if p is None:
                 continue
-            idx = self.rows
+            idx = self.rows if own else None
             if idx is not None and is_weight and self.in_out:
                 idx = (slice(None), idx)
-            out.append((name(pname), p, idx))
+            path = self.path if own else self.bias_path
+            out.append((f"{path}.{pname}" if path else pname, p, idx))
         return out
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
