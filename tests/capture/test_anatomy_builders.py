@@ -61,9 +61,30 @@ def build(family: str):
         return R._randomise(T.Wav2Vec2Model(cfg), 7), audio, "wav2vec2", False
     if family == "hubert":
         return R._randomise(T.HubertModel(_wav2vec2_config(T.HubertConfig)), 8), audio, "wav2vec2", False
+    if family.split("_")[0] in ("bart", "mbart", "whisper"):
+        return _seq2seq(family, g)
     if family.startswith("eva") or family == "timm_beit":
         return _timm(family), img, "timm-eva", False
     raise ValueError(family)
+
+
+def _seq2seq(family: str, g: torch.Generator):
+    """BART (post-norm), mBART and Whisper (pre-norm): the whole encoder-decoder, or its encoder alone."""
+    kind, part = family.split("_")
+    sizes = dict(d_model=8, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2, decoder_attention_heads=2,
+                 encoder_ffn_dim=12, decoder_ffn_dim=12, vocab_size=30, attn_implementation="eager", pad_token_id=1,
+                 bos_token_id=0, eos_token_id=2, decoder_start_token_id=2)
+    if kind == "whisper":
+        cfg = T.WhisperConfig(**sizes, num_mel_bins=4, max_source_positions=6, max_target_positions=16)
+        model, x = T.WhisperModel(cfg), {"input_features": torch.randn(2, 4, 12, generator=g, dtype=F64)}
+    else:
+        Config, Model = (T.BartConfig, T.BartModel) if kind == "bart" else (T.MBartConfig, T.MBartModel)
+        model = Model(Config(**sizes, max_position_embeddings=16))
+        x = {"input_ids": torch.randint(3, 30, (2, 6), generator=g)}
+    if part == "encoder":
+        return R._randomise(model.encoder, 11), x, "bart", False
+    x = {**x, "decoder_input_ids": torch.randint(3, 30, (2, 5), generator=g)}
+    return R._randomise(model, 12), x, "bart", False
 
 
 def _timm(family: str):
@@ -81,11 +102,11 @@ def _timm(family: str):
 
 
 FAMILIES = ["beit", "data2vec-vision", "clip_vision", "clip_text", "siglip_vision", "wav2vec2", "wav2vec2_stable",
-            "hubert", "eva_glu", "eva_swiglu"]
+            "hubert", "eva_glu", "eva_swiglu", "bart_encoder", "mbart_encoder", "whisper_encoder"]
 #: Rotary EVA: its blocks are checked through the captured attention (DecompX shares) only.
 ROPE = ["eva_rope"]
 #: The residual layout each tiny model's blocks compute (from the transformers sources).
-RESIDUAL = {"wav2vec2": "post-norm", "hubert": "post-norm"}
+RESIDUAL = {"wav2vec2": "post-norm", "hubert": "post-norm", "bart_encoder": "post-norm", "bart_model": "post-norm"}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -123,6 +144,19 @@ def test_the_timm_variants_are_the_layouts_the_tables_assume():
     torch.testing.assert_close(layer.gate.arrays()[0], w[: w.shape[0] // 2])
     torch.testing.assert_close(layer.fc1.arrays()[0], w[w.shape[0] // 2:])
     assert "window" in model_facts(build("timm_beit")[0]).anatomy.value_aware  # relative-position BEiT: sanity only
+
+
+@pytest.mark.parametrize("family,layout", [("bart_model", "post-norm"), ("mbart_model", "pre-norm"),
+                                           ("whisper_model", "pre-norm")])
+def test_encoder_decoder_layers_are_described_with_their_cross_attention(family, layout):
+    model, *_ = build(family)
+    anat = model_facts(model).anatomy
+    assert [L.path.rsplit(".", 1)[0] for L in anat.layers] == ["encoder.layers"] * 2 + ["decoder.layers"] * 2
+    assert {L.residual for L in anat.layers} == {layout}
+    assert [L.cross is None for L in anat.layers] == [True, True, False, False]
+    dec = anat.layers[-1]
+    assert dec.cross[2].module is dec.module.encoder_attn.v_proj and dec.cross[3].module is dec.module.encoder_attn.out_proj
+    assert "several stacks" in anat.value_aware  # sanity only
 
 
 def test_beit_layer_scales_are_the_blocks_own_lambda_parameters():
@@ -195,6 +229,14 @@ EXPECTED = {
         "mlp": {f"feed_forward.{n}_dense.{p}" for n in ("intermediate", "output") for p in _WB},
     },
 }
+_ATT = ("self_attn", "encoder_attn")
+EXPECTED["bart_model"] = {  # the last block: decoder layer 1, its cross-attention with the self-attention
+    "qk": {f"{a}.{n}_proj.{p}" for a in _ATT for n in "qk" for p in _WB},
+    "value": {f"{a}.{n}_proj.{p}" for a in _ATT for n in ("v", "out") for p in _WB},
+    "mlp": {f"fc{n}.{p}" for n in "12" for p in _WB},
+}
+EXPECTED["whisper_model"] = {  # Whisper: bias-free k_proj in both attentions
+    **EXPECTED["bart_model"], "qk": {f"{a}.{n}" for a in _ATT for n in ("q_proj.weight", "q_proj.bias", "k_proj.weight")}}
 EXPECTED["siglip_vision"] = EXPECTED["clip_vision"] = EXPECTED["clip_text"]
 EXPECTED["hubert"] = EXPECTED["wav2vec2_stable"] = EXPECTED["wav2vec2"]
 EXPECTED = {f: {c: {n: A for n in names} for c, names in comps.items()} for f, comps in EXPECTED.items()}
@@ -211,7 +253,7 @@ EXPECTED["eva_swiglu"] = {
 #: The block's norm parameters (reset to 1 / 0 by "all").
 NORMS = {"beit": ("layernorm_before", "layernorm_after"), "data2vec-vision": ("layernorm_before", "layernorm_after"),
          "clip": ("layer_norm1", "layer_norm2"), "wav2vec2": ("layer_norm", "final_layer_norm"),
-         "timm-eva": ("norm1", "norm2")}
+         "timm-eva": ("norm1", "norm2"), "bart": ("self_attn_layer_norm", "encoder_attn_layer_norm", "final_layer_norm")}
 
 
 @pytest.mark.parametrize("family", sorted(EXPECTED))

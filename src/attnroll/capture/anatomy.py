@@ -306,7 +306,7 @@ def _probe_residual(block: nn.Module, layout: Callable[[int, str, nn.Module, boo
     w = cand[True].fc1.arrays()[0]
     x = torch.randn(1, 3, w.shape[1], generator=torch.Generator().manual_seed(0)).to(w)
     with torch.no_grad():
-        out = work(x)
+        out = work(x, attention_mask=None)
         out = out[0] if isinstance(out, (tuple, list)) else out
         for pre, start in ((True, x), (False, x + seen["attn"])):
             if torch.allclose(seen["n1"], start, atol=1e-5, rtol=1e-4) and torch.allclose(
@@ -360,10 +360,32 @@ def _timm_eva(i: int, path: str, m: nn.Module) -> LayerAnatomy:
     )
 
 
+def _bart_layout(i: int, path: str, m: nn.Module, pre_norm: bool) -> LayerAnatomy:
+    att = m.self_attn
+    heads, _ = _heads_of(att)
+    q, k, v, o = (_proj(m, f"self_attn.{n}_proj") for n in ("q", "k", "v", "out"))
+    cross = None
+    if getattr(m, "encoder_attn", None) is not None:
+        cross = tuple(_proj(m, f"encoder_attn.{n}_proj") for n in ("q", "k", "v", "out"))
+    return LayerAnatomy(
+        i, m, path, att, q, k, v, o, heads, heads, pre_norm, m.self_attn_layer_norm, m.final_layer_norm,
+        _norms(m, ("self_attn_layer_norm", "encoder_attn_layer_norm", "final_layer_norm")), _proj(m, "fc1"),
+        m.activation_fn, _proj(m, "fc2"), cross=cross,  # type: ignore[arg-type]
+    )
+
+
+def _bart(i: int, path: str, m: nn.Module) -> LayerAnatomy:
+    """transformers BART-style encoder and decoder layers (BART, mBART, Marian, Pegasus, Whisper, M2M100, ...):
+    ``self_attn.{q,k,v,out}_proj``, ``self_attn_layer_norm``, ``fc1`` / ``fc2``, ``final_layer_norm``, and in
+    decoder layers the cross-attention ``encoder_attn.*`` (:attr:`LayerAnatomy.cross`) with its norm. Post-norm
+    (BART, Marian) or pre-norm (mBART, Whisper) is probed (:func:`_probe_residual`, without encoder states)."""
+    return _bart_layout(i, path, m, _probe_residual(m, _bart_layout))
+
+
 #: Families whose blocks are described but whose heads are not read (decompx refuses them with this reason).
 _HEAD_NOT_READ = {"beit": "mean pooling with its own norm", "data2vec-vision": "mean pooling with its own norm",
                   "clip": "post-layernorm / projection / mean-pooled classifier", "wav2vec2": "mean over frames",
-                  "timm-eva": "EVA / BEiT pooling and norms, not checked"}
+                  "timm-eva": "EVA / BEiT pooling and norms, not checked", "bart": "an encoder-decoder LM head"}
 
 
 def _kind(m: nn.Module) -> Callable[[int, str, nn.Module], LayerAnatomy] | None:
@@ -379,6 +401,9 @@ def _kind(m: nn.Module) -> Callable[[int, str, nn.Module], LayerAnatomy] | None:
             hasattr(m, "final_layer_norm")):
         return _wav2vec2
     sa = getattr(m, "self_attn", None)
+    if hasattr(m, "self_attn_layer_norm") and hasattr(sa, "out_proj") and hasattr(m, "fc1") and hasattr(
+            m, "final_layer_norm"):
+        return _bart
     if hasattr(m, "layer_norm1") and hasattr(sa, "out_proj") and hasattr(getattr(m, "mlp", None), "fc1"):
         return _clip
     if att is not None and hasattr(getattr(att, "self", None), "value") and hasattr(m, "intermediate"):
@@ -406,7 +431,7 @@ def _kind(m: nn.Module) -> Callable[[int, str, nn.Module], LayerAnatomy] | None:
 
 _FAMILY = {_bert: "bert", _distilbert: "distilbert", _vit: "vit", _gpt2: "gpt2", _llama: "llama",
            _timm: "timm", _torch: "torch", _beit: "beit", _d2v_vision: "data2vec-vision", _clip: "clip",
-           _wav2vec2: "wav2vec2", _timm_eva: "timm-eva"}
+           _wav2vec2: "wav2vec2", _timm_eva: "timm-eva", _bart: "bart"}
 
 
 def layer_anatomy(block: nn.Module, index: int = 0, path: str = "") -> LayerAnatomy:
@@ -443,8 +468,8 @@ def _check_layer(layer: LayerAnatomy, family: str) -> None:
     name = type(layer.module).__name__
     if any(p.is_meta for p in layer.module.parameters()):
         raise _checks.UnsupportedModelError(f"{name} is on the meta device: there are no weights to describe")
-    placed = {id(t[1]) for proj in (layer.q, layer.k, layer.v, layer.o, layer.fc1, layer.fc2, layer.gate)
-              if proj is not None for t in proj.targets()}
+    placed = {id(t[1]) for proj in (layer.q, layer.k, layer.v, layer.o, layer.fc1, layer.fc2, layer.gate,
+                                     *(layer.cross or ())) if proj is not None for t in proj.targets()}
     placed |= {id(p) for _, m in layer.norms for p in m.parameters()}
     placed |= {id(p) for m in (layer.ls1, layer.ls2) if m is not None for p in m.parameters()}
     stray = [n for n, p in layer.module.named_parameters() if id(p) not in placed
@@ -566,7 +591,7 @@ def _value_aware_reason(family: str, layers: list[LayerAnatomy], model: nn.Modul
     if len(stacks) > 1:
         return f"blocks in several stacks ({', '.join(stacks)}); the value-aware methods explain one stack"
     for layer in layers:
-        if getattr(layer.module, "crossattention", None) is not None:
+        if getattr(layer.module, "crossattention", None) is not None or layer.cross is not None:
             return f"{type(layer.module).__name__} has cross-attention (the value-aware maths models self-attention)"
         extra = [p for p, _ in layer.norms if p in ("attn.norm", "mlp.norm")]
         if extra:

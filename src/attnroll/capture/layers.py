@@ -102,7 +102,8 @@ class LayerAnatomy:
     out = norm2(h + MLP(h)); ``norm1`` / ``norm2`` those norm modules; ``norms`` every normalisation module
     of the block (path, module), q/k norms included; ``fc1``, ``act``, ``fc2`` and ``gate`` (gated MLPs:
     fc2(act(gate(h)) ⊙ fc1(h))) the MLP; ``ls1`` / ``ls2`` layer-scale modules after the attention / MLP
-    branch, or None."""
+    branch, or None; ``cross`` the (q, k, v, o) projections of a decoder block's cross-attention (encoder-decoder
+    models), or None: sanity counts its q / k in "qk" and its v / o in "value"."""
 
     index: int
     module: nn.Module
@@ -124,6 +125,7 @@ class LayerAnatomy:
     gate: Proj | None = None
     ls1: nn.Module | None = None
     ls2: nn.Module | None = None
+    cross: tuple[Proj, Proj, Proj, Proj] | None = None
 
     @property
     def residual(self) -> str:
@@ -167,8 +169,10 @@ class LayerAnatomy:
         if component == "all":
             reset = {id(p) for _, m in self.norms for p in m.parameters(recurse=False)}
             return [(n, p, RESET if id(p) in reset else None) for n, p in self.module.named_parameters()]
-        projs = {"qk": (self.q, self.k), "value": (self.v, self.o),
-                 "mlp": tuple(p for p in (self.fc1, self.gate, self.fc2) if p is not None)}[component]
+        cq, ck, cv, co = self.cross if self.cross is not None else (None,) * 4
+        projs = {"qk": (self.q, self.k, cq, ck), "value": (self.v, self.o, cv, co),
+                 "mlp": (self.fc1, self.gate, self.fc2)}[component]
+        projs = tuple(p for p in projs if p is not None)
         order = {id(p): i for i, (_, p) in enumerate(self.module.named_parameters())}
         merged = _merge([t for proj in projs for t in proj.targets()])
         return sorted(merged, key=lambda t: order.get(id(t[1]), len(order)))
