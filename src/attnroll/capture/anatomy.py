@@ -23,7 +23,13 @@ structure (never by the model's class name):
   ``layer_norm2``, ``mlp.fc1/fc2``): pre-norm;
 * transformers wav2vec2 / HuBERT / SEW / UniSpeech / Data2Vec-Audio encoder layers (``attention.{q,k,v,
   out}_proj``, ``layer_norm``, ``feed_forward``, ``final_layer_norm``): post-norm or stable-layer-norm
-  (pre-norm), the layout probed on a hook-free copy of the block.
+  (pre-norm), the layout probed on a hook-free copy of the block;
+* timm EVA / EVA02 and timm BEiT blocks (fused ``attn.qkv`` with separate ``q_bias`` / ``v_bias``, or
+  ``attn.{q,k,v}_proj``; plain, SwiGLU or packed-GLU MLP; ``gamma_1`` / ``gamma_2``): pre-norm;
+* transformers BART-style encoder / decoder layers (BART, mBART, Marian, Pegasus, Whisper, M2M100, ...;
+  layout probed) and T5-style blocks (T5, mT5, UMT5; pre-norm RMS). A decoder block's cross-attention is
+  :attr:`~attnroll.capture.layers.LayerAnatomy.cross`: sanity re-draws its q / k with "qk" and its v / o with
+  "value"; the value-aware methods refuse blocks that have one.
 
 :func:`anatomy` returns the model's :class:`~attnroll.capture.layers.ModelAnatomy` (head included);
 :func:`layer_anatomy` one block's. :func:`find_blocks` / :func:`find_head` are structural finders (a stack
@@ -46,13 +52,14 @@ __all__ = ["anatomy", "anatomy_or_reason", "layer_anatomy", "find_blocks", "find
 
 KNOWN_FAMILIES = (
     "transformers BERT family (BERT, RoBERTa, ELECTRA), DistilBERT, ViT / DeiT / DINOv2, BEiT, Data2Vec-Vision, "
-    "CLIP / SigLIP encoders, wav2vec2 / HuBERT encoders, GPT-2 and Llama-family decoders; timm VisionTransformer; "
-    "torch nn.TransformerEncoderLayer"
+    "CLIP / SigLIP encoders, wav2vec2 / HuBERT encoders, BART-style and T5-style encoder / decoder layers, GPT-2 "
+    "and Llama-family decoders; timm VisionTransformer, EVA / EVA02, BEiT; torch nn.TransformerEncoderLayer"
 )
 VALUE_AWARE_FAMILIES = (
     "transformers BERT family (BERT, RoBERTa, ELECTRA: post-LN), DistilBERT, transformers ViT / DeiT / DINOv2 "
     "and timm VisionTransformer (pre-LN), GPT-2 (pre-LN), Llama-family decoders (RMSNorm, grouped KV), BEiT / "
-    "Data2Vec-Vision and CLIP / SigLIP (pre-LN), wav2vec2 / HuBERT (post-LN or stable-LN)"
+    "Data2Vec-Vision, CLIP / SigLIP, timm EVA (pre-LN), wav2vec2 / HuBERT (post-LN or stable-LN), the "
+    "encoders of BART-style and T5-style models (one stack, no cross-attention)"
 )
 #: What a block must have for each builder (named in the refusal of an unknown block).
 _LOOKED_FOR_PARTS = (
@@ -61,7 +68,8 @@ _LOOKED_FOR_PARTS = (
     "input_layernorm + mlp.gate_proj (Llama), attn.qkv + ls1 + mlp.fc1 (timm), self_attn "
     "(nn.MultiheadAttention) + linear1 (torch), attention.attention.value + layernorm_before (Data2Vec-Vision), "
     "layer_norm1 + self_attn.out_proj + mlp.fc1 (CLIP), attention.out_proj + feed_forward.output_dense + "
-    "final_layer_norm (wav2vec2)"
+    "final_layer_norm (wav2vec2), gamma_1 + attn.proj + mlp.fc2 (timm EVA), self_attn_layer_norm + fc1 + "
+    "final_layer_norm (BART), layer.0.SelfAttention + layer.-1.DenseReluDense (T5)"
 )
 _LOOKED_FOR_BLOCKS = (
     "transformers' `encoder.layer` or `layers` (a ModuleList of identical layers), timm's `blocks`, or any "
@@ -382,10 +390,40 @@ def _bart(i: int, path: str, m: nn.Module) -> LayerAnatomy:
     return _bart_layout(i, path, m, _probe_residual(m, _bart_layout))
 
 
+def _t5(i: int, path: str, m: nn.Module) -> LayerAnatomy:
+    """transformers T5-style blocks (T5, mT5, UMT5): ``layer.0`` self-attention (``SelfAttention.{q,k,v,o}``,
+    RMS ``layer_norm``; its relative attention bias only shapes the scores), in decoder blocks ``layer.1`` the
+    cross-attention (``EncDecAttention``, :attr:`LayerAnatomy.cross`), last the MLP (``DenseReluDense.wi`` /
+    ``wo``, or gated ``wi_0`` (gate) / ``wi_1``): pre-norm."""
+    last = len(m.layer) - 1
+    sa, ff = m.layer[0].SelfAttention, m.layer[last].DenseReluDense
+    heads, _ = _heads_of(sa)
+    q, k, v, o = (_proj(m, f"layer.0.SelfAttention.{n}") for n in "qkvo")
+    ffp = f"layer.{last}.DenseReluDense"
+    fc1, gate = ((_proj(m, f"{ffp}.wi_1"), _proj(m, f"{ffp}.wi_0")) if hasattr(ff, "wi_0")
+                 else (_proj(m, f"{ffp}.wi"), None))
+    cross = tuple(_proj(m, f"layer.1.EncDecAttention.{n}") for n in "qkvo") if last == 2 else None
+    return LayerAnatomy(
+        i, m, path, sa, q, k, v, o, heads, heads, True, m.layer[0].layer_norm, m.layer[last].layer_norm,
+        _norms(m, tuple(f"layer.{j}.layer_norm" for j in range(last + 1))), fc1, ff.act, _proj(m, f"{ffp}.wo"),
+        gate=gate, cross=cross,  # type: ignore[arg-type]
+    )
+
+
+def _is_t5(m: nn.Module) -> bool:
+    layers = getattr(m, "layer", None)
+    if not isinstance(layers, nn.ModuleList) or len(layers) not in (2, 3):
+        return False
+    first, last = layers[0], layers[len(layers) - 1]
+    return hasattr(first, "SelfAttention") and hasattr(first, "layer_norm") and hasattr(last, "DenseReluDense") and (
+        len(layers) == 2 or hasattr(layers[1], "EncDecAttention"))
+
+
 #: Families whose blocks are described but whose heads are not read (decompx refuses them with this reason).
 _HEAD_NOT_READ = {"beit": "mean pooling with its own norm", "data2vec-vision": "mean pooling with its own norm",
                   "clip": "post-layernorm / projection / mean-pooled classifier", "wav2vec2": "mean over frames",
-                  "timm-eva": "EVA / BEiT pooling and norms, not checked", "bart": "an encoder-decoder LM head"}
+                  "timm-eva": "EVA / BEiT pooling and norms, not checked", "bart": "an encoder-decoder LM head",
+                  "t5": "an encoder-decoder LM head"}
 
 
 def _kind(m: nn.Module) -> Callable[[int, str, nn.Module], LayerAnatomy] | None:
@@ -400,6 +438,8 @@ def _kind(m: nn.Module) -> Callable[[int, str, nn.Module], LayerAnatomy] | None:
     if att is not None and hasattr(att, "out_proj") and hasattr(getattr(m, "feed_forward", None), "output_dense") and (
             hasattr(m, "final_layer_norm")):
         return _wav2vec2
+    if _is_t5(m):
+        return _t5
     sa = getattr(m, "self_attn", None)
     if hasattr(m, "self_attn_layer_norm") and hasattr(sa, "out_proj") and hasattr(m, "fc1") and hasattr(
             m, "final_layer_norm"):
@@ -431,7 +471,7 @@ def _kind(m: nn.Module) -> Callable[[int, str, nn.Module], LayerAnatomy] | None:
 
 _FAMILY = {_bert: "bert", _distilbert: "distilbert", _vit: "vit", _gpt2: "gpt2", _llama: "llama",
            _timm: "timm", _torch: "torch", _beit: "beit", _d2v_vision: "data2vec-vision", _clip: "clip",
-           _wav2vec2: "wav2vec2", _timm_eva: "timm-eva", _bart: "bart"}
+           _wav2vec2: "wav2vec2", _timm_eva: "timm-eva", _bart: "bart", _t5: "t5"}
 
 
 def layer_anatomy(block: nn.Module, index: int = 0, path: str = "") -> LayerAnatomy:
@@ -458,7 +498,7 @@ def layer_anatomy(block: nn.Module, index: int = 0, path: str = "") -> LayerAnat
 
 
 #: Parameters a builder may leave unplaced: they only shape the attention probabilities (captured as such).
-_SCORE_ONLY = ("distance_embedding", "relative_position", "rel_pos")
+_SCORE_ONLY = ("distance_embedding", "relative_position", "rel_pos", "relative_attention_bias")
 
 
 def _check_layer(layer: LayerAnatomy, family: str) -> None:
