@@ -27,6 +27,7 @@ from .hf_public import accepts_output_attentions, ask_for_attentions, eager_forw
 from .hooks import SUPPORTED_FAMILIES, Adapter, Recorder, Site, make_sites, stream_names
 from .record import AttentionRecord, ModelFacts, config_token_ids, resolve_readout
 from .st_pooling import pooling_of_folder
+from .swin import is_swin
 
 #: The transformers major versions the adapter works with: [5, 6). It reads ``_can_record_outputs`` /
 #: ``OutputRecorder`` declarations, which every model class has only from 5.0 on, and switches the attention
@@ -64,7 +65,8 @@ _MEAN_POOLING_FLAG = ("beit", "data2vec-vision", "videomae")
 _AUDIO = ("wav2vec2", "hubert", "wavlm", "data2vec-audio", "sew", "sew-d", "unispeech", "unispeech-sat",
           "wav2vec2-conformer", "wav2vec2-bert")
 
-#: Windowed models: attention is computed inside local (shifted) windows, so no (n x n) token matrix exists.
+#: Windowed models: attention is computed inside local (shifted) windows, so no (n x n) token matrix exists;
+#: those of ``swin.HF_TYPES`` are captured by the Swin adapter (capture/swin.py), the rest refused.
 _WINDOWED = ("swin", "swinv2", "donut-swin", "maskformer-swin", "swin2sr")
 
 
@@ -134,6 +136,14 @@ class HFAdapter(Adapter):
         self.model_type = getattr(config, "model_type", "")
         self.family = f"hf:{self.model_type}"
         windowed = self.model_type in _WINDOWED or any("Swin" in type(m).__name__ for m in model.modules())
+        if windowed and is_swin(model):
+            # attnroll.capture dispatches these to capture/swin.py; only the kernel route lands here.
+            raise _checks.UnsupportedModelError(
+                f"{type(model).__name__} ({self.model_type}) attends inside shifted windows: attnroll captures "
+                "its window attention densely and scatters it into each stage's matrix (capture/swin.py), but "
+                "the matrix-free route (attention='recompute') recomputes one global attention per layer from "
+                "its kernel's queries and keys, which windows do not have. Use attention='dense'."
+            )
         if windowed:
             raise _checks.UnsupportedModelError(
                 f"{type(model).__name__} ({self.model_type}) computes attention inside local, shifted windows of "

@@ -53,6 +53,6 @@ def grad_rollout(ctx: Context, *, clamp, stream, return_layers, protect_prefix, 
     pp = prefix_default(protect_prefix, ctx.info(rec, s))
     row, layers = rollout_rows(
         core_rollout, W, pos, ctx.mask(rec, s), return_layers=return_layers, head_fusion=None,
-        check_stochastic=False, protect_prefix=pp, **opts,
+        check_stochastic=False, protect_prefix=pp, info=ctx.info(rec, s), **opts,
     )
     return ctx.build(rec, row, pos, s, layers=layers, options={**ctx.options, "protect_prefix": pp, "attention": "dense"})

@@ -42,6 +42,7 @@ def rollout(ctx: Context, *, stream, return_layers, protect_prefix, attention, *
     if fuse is not None:
         opts = {**opts, "head_fusion": None}
     row, layers = rollout_rows(
-        core_rollout, rec.streams[s], ro, ctx.mask(rec, s), return_layers=return_layers, protect_prefix=pp, **opts
+        core_rollout, rec.streams[s], ro, ctx.mask(rec, s), return_layers=return_layers, protect_prefix=pp,
+        info=ctx.info(rec, s), **opts,
     )
     return ctx.build(rec, row, ro, s, layers=layers, options={**ctx.options, "protect_prefix": pp, "attention": "dense"})
