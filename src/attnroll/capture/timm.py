@@ -37,7 +37,9 @@ class TimmAdapter(Adapter):
         if "swin" in name.lower():
             raise _checks.UnsupportedModelError(
                 f"timm model {name}: Swin computes attention inside shifted local windows, so there is no global "
-                f"token-to-token matrix to roll out. Supported: {SUPPORTED_FAMILIES}"
+                "token-to-token matrix to roll out; attnroll scatters the windows into stage matrices for timm "
+                f"SwinTransformer and SwinTransformerV2 (swin_*, swinv2_*), not for {name}. Supported: "
+                f"{SUPPORTED_FAMILIES}"
             )
         kinds = {type(m).__name__ for m in model.modules()}
         if kinds & {"ClassAttn", "TalkingHeadAttn"}:

@@ -109,7 +109,7 @@ def chain_rollout(
     merges: Mapping[int, torch.Tensor],
     weights: torch.Tensor,
     *,
-    head_fusion=None,
+    head_fusion="mean",
     start_layer: int = 0,
     end_layer: int | None = None,
     check_stochastic: bool = True,
@@ -118,7 +118,7 @@ def chain_rollout(
 ) -> torch.Tensor:
     """Rollout along a stage chain for the weighted rows ``weights`` (B, n_out): (B, n_0).
 
-    ``attentions``: L per-layer tensors (B, H, n_l, n_l) (or (B, n_l, n_l) with ``head_fusion=None``),
+    ``attentions``: L per-layer tensors (B, H_l, n_l, n_l) (or (B, n_l, n_l) with ``head_fusion=None``),
     ``merges`` as in :func:`check_merges`. Each layer goes through rollout's own pipeline (fusion,
     sparsification, residual; ``pipeline_options`` are ``LayerPipeline``'s: alpha, residual_mode,
     discard_ratio, discard_scope, top_k, threshold, protect_prefix) and is validated as rollout validates
@@ -130,8 +130,10 @@ def chain_rollout(
     merges = check_merges(merges, sizes)
     start, end = layer_range(L, start_layer, end_layer)
     n_out = merges[L].shape[0] if L in merges else sizes[-1]
-    if weights.ndim != 2 or weights.shape[-1] != n_out:
-        raise ValueError(f"weights must have shape (B, {n_out}) (one weight per final token), got {tuple(weights.shape)}")
+    B = attentions[0].shape[0]
+    if weights.ndim != 2 or tuple(weights.shape) != (B, n_out):
+        raise ValueError(f"weights must have shape ({B}, {n_out}) (per example, one weight per final token), got "
+                         f"{tuple(weights.shape)}")
     parsed = [parse_attentions([t], fused=head_fusion is None, dtype=dtype, check_stochastic=check_stochastic,
                                name=f"attentions[{i}]") for i, t in enumerate(attentions)]
     pipes = {n: LayerPipeline(n, head_fusion=head_fusion, **pipeline_options) for n in set(sizes)}
