@@ -32,11 +32,12 @@ from torch import nn
 
 from .. import _checks
 from ..core.stages import merge_2x2
+from .hf import SWIN_TYPES, _all_configs, _force_eager, check_transformers_version, hf_facts
 from .hooks import Adapter, Recorder, Site, make_sites, set_attr_temporarily
 from .record import AttentionRecord, ModelFacts, StreamInfo, resolve_readout
 
 #: transformers model types whose blocks are Swin window-attention layers this adapter reads.
-HF_TYPES = ("swin", "swinv2", "donut-swin", "maskformer-swin")
+HF_TYPES = SWIN_TYPES
 
 
 #: timm model classes made of Swin window blocks this adapter reads.
@@ -230,8 +231,6 @@ class SwinHFAdapter(_SwinAdapter):
     def __init__(self, model: nn.Module):
         import transformers
 
-        from .hf import check_transformers_version
-
         check_transformers_version(transformers.__version__)
         blocks = _hf_layers(model)
         if not blocks:
@@ -258,8 +257,6 @@ class SwinHFAdapter(_SwinAdapter):
         return hf_window_ids(block, H, W)
 
     def install(self, stack: ExitStack, recorder: Recorder, sites: list[Site]) -> None:
-        from .hf import _all_configs, _force_eager
-
         for config in _all_configs(self.model):
             _force_eager(stack, config)
         super().install(stack, recorder, sites)
@@ -268,8 +265,6 @@ class SwinHFAdapter(_SwinAdapter):
         return "mean", f"{self.model_type}: the pooler averages the last stage's tokens (AdaptiveAvgPool1d)"
 
     def facts(self) -> ModelFacts:
-        from .hf import hf_facts
-
         return hf_facts(self.model, self.family)
 
 
