@@ -60,6 +60,9 @@ def build(family: str):
     if family == "wav2vec2_stable":
         cfg = _wav2vec2_config(T.Wav2Vec2Config, do_stable_layer_norm=True, feat_extract_norm="layer")
         return R._randomise(T.Wav2Vec2Model(cfg), 7), audio, "wav2vec2", False
+    if family == "wav2vec2_stable_cls":
+        cfg = _wav2vec2_config(T.Wav2Vec2Config, do_stable_layer_norm=True, feat_extract_norm="layer", num_labels=3)
+        return R._randomise(T.Wav2Vec2ForSequenceClassification(cfg), 7), audio, "wav2vec2", False
     if family == "hubert":
         return R._randomise(T.HubertModel(_wav2vec2_config(T.HubertConfig)), 8), audio, "wav2vec2", False
     if family.startswith("t5"):
@@ -296,3 +299,17 @@ def test_sanity_redraws_exactly_the_tensors_the_table_names(family, component):
         for p in _WB:
             if f"{prefix}{norm}.{p}" in params:  # T5's RMS norms have no bias
                 assert torch.all(params[f"{prefix}{norm}.{p}"] == (0.0 if p == "bias" else 1.0))
+
+
+@pytest.mark.parametrize("family", ["beit", "wav2vec2_stable_cls", "eva_glu"])
+def test_cascading_randomisation_runs_through_the_new_builders(family):
+    import numpy as np
+
+    from attnroll.evaluate.sanity import cascading_randomization
+
+    model, x, _, _ = build(family)
+    r = cascading_randomization(model, x, ("rollout",), component="value")
+    assert r.steps == ["classifier", "layer 1", "layer 0"] and r.head in ("classifier", "head")
+    # the top block's value path enters no attention: rollout's map is unchanged after re-drawing it
+    top = r.steps.index("layer 1")
+    assert r.per_example["rollout"][top] == pytest.approx(np.ones(r.per_example["rollout"].shape[1]), abs=1e-12)
