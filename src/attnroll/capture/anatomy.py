@@ -430,8 +430,8 @@ def _kind(m: nn.Module) -> Callable[[int, str, nn.Module], LayerAnatomy] | None:
     """Which family's block ``m`` is, from its structure (None: not a block attnroll knows)."""
     att = getattr(m, "attention", None)
     if att is not None and hasattr(getattr(att, "attention", None), "value") and hasattr(
-            m, "intermediate") and hasattr(m, "layernorm_before"):
-        return _d2v_vision
+            m, "intermediate") and hasattr(m, "layernorm_before") and hasattr(m, "lambda_1"):
+        return _d2v_vision  # (YOLOS shares the names without λ; its detection-token forward is not checked here)
     if att is not None and hasattr(att, "v_proj") and hasattr(getattr(m, "mlp", None), "fc1") and (
             isinstance(getattr(m, "lambda_1", None), nn.Parameter)):
         return _beit
