@@ -314,7 +314,10 @@ def _probe_residual(block: nn.Module, layout: Callable[[int, str, nn.Module, boo
     w = cand[True].fc1.arrays()[0]
     x = torch.randn(1, 3, w.shape[1], generator=torch.Generator().manual_seed(0)).to(w)
     with torch.no_grad():
-        out = work(x, attention_mask=None)
+        try:
+            out = work(x, attention_mask=None)
+        except Exception as e:  # noqa: BLE001  (a block that cannot run alone on (1, 3, d): not this layout)
+            raise ValueError(f"the block does not run alone on a (1, 3, d) probe: {type(e).__name__}: {e}") from None
         out = out[0] if isinstance(out, (tuple, list)) else out
         for pre, start in ((True, x), (False, x + seen["attn"])):
             if torch.allclose(seen["n1"], start, atol=1e-5, rtol=1e-4) and torch.allclose(
@@ -442,8 +445,8 @@ def _kind(m: nn.Module) -> Callable[[int, str, nn.Module], LayerAnatomy] | None:
         return _t5
     sa = getattr(m, "self_attn", None)
     if hasattr(m, "self_attn_layer_norm") and hasattr(sa, "out_proj") and hasattr(m, "fc1") and hasattr(
-            m, "final_layer_norm"):
-        return _bart
+            m, "final_layer_norm") and not hasattr(m, "do_layer_norm_before"):
+        return _bart  # (OPT shares the names; its value path through the capture is not checked: not described)
     if hasattr(m, "layer_norm1") and hasattr(sa, "out_proj") and hasattr(getattr(m, "mlp", None), "fc1"):
         return _clip
     if att is not None and hasattr(getattr(att, "self", None), "value") and hasattr(m, "intermediate"):
