@@ -173,3 +173,39 @@ def test_target_flags_and_num_gpus_usage_errors(folder, tmp_path):
     assert "applies to a Parquet / CSV table" in one_line_error(
         run("batch", folder, "--out", tmp_path / "x", "--target-column", "y"), 2)
     assert not (tmp_path / "x").exists()
+
+
+def test_audit_reads_text_batch_outputs_like_explaining_again(bert_dir, tmp_path):
+    import shutil
+
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from attnroll.evaluate.audit import audit
+
+    other = tmp_path / "bert2"  # the same architecture, other weights
+    shutil.copytree(bert_dir, other)
+    m2 = AutoModelForSequenceClassification.from_pretrained(other)
+    with torch.no_grad():
+        for p in m2.bert.encoder.parameters():
+            p.mul_(1.3)
+    m2.save_pretrained(other)
+    texts = ["the cat sat on the mat", "a dog ran", "the dog sat on a cat the end", "cat"]
+    (tmp_path / "t.txt").write_text("\n".join(texts) + "\n")
+    for name, model in (("a", bert_dir), ("b", other)):
+        assert run("batch", tmp_path / "t.txt", "--out", tmp_path / name, "-m", "gae", "--model", model).exit_code == 0
+    res = run("audit", tmp_path / "a", tmp_path / "b", "-m", "gae", "--out", tmp_path / "m")
+    assert res.exit_code == 0, res.output
+    tok = AutoTokenizer.from_pretrained(bert_dir)
+    ma = AutoModelForSequenceClassification.from_pretrained(bert_dir).eval()
+    enc = tok(texts, padding=True, return_tensors="pt")
+    want = audit(ma, m2.eval(), enc, method="gae").as_dict()
+    got = _json(tmp_path / "m" / "audit.json")
+    for k in ("js", "spearman", "topk"):
+        np.testing.assert_allclose(got[k], want[k], atol=1e-6)
+    assert got["pred_a"] == want["pred_a"] and got["pred_b"] == want["pred_b"] and max(want["js"]) > 1e-3
+    mixed = run("audit", tmp_path / "a", other, "-m", "gae", "--out", tmp_path / "x")  # B explained here
+    assert mixed.exit_code == 0, mixed.output
+    np.testing.assert_allclose(_json(tmp_path / "x" / "audit.json")["js"], want["js"], atol=1e-6)
+    assert "--format html" in one_line_error(run("audit", tmp_path / "a", tmp_path / "b", "-m", "gae",
+                                                 "--format", "png"), 2)
