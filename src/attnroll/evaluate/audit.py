@@ -273,8 +273,7 @@ def audit(
         model_a, model_b: the two models (e.g. before and after fine-tuning), anything ``attnroll.explain``
             supports; they must explain the same input units (same patch grid). Both run in eval mode
             (their training/eval state is restored afterwards); neither is modified.
-        pixel_values: (B, C, H, W) model inputs (already preprocessed), B >= 1; or, for text classifiers, a
-            tokenizer's dict of (B, n) tensors (the maps are then over tokens: no grid, no default regions).
+        pixel_values: (B, C, H, W) model inputs (preprocessed), B >= 1; or a text classifier's tokenizer dict.
         method: the explanation method (gradient methods run with autograd enabled, in chunks).
         target: None = each model explains the class *it* predicts (so a model that changed its answer is
             explained for its new answer); an int = that class for every example and both models; a list /
