@@ -249,10 +249,8 @@ def _manifest(key: dict, lm: Any, spec: ModelSpec, engine: str, command: str | N
 
 def _finish(out: Path, info: dict, n: int, before: int, now: int, seconds: float) -> BatchResult:
     """Count what is committed, write the final manifest, return the result."""
-    import pyarrow.parquet as pq
-
-    done_rows, failed = store.committed_ids(out)
-    rows = sum(pq.ParquetFile(f).metadata.num_rows for f in store.shard_files(out, store.ROWS))
+    row_ids, failed_ids = store.committed_id_lists(out)
+    done_rows, failed, rows = set(row_ids), set(failed_ids), len(row_ids)
     counts = {"inputs": n, "explained": len(done_rows - failed), "failed": len(failed), "rows": rows,
               "missing": n - len(done_rows | failed)}
     status = "complete" if counts["missing"] == 0 else "incomplete"

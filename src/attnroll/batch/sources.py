@@ -12,7 +12,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from .._checks import one_line
 
@@ -103,11 +103,22 @@ def class_index(value: Any, where: str) -> int | None:
 
 
 def _folder_items(root: Path) -> list[Item]:
-    files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES
-                   and not any(part.startswith(".") for part in p.relative_to(root).parts))
+    files = sorted(_image_files(root))
     if not files:
         raise ValueError(f"source {root}: no images in this folder or below (looked for {', '.join(IMAGE_SUFFIXES)})")
     return [Item(i, f.relative_to(root).as_posix(), "image", path=str(f)) for i, f in enumerate(files)]
+
+
+def _image_files(root: Path) -> Iterator[Path]:
+    """Image files under ``root`` (os.walk: one directory listing per folder), hidden files and folders
+    skipped, symbolic links to folders not followed."""
+    for folder, dirs, names in os.walk(root):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        for name in names:
+            if not name.startswith(".") and os.path.splitext(name)[1].lower() in IMAGE_SUFFIXES:
+                p = Path(folder, name)
+                if p.is_file():
+                    yield p
 
 
 def _read_lines(path: Path) -> list[str]:
