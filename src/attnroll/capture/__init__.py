@@ -150,7 +150,15 @@ def _run_once(model: nn.Module, inputs: Any, session: Capture, new_session: Call
 
 def model_facts(model: nn.Module) -> ModelFacts:
     """Facts about ``model`` that need no forward pass (how it is called, its embedding layer, its special
-    tokens; see :class:`ModelFacts`). Works for models the capture refuses too (evaluation only runs them)."""
+    tokens, its layer anatomy; see :class:`ModelFacts`). Works for models the capture refuses too (evaluation only runs them)."""
+    from .anatomy import anatomy_or_reason
+
+    facts = _family_facts(model)
+    facts.anatomy, facts.anatomy_reason = anatomy_or_reason(model)
+    return facts
+
+
+def _family_facts(model: nn.Module) -> ModelFacts:
     from .hf import hf_facts
 
     if is_sentence_transformer(model):

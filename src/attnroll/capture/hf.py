@@ -25,7 +25,7 @@ from .. import _checks
 from .hf_vision import input_size, mae_restore, patch_layout
 from .hf_public import accepts_output_attentions, ask_for_attentions, eager_forwards, output_streams, validate_layers
 from .hooks import SUPPORTED_FAMILIES, Adapter, Recorder, Site, make_sites, stream_names
-from .record import AttentionRecord, ModelFacts, config_token_ids, resolve_readout
+from .record import AttentionRecord, ModelFacts, config_token_id, config_token_ids, resolve_readout
 from .st_pooling import pooling_of_folder
 
 #: The transformers major versions the adapter works with: [5, 6). It reads ``_can_record_outputs`` /
@@ -401,6 +401,7 @@ def hf_facts(model: nn.Module, family: str = "") -> ModelFacts:
         embedding=emb if isinstance(emb, nn.Module) else None,
         special_token_ids=ids,
         pad_token_id=pad,
+        eos_token_id=config_token_id(text_cfg, "eos_token_id"),
         similarity=similarity,
         stream_inputs={s: k for s, k in stream_inputs.items() if k},
     )

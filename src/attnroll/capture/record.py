@@ -230,11 +230,16 @@ class ModelFacts:
             else None.
         special_token_ids: ids of CLS / SEP / BOS / EOS / PAD tokens the config records.
         pad_token_id: the padding id (None when the config has none).
+        eos_token_id: the (first) end-of-sequence id (None when the config has none).
         similarity: for dual towers, ``f(outputs) -> (B_images, B_texts)`` similarity logits, else None.
         dense_only: why this model's methods need the dense (eager) attention route ("" = any route; a VLM's
             streams are composed from the dense record).
         stream_inputs: for models with several input streams, stream name -> the forward argument carrying its
             input ({"vision": "pixel_values", "text": "input_ids"} for CLIP), else empty.
+        anatomy: the layer anatomy (:class:`attnroll.capture.layers.ModelAnatomy`: per layer the attention
+            module, q/k/v/o projections, heads and KV grouping, norms and their position, MLP, residual
+            layout; the head), or None when no family builder knows the model (``anatomy_reason`` says why).
+        anatomy_reason: why ``anatomy`` is None ("" otherwise).
     """
 
     family: str = ""
@@ -243,13 +248,23 @@ class ModelFacts:
     embedding: nn.Module | None = None
     special_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
+    eos_token_id: int | None = None
     similarity: Callable[[Any], torch.Tensor] | None = None
     dense_only: str = ""
     stream_inputs: dict[str, str] = field(default_factory=dict)
+    anatomy: Any = None
+    anatomy_reason: str = ""
 
 
 #: Config fields holding special-token ids.
 SPECIAL_ID_FIELDS = ("cls_token_id", "sep_token_id", "bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def config_token_id(config: Any, name: str) -> int | None:
+    """The (first) id a config records in its ``name`` field (``eos_token_id`` may be a list), or None."""
+    v = getattr(config, name, None)
+    found = [i for i in (v if isinstance(v, (list, tuple)) else [v]) if isinstance(i, int) and not isinstance(i, bool)]
+    return int(found[0]) if found else None
 
 
 def config_token_ids(config: Any) -> tuple[tuple[int, ...], int | None]:
