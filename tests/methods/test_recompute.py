@@ -260,3 +260,24 @@ def test_attention_sinks_gpt_oss(method):
     m = T.GptOssForCausalLM(cfg).eval()
     x = inputs("llama", 11)
     assert_same(attnroll.explain(m, x, method, attention="dense"), attnroll.explain(m, x, method, attention="recompute"))
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "vit"])
+def test_kernel_log_sum_exp_is_captured(family):
+    """SDPA's fused kernel computes each row's log-sum-exp and drops it; the capture keeps it (observed below
+    autograd, the kernel untouched). It must equal log Σ_j exp(q_i·k_j·scaling) over the keys the row sees,
+    computed here in full from the recorded queries and keys; the eager kernel has none to give."""
+    from attnroll.capture.recompute import capture_kernels
+
+    m = build(family)
+    x = inputs(family, 10, pad=False)
+    rec = capture_kernels(m, x)
+    for lay in rec.operators[rec.stream_names()[0]]:
+        k = lay.k.repeat_interleave(lay.q.shape[1] // lay.k.shape[1], dim=1)
+        s = lay.q @ k.transpose(-1, -2) * lay.scaling
+        if lay.causal:
+            s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+        assert lay.lse is not None
+        torch.testing.assert_close(lay.lse, torch.logsumexp(s, dim=-1), atol=1e-5, rtol=0)
+    eager = build("gemma2")
+    assert all(lay.lse is None for lay in capture_kernels(eager, inputs("gemma2", 8)).operators["self"])

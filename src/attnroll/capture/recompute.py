@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import _checks
 from ..core.operators import KernelInputs
@@ -135,16 +136,56 @@ class KernelAdapter(Adapter):
         sig = _signature(kernel)
 
         def call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-            out = kernel(module, *args, **kwargs)
             site = self.site_of.get(id(module))
-            if site is not None:
-                bound = sig.bind(module, *args, **kwargs) if sig is not None else None
-                arguments = _arguments(bound, args, kwargs)
-                o = out[0] if isinstance(out, (tuple, list)) else out
-                recorder.store(site, kernel_inputs(module, impl, arguments, recorder.keep_grad), o)
+            if site is None:
+                return kernel(module, *args, **kwargs)
+            with LseWatch() as watch:  # the fused kernel's own row log-sum-exp, which SDPA drops
+                out = kernel(module, *args, **kwargs)
+            bound = sig.bind(module, *args, **kwargs) if sig is not None else None
+            arguments = _arguments(bound, args, kwargs)
+            o = out[0] if isinstance(out, (tuple, list)) else out
+            layer = kernel_inputs(module, impl, arguments, recorder.keep_grad)
+            layer.lse = watch.lse(layer.shape)
+            recorder.store(site, layer, o)
             return out
 
         return call
+
+
+#: Fused attention operators that return each query row's log-sum-exp as their second output (CPU flash,
+#: CUDA flash / memory-efficient / cuDNN, the backend-neutral override).
+_LSE_OPS = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+            "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+            "_scaled_dot_product_fused_attention_overrideable")
+
+
+class LseWatch(TorchDispatchMode):
+    """While active, notes the log-sum-exp output of every fused attention operator that runs (below
+    autograd: the operator and its outputs are untouched). ``lse(shape)`` gives it when exactly one ran
+    and it fits the layer, else None (the operators then recompute it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[torch.Tensor] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func.name().split("::")[-1] in _LSE_OPS and isinstance(out, (tuple, list)) and len(out) > 1:
+            if isinstance(out[1], torch.Tensor):
+                self.seen.append(out[1])
+        return out
+
+    def lse(self, shape: tuple[int, int, int, int]) -> torch.Tensor | None:
+        B, H, nq, _ = shape
+        if len(self.seen) != 1:
+            return None
+        lse = self.seen[0]
+        if lse.ndim == 4 and lse.shape[-1] == 1:
+            lse = lse[..., 0]
+        # The memory-efficient kernel pads rows to a multiple of 32.
+        if lse.ndim != 3 or tuple(lse.shape[:2]) != (B, H) or lse.shape[2] < nq or lse.dtype != torch.float32:
+            return None
+        return lse[..., :nq].detach()
 
 
 def _signature(fn: Callable) -> inspect.Signature | None:
