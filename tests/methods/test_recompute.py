@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -252,12 +253,7 @@ def test_attention_sinks_gpt_oss(method):
     """gpt-oss: per-head sink logits join the softmax's denominator (rows sum to less than 1), alternating
     sliding-window and full layers; eager is its default kernel and stays so. (Dense ``rollout`` refuses such
     rows as non-stochastic, hence the three methods here.)"""
-    torch.manual_seed(0)
-    cfg = T.GptOssConfig(vocab_size=99, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=2,
-                         num_experts_per_tok=1, sliding_window=4, max_position_embeddings=64, initializer_range=0.3,
-                         layer_types=["sliding_attention", "full_attention"])
-    m = T.GptOssForCausalLM(cfg).eval()
+    m = _gpt_oss()
     x = inputs("llama", 11)
     assert_same(attnroll.explain(m, x, method, attention="dense"), attnroll.explain(m, x, method, attention="recompute"))
 
@@ -281,3 +277,35 @@ def test_kernel_log_sum_exp_is_captured(family):
         torch.testing.assert_close(lay.lse, torch.logsumexp(s, dim=-1), atol=1e-5, rtol=0)
     eager = build("gemma2")
     assert all(lay.lse is None for lay in capture_kernels(eager, inputs("gemma2", 8)).operators["self"])
+
+
+@pytest.mark.parametrize("head_fusion", ["mean", "max"])
+def test_rollout_refuses_sink_rows_on_both_routes(head_fusion):
+    """Rows with attention sinks sum to less than 1: rollout refuses them on both routes, with the same check
+    (the same layer and the same range of row sums); without sinks the same model is accepted."""
+    m = _gpt_oss()
+    x = inputs("llama", 9)
+    errors = []
+    for route in ("dense", "recompute"):
+        with pytest.raises(ValueError, match="rows must sum to 1") as e:
+            attnroll.explain(m, x, "rollout", attention=route, head_fusion=head_fusion)
+        errors.append(str(e.value).split(". ")[0])
+    assert errors[0].split(", but")[0] == errors[1].split(", but")[0]  # the same layer and tolerance
+    (lo_d, hi_d), (lo_r, hi_r) = (re.findall(r"range from (\S+) to (\S+)", err)[0] for err in errors)
+    assert abs(float(lo_d) - float(lo_r)) < 1e-4 and abs(float(hi_d) - float(hi_r)) < 1e-4
+    with pytest.raises(ValueError, match="Attention sinks"):
+        attnroll.explain(m, x, "rollout", attention="recompute")
+    for mod in m.modules():
+        if isinstance(getattr(mod, "sinks", None), torch.nn.Parameter):
+            mod.sinks.data.fill_(-1e4)  # no mass left to the sinks: stochastic rows again
+    assert_same(attnroll.explain(m, x, "rollout", attention="dense", head_fusion=head_fusion),
+                attnroll.explain(m, x, "rollout", attention="recompute", head_fusion=head_fusion))
+
+
+def _gpt_oss():
+    torch.manual_seed(0)
+    cfg = T.GptOssConfig(vocab_size=99, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=2,
+                         num_experts_per_tok=1, sliding_window=4, max_position_embeddings=64, initializer_range=0.3,
+                         layer_types=["sliding_attention", "full_attention"])
+    return T.GptOssForCausalLM(cfg).eval()

@@ -211,6 +211,7 @@ def fused_probs(how: Any) -> BlockRule:
     def rule(layer: KernelInputs, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
         return fusion.fuse_tensor(probs_block(layer, q0, q1, k0, k1), how)
 
+    rule.stochastic = True  # type: ignore[attr-defined]  (rows of softmax probabilities: rollout checks sums)
     if isinstance(how, str) and how == "mean":
         rule.heads = probs_block  # type: ignore[attr-defined]  (r·mean_h(A) = mean_h(r·A): see apply_layer)
     return rule
