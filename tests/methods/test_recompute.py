@@ -309,3 +309,27 @@ def _gpt_oss():
                          num_experts_per_tok=1, sliding_window=4, max_position_embeddings=64, initializer_range=0.3,
                          layer_types=["sliding_attention", "full_attention"])
     return T.GptOssForCausalLM(cfg).eval()
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_additive_position_bias_through_the_interface_beit(method):
+    """No installed ALiBi family (BLOOM, MPT, Falcon) calls its kernel through transformers' attention
+    interface; BEiT does, with its relative position bias added to the logits as a float (1, H, n, n) mask —
+    the additive-bias path an ALiBi model would take. The bias table is made non-zero (it starts at 0), and
+    switching the bias off must change the answer (so the check can fail)."""
+    torch.manual_seed(0)
+    cfg = T.BeitConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
+                       image_size=32, patch_size=8, num_labels=3, use_relative_position_bias=True)
+    m = T.BeitForImageClassification(cfg).eval()
+    for mod in m.modules():
+        if hasattr(mod, "relative_position_bias_table"):
+            torch.nn.init.normal_(mod.relative_position_bias_table, std=2.0)
+    x = {"pixel_values": torch.randn(2, 3, 32, 32)}
+    d = attnroll.explain(m, x, method, attention="dense")
+    assert_same(d, attnroll.explain(m, x, method, attention="recompute"))
+    if method not in ("raw", "rollout"):  # the gradient rules' rows are near uniform on this tiny model
+        return
+    for mod in m.modules():
+        if hasattr(mod, "relative_position_bias_table"):
+            torch.nn.init.zeros_(mod.relative_position_bias_table)
+    assert not torch.allclose(d.full_row, attnroll.explain(m, x, method, attention="dense").full_row, atol=1e-4)
