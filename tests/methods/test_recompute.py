@@ -333,3 +333,24 @@ def test_additive_position_bias_through_the_interface_beit(method):
         if hasattr(mod, "relative_position_bias_table"):
             torch.nn.init.zeros_(mod.relative_position_bias_table)
     assert not torch.allclose(d.full_row, attnroll.explain(m, x, method, attention="dense").full_row, atol=1e-4)
+
+
+def test_direct_indexing_of_the_interface_is_recorded(monkeypatch):
+    """A module that indexes ``ALL_ATTENTION_FUNCTIONS[impl]`` directly (as Qwen2.5-Omni's DiT does, and
+    SAM 2/3 and EdgeTAM when they fall back from flash to SDPA) is recorded too, once per call: simulated here
+    by routing Llama's get_interface lookups through indexing. The implementation is left as it is, and
+    both class attributes are restored afterwards."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+
+    m = build("llama")
+    x = inputs("llama", 11)
+    dense = {method: attnroll.explain(m, x, method, attention="dense") for method in ("rollout", "gae")}
+    monkeypatch.setattr(ALL_ATTENTION_FUNCTIONS, "get_interface", lambda impl, default: ALL_ATTENTION_FUNCTIONS[impl],
+                        raising=False)
+    before = (AttentionInterface.__dict__["get_interface"], AttentionInterface.__dict__.get("__getitem__"))
+    for method in ("rollout", "gae"):
+        r = attnroll.explain(m, x, method)
+        assert r.options["attention"] == "recompute"
+        assert_same(dense[method], r)
+    assert (AttentionInterface.__dict__["get_interface"], AttentionInterface.__dict__.get("__getitem__")) == before
+    assert m.config._attn_implementation == "sdpa"

@@ -7,8 +7,11 @@ as ``kernel(module, query, key, value, attention_mask, scaling=..., dropout=...,
 softcap=..., ...)`` with query and key after the position encoding. For the duration of the capture,
 ``AttentionInterface.get_interface`` hands out a wrapper of the very kernel it would return: the wrapper
 records (query, key, mask, scaling, softcapping, window, sinks, position bias; value and the output for
-gradient rules) as :class:`~attnroll.core.operators.KernelInputs` and then calls the original kernel. The
-method is restored on exit, also when the forward raises. Nothing n×n is kept beyond what the model itself
+gradient rules) as :class:`~attnroll.core.operators.KernelInputs` and then calls the original kernel
+(``ALL_ATTENTION_FUNCTIONS[impl]``, which a few modules use directly, is wrapped the same way). While the
+kernel runs, a dispatch mode below autograd notes the row log-sum-exp that fused kernels compute and SDPA
+drops, so that the probabilities can later be recomputed without normalising them again. Both methods are
+restored on exit, also when the forward raises. Nothing n×n is kept beyond what the model itself
 builds (a padding mask, when it makes one).
 """
 
@@ -119,17 +122,31 @@ class KernelAdapter(Adapter):
         from transformers.modeling_utils import AttentionInterface
 
         original = AttentionInterface.__dict__["get_interface"]
-        wrap = self._wrapper
+        own_item = AttentionInterface.__dict__.get("__getitem__")  # None: inherited (GeneralInterface's)
+        original_item = AttentionInterface.__getitem__
+
+        def wrap(kernel: Callable, impl: str) -> Callable:
+            # get_interface looks the kernel up through __getitem__: wrap once.
+            return kernel if getattr(kernel, "_attnroll_wrapper", False) else self._wrapper(kernel, impl, recorder)
 
         def get_interface(iface: Any, attn_implementation: str, default: Callable) -> Callable:
-            kernel = original(iface, attn_implementation, default)
-            return wrap(kernel, attn_implementation, recorder)
+            return wrap(original(iface, attn_implementation, default), attn_implementation)
+
+        def getitem(iface: Any, key: str) -> Callable:
+            # Some modules index ALL_ATTENTION_FUNCTIONS[impl] directly instead of calling get_interface.
+            return wrap(original_item(iface, key), key)
 
         def restore() -> None:
             AttentionInterface.get_interface = original
+            if own_item is None:
+                if "__getitem__" in AttentionInterface.__dict__:
+                    del AttentionInterface.__getitem__
+            else:
+                AttentionInterface.__getitem__ = own_item
 
         stack.callback(restore)
         AttentionInterface.get_interface = get_interface
+        AttentionInterface.__getitem__ = getitem
         self.inner.install_pool_hooks(stack)
 
     def _wrapper(self, kernel: Callable, impl: str, recorder: KernelRecorder) -> Callable:
@@ -149,6 +166,7 @@ class KernelAdapter(Adapter):
             recorder.store(site, layer, o)
             return out
 
+        call._attnroll_wrapper = True  # type: ignore[attr-defined]
         return call
 
 
