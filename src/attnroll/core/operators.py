@@ -178,24 +178,33 @@ def _lse_rows(layer: KernelInputs, q0: int, q1: int) -> torch.Tensor:
 
 def _lse_agrees(layer: KernelInputs, lse: torch.Tensor) -> bool:
     """Whether a kernel's log-sum-exp has the layer's shape and matches a recomputation at the first, middle
-    and last query (a kernel that saw other logits than those recorded, e.g. another causality, differs)."""
-    B, H, nq, _ = layer.shape
+    and last query (a kernel that saw other logits than those recorded, e.g. another causality, differs).
+    Only for layers whose logits are q·k scaled (masks, biases and softcapping: the caller recomputes)."""
+    B, H, nq, d = layer.q.shape
     if tuple(lse.shape) != (B, H, nq):
         return False
-    for i in sorted({0, nq // 2, nq - 1}):
-        ref, got = _lse_rows(layer, i, i + 1)[..., 0], lse[..., i].to(torch.float32)
-        finite = torch.isfinite(ref)
-        if not torch.equal(finite, torch.isfinite(got)):
-            return False
-        if not torch.allclose(got[finite], ref[finite], atol=1e-4, rtol=1e-5):
-            return False
-    return True
+    rows = torch.tensor(sorted({0, nq // 2, nq - 1}), device=layer.q.device)
+    q = layer.q[:, :, rows].to(torch.float32).reshape(B, layer.k.shape[1], -1, d)
+    s = (q @ layer.k.to(torch.float32).transpose(-1, -2)).view(B, H, len(rows), -1) * layer.scaling
+    j = torch.arange(s.shape[-1], device=s.device)
+    allowed = torch.ones(len(rows), s.shape[-1], dtype=torch.bool, device=s.device)
+    if layer.causal:
+        allowed &= j[None, :] <= rows[:, None]
+    if layer.window is not None:
+        allowed &= j[None, :] > rows[:, None] - layer.window
+    ref = torch.logsumexp(s.masked_fill(~allowed, float("-inf")), dim=-1)
+    if layer.sinks is not None:
+        ref = torch.logaddexp(ref, layer.sinks.to(torch.float32).reshape(1, -1, 1))
+    got = lse[..., rows].to(torch.float32)
+    return bool(torch.isfinite(got).all()) and torch.allclose(got, ref, atol=1e-4, rtol=1e-5)
 
 
 def row_lse(layer: KernelInputs) -> torch.Tensor:
     """(B, H, n_q) float32 log-sum-exp of every query row's logits (sinks included; −inf where a row may see
-    no key): the kernel's own (``layer.lse``) when it agrees with a recomputation, else recomputed blockwise."""
-    if layer.lse is not None and _lse_agrees(layer, layer.lse):
+    no key): the kernel's own (``layer.lse``) when the logits are q·k scaled (no mask tensor, bias or
+    softcapping) and it agrees with a recomputation, else recomputed blockwise."""
+    plain = layer.mask is None and layer.bias is None and layer.softcap is None
+    if layer.lse is not None and plain and _lse_agrees(layer, layer.lse):
         return layer.lse.to(torch.float32)
     nq, rows = layer.shape[2], layer.block_rows()
     return torch.cat([_lse_rows(layer, q0, min(nq, q0 + rows)) for q0 in range(0, nq, rows)], dim=-1)
@@ -316,15 +325,19 @@ def _augmented(layer: KernelInputs) -> tuple[torch.Tensor, torch.Tensor]:
     log-sum-exp folds into the product as one more coordinate, and base 2 because exp2 is cheaper than exp.
     Grouped key heads are repeated for their query heads (O(n·d) memory, like q itself)."""
     B, H, nq, d = layer.q.shape
+    Hkv, nk = layer.k.shape[1], layer.k.shape[2]
+    dev = layer.q.device
     lse = row_lse(layer)
-    lse = torch.where(torch.isfinite(lse), lse, torch.full((), float("inf"), device=lse.device))
-    q = layer.q.to(torch.float32) * (layer.scaling * LOG2E)
-    qa = torch.cat([q, (-LOG2E * lse).unsqueeze(-1)], dim=-1).reshape(B * H, nq, d + 1)
-    k = layer.k.to(torch.float32)
-    ka = torch.cat([k, torch.ones(*k.shape[:-1], 1, dtype=k.dtype, device=k.device)], dim=-1)
-    if ka.shape[1] != H:
-        ka = ka.repeat_interleave(H // ka.shape[1], dim=1)
-    return qa, ka.reshape(B * H, -1, d + 1).transpose(1, 2)
+    qa = torch.empty(B, H, nq, d + 1, dtype=torch.float32, device=dev)
+    torch.mul(layer.q, layer.scaling * LOG2E, out=qa[..., :d])
+    # A row that may see no key (−inf) gets −inf logits: probability 0, not inf.
+    qa[..., d] = torch.where(torch.isfinite(lse), lse * -LOG2E, torch.full((), float("-inf"), device=dev))
+    ka = torch.empty(B, Hkv, nk, d + 1, dtype=torch.float32, device=dev)
+    ka[..., :d] = layer.k
+    ka[..., d] = 1.0
+    if Hkv != H:
+        ka = ka.repeat_interleave(H // Hkv, dim=1)
+    return qa.view(B * H, nq, d + 1), ka.view(B * H, nk, d + 1).transpose(1, 2)
 
 
 def _live_blocks(layer: KernelInputs, r: torch.Tensor, rows: int) -> list[tuple[int, int, int, int]]:
