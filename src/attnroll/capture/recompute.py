@@ -17,6 +17,7 @@ builds (a padding mask, when it makes one).
 
 from __future__ import annotations
 
+import functools
 import inspect
 from contextlib import ExitStack
 from typing import Any, Callable
@@ -207,6 +208,19 @@ class LseWatch(TorchDispatchMode):
 
 
 def _signature(fn: Callable) -> inspect.Signature | None:
+    """The kernel's signature, cached: every attention forward asks for its kernel again."""
+    try:
+        return _cached_signature(fn)
+    except TypeError:  # an unhashable callable
+        return _uncached_signature(fn)
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_signature(fn: Callable) -> inspect.Signature | None:
+    return _uncached_signature(fn)
+
+
+def _uncached_signature(fn: Callable) -> inspect.Signature | None:
     try:
         return inspect.signature(fn)
     except (TypeError, ValueError):
