@@ -344,7 +344,7 @@ def _augmented(layer: KernelInputs) -> tuple[torch.Tensor, torch.Tensor]:
 def _live_blocks(layer: KernelInputs, r: torch.Tensor, rows: int) -> list[tuple[int, int, int, int]]:
     """(q0, q1, k0, k1) for each block of ``rows`` queries that carries relevance, trimmed to its live rows,
     with the keys its rows may see (``key_range``)."""
-    live = r.abs().amax(dim=(0, 1)) > 0
+    live = (r.abs().amax(dim=(0, 1)) > 0).cpu()  # one transfer, not one per block, on an accelerator
     out = []
     for b0 in range(0, layer.shape[2], rows):
         hit = live[b0 : b0 + rows].nonzero()
