@@ -11,6 +11,11 @@ with a, c the residual coefficients and s the renorm row sums (1 otherwise), the
 ``attnroll.core.residual``. Memory is O(n·d) for the layer plus O(block·n) for one block; the cost is one
 QKᵀ and one exponentiation per layer (plus dO·Vᵀ for gradient rules).
 
+The common case — head-mean probabilities of logits that are q·k scaled, under causal / window rules or
+none, without padding or renorm — takes a faster path (``apply_layer_tiled``): each row's log-sum-exp (the
+one the fused kernel returned, else recomputed once) is folded into the product as one more coordinate, so
+that P = exp2(q̃·k̃ᵀ) needs no max, sum or division, and tiles of keys x queries stay in cache.
+
 Torch only, device-agnostic: everything runs where the captured tensors live (CPU or CUDA).
 """
 
