@@ -354,3 +354,17 @@ def test_direct_indexing_of_the_interface_is_recorded(monkeypatch):
         assert_same(dense[method], r)
     assert (AttentionInterface.__dict__["get_interface"], AttentionInterface.__dict__.get("__getitem__")) == before
     assert m.config._attn_implementation == "sdpa"
+
+
+def test_record_does_not_keep_the_fused_projection_alive():
+    """GPT-2 computes q, k and v in one projection; the rollout record keeps q and k only, so they must not
+    stay views into that (B, n, 3·d) buffer (which would keep v alive too); gae needs v and keeps views."""
+    from attnroll.capture.recompute import capture_kernels
+
+    m = build("gpt2")
+    x = inputs("gpt2", 9, pad=False)
+    for lay in capture_kernels(m, x).operators["self"]:
+        for t in (lay.q, lay.k):
+            assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    lay = capture_kernels(m, x, keep_grad=True).operators["self"][0]
+    assert lay.q.untyped_storage().nbytes() == 3 * lay.q.numel() * lay.q.element_size()  # the fused buffer

@@ -271,8 +271,8 @@ def kernel_inputs(module: nn.Module, impl: str | None, a: dict[str, Any], keep_v
         sinks = module.sinks
     bias = a.get("position_bias")
     return KernelInputs(
-        q=q.detach(),
-        k=k.detach(),
+        q=_own(q, not keep_value),
+        k=_own(k, not keep_value),
         scaling=float(scaling),
         mask=None if mask is None else mask.detach(),
         causal=causal,
@@ -283,6 +283,15 @@ def kernel_inputs(module: nn.Module, impl: str | None, a: dict[str, Any], keep_v
         v=v.detach() if keep_value else None,
         is_causal_model=module_causal,
     )
+
+
+def _own(t: torch.Tensor, compact: bool) -> torch.Tensor:
+    """``t`` detached; with ``compact``, copied when it is a view into a larger buffer (GPT-2's fused q/k/v
+    projection: keeping q and k as views would keep v alive too)."""
+    t = t.detach()
+    if compact and t.untyped_storage().nbytes() > t.numel() * t.element_size():
+        return t.clone()
+    return t
 
 
 class KernelCapture(Capture):
