@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from .. import _checks
+from ..capture import model_facts
 from ..capture.hf import is_hf_model
 from ..capture.recompute import capture_kernels
 from ..core import operators
@@ -138,7 +139,8 @@ def _answer_ids(model, tokenizer, prompt_ids, generate, answer) -> list[int]:
     n = _checks.check_int("generate", generate)
     if n < 1:
         raise ValueError(f"generate must be >= 1 (tokens to generate), got {n}")
-    pad = model.config.pad_token_id if model.config.pad_token_id is not None else (model.config.eos_token_id or 0)
+    facts = model_facts(model)
+    pad = facts.pad_token_id if facts.pad_token_id is not None else (facts.eos_token_id or 0)
     with torch.no_grad():
         out = model.generate(prompt_ids, attention_mask=torch.ones_like(prompt_ids), max_new_tokens=n,
                              do_sample=False, pad_token_id=pad)
