@@ -24,6 +24,8 @@ from .._callable import make_callable as _make_callable
 from .hf import HFAdapter, is_hf_model
 from .hooks import SUPPORTED_FAMILIES, Adapter, Capture, ModulesAdapter, run_forward
 from .sentence_transformers import is_sentence_transformer, make_adapter
+from .cait import CaitAdapter, is_cait
+from .swin import is_swin, make_adapter as make_swin_adapter
 from .record import AttentionRecord, ModelFacts, Readout, StreamInfo, config_token_ids
 from .timm import TimmAdapter, is_timm_model
 from .torch_mha import MHAAdapter, has_mha
@@ -181,8 +183,12 @@ def _select_adapter(model: nn.Module, modules: Any, to_probs: Callable | None) -
         return ModulesAdapter(model, modules, to_probs)
     if is_sentence_transformer(model):
         return make_adapter(model)
+    if (is_hf_model(model) or is_timm_model(model)) and is_swin(model):
+        return make_swin_adapter(model)
     if is_hf_model(model):
         return vlm_adapter(model) or HFAdapter(model)
+    if is_timm_model(model) and is_cait(model):
+        return CaitAdapter(model)
     if is_timm_model(model):
         return TimmAdapter(model)
     if has_mha(model):

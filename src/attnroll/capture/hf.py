@@ -64,8 +64,10 @@ _MEAN_POOLING_FLAG = ("beit", "data2vec-vision", "videomae")
 _AUDIO = ("wav2vec2", "hubert", "wavlm", "data2vec-audio", "sew", "sew-d", "unispeech", "unispeech-sat",
           "wav2vec2-conformer", "wav2vec2-bert")
 
-#: Windowed models: attention is computed inside local (shifted) windows, so no (n x n) token matrix exists.
+#: Windowed models: attention is computed inside local (shifted) windows, so no (n x n) token matrix exists;
+#: those of ``SWIN_TYPES`` are captured by the Swin adapter (capture/swin.py), the rest refused.
 _WINDOWED = ("swin", "swinv2", "donut-swin", "maskformer-swin", "swin2sr")
+SWIN_TYPES = ("swin", "swinv2", "donut-swin", "maskformer-swin")
 
 
 def is_hf_model(model: nn.Module) -> bool:
@@ -135,14 +137,7 @@ class HFAdapter(Adapter):
         config = model.config
         self.model_type = getattr(config, "model_type", "")
         self.family = f"hf:{self.model_type}"
-        windowed = self.model_type in _WINDOWED or any("Swin" in type(m).__name__ for m in model.modules())
-        if windowed:
-            raise _checks.UnsupportedModelError(
-                f"{type(model).__name__} ({self.model_type}) computes attention inside local, shifted windows of "
-                "patches that merge between stages, so there is no global token-to-token attention matrix to "
-                "roll out; attnroll refuses rather than invent one. Use a global-attention model or "
-                f"modules=/to_probs= if you have your own composition. Supported: {SUPPORTED_FAMILIES}"
-            )
+        _refuse_windowed(model, self.model_type)
         vlm_token = next((k for k in ("image_token_index", "image_token_id") if hasattr(config, k)), None)
         if vlm_token is not None and not self.composes_vlm and getattr(config, "vision_config", None) is not None and (
             getattr(config, "text_config", None) is not None
@@ -377,6 +372,25 @@ class HFAdapter(Adapter):
                 info.readout = None if spec is None else resolve_readout(
                     spec, batch=B, n=n, mask=info.mask, prefix=info.prefix, suffix=info.suffix, source=source)
         return infos
+
+
+def _refuse_windowed(model: nn.Module, model_type: str) -> None:
+    """Windowed models are not this adapter's: Swin types are captured by capture/swin.py (``capture``
+    dispatches them there; only the matrix-free kernel route builds this adapter for them), the rest refused."""
+    if model_type in SWIN_TYPES:
+        raise _checks.UnsupportedModelError(
+            f"{type(model).__name__} ({model_type}) attends inside shifted windows: attnroll captures its window "
+            "attention densely and scatters it into each stage's matrix (capture/swin.py), but the matrix-free "
+            "route (attention='recompute') recomputes one global attention per layer from its kernel's queries "
+            "and keys, which windows do not have. Use attention='dense'."
+        )
+    if model_type in _WINDOWED or any("Swin" in type(m).__name__ for m in model.modules()):
+        raise _checks.UnsupportedModelError(
+            f"{type(model).__name__} ({model_type}) computes attention inside local, shifted windows of "
+            "patches that merge between stages, so there is no global token-to-token attention matrix to "
+            "roll out; attnroll refuses rather than invent one. Use a global-attention model or "
+            f"modules=/to_probs= if you have your own composition. Supported: {SUPPORTED_FAMILIES}"
+        )
 
 
 def hf_facts(model: nn.Module, family: str = "") -> ModelFacts:

@@ -194,6 +194,12 @@ class StreamInfo:
         readout_reason: why ``readout`` is None ("" otherwise).
         input_key: the forward argument carrying this stream's input ("pixel_values", "input_ids", "x", ...),
             or None.
+        merges: a stage chain (Swin): layer index k -> merge map (n_k, n_{k-1}), row-stochastic, between
+            layers k-1 and k, whose token counts differ; the layers are then square per stage, the units and
+            ``grid`` are the first layer's tokens and the readout weights the last layer's
+            (``attnroll.core.stages``). Empty for single-stage streams.
+        stochastic_reason: why some layers' rows are not probabilities (talking-heads attention mixes heads
+            after the softmax), "" when every layer holds softmax probabilities; ``nonstochastic`` lists them.
         link: the tokens of this stream that are another stream's tokens (:class:`StreamLink`: a VLM's image
             tokens), or None; ``link_reason`` says why a stream that holds such tokens has no link.
     """
@@ -209,6 +215,9 @@ class StreamInfo:
     readout: Readout | None = None
     readout_reason: str = ""
     input_key: str | None = None
+    merges: dict[int, torch.Tensor] = field(default_factory=dict)
+    stochastic_reason: str = ""
+    nonstochastic: tuple[int, ...] = ()
     link: StreamLink | None = None
     link_reason: str = ""
 
@@ -308,6 +317,10 @@ class AttentionRecord:
         family: which adapter captured this ("hf:vit", "timm:vit", "torch:mha", "modules", ...).
         layer_names: stream name -> qualified module names, aligned with ``streams``.
         extra: adapter-specific metadata (e.g. ``decoder_tokens``, ``decoder_attention_mask``).
+            ``extra["native"]``: (stream, layer) -> (the model's own tensor, lift) for layers the adapter
+            rebuilt from what the model computed (Swin's windows scattered into the stage matrix, CaiT's
+            class-attention rows embedded): gradients are taken with respect to the model's tensor and
+            ``lift(grad)`` puts them in the layer's layout.
         info: stream name -> :class:`StreamInfo` (the contract methods read; the flat ``prefix`` / ``grid``
             / ``tokens`` / ``attention_mask`` fields above are kept for the main stream).
         operators: the matrix-free form (``attention="recompute"``): stream name -> per-layer
@@ -402,7 +415,12 @@ class AttentionRecord:
             raise ValueError(
                 "gradients need keep_grad=True at capture time: attnroll.capture(model, inputs, keep_grad=True)"
             )
-        grads = [t.grad for t in layers]
+        native = self.extra.get("native", {})
+        grads = []
+        for i, t in enumerate(layers):
+            src = native.get((stream or self._default_stream(), i))
+            g = t.grad if src is None else src[0].grad
+            grads.append(g if src is None or g is None else src[1](g))
         missing = [i for i, g in enumerate(grads) if g is None]
         if missing:
             raise ValueError(

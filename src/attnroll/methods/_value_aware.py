@@ -59,6 +59,13 @@ def record(ctx: Context) -> tuple[AttentionRecord, LayerStates, ModelAnatomy]:
     facts = model_facts(ctx.model)
     anat = value_anatomy(facts.anatomy, facts.anatomy_reason, ctx.model)
     rec, states, anat = record_states(ctx.model, ctx.inputs, anat=anat, tokenizer=ctx.tokenizer)
+    chained = [s for s, info in rec.info.items() if info.merges]
+    if chained:  # Swin: windows in stage matrices, tokens merging between stages
+        raise _checks.UnsupportedModelError(
+            f"method {ctx.method.name!r}: {type(ctx.model).__name__}'s tokens merge between stages (a stage "
+            "chain with fixed merge maps), and the value-aware methods decompose one stack of blocks over one "
+            "token set; use 'rollout', 'raw', 'grad_rollout' or 'gae', which compose the chain"
+        )
     ctx.rec = rec
     return rec, states, anat
 
