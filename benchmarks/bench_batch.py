@@ -1,9 +1,13 @@
 """Throughput of ``attnroll batch``: inputs per second, side by side in one run, of
 
   plain       a plain batched inference loop: read each image, preprocess, forward (the model as loaded,
-              SDPA attention), softmax and argmax — no explanation, nothing written
-  local       run_batch(engine="local"): the same reading, explain (eager attention captured; gae adds a
-              backward pass), rows built and committed as Parquet shards
+              SDPA attention), softmax and argmax — no explanation, nothing written. It reads through the
+              same read-ahead thread as the local engine (attnroll.batch.engines.read_ahead), so both sides
+              do the same I/O the same way
+  local       run_batch(engine="local"): the same reading, explain (rollout: the matrix-free route under the
+              model's own SDPA kernel, attention probabilities recomputed blockwise; gae: eager attention
+              captured and a backward pass), rows built column-wise and committed as Parquet shards by a
+              writer thread
   ray-1/ray-2 run_batch(engine="ray", num_workers=1 or 2): Ray Data actors (each loads the model once), the
               same work per batch; the Ray runtime is started once before (as on a cluster)
 
@@ -13,11 +17,12 @@ Every figure is end to end: model loading (in each Ray actor too), reading, expl
 leaves start-up out: the rate between the first and the last batch (for the engines, between the first and
 the last committed shard, from the shards' modification times; one worker only). "interleaved" runs the plain
 loop's step and the local engine's step batch by batch on the same inputs, the ratio least disturbed by the
-load of a shared machine. Each configuration runs
---repeat times, alternating, and the best run counts (the machine is shared).
+load of a shared machine (there both sides read synchronously, no threads). ``--breakdown`` prints where a
+batch's time goes (decoding, the plain forward, explain on each attention route, rows, the Parquet commit).
+Each configuration runs --repeat times, alternating, and the best run counts (the machine is shared).
 
-Usage: python benchmarks/bench_batch.py [--models shapes,vit-b16] [--n-shapes 512] [--n-vit 32] [--vit-batch 8]
-       [--repeat 2] [--skip-ray]
+Usage: python benchmarks/bench_batch.py [--models shapes,vit-b16] [--methods rollout,gae] [--n-shapes 512]
+       [--n-vit 32] [--vit-batch 8] [--repeat 2] [--skip-ray] [--breakdown] [--interleaved-only]
 """
 
 from __future__ import annotations
@@ -62,36 +67,81 @@ def vit_b16_dir(root: Path) -> Path:
 
 def plain_loop(model_spec: str | None, files: list[Path], batch_size: int) -> tuple[float, float]:
     """The loop a user writes without attnroll: read, preprocess, forward, softmax; (seconds, steady rate)."""
-    from attnroll.models import load_model
+    from attnroll.batch.engines import chunks, read_ahead
     from attnroll.batch.work import read_image
+    from attnroll.models import load_model
 
     t0 = time.perf_counter()
     lm = load_model(model_spec, None, want="image")
-    marks = []
+    marks, done = [], 0
+
+    def load(batch: list[Path]) -> torch.Tensor:
+        return torch.cat([lm.prepare_image(read_image(str(f))) for f in batch])
+
     with torch.no_grad():
-        for i in range(0, len(files), batch_size):
-            x = torch.cat([lm.prepare_image(read_image(str(f))) for f in files[i : i + batch_size]])
+        for x in read_ahead(load, chunks(files, batch_size)):
             torch.softmax(lm.model(pixel_values=x).logits, dim=-1).max(dim=-1)
-            marks.append((time.perf_counter(), min(i + batch_size, len(files))))
+            done += x.shape[0]
+            marks.append((time.perf_counter(), done))
     return time.perf_counter() - t0, steady(marks)
+
+
+def engine_worker(model_spec: str | None, files: list[Path], method: str, out: Path) -> tuple:
+    """(loaded model, the local engine's Worker writing to ``out`` (emptied), the items of ``files``, out)."""
+    from attnroll.batch import model_fingerprint
+    from attnroll.batch.run import resolve_methods
+    from attnroll.batch.sources import list_items
+    from attnroll.batch.work import Job, Worker
+    from attnroll.models import load_model
+
+    lm = load_model(model_spec, None, want="image")
+    names, opts = resolve_methods([method], None)
+    shutil.rmtree(out, ignore_errors=True)
+    worker = Worker(lm, Job(names, opts, model_fingerprint(lm.model), str(out)))
+    return lm, worker, list_items(files[0].parent), out
+
+
+def breakdown(model_spec: str | None, files: list[Path], batch_size: int, method: str, work: Path) -> dict:
+    """Milliseconds per batch of each step, on the same inputs, one after the other (no threads): decoding
+    and preprocessing, the plain forward, ``explain`` on the matrix-free route ("recompute") and the dense
+    one (eager attention captured), the engine's rows (its compute step less explain), the shard commit."""
+    from attnroll.methods import explain, method_info
+
+    lm, worker, items, out = engine_worker(model_spec, files, method, work / f"out-breakdown-{method}")
+    t: dict[str, float] = {}
+
+    def timed(key: str, fn, *a, **k):
+        t0 = time.perf_counter()
+        r = fn(*a, **k)
+        t[key] = t.get(key, 0.0) + time.perf_counter() - t0
+        return r
+
+    routes = ("recompute", "dense") if "attention" in method_info(method).options else (None,)
+    batches = list(range(0, len(items), batch_size))
+    worker.compute(worker.load(items[:batch_size]))  # warm-up: first-call imports (pyarrow) and allocations
+    for i in batches:
+        loaded = timed("decode + preprocess", worker.load, items[i : i + batch_size])
+        x = torch.cat([p[1] for p in loaded[2]])
+        with torch.no_grad():
+            timed("plain forward", lambda: lm.model(pixel_values=x))
+        with torch.set_grad_enabled(method_info(method).needs_grad):
+            for route in routes:
+                timed(f"explain ({route or 'default'})", explain, lm.model, x, method,
+                      **({"attention": route} if route else {}))
+        computed = timed("engine compute (explain + rows)", worker.compute, loaded)
+        timed("commit (Parquet shard)", worker.commit, computed)
+    shutil.rmtree(out, ignore_errors=True)
+    return {k: 1000 * v / len(batches) for k, v in t.items()}
 
 
 def interleaved(model_spec: str | None, files: list[Path], batch_size: int, method: str, work: Path) -> float:
     """Per-batch cost ratio robust to a shared machine's load: batch by batch, the plain loop's step (read,
     preprocess, forward) and the local engine's step (read, explain, rows, commit) run back to back on the same
     inputs; returns plain seconds / engine seconds summed over the batches (= engine throughput / plain)."""
-    from attnroll.batch import model_fingerprint
-    from attnroll.batch.run import resolve_methods
-    from attnroll.batch.sources import list_items
-    from attnroll.batch.work import Job, Worker, read_image
-    from attnroll.models import load_model
+    from attnroll.batch.work import read_image
 
-    lm = load_model(model_spec, None, want="image")
-    names, opts = resolve_methods([method], None)
-    out = work / f"out-interleaved-{method}"
-    shutil.rmtree(out, ignore_errors=True)
-    worker = Worker(lm, Job(names, opts, model_fingerprint(lm.model), str(out)))
-    items = list_items(files[0].parent)
+    lm, worker, items, out = engine_worker(model_spec, files, method, work / f"out-interleaved-{method}")
+    worker(items[:batch_size])  # warm-up: first-call imports (pyarrow) and allocations, left out of the ratio
     t_plain = t_engine = 0.0
     for i in range(0, len(items), batch_size):
         chunk = items[i : i + batch_size]
@@ -145,7 +195,9 @@ def main() -> None:
     ap.add_argument("--n-vit", type=int, default=32)
     ap.add_argument("--vit-batch", type=int, default=8)
     ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--methods", default="rollout,gae")
     ap.add_argument("--skip-ray", action="store_true")
+    ap.add_argument("--breakdown", action="store_true", help="where a batch's time goes, per step")
     ap.add_argument("--interleaved-only", action="store_true",
                     help="only the batch-by-batch ratio of the local engine to the plain loop")
     args = ap.parse_args()
@@ -164,13 +216,18 @@ def main() -> None:
             if not src.exists():
                 write_images(src, n)
             files = sorted(src.glob("*.png"))
-            for method in ("rollout", "gae"):
+            methods = args.methods.split(",")
+            for method in methods:
+                if args.breakdown:
+                    parts = breakdown(spec, files, bs, method, work)
+                    print(f"# {name} {method}: ms per batch of {bs}: "
+                          + ", ".join(f"{k} {v:.1f}" for k, v in parts.items()))
                 ratio = interleaved(spec, files, bs, method, work)
                 print(f"# {name} {method}: local engine / plain loop, batch by batch interleaved: {ratio:.2f}x")
             if args.interleaved_only:
                 continue
             configs = [("plain", None, "local", 1)]
-            for method in ("rollout", "gae"):
+            for method in methods:
                 configs.append(("local", method, "local", 1))
                 if not args.skip_ray:
                     configs += [("ray-1", method, "ray", 1), ("ray-2", method, "ray", 2)]
@@ -184,18 +241,18 @@ def main() -> None:
                     key = (label, method)
                     if key not in best or sec < best[key][0]:
                         best[key] = (sec, st)
-            report(name, n, bs, best)
+            report(name, n, bs, best, methods)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(f"# load after: {os.getloadavg()}")
 
 
-def report(name: str, n: int, bs: int, best: dict) -> None:
+def report(name: str, n: int, bs: int, best: dict, methods: list[str]) -> None:
     plain = n / best[("plain", None)][0]
     plain_st = best[("plain", None)][1]
     print(f"\n## {name}: {n} images, batch {bs}; inputs/s end to end (steady)")
     print(f"plain loop                {plain:7.2f} ({plain_st:7.2f})")
-    for method in ("rollout", "gae"):
+    for method in methods:
         if ("local", method) not in best:
             continue
         loc = n / best[("local", method)][0]

@@ -25,6 +25,9 @@ def similarity_to(model: Any, tokenizer: Any, mask: torch.Tensor, others: Sequen
     import torch.nn.functional as F
 
     enc = tokenizer(list(others), padding=True, truncation=True, return_tensors="pt")
+    device = next(iter(model.parameters())).device  # a model on a GPU (a Ray actor with --num-gpus)
+    enc = {k: v.to(device) for k, v in enc.items()}
+    mask = mask.to(device)
     with torch.no_grad():
         other = mean_pool(model(**enc).last_hidden_state, enc["attention_mask"])
 

@@ -40,3 +40,25 @@ def test_ray_engine_gives_the_local_rows_and_resumes(ray_runtime, tmp_path):
     again = run_batch(src, tmp_path / "ray", methods=["rollout", "gae"], batch_size=8, engine="ray", num_workers=2)
     assert again.explained == lost and again.done_before == 40 - lost
     assert_same_rows(read_batch(tmp_path / "local"), read_batch(tmp_path / "ray"))
+
+
+def test_num_gpus_and_target_reach_map_batches(ray_runtime, tmp_path, monkeypatch):
+    """Without a GPU: the options run_batch hands to Ray Data's map_batches (recorded, then the run stopped
+    before an actor would wait for a GPU that this machine does not have)."""
+    src = tmp_path / "shapes"
+    write_shapes(src, 4)
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def record(self, fn, **kwargs):
+        seen.update(kwargs, fn=fn)
+        raise Stop
+
+    monkeypatch.setattr(ray.data.Dataset, "map_batches", record)
+    with pytest.raises(Stop):
+        run_batch(src, tmp_path / "o", engine="ray", num_workers=2, num_gpus=0.5, target=1, batch_size=2)
+    assert seen["num_gpus"] == 0.5 and seen["compute"].max_size == 2 and seen["batch_size"] == 2
+    assert seen["fn_constructor_kwargs"]["num_gpus"] == 0.5 and seen["fn_constructor_kwargs"]["job"].target == 1
+    assert seen["max_restarts"] == 0  # one machine: a dead actor is not restarted (the rerun resumes)

@@ -134,3 +134,78 @@ def test_audit_reads_two_batch_outputs_like_explaining_again(flat, tmp_path):
     assert mixed.exit_code == 0, mixed.output
     np.testing.assert_allclose(_json(tmp_path / "x" / "audit.json")["js"], want["js"], atol=1e-6)
     assert "no 'flow' maps" in one_line_error(run("audit", flat / "a", flat / "b", "-m", "flow"), 2)
+
+
+def test_evaluate_scores_a_text_batch_output_like_explaining_again(bert_dir, tmp_path):
+    texts = tmp_path / "t.txt"  # lengths differ: the stored token maps are padded back onto one batch
+    texts.write_text("the cat sat on the mat\na dog ran\nthe dog sat on a cat the end\ncat\n")
+    res = run("batch", texts, "--out", tmp_path / "o", "-m", "rollout,gae", "--model", bert_dir)
+    assert res.exit_code == 0, res.output
+    got = run("evaluate", "--maps", tmp_path / "o", "--out", tmp_path / "m")
+    assert got.exit_code == 0, got.output
+    ref = run("evaluate", "--model", bert_dir, "--data", texts, "--methods", "rollout,gae", "--out", tmp_path / "r")
+    assert ref.exit_code == 0, ref.output
+    a, b = _json(tmp_path / "m" / "evaluation.json"), _json(tmp_path / "r" / "evaluation.json")
+    assert a["precomputed"] == ["rollout", "gae"] and a["n"] == b["n"] == 4
+    for x, y in zip(a["rows"], b["rows"]):
+        assert x["method"] == y["method"]
+        for k in ("comprehensiveness", "sufficiency"):
+            assert x[k] == pytest.approx(y[k], abs=1e-6)
+
+
+def test_target_flags_and_num_gpus_usage_errors(folder, tmp_path):
+    import attnroll
+    from attnroll.models.shapes import load_shapes_model
+
+    out = tmp_path / "o"
+    assert run("batch", folder, "--out", out, "-m", "gae", "--target", "1").exit_code == 3  # the corrupt file
+    df = read_batch(out)
+    model = load_shapes_model()
+    from ..batch.helpers import pixel_input
+
+    for _, row in df.iterrows():
+        e = attnroll.explain(model, pixel_input(folder / row["id"]), "gae", target=1)
+        np.testing.assert_allclose(np.asarray(row["scores"]), e.scores[0].numpy(), atol=2e-6)
+    assert set(df["target"]) == {1}
+    msg = one_line_error(run("batch", folder, "--out", tmp_path / "x", "--target", "1", "--target-column", "y"), 2)
+    assert "give one" in msg
+    assert "needs engine='ray'" in one_line_error(run("batch", folder, "--out", tmp_path / "x", "--num-gpus", "0.5"), 2)
+    assert "applies to a Parquet / CSV table" in one_line_error(
+        run("batch", folder, "--out", tmp_path / "x", "--target-column", "y"), 2)
+    assert not (tmp_path / "x").exists()
+
+
+def test_audit_reads_text_batch_outputs_like_explaining_again(bert_dir, tmp_path):
+    import shutil
+
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from attnroll.evaluate.audit import audit
+
+    other = tmp_path / "bert2"  # the same architecture, other weights
+    shutil.copytree(bert_dir, other)
+    m2 = AutoModelForSequenceClassification.from_pretrained(other)
+    with torch.no_grad():
+        for p in m2.bert.encoder.parameters():
+            p.mul_(1.3)
+    m2.save_pretrained(other)
+    texts = ["the cat sat on the mat", "a dog ran", "the dog sat on a cat the end", "cat"]
+    (tmp_path / "t.txt").write_text("\n".join(texts) + "\n")
+    for name, model in (("a", bert_dir), ("b", other)):
+        assert run("batch", tmp_path / "t.txt", "--out", tmp_path / name, "-m", "gae", "--model", model).exit_code == 0
+    res = run("audit", tmp_path / "a", tmp_path / "b", "-m", "gae", "--out", tmp_path / "m")
+    assert res.exit_code == 0, res.output
+    tok = AutoTokenizer.from_pretrained(bert_dir)
+    ma = AutoModelForSequenceClassification.from_pretrained(bert_dir).eval()
+    enc = tok(texts, padding=True, return_tensors="pt")
+    want = audit(ma, m2.eval(), enc, method="gae").as_dict()
+    got = _json(tmp_path / "m" / "audit.json")
+    for k in ("js", "spearman", "topk"):
+        np.testing.assert_allclose(got[k], want[k], atol=1e-6)
+    assert got["pred_a"] == want["pred_a"] and got["pred_b"] == want["pred_b"] and max(want["js"]) > 1e-3
+    mixed = run("audit", tmp_path / "a", other, "-m", "gae", "--out", tmp_path / "x")  # B explained here
+    assert mixed.exit_code == 0, mixed.output
+    np.testing.assert_allclose(_json(tmp_path / "x" / "audit.json")["js"], want["js"], atol=1e-6)
+    assert "--format html" in one_line_error(run("audit", tmp_path / "a", tmp_path / "b", "-m", "gae",
+                                                 "--format", "png"), 2)

@@ -4,10 +4,14 @@ explains, writes and commits it, so both produce the same rows."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from collections import deque
+from itertools import islice
+from typing import Any, Callable, Iterable, Iterator
 
 from .sources import Item
 from .work import Job, Worker
@@ -36,21 +40,40 @@ def chunks(items: list[Item], size: int) -> Iterator[list[Item]]:
         yield items[i : i + size]
 
 
-def run_local(worker: Worker, todo: list[Item], batch_size: int, progress: Callable[[dict], None]) -> None:
-    """Explain ``todo`` in this process, ``batch_size`` inputs per commit. A second thread reads and
-    preprocesses the next batch while the model explains the current one (image decoding releases the GIL)."""
+def read_ahead(load: Callable[[Any], Any], batches: Iterable[Any], depth: int = 2) -> Iterator[Any]:
+    """``load(batch)`` for each batch, in order, computed by a reader thread up to ``depth`` batches ahead of
+    the consumer (image decoding and Parquet reading release the GIL). Used by the local engine and by the
+    benchmark's plain loop, so that both read the same way."""
     from concurrent.futures import ThreadPoolExecutor
 
-    batches = list(chunks(todo, batch_size))
-    if not batches:
-        return
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="attnroll-read") as pool:
-        pending = pool.submit(worker.load, batches[0])
-        for nxt in batches[1:] + [None]:
-            loaded = pending.result()
-            if nxt is not None:
-                pending = pool.submit(worker.load, nxt)
-            progress(worker.finish(loaded))
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="attnroll-read")
+    it = iter(batches)
+    try:
+        queue = deque(pool.submit(load, b) for b in islice(it, depth))
+        while queue:
+            ready = queue.popleft().result()
+            for b in islice(it, 1):
+                queue.append(pool.submit(load, b))
+            yield ready
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def run_local(worker: Worker, todo: list[Item], batch_size: int, progress: Callable[[dict], None]) -> None:
+    """Explain ``todo`` in this process, ``batch_size`` inputs per commit: a reader thread reads and
+    preprocesses the next batches, this thread explains, a writer thread commits the previous batch's shard
+    (at most one shard waits; an input counts as done once its shard is committed)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="attnroll-write") as writer:
+        pending = None
+        for loaded in read_ahead(worker.load, chunks(todo, batch_size)):
+            computed = worker.compute(loaded)
+            if pending is not None:
+                progress(pending.result())
+            pending = writer.submit(worker.commit, computed)
+        if pending is not None:
+            progress(pending.result())
 
 
 def import_ray() -> Any:
@@ -66,17 +89,22 @@ class RayWorker:
     """The ``map_batches`` actor: loads the model once, then explains, writes and commits each batch it gets
     and returns the batch's counts (the driver only sees counts, never the maps)."""
 
-    def __init__(self, spec: ModelSpec, job: Job, threads: int):
+    def __init__(self, spec: ModelSpec, job: Job, threads: int, num_gpus: float = 0.0):
         import torch
 
         torch.set_num_threads(max(1, int(threads)))
-        self.worker = Worker(spec.load(), job)
+        lm = spec.load()
+        if num_gpus and torch.cuda.is_available():  # Ray set CUDA_VISIBLE_DEVICES to this actor's GPU
+            lm.model.to("cuda")
+        self.worker = Worker(lm, job)
 
     def __call__(self, batch: dict) -> dict:
         import numpy as np
 
-        items = [Item(int(i), str(d), str(k), path=_opt(p), text=_opt(t), pair=_opt(q)) for i, d, k, p, t, q in
-                 zip(batch["index"], batch["id"], batch["kind"], batch["path"], batch["text"], batch["pair"])]
+        items = [Item(int(i), str(d), str(k), path=_opt(p), text=_opt(t), pair=_opt(q),
+                      target=None if int(c) < 0 else int(c)) for i, d, k, p, t, q, c in
+                 zip(batch["index"], batch["id"], batch["kind"], batch["path"], batch["text"], batch["pair"],
+                     batch["target"])]
         counts = self.worker(items)
         return {k: np.array([v]) for k, v in counts.items()}
 
@@ -85,8 +113,40 @@ def _opt(v: Any) -> str | None:
     return None if v is None or (isinstance(v, float) and v != v) else str(v)
 
 
+def map_batches_options(spec: ModelSpec, job: Job, batch_size: int, cpus_per_worker: int, num_gpus: float = 0.0,
+                        restart: bool = False) -> dict[str, Any]:
+    """The keyword arguments of ``Dataset.map_batches`` (besides the actor class and its compute strategy):
+    actors of ``cpus_per_worker`` CPUs and ``num_gpus`` GPUs each (0: CPU only; a fraction packs several
+    actors on one GPU), each built with the model spec and the job. ``restart`` keeps Ray Data's restart of
+    a lost actor (on a cluster, where a node can go away); on one machine an actor that dies is not restarted
+    (a rerun resumes the output), which also spares the C++ warning Ray prints for restartable actors."""
+    opts: dict[str, Any] = {
+        "batch_size": batch_size, "batch_format": "numpy", "num_cpus": cpus_per_worker,
+        "fn_constructor_kwargs": {"spec": spec, "job": job, "threads": cpus_per_worker, "num_gpus": num_gpus},
+    }
+    if num_gpus:
+        opts["num_gpus"] = num_gpus
+    if not restart:
+        opts["max_restarts"] = 0
+    return opts
+
+
+def start_ray(ray: Any, address: str | None, num_cpus: int) -> bool:
+    """Join the cluster at ``address``, or start a local Ray runtime of ``num_cpus`` CPUs (no dashboard, no
+    log forwarding), unless one runs in this process already; whether this call started it."""
+    if ray.is_initialized():
+        return False
+    quiet = {"log_to_driver": False, "logging_level": logging.ERROR, "configure_logging": True}
+    if address:
+        ray.init(address=address, **quiet)
+    else:
+        ray.init(num_cpus=num_cpus, include_dashboard=False, **quiet)
+    return True
+
+
 def run_ray(spec: ModelSpec, job: Job, todo: list[Item], batch_size: int, progress: Callable[[dict], None], *,
-            num_workers: int = 1, address: str | None = None, cpus_per_worker: int | None = None) -> None:
+            num_workers: int = 1, address: str | None = None, cpus_per_worker: int | None = None,
+            num_gpus: float = 0.0) -> None:
     """Explain ``todo`` with Ray Data: ``from_items`` → ``map_batches`` over a pool of ``num_workers`` actors
     → each actor commits Parquet shards into ``job.out`` (a folder every node can write, on a cluster).
     Joins the cluster at ``address``; without one, uses a Ray runtime already started in this process, or
@@ -94,29 +154,34 @@ def run_ray(spec: ModelSpec, job: Job, todo: list[Item], batch_size: int, progre
     ray = import_ray()
     if cpus_per_worker is None:
         cpus_per_worker = 1 if address else max(1, (os.cpu_count() or 1) // num_workers)
-    started = False
-    if not ray.is_initialized():
-        if address:
-            ray.init(address=address, log_to_driver=False, logging_level=logging.ERROR)
-        else:
-            ray.init(num_cpus=num_workers * cpus_per_worker, include_dashboard=False, log_to_driver=False,
-                     logging_level=logging.ERROR)
-        started = True
+    os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
+    started = start_ray(ray, address, num_workers * cpus_per_worker)
     try:
         ctx = ray.data.DataContext.get_current()
         ctx.enable_progress_bars = False
         ds = ray.data.from_items([it.as_dict() for it in todo])
-        out = ds.map_batches(RayWorker, batch_size=batch_size, batch_format="numpy",
-                             compute=ray.data.ActorPoolStrategy(size=num_workers),
-                             num_cpus=cpus_per_worker,
-                             fn_constructor_kwargs={"spec": spec, "job": job, "threads": cpus_per_worker})
-        quiet = logging.getLogger("ray.data")
-        level, quiet.level = quiet.level, logging.ERROR  # no execution-plan chatter on the user's terminal
-        try:
+        with warnings.catch_warnings():  # max_restarts has no named parameter in Ray 2.60 yet
+            warnings.filterwarnings("ignore", message=".*ray_remote_args.*deprecated")
+            out = ds.map_batches(RayWorker, compute=ray.data.ActorPoolStrategy(size=num_workers),
+                                 **map_batches_options(spec, job, batch_size, cpus_per_worker, num_gpus,
+                                                       restart=bool(address)))
+        with _quiet_ray_data():
             for counts in out.iter_rows():
                 progress({k: int(v) for k, v in counts.items()})
-        finally:
-            quiet.setLevel(level)
     finally:
         if started:
             ray.shutdown()
+
+
+@contextlib.contextmanager
+def _quiet_ray_data() -> Iterator[None]:
+    """No execution-plan chatter from Ray Data's Python loggers on the user's terminal."""
+    loggers = [logging.getLogger(n) for n in ("ray.data", "ray")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, lv in zip(loggers, levels):
+            lg.setLevel(lv)

@@ -89,22 +89,30 @@ def row_explanation(row: Any) -> Any:
     )
 
 
-def explanations(path: str | os.PathLike, method: str) -> Any:
-    """All rows of one method stacked into one Explanation (B, units) in source order, with the ids, for
-    maps over the same units (images of one model); texts of different lengths raise ValueError."""
+def explanations(path: str | os.PathLike, method: str, *, pad: bool = False) -> Any:
+    """All rows of one method stacked into one Explanation (B, units) in source order, with the ids. Maps
+    over the same units (images of one model) stack as they are; token maps of different lengths raise
+    ValueError, unless ``pad``: then each row is zero-padded on the right to the longest (``tokens`` keep
+    each row's own tokens, ``attention_mask`` (B, units) marks the real ones)."""
     import torch
 
     df = read_batch(path, method=method)
     if df.empty:
         raise ValueError(f"{os.fspath(path)} has no rows for method {method!r}")
     each = [row_explanation(r) for _, r in df.iterrows()]
-    widths = {e.scores.shape[1] for e in each}
-    if len(widths) != 1:
-        raise ValueError(f"the {method!r} maps in {os.fspath(path)} have different lengths {sorted(widths)}; "
-                         "stack them per row with row_explanation")
-    first = each[0]
+    widths = [e.full_row.shape[1] for e in each]
+    if len(set(widths)) != 1 and not pad:
+        raise ValueError(f"the {method!r} maps in {os.fspath(path)} have different lengths {sorted(set(widths))}; "
+                         "stack them per row with row_explanation, or pass pad=True")
+    first, n = each[0], max(widths)
+    full = torch.zeros(len(each), n, dtype=torch.float32)
+    mask = torch.zeros(len(each), n, dtype=torch.int64)
+    for b, e in enumerate(each):
+        full[b, : widths[b]] = e.full_row[0]
+        mask[b, : widths[b]] = 1
     targets = [e.target[0] if isinstance(e.target, list) else e.target for e in each]
     from dataclasses import replace
 
-    return replace(first, scores=torch.cat([e.scores for e in each]), full_row=torch.cat([e.full_row for e in each]),
-                   tokens=None if first.tokens is None else [e.tokens[0] for e in each], target=targets), list(df["id"])
+    return replace(first, scores=full[:, first.prefix:], full_row=full, target=targets,
+                   tokens=None if first.tokens is None else [e.tokens[0] for e in each],
+                   attention_mask=mask if len(set(widths)) != 1 else None), list(df["id"])

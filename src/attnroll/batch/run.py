@@ -65,12 +65,17 @@ def resolve_methods(methods: Sequence[str] | str, options: dict | None) -> tuple
     return names, {m: check_options(m, dict(options.get(m, {}))) for m in names}
 
 
-def run_key(source: Any, column: str | None, fingerprint: str, names: list[str], options: dict) -> dict:
-    """What must match for a rerun to add to an existing output (JSON-comparable)."""
+def run_key(source: Any, column: str | None, fingerprint: str, names: list[str], options: dict,
+            target: int | None = None, target_column: str | None = None) -> dict:
+    """What must match for a rerun to add to an existing output (JSON-comparable). The target settings are
+    part of it only when given, so that outputs of earlier versions (predicted class) still resume."""
     from ..methods.explanation import jsonable
 
-    return {"source": str(Path(source).resolve()), "column": column, "model": fingerprint, "methods": names,
-            "options": json.loads(json.dumps(jsonable(options), sort_keys=True))}
+    key = {"source": str(Path(source).resolve()), "column": column, "model": fingerprint, "methods": names,
+           "options": json.loads(json.dumps(jsonable(options), sort_keys=True))}
+    if target is not None or target_column is not None:
+        key["target"] = {"class": target, "column": target_column}
+    return key
 
 
 def check_resumable(meta: dict | None, key: dict, out: Path) -> None:
@@ -78,9 +83,9 @@ def check_resumable(meta: dict | None, key: dict, out: Path) -> None:
     if meta is None:
         return
     old = meta.get("key", {})
-    diff = [k for k in key if old.get(k) != key[k]]
+    diff = [k for k in sorted(set(key) | set(old)) if old.get(k) != key.get(k)]
     if diff:
-        what = "; ".join(f"{k}: {json.dumps(old.get(k))} before, {json.dumps(key[k])} now" for k in diff)
+        what = "; ".join(f"{k}: {json.dumps(old.get(k))} before, {json.dumps(key.get(k))} now" for k in diff)
         raise BatchMismatchError(f"{out} holds results of a different run ({what}); rerun with the same "
                                  "settings to complete it, or pass --overwrite (overwrite=True) to start over")
 
@@ -100,6 +105,9 @@ def run_batch(
     address: str | None = None,
     png: bool = False,
     column: str | None = None,
+    target: int | None = None,
+    target_column: str | None = None,
+    num_gpus: float = 0.0,
     overwrite: bool = False,
     progress: Callable[[int, int], None] | None = None,
     command: str | None = None,
@@ -118,6 +126,11 @@ def run_batch(
             a running cluster). batch_size: inputs per ``explain`` call and per committed shard.
         png: also write overlays to ``out/png/`` (images). overwrite: discard an existing output of a
             different run instead of refusing. progress: called with (inputs finished, inputs to do).
+        target: the class index to explain for every input (None = each input's predicted class);
+            target_column: a table column (or JSONL field) of class indices, one per input (an empty cell =
+            the predicted class). Class targets need a model with class scores.
+        num_gpus: GPUs per Ray actor (a fraction such as 0.25 packs four actors on one GPU; 0 = CPU);
+            the actor moves its model to its GPU. Ray engine only.
 
     Returns:
         a :class:`BatchResult`. Inputs that cannot be explained are rows of ``out/failures/``, not errors.
@@ -130,37 +143,46 @@ def run_batch(
     engine = _checks.check_choice("engine", engine, ENGINES)
     batch_size = _checks.check_int("batch_size", batch_size, low=1)
     num_workers = _checks.check_int("num_workers", num_workers, low=1)
+    num_gpus = check_num_gpus(num_gpus, engine)
+    target = None if target is None else _checks.check_int("target", target, low=0)
     if engine == "ray":
         from .engines import import_ray
 
         import_ray()
-    items = list_items(source, column)
+    items = list_items(source, column, target_column)
     names, resolved = resolve_methods(methods, options)
     spec = ModelSpec(model, None if weights is None else os.fspath(weights), items[0].kind)
     lm = spec.load() if loaded is None else loaded
-    _check_model_fits(lm, items, names)
+    _check_model_fits(lm, items, names, target is not None or target_column is not None)
     fp = model_fingerprint(lm.model)
-    key = run_key(source, column, fp, names, resolved)
+    key = run_key(source, column, fp, names, resolved, target, target_column)
     out = Path(out)
     with store.locked(out):
-        meta = store.read_manifest(out)
-        if overwrite and meta is not None:
-            store.clear(out)
-            meta = None
-        check_resumable(meta, key, out)
-        store.remove_temporaries(out)
-        done_rows, done_failed = store.committed_ids(out)
-        todo = [it for it in items if it.id not in done_rows and it.id not in done_failed]
+        todo = _resume(out, key, overwrite, items)
         info = _manifest(key, lm, spec, engine, command, len(items))
         store.write_manifest(out, {**info, "status": "running"})
-        job = Job(names, resolved, fp, str(out.resolve()), png)
+        job = Job(names, resolved, fp, str(out.resolve()), png, target)
         counter = _Counter(len(todo), progress)
         if engine == "local":
             run_local(Worker(lm, job), todo, batch_size, counter)
         else:
-            run_ray(spec, job, todo, batch_size, counter, num_workers=num_workers, address=address)
+            run_ray(spec, job, todo, batch_size, counter, num_workers=num_workers, address=address,
+                    num_gpus=num_gpus)
         result = _finish(out, info, len(items), len(items) - len(todo), len(todo), time.perf_counter() - t0)
     return result
+
+
+def _resume(out: Path, key: dict, overwrite: bool, items: list[Item]) -> list[Item]:
+    """The items no committed shard holds, after checking (or, with ``overwrite``, clearing) what ``out``
+    holds and removing a killed run's temporary files; call with ``out`` locked."""
+    meta = store.read_manifest(out)
+    if overwrite and meta is not None:
+        store.clear(out)
+        meta = None
+    check_resumable(meta, key, out)
+    store.remove_temporaries(out)
+    done_rows, done_failed = store.committed_ids(out)
+    return [it for it in items if it.id not in done_rows and it.id not in done_failed]
 
 
 class _Counter:
@@ -181,12 +203,28 @@ def _needs_grad(names: list[str]) -> dict[str, bool]:
     return {m: bool(method_info(m).needs_grad) for m in names}
 
 
-def _check_model_fits(lm: Any, items: list[Item], names: list[str]) -> None:
-    """The model's kind must be the inputs'; gradient methods on a bare text encoder need pairs."""
+def check_num_gpus(num_gpus: Any, engine: str) -> float:
+    """GPUs per Ray actor: a number >= 0, either below 1 (a share of one GPU) or whole; only for Ray."""
+    value = _checks.check_real("num_gpus", num_gpus, low=0.0)
+    if value > 1 and not float(value).is_integer():
+        raise ValueError(f"num_gpus must be a share of one GPU (0 < num_gpus <= 1) or a whole number of GPUs, "
+                         f"got {num_gpus!r}")
+    if value and engine != "ray":
+        raise ValueError(f"num_gpus={num_gpus!r} places Ray actors on GPUs; it needs engine='ray' (the local engine "
+                         "runs the model where it is: move it to a GPU before passing it as loaded=)")
+    return float(value)
+
+
+def _check_model_fits(lm: Any, items: list[Item], names: list[str], class_target: bool = False) -> None:
+    """The model's kind must be the inputs'; gradient methods on a bare text encoder need pairs; a class
+    target needs class scores."""
     kind = items[0].kind
     if lm.kind != kind:
         raise ValueError(f"model: {lm.name} is a{'n image' if lm.kind == 'image' else ' text'} model, but the "
                          f"source holds {kind}s")
+    if class_target and kind == "text" and not has_class_scores(lm):
+        raise ValueError(f"target: {lm.name} has no class scores (a sentence encoder), so there is no class to "
+                         "explain; leave target / target_column out")
     if kind == "text" and any(_needs_grad(names).values()) and any(it.pair is None for it in items):
         if not has_class_scores(lm):
             grad = [m for m, g in _needs_grad(names).items() if g]
@@ -211,10 +249,8 @@ def _manifest(key: dict, lm: Any, spec: ModelSpec, engine: str, command: str | N
 
 def _finish(out: Path, info: dict, n: int, before: int, now: int, seconds: float) -> BatchResult:
     """Count what is committed, write the final manifest, return the result."""
-    import pyarrow.parquet as pq
-
-    done_rows, failed = store.committed_ids(out)
-    rows = sum(pq.ParquetFile(f).metadata.num_rows for f in store.shard_files(out, store.ROWS))
+    row_ids, failed_ids = store.committed_id_lists(out)
+    done_rows, failed, rows = set(row_ids), set(failed_ids), len(row_ids)
     counts = {"inputs": n, "explained": len(done_rows - failed), "failed": len(failed), "rows": rows,
               "missing": n - len(done_rows | failed)}
     status = "complete" if counts["missing"] == 0 else "incomplete"

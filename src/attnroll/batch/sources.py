@@ -12,7 +12,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from .._checks import one_line
 
@@ -34,10 +34,11 @@ class Item:
     path: str | None = None
     text: str | None = None
     pair: str | None = None
+    target: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {"index": self.index, "id": self.id, "kind": self.kind, "path": self.path, "text": self.text,
-                "pair": self.pair}
+                "pair": self.pair, "target": -1 if self.target is None else self.target}
 
     @property
     def source(self) -> str:
@@ -63,29 +64,61 @@ def source_kind(source: str | os.PathLike) -> str:
                      f"{'/'.join(TEXT_SUFFIXES + JSONL_SUFFIXES + TABLE_SUFFIXES)}")
 
 
-def list_items(source: str | os.PathLike, column: str | None = None) -> list[Item]:
-    """Every input of ``source`` in a stable order (sorted paths, file lines, table rows)."""
+def list_items(source: str | os.PathLike, column: str | None = None, target_column: str | None = None) -> list[Item]:
+    """Every input of ``source`` in a stable order (sorted paths, file lines, table rows).
+
+    ``target_column``: a column of a table (or a field of a JSONL file) holding the class index to explain
+    per input (a non-negative integer; empty = the predicted class)."""
     kind = source_kind(source)
     if column is not None and kind != "table":
         raise ValueError(f"column={column!r} applies to a Parquet / CSV table, but the source {source} is a {kind}")
+    if target_column is not None and kind not in ("table", "jsonl"):
+        raise ValueError(f"target_column={target_column!r} applies to a Parquet / CSV table or a JSONL file, but the "
+                         f"source {source} is a {kind}")
     if kind == "folder":
         items = _folder_items(Path(source))
     elif kind == "text":
         items = _text_items(Path(source))
     elif kind == "jsonl":
-        items = _jsonl_items(Path(source))
+        items = _jsonl_items(Path(source), target_column)
     else:
-        items = _table_items(Path(source), column)
+        items = _table_items(Path(source), column, target_column)
     _check_unique(items, source)
     return items
 
 
+def class_index(value: Any, where: str) -> int | None:
+    """A target cell as a class index: None / NaN / "" = the predicted class; else a non-negative integer
+    (3, 3.0, "3"); anything else raises ValueError naming ``where``."""
+    if value is None or (isinstance(value, float) and value != value) or (isinstance(value, str) and not value.strip()):
+        return None
+    try:
+        f = float(value)
+    except (TypeError, ValueError):
+        f = float("nan")
+    if isinstance(value, bool) or not f.is_integer() or f < 0:
+        raise ValueError(f"{where}: a target must be a class index (an integer >= 0, or empty for the predicted "
+                         f"class), got {value!r}")
+    return int(f)
+
+
 def _folder_items(root: Path) -> list[Item]:
-    files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES
-                   and not any(part.startswith(".") for part in p.relative_to(root).parts))
+    files = sorted(_image_files(root))
     if not files:
         raise ValueError(f"source {root}: no images in this folder or below (looked for {', '.join(IMAGE_SUFFIXES)})")
     return [Item(i, f.relative_to(root).as_posix(), "image", path=str(f)) for i, f in enumerate(files)]
+
+
+def _image_files(root: Path) -> Iterator[Path]:
+    """Image files under ``root`` (os.walk: one directory listing per folder), hidden files and folders
+    skipped, symbolic links to folders not followed."""
+    for folder, dirs, names in os.walk(root):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        for name in names:
+            if not name.startswith(".") and os.path.splitext(name)[1].lower() in IMAGE_SUFFIXES:
+                p = Path(folder, name)
+                if p.is_file():
+                    yield p
 
 
 def _read_lines(path: Path) -> list[str]:
@@ -107,8 +140,9 @@ def _text_items(path: Path) -> list[Item]:
     return items
 
 
-def _jsonl_items(path: Path) -> list[Item]:
-    """One JSON object per line: ``text`` (required), ``pair`` (optional), ``id`` (optional, else the line)."""
+def _jsonl_items(path: Path, target_field: str | None = None) -> list[Item]:
+    """One JSON object per line: ``text`` (required), ``pair`` (optional), ``id`` (optional, else the line),
+    and the class to explain in ``target_field`` (optional per line)."""
     items = []
     for i, line in enumerate(_read_lines(path)):
         if not line.strip():
@@ -121,8 +155,9 @@ def _jsonl_items(path: Path) -> list[Item]:
             raise ValueError(f"source {path}, line {i + 1}: expected an object with a 'text' field (and optionally "
                              f"'pair', 'id'), got {line[:80]!r}")
         pair = obj.get("pair")
+        target = None if target_field is None else class_index(obj.get(target_field), f"source {path}, line {i + 1}")
         items.append(Item(len(items), str(obj.get("id", f"line:{i + 1}")), "text", text=_as_text(obj["text"]),
-                          pair=None if pair is None else _as_text(pair)))
+                          pair=None if pair is None else _as_text(pair), target=target))
     if not items:
         raise ValueError(f"source {path}: no JSON lines")
     return items
@@ -132,10 +167,12 @@ def _as_text(v: Any) -> str:
     return "" if v is None else str(v)
 
 
-def _table_items(path: Path, column: str | None) -> list[Item]:
+def _table_items(path: Path, column: str | None, target_column: str | None = None) -> list[Item]:
     """A column of image paths (relative to the table's folder) or texts; ``"text,pair"`` names two columns.
-    An ``id`` column, when present, gives the ids; else ``row:N``."""
+    An ``id`` column, when present, gives the ids; else ``row:N``. ``target_column``: class indices."""
     table = read_table(path)
+    if target_column is not None and target_column not in table:
+        raise ValueError(f"target_column={target_column!r} is not a column of {path}; its columns: {', '.join(table)}")
     if column is None:
         raise ValueError(f"source {path} is a table: name the column of paths or texts with column= "
                          f"(--column); its columns: {', '.join(table)}")
@@ -149,13 +186,17 @@ def _table_items(path: Path, column: str | None) -> list[Item]:
     ids = [str(v) for v in table["id"]] if "id" in table else [f"row:{i}" for i in range(len(values))]
     non_null = [str(v) for v in values if v is not None]
     is_image = pairs is None and bool(non_null) and all(v.lower().endswith(IMAGE_SUFFIXES) for v in non_null)
+    targets = ([class_index(t, f"source {path}, row {i}, column {target_column!r}")
+                for i, t in enumerate(table[target_column])] if target_column is not None else [None] * len(values))
     items = []
     for i, v in enumerate(values):
         if is_image:
             p = Path(str(v)) if v is not None else Path("")
-            items.append(Item(i, ids[i], "image", path=str(p if p.is_absolute() else path.parent / p)))
+            items.append(Item(i, ids[i], "image", path=str(p if p.is_absolute() else path.parent / p),
+                              target=targets[i]))
         else:
-            items.append(Item(i, ids[i], "text", text=_as_text(v), pair=None if pairs is None else _as_text(pairs[i])))
+            items.append(Item(i, ids[i], "text", text=_as_text(v), pair=None if pairs is None else _as_text(pairs[i]),
+                              target=targets[i]))
     return items
 
 

@@ -71,10 +71,41 @@ def shard_name(first_index: int) -> str:
 
 def write_table(path: Path, records: list[dict], schema: Any) -> Path:
     """Write ``records`` (dicts with the schema's fields) as one Parquet file, atomically and fsynced."""
-    import pyarrow.parquet as pq
+    return write_arrow(path, _pa().Table.from_pylist(records, schema=schema))
+
+
+def ragged(full: Any, start: int, lengths: list[int]) -> Any:
+    """A list<float32> Arrow column from a (B, n) float32 array: row b holds ``full[b, start:lengths[b]]``
+    (one flat buffer and offsets, no Python object per value)."""
+    import numpy as np
 
     pa = _pa()
-    table = pa.Table.from_pylist(records, schema=schema)
+    full = np.ascontiguousarray(full, dtype=np.float32)
+    B, n = full.shape
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if B and (lengths == n).all():  # every row the same length (images): a strided slice
+        values = full[:, start:].reshape(-1)
+        offsets = np.arange(B + 1, dtype=np.int32) * (n - start)
+    else:
+        keep = np.arange(n)[None, :]
+        mask = (keep >= start) & (keep < lengths[:, None])
+        values = full[mask]
+        offsets = np.concatenate([[0], np.cumsum(np.maximum(lengths - start, 0))]).astype(np.int32)
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, type=pa.float32()))
+
+
+def rows_table(columns: dict[str, Any]) -> Any:
+    """An Arrow table of ``row_schema()`` from its columns (lists, or Arrow arrays such as :func:`ragged`)."""
+    pa = _pa()
+    schema = row_schema()
+    arrays = [c if isinstance(c, pa.Array) else pa.array(c, type=schema.field(name).type)
+              for name, c in ((f.name, columns[f.name]) for f in schema)]
+    return pa.Table.from_arrays(arrays, schema=schema)
+
+
+def write_arrow(path: Path, table: Any) -> Path:
+    """Write an Arrow ``table`` as one Parquet file, atomically and fsynced."""
+    import pyarrow.parquet as pq
 
     def fill(f: Any) -> None:
         pq.write_table(table, f, compression="zstd")
@@ -86,16 +117,21 @@ def write_table(path: Path, records: list[dict], schema: Any) -> Path:
     return path
 
 
-def commit(out: Path, rows: list[dict], failures: list[dict]) -> None:
-    """Commit one batch: its rows and its failures, each as a shard named after the batch's first input."""
-    if not rows and not failures:
-        return
-    first = min(r["index"] for r in rows + failures)
-    name = shard_name(first)
-    if rows:
-        write_table(out / ROWS / name, rows, row_schema())
+def commit_tables(out: Path, tables: list[Any], failures: list[dict]) -> int:
+    """Commit one batch: its row tables (as one shard) and its failures, each shard named after the batch's
+    first input; returns the number of rows written."""
+    pa = _pa()
+    tables = [t for t in tables if t.num_rows]
+    if not tables and not failures:
+        return 0
+    firsts = [min(t.column("index").to_pylist()) for t in tables] + [f["index"] for f in failures]
+    name = shard_name(min(firsts))
+    rows = pa.concat_tables(tables) if tables else None
+    if rows is not None:
+        write_arrow(out / ROWS / name, rows)
     if failures:
         write_table(out / FAILURES / name, failures, failure_schema())
+    return 0 if rows is None else rows.num_rows
 
 
 def shard_files(out: Path, which: str) -> list[Path]:
@@ -106,14 +142,20 @@ def shard_files(out: Path, which: str) -> list[Path]:
 
 def committed_ids(out: Path) -> tuple[set[str], set[str]]:
     """(ids with rows, ids with failures) over all committed shards (reads only the ``id`` columns)."""
+    rows, failures = committed_id_lists(out)
+    return set(rows), set(failures)
+
+
+def committed_id_lists(out: Path) -> tuple[list[str], list[str]]:
+    """The ``id`` column of every committed row shard (one entry per row) and failure shard, each read in
+    one multithreaded scan."""
     import pyarrow.parquet as pq
 
     found = []
     for which in (ROWS, FAILURES):
-        ids: set[str] = set()
-        for f in shard_files(out, which):
-            ids.update(pq.read_table(f, columns=["id"]).column("id").to_pylist())
-        found.append(ids)
+        files = shard_files(out, which)
+        found.append(pq.ParquetDataset([str(f) for f in files]).read(columns=["id"]).column("id").to_pylist()
+                     if files else [])
     return found[0], found[1]
 
 

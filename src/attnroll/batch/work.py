@@ -25,13 +25,15 @@ from .sources import Item
 @dataclass
 class Job:
     """What every batch of a run shares: methods (in order), each one's resolved options, the model's
-    fingerprint, the output folder and whether to write overlays. Picklable (sent to Ray actors)."""
+    fingerprint, the output folder, whether to write overlays and the class to explain (``target``: None =
+    each input's own target, else the predicted class). Picklable (sent to Ray actors)."""
 
     methods: list[str]
     options: dict[str, dict[str, Any]]
     fingerprint: str
     out: str
     png: bool = False
+    target: int | None = None
 
 
 class Worker:
@@ -41,10 +43,11 @@ class Worker:
         self.lm = lm
         self.job = job
         self.out = Path(job.out)
+        self.device = _device_of(lm.model)
 
     def __call__(self, items: list[Item]) -> dict[str, int]:
         """Explain, write and commit ``items``; returns {"inputs", "rows", "failures"} counts."""
-        return self.finish(self.load(items))
+        return self.commit(self.compute(self.load(items)))
 
     def load(self, items: list[Item]) -> tuple:
         """Read and preprocess ``items`` (the part a prefetching thread can do while the model runs):
@@ -58,27 +61,33 @@ class Worker:
                 failures.append(failure(it, None, str(e)))
         return items, ready, payloads, failures
 
-    def finish(self, loaded: tuple) -> dict[str, int]:
-        """Explain what :meth:`load` read with every method, commit the shard, return the counts."""
+    def compute(self, loaded: tuple) -> tuple:
+        """Explain what :meth:`load` read with every method: (items, row tables, failures), ready to commit."""
         items, ready, payloads, failures = loaded
-        rows, failures = self.explain_loaded(ready, payloads, failures)
-        store.commit(self.out, rows, failures)
-        return {"inputs": len(items), "rows": len(rows), "failures": len({f["id"] for f in failures})}
+        tables, failures = self.explain_loaded(ready, payloads, failures)
+        return items, tables, failures
 
-    def explain(self, items: list[Item]) -> tuple[list[dict], list[dict]]:
-        """Rows (one per readable item and method) and failures (one per unreadable item, or item and method)."""
+    def commit(self, computed: tuple) -> dict[str, int]:
+        """Write the batch's shard (the part a writer thread can do while the model runs); the counts."""
+        items, tables, failures = computed
+        rows = store.commit_tables(self.out, tables, failures)
+        return {"inputs": len(items), "rows": rows, "failures": len({f["id"] for f in failures})}
+
+    def explain(self, items: list[Item]) -> tuple[list[Any], list[dict]]:
+        """Row tables (one row per readable item and method) and failures (one per unreadable item, or item
+        and method)."""
         _, ready, payloads, failures = self.load(items)
         return self.explain_loaded(ready, payloads, failures)
 
-    def explain_loaded(self, ready: list[Item], payloads: list, failures: list[dict]) -> tuple[list[dict], list[dict]]:
-        rows: list[dict] = []
+    def explain_loaded(self, ready: list[Item], payloads: list, failures: list[dict]) -> tuple[list[Any], list[dict]]:
+        tables: list[Any] = []
         failures = list(failures)
         if ready:
             for method in self.job.methods:
-                r, f = self._explain_method(method, ready, payloads)
-                rows += r
+                t, f = self._explain_method(method, ready, payloads)
+                tables += t
                 failures += f
-        return rows, failures
+        return tables, failures
 
     # ---------------------------------------------------------------------------------------------- inputs
     def _read(self, it: Item) -> Any:
@@ -97,33 +106,38 @@ class Worker:
             raise _Bad(f"cannot preprocess the image: {_one_line(e)}") from None
 
     # ------------------------------------------------------------------------------------------ explaining
-    def _explain_method(self, method: str, items: list[Item], payloads: list[Any]) -> tuple[list[dict], list[dict]]:
+    def _explain_method(self, method: str, items: list[Item], payloads: list[Any]) -> tuple[list[Any], list[dict]]:
         """All items at once; when that fails, one by one, so that one bad input fails alone."""
         try:
-            return self._rows(method, items, payloads), []
+            return self._tables(method, items, payloads), []
         except Exception as e:  # noqa: BLE001 - a failing input must not stop the job
             if len(items) == 1:
                 return [], [failure(items[0], method, f"{type(e).__name__}: {_one_line(e)}")]
-        rows, failures = [], []
+        tables, failures = [], []
         for it, p in zip(items, payloads):
-            r, f = self._explain_method(method, [it], [p])
-            rows += r
+            t, f = self._explain_method(method, [it], [p])
+            tables += t
             failures += f
-        return rows, failures
+        return tables, failures
 
-    def _rows(self, method: str, items: list[Item], payloads: list[Any]) -> list[dict]:
-        if self.lm.kind == "image":
-            x = torch.cat([p[1] for p in payloads])
-            e, logits = self._run(method, x, None, items[0].index)
-            rows = [self._row(e, b, it, logits) for b, it in enumerate(items)]
-            if self.job.png:
-                for b, (it, p) in enumerate(zip(items, payloads)):
-                    write_overlay(self.out, it.id, method, e, b, p[0])
-            return rows
-        rows = []
-        for group in _text_groups(items):
-            rows += self._text_rows(method, group)
-        return sorted(rows, key=lambda r: r["index"])
+    def _tables(self, method: str, items: list[Item], payloads: list[Any]) -> list[Any]:
+        """One row table per group of items explained in one call (images: those with and without their own
+        target; texts: also with and without a pair)."""
+        tables = []
+        for group in _groups(items, self.lm.kind, self.job.target):
+            pick = [payloads[k] for k in group]
+            its = [items[k] for k in group]
+            target = _targets(its, self.job.target)
+            if self.lm.kind == "image":
+                x = torch.cat([p[1] for p in pick]).to(self.device)
+                e, logits = self._run(method, x, target, its[0].index)
+                tables.append(self._table(e, its, logits, None))
+                if self.job.png:
+                    for b, (it, p) in enumerate(zip(its, pick)):
+                        write_overlay(self.out, it.id, method, e, b, p[0])
+            else:
+                tables.append(self._text_table(method, its, target))
+        return tables
 
     def _run(self, method: str, inputs: Any, target: Any, first: int) -> tuple[Any, torch.Tensor | None]:
         """One batched ``explain`` (the shared batching helper, one chunk) with the job's options; also the
@@ -139,18 +153,17 @@ class Worker:
                                           tokenizer=self.lm.tokenizer, **opts)
         return e, got.get("logits")
 
-    def _text_rows(self, method: str, items: list[Item]) -> list[dict]:
+    def _text_table(self, method: str, items: list[Item], target: Any) -> Any:
         tok = self.lm.tokenizer
         texts = [it.text for it in items]
         pairs = [it.pair for it in items] if items[0].pair is not None else None
         joint = pairs is not None and self._has_logits()
         enc = tok(texts, pairs if joint else None, padding=True, truncation=True, return_tensors="pt")
-        target = None
         if pairs is not None and not joint:
             target = similarity_to(self.lm.model, tok, enc["attention_mask"], pairs)
+        enc = {k: v.to(self.device) for k, v in enc.items()}
         e, logits = self._run(method, enc, target, items[0].index)
-        lengths = enc["attention_mask"].sum(dim=1).tolist()
-        return [self._row(e, b, it, logits, int(lengths[b])) for b, it in enumerate(items)]
+        return self._table(e, items, logits, enc["attention_mask"].sum(dim=1).tolist())
 
     def _has_logits(self) -> bool:
         if not hasattr(self, "_logits_known"):
@@ -158,34 +171,62 @@ class Worker:
         return self._logits_known
 
     # ---------------------------------------------------------------------------------------------- rows
-    def _row(self, e: Any, b: int, it: Item, logits: torch.Tensor | None, length: int | None = None) -> dict:
+    def _table(self, e: Any, items: list[Item], logits: torch.Tensor | None, lengths: list[int] | None) -> Any:
+        """The rows of one Explanation as one Arrow table (store.row_schema), built column by column."""
         from ..methods.explanation import jsonable
 
-        full = e.full_row[b].to(torch.float32)
-        if length is not None:
-            full = full[:length]
-        p = e.prefix
-        target = e.target[b] if isinstance(e.target, list) else e.target
-        pred = prob = None
-        if logits is not None:
-            probs = torch.softmax(logits[b].to(torch.float64), dim=-1)
-            pred = int(probs.argmax())
-            prob = float(probs[pred])
-        tokens = None
-        if e.tokens is not None:
-            tokens = list(e.tokens[b][: length if length is not None else None])
-        is_class = isinstance(target, int) and not isinstance(target, bool)
+        B, p = len(items), int(e.prefix)
+        full = e.full_row.detach().to("cpu", torch.float32).numpy()
+        lengths = [full.shape[1]] * B if lengths is None else [int(v) for v in lengths]
+        targets = e.target if isinstance(e.target, list) else [e.target] * B
         labels = getattr(self.lm, "labels", {}) or {}
-        return {
-            "index": it.index, "id": it.id, "source": it.source, "method": e.method,
-            "options": json.dumps(jsonable(e.options), sort_keys=True),
-            "target": target if is_class else None,
-            "target_name": labels.get(target, None) if is_class else (None if target is None else str(target)),
+        is_class = [isinstance(t, int) and not isinstance(t, bool) for t in targets]
+        pred, prob = _predictions(logits, B)
+        tokens = [None] * B if e.tokens is None else [list(e.tokens[b][: lengths[b]]) for b in range(B)]
+        return store.rows_table({
+            "index": [it.index for it in items], "id": [it.id for it in items],
+            "source": [it.source for it in items], "method": [e.method] * B,
+            "options": [json.dumps(jsonable(e.options), sort_keys=True)] * B,
+            "target": [t if c else None for t, c in zip(targets, is_class)],
+            "target_name": [labels.get(t) if c else (None if t is None else str(t)) for t, c in zip(targets, is_class)],
             "prediction": pred, "probability": prob,
-            "scores": full[p:].tolist(), "prefix_scores": full[:p].tolist(),
-            "grid": None if e.grid is None else [int(g) for g in e.grid],
-            "tokens": tokens, "model": self.job.fingerprint,
-        }
+            "scores": store.ragged(full, p, lengths), "prefix_scores": store.ragged(full, 0, [p] * B),
+            "grid": [None if e.grid is None else [int(g) for g in e.grid]] * B,
+            "tokens": tokens, "model": [self.job.fingerprint] * B,
+        })
+
+
+def _predictions(logits: torch.Tensor | None, B: int) -> tuple[list, list]:
+    """Argmax class and its softmax probability per example (None without class scores)."""
+    if logits is None:
+        return [None] * B, [None] * B
+    probs = torch.softmax(logits.detach().to("cpu", torch.float64), dim=-1)
+    prob, pred = probs.max(dim=-1)
+    return pred.tolist(), prob.tolist()
+
+
+def _targets(items: list[Item], job_target: int | None) -> Any:
+    """explain's ``target`` for a group: the job's class, the items' own classes, or None (predicted)."""
+    if job_target is not None:
+        return int(job_target)
+    own = [it.target for it in items]
+    return None if own[0] is None else [int(t) for t in own]
+
+
+def _groups(items: list[Item], kind: str, job_target: int | None) -> Iterator[list[int]]:
+    """Positions of the items explained in one call: the same pairing (texts) and target kind (own class
+    or predicted), in source order within each group."""
+    keys: dict[tuple, list[int]] = {}
+    for k, it in enumerate(items):
+        key = (kind == "text" and it.pair is not None, job_target is None and it.target is not None)
+        keys.setdefault(key, []).append(k)
+    yield from keys.values()
+
+
+def _device_of(model: Any) -> torch.device:
+    for t in model.parameters():
+        return t.device
+    return torch.device("cpu")
 
 
 class _Bad(Exception):
@@ -226,15 +267,6 @@ def _batch_len(inputs: Any) -> int:
     if isinstance(inputs, torch.Tensor):
         return int(inputs.shape[0])
     return int(inputs["input_ids"].shape[0])
-
-
-def _text_groups(items: list[Item]) -> Iterator[list[Item]]:
-    """Texts with a pair and texts without, as two groups (they are tokenised differently)."""
-    with_pair = [it for it in items if it.pair is not None]
-    alone = [it for it in items if it.pair is None]
-    for g in (alone, with_pair):
-        if g:
-            yield g
 
 
 @contextlib.contextmanager

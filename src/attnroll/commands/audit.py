@@ -9,9 +9,9 @@ from typing import Any
 import click
 
 from ._args import method_and_options
-from ._data import check_data, load_data, load_files, load_image_model
+from ._data import check_data, load_data, load_eval_model, load_files, load_image_model
 from ._group import cli
-from ._maps import batch_maps, batch_model, is_batch_output
+from ._maps import batch_kind, batch_maps, batch_model, batch_text_inputs, is_batch_output
 from ._output import Failure, prepare_out, write
 
 
@@ -62,7 +62,14 @@ def audit_cmd(model_a, model_b, data, n, seed, method, options, examples, fmt, o
     check_data(data)
     out = prepare_out(out)
     batches = [p for p in (model_a, model_b) if is_batch_output(p)]
-    la, lb = (batch_model(Path(p), "MODEL") if is_batch_output(p) else load_image_model(p) for p in (model_a, model_b))
+    text = any(batch_kind(Path(p), "MODEL") == "text" for p in batches)
+    if text and fmt == "png":
+        raise click.UsageError("--format png draws image maps; an audit of texts writes --format html")
+    live = load_eval_model if text else load_image_model
+    la, lb = (batch_model(Path(p), "MODEL") if is_batch_output(p) else live(p) for p in (model_a, model_b))
+    if la.kind != lb.kind:
+        raise click.UsageError(f"MODEL_A is a{'n image' if la.kind == 'image' else ' text'} model and MODEL_B is not: "
+                               "an audit compares two models of the same inputs")
     maps = {}
     if batches:
         if click.get_current_context().get_parameter_source("data") is not click.core.ParameterSource.DEFAULT:
@@ -70,9 +77,13 @@ def audit_cmd(model_a, model_b, data, n, seed, method, options, examples, fmt, o
         if opts and len(batches) == 2:
             raise click.UsageError("--option: both MODELs are batch outputs, whose maps were made with the options "
                                    "in their manifests")
-        files, found = batch_maps([(Path(p), method) for p in batches], n, "MODEL")
+        inputs, found = batch_maps([(Path(p), method) for p in batches], n, "MODEL")
+        if text:
+            enc, found = batch_text_inputs(inputs, la, found, "MODEL")
+            d = {"x": enc, "images": None, "masks": None, "marker": None}
+        else:
+            d = load_files(inputs, la)
         maps = dict(zip(batches, found))
-        d = load_files(files, la)
         data = f"the inputs of {', '.join(batches)}"
     else:
         d = load_data(data, la, n, seed)
@@ -80,7 +91,8 @@ def audit_cmd(model_a, model_b, data, n, seed, method, options, examples, fmt, o
     regions = shapes_regions(d["masks"], d["marker"]) if d["masks"] is not None else None
     report = audit(la.model, lb.model, d["x"], method=method, regions=regions, js_threshold=js_threshold,
                    shift_threshold=shift_threshold, maps_a=maps.get(model_a), maps_b=maps.get(model_b), **opts)
-    click.echo(f"A = {la.name}\nB = {lb.name}\ndata = {data} ({d['x'].shape[0]} images), method = {method}")
+    count = f"{len(d['x']['input_ids'])} texts" if text else f"{d['x'].shape[0]} images"
+    click.echo(f"A = {la.name}\nB = {lb.name}\ndata = {data} ({count}), method = {method}")
     click.echo(report.summary())
     names = [la.labels.get(i, str(i)) for i in range(max(la.labels or {0: 0}) + 1)] if la.labels else None
     target = out / f"audit.{fmt}"
@@ -91,6 +103,8 @@ def audit_cmd(model_a, model_b, data, n, seed, method, options, examples, fmt, o
     meta = {"model_a": la.name, "model_b": lb.name, "data": data, "n": n, "seed": seed, "method": method,
             "options": opts}
     write(out / "audit.json", json.dumps({**meta, **report.as_dict()}, indent=1, default=float))
-    viewer = write(out / "audit.view.html", _viewer(report, d, la, lb, examples))
-    click.echo(f"wrote {target}\nwrote {out / 'audit.json'}\nwrote {viewer}")
+    written = [target, out / "audit.json"]
+    if not text:  # the interactive viewer draws image maps
+        written.append(write(out / "audit.view.html", _viewer(report, d, la, lb, examples)))
+    click.echo("\n".join(f"wrote {p}" for p in written))
     return 3 if (fail_if_flagged and report.flagged) else 0

@@ -78,9 +78,15 @@ class _Bar:
 @click.option("--png", is_flag=True, help="Also write overlays to DIR/png/<id>.<method>.png (images).")
 @click.option("--column", metavar="C[,PAIR]", help="The column of paths or texts of a Parquet / CSV source "
               "(two columns: a sentence pair).")
+@click.option("--target", type=click.IntRange(0), metavar="CLASS",
+              help="Explain this class index for every input [default: each input's predicted class].")
+@click.option("--target-column", metavar="C", help="A column of the Parquet / CSV source (or a field of the JSONL "
+              "lines) with the class index to explain per input (empty: the predicted class).")
+@click.option("--num-gpus", default=0.0, show_default=True, type=click.FloatRange(0),
+              help="GPUs per Ray actor (0.25: four actors share one GPU); --engine ray.")
 @click.option("--overwrite", is_flag=True, help="Discard DIR's results when they come from different settings.")
 def batch_cmd(source, out, method_list, options, model_spec, weights, engine, num_workers, batch_size, address, png,
-              column, overwrite) -> int:
+              column, target, target_column, num_gpus, overwrite) -> int:
     """Explain every input of SOURCE with each method and write a Parquet dataset to --out: one row per
     (input, method) under DIR/rows/, unreadable inputs with the reason under DIR/failures/, and
     DIR/manifest.json. Rerunning the same command after a crash completes only what is missing.
@@ -92,16 +98,23 @@ def batch_cmd(source, out, method_list, options, model_spec, weights, engine, nu
       attnroll batch photos/ --out maps/ -m rollout,gae --model ./my-vit
       attnroll batch pairs.jsonl --out sims/ -m gae            # MiniLM: which words make each pair similar
       attnroll batch photos/ --out maps/ --engine ray --num-workers 4 --address auto
+      attnroll batch photos/ --out maps/ --engine ray --num-workers 8 --num-gpus 0.25   # 4 actors per GPU
+      attnroll batch val.csv --column path --target-column label --out maps/   # explain the true class
     Read it back with attnroll.read_batch(DIR) (pandas) and attnroll.batch.row_explanation(row).
     Exit codes: 0 all explained, 3 some inputs failed (see DIR/failures/), 2 usage, 1 failure, 130 interrupted.
     """
     from ..batch import BatchMismatchError, list_items, run_batch
     from ..batch.engines import import_ray
 
+    from ..batch.run import check_num_gpus
+
     names = methods_list(method_list)
     opts = method_options(options, names)
+    if target is not None and target_column is not None:
+        raise click.UsageError("--target and --target-column: give one (a class for every input, or one per input)")
     try:
-        items = list_items(source, column)
+        check_num_gpus(num_gpus, engine)
+        items = list_items(source, column, target_column)
     except ValueError as e:
         raise click.UsageError(one_line(e)) from None
     if png and items[0].kind != "image":
@@ -122,7 +135,8 @@ def batch_cmd(source, out, method_list, options, model_spec, weights, engine, nu
         with bar if bar is not None else _null():
             result = run_batch(source, out, methods=names, options=opts, model=model_spec, weights=weights,
                                loaded=lm, engine=engine, batch_size=batch_size, num_workers=num_workers,
-                               address=address, png=png, column=column, overwrite=overwrite,
+                               address=address, png=png, column=column, target=target,
+                               target_column=target_column, num_gpus=num_gpus, overwrite=overwrite,
                                progress=_Bar(bar, f"{','.join(names)}") if bar is not None else None,
                                command=command)
     except BatchMismatchError as e:

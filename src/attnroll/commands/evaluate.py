@@ -128,8 +128,8 @@ def _metrics_help() -> str:
 @click.option("--out", type=click.Path(path_type=Path), default=Path("attnroll-eval"), show_default=True,
               help="Output folder (created): evaluation.csv, evaluation.json, curves.png (perturbation curves).")
 @click.option("--maps", "maps_dir", type=click.Path(exists=True, file_okay=False, path_type=Path), metavar="DIR",
-              help="An 'attnroll batch' output of images: score its maps instead of explaining again (its model "
-                   "and its images; --methods defaults to its methods, others are explained here).")
+              help="An 'attnroll batch' output of images or texts: score its maps instead of explaining again (its model "
+                   "and its inputs; --methods defaults to its methods, others are explained here).")
 def evaluate_cmd(model_spec, method_list, data, n, seed, metric_list, options, fill, steps, batch_size, out,
                  maps_dir) -> None:
     """Compare methods on one classifier. Images: deletion / insertion AUC, positive / negative perturbation AUC
@@ -170,7 +170,7 @@ def evaluate_cmd(model_spec, method_list, data, n, seed, metric_list, options, f
 def _evaluate_batch(folder: Path, model_spec: str, method_list: str, n: int, metric_list: Any, options: Any,
                     fill: str, steps: Any, batch_size: int, out: Path) -> None:
     """``evaluate --maps DIR``: the perturbation metrics of a batch output's maps, on its own images and model."""
-    from ._maps import batch_maps, batch_methods, batch_model
+    from ._maps import batch_kind, batch_maps, batch_methods, batch_model, batch_text_inputs
 
     ctx = click.get_current_context()
     explicit = {p: ctx.get_parameter_source(p) is not click.core.ParameterSource.DEFAULT
@@ -191,10 +191,15 @@ def _evaluate_batch(folder: Path, model_spec: str, method_list: str, n: int, met
                                "the options in its manifest")
     out = prepare_out(out)
     lm = batch_model(folder, "--maps", model_spec if explicit["model_spec"] else None)
-    files, maps = batch_maps([(folder, m) for m in given], n, "--maps")
-    d = load_files(files, lm)
-    result = _run_suite(lm.model, d["x"], names, metrics=metrics, method_options=opts, steps=steps,
-                        fill=fill_tensor(fill, lm, d["x"]), batch_size=batch_size, maps=dict(zip(given, maps)))
-    meta = {"model": lm.name, "maps": str(folder), "n": len(files), "fill": fill, "steps": steps, "options": opts,
+    inputs, maps = batch_maps([(folder, m) for m in given], n, "--maps")
+    if batch_kind(folder, "--maps") == "text":
+        enc, maps = batch_text_inputs(inputs, lm, maps, "--maps")
+        result = _run_suite(lm.model, enc, names, metrics=metrics, method_options=opts, batch_size=batch_size,
+                            maps=dict(zip(given, maps)))
+    else:
+        d = load_files(inputs, lm)
+        result = _run_suite(lm.model, d["x"], names, metrics=metrics, method_options=opts, steps=steps,
+                            fill=fill_tensor(fill, lm, d["x"]), batch_size=batch_size, maps=dict(zip(given, maps)))
+    meta = {"model": lm.name, "maps": str(folder), "n": len(inputs), "fill": fill, "steps": steps, "options": opts,
             "precomputed": given}
     _write_results(out, result, meta)

@@ -27,7 +27,7 @@ from .._callable import make_callable as _make_callable
 from .._modes import eval_mode
 from .._io import atomic_write
 from ..methods import explain_batches, method_info
-from ._common import batched_logits, image_forward, nanmean, relevance_order, spearman_rows
+from ._common import batched_logits, chunks, image_forward, logits_of, nanmean, relevance_order, spearman_rows
 
 __all__ = ["AuditReport", "audit", "shapes_regions", "grid_regions", "js_divergence"]
 
@@ -273,7 +273,7 @@ def audit(
         model_a, model_b: the two models (e.g. before and after fine-tuning), anything ``attnroll.explain``
             supports; they must explain the same input units (same patch grid). Both run in eval mode
             (their training/eval state is restored afterwards); neither is modified.
-        pixel_values: (B, C, H, W) model inputs (already preprocessed), B >= 1.
+        pixel_values: (B, C, H, W) model inputs (preprocessed), B >= 1; or a text classifier's tokenizer dict.
         method: the explanation method (gradient methods run with autograd enabled, in chunks).
         target: None = each model explains the class *it* predicts (so a model that changed its answer is
             explained for its new answer); an int = that class for every example and both models; a list /
@@ -299,8 +299,8 @@ def audit(
             wrong shape, thresholds outside [0, 1], top_k larger than the number of units, a target list of
             the wrong length; plus whatever ``explain`` raises for the method and options.
     """
-    x = _checks.check_audit_inputs(pixel_values)
-    B = x.shape[0]
+    x = _audit_inputs(pixel_values)
+    B = _batch_of(x)
     top_k, batch_size, n_boot, seed = (_checks.check_int(k, v, low=lo) for k, v, lo in (
         ("top_k", top_k, 1), ("batch_size", batch_size, 1), ("n_boot", n_boot, 1), ("seed", seed, 0)))
     js_threshold, shift_threshold = (_checks.check_real(k, v, low=0.0, high=1.0) for k, v in (
@@ -333,6 +333,21 @@ def audit(
     )
 
 
+def _audit_inputs(inputs: Any) -> Any:
+    """Pixel values (B, C, H, W), or a tokenizer's dict (checked as text inputs, B >= 1)."""
+    if not hasattr(inputs, "keys"):
+        return _checks.check_audit_inputs(inputs)
+    _checks.check_text_inputs(inputs)
+    if int(inputs["input_ids"].shape[0]) == 0:
+        raise ValueError("inputs hold no text (B = 0): an audit needs at least one example")
+    return {k: v for k, v in dict(inputs).items() if k != "special_tokens_mask"}
+
+
+def _batch_of(x: Any) -> int:
+    """B of pixel values (B, C, H, W) or of a tokenizer's dict."""
+    return int((x["input_ids"] if isinstance(x, dict) else x).shape[0])
+
+
 def _region_shifts(maps_a: np.ndarray, maps_b: np.ndarray, regions: dict, n_boot: int, seed: int) -> tuple:
     """Per region: the mass of A's and B's maps in it (B,), the mean shift B − A, its bootstrap 95% CI."""
     mass_a = {r: (maps_a * m).sum(axis=1) for r, m in regions.items()}
@@ -360,7 +375,7 @@ def _maps_of(model: Any, given: Any, name: str, x: torch.Tensor, info: Any, targ
              options: dict) -> tuple[np.ndarray, tuple[int, int] | None, np.ndarray]:
     """The maps of one side: the ``given`` ones (``maps_a`` / ``maps_b``), else ``model``'s, explained here."""
     if given is not None:
-        return _given(given, int(x.shape[0]), name)
+        return _given(given, _batch_of(x), name)
     return _explain_all(model, x, info, target, batch_size, options)
 
 
@@ -384,6 +399,10 @@ def _explain_all(
     r = explain_batches(model, x, info.name, target=target, batch_size=batch_size, **options)
     if target is None and r.targets is not None:
         preds = np.asarray(r.targets, dtype=np.int64)  # the target *is* the predicted class
+    elif isinstance(x, dict):
+        with torch.no_grad():
+            preds = torch.cat([logits_of(model(**{k: v[sl] for k, v in x.items()})).argmax(dim=1)
+                               for sl in chunks(_batch_of(x), batch_size)]).numpy()
     else:
         preds = batched_logits(image_forward(model), x, batch_size).argmax(dim=1).numpy()
     return r.scores.to(torch.float64).numpy(), r.grid, preds

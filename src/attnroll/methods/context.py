@@ -177,6 +177,8 @@ def _relevance(model, tokenizer, ids, rows, answer_ids, method, options) -> torc
     from ..core.rollout import layer_range
 
     start, end = layer_range(len(layers), options.get("start_layer", 0), options.get("end_layer"))
+    if method == "rollout":  # the same refusal of non-stochastic rows (attention sinks) as explain's rollout
+        _recompute.check_stochastic(layers, start, end, options.get("head_fusion", "mean"), None)
     E = torch.zeros(1, len(rows), ids.shape[1], dtype=torch.float32, device=layers[0].q.device)
     E[0, torch.arange(len(rows)), torch.tensor(rows)] = 1.0
     R = operators.rollout_rows(layers, E, rule, a=a, c=c, renorm=mode == "renorm", start=start, end=end)
