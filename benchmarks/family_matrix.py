@@ -40,6 +40,7 @@ vit deit beit dinov2 dinov2_with_registers data2vec-vision vit_msn vit_mae yolos
 levit dpt pvt_v2 hiera vitdet clip_vision_model siglip_vision_model
 wav2vec2 hubert wavlm audio-spectrogram-transformer whisper speech_to_text sew unispeech data2vec-audio
 clip siglip siglip2 blip owlvit chinese_clip altclip vilt flava llava paligemma git timesformer videomae vivit
+qwen2_vl qwen2_5_vl llava_next
 """.split()
 
 TIMM_MODELS = [
@@ -58,6 +59,7 @@ SMALL = dict(
     encoder_ffn_dim=64, decoder_ffn_dim=64, ffn_dim=64, vocab_size=99, max_position_embeddings=64, image_size=32,
     patch_size=8, head_dim=8, d_kv=8, num_key_value_heads=2, max_source_positions=64, max_target_positions=64,
     rotary_dim=4, embedding_size=32, num_encoder_layers=2, num_decoder_layers_=2,
+    projection_dim=32,  # PaliGemma's projector must land on the tiny text width
 )
 
 
@@ -121,6 +123,35 @@ def hf_inputs(model, cfg):
     if getattr(cfg, "is_encoder_decoder", False):
         inp["decoder_input_ids"] = torch.randint(3, 99, (2, 5), generator=g)
     return inp
+
+
+def is_vlm_config(cfg):
+    """A vision-language model: an image token id and a vision sub-config."""
+    return getattr(cfg, "image_token_id", None) is not None and getattr(cfg, "vision_config", None) is not None
+
+
+def vlm_inputs(model, cfg, inp):
+    """VLMs: one run of image placeholder tokens per image, as many as the model's own image features have
+    tokens, inside the tiny vocabulary."""
+    if not is_vlm_config(cfg):
+        return inp
+    try:
+        with torch.no_grad():
+            feats = model.get_image_features(pixel_values=inp["pixel_values"]).pooler_output
+    except Exception:  # noqa: BLE001 - other image inputs (Qwen2-VL patches, LLaVA-NeXT image_sizes): the
+        return inp     # capture refuses these before running, or the reference run says the config won't run
+    cfg.image_token_id = 98  # the configs' ids (32000, 256000) lie outside the tiny vocabulary
+    per_image = int(feats[0].shape[0])
+    ids = torch.randint(3, 98, (2, per_image + 8), generator=torch.Generator().manual_seed(0))
+    ids[:, 2:2 + per_image] = 98
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "pixel_values": inp["pixel_values"]}
+
+
+def vlm_reference(ref, inp, out):
+    """A VLM's own eager attentions: the language model's from its output, the vision tower's from the tower."""
+    tower = getattr(ref, "vision_tower", None) or ref.model.vision_tower
+    return {"language": list(out.attentions),
+            "vision": list(tower(inp["pixel_values"], output_attentions=True).attentions)}
 
 
 def reference_streams(out):
@@ -187,6 +218,7 @@ def check_hf(model_type):
         if hasattr(model, "set_default_language"):  # X-MOD
             model.set_default_language(next(iter(cfg.languages)))
         inp = hf_inputs(model, cfg)
+        inp = vlm_inputs(model, cfg, inp)
     except Exception as e:  # noqa: BLE001 - the tiny config itself does not build
         return "skipped", f"tiny config: {type(e).__name__}: {str(e)[:90]}"
     try:
@@ -204,7 +236,7 @@ def check_hf(model_type):
         with torch.no_grad():
             ref(**inp)  # a warm-up call: some models switch attention modules on their first call (BigBird)
             out = ref(**inp, output_attentions=True)
-        expect = reference_streams(out)
+            expect = vlm_reference(ref, inp, out) if is_vlm_config(cfg) else reference_streams(out)
     except Timeout:
         raise
     except Exception as e:  # noqa: BLE001 - the tiny config itself does not build / run

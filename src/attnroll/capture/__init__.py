@@ -27,6 +27,7 @@ from .sentence_transformers import is_sentence_transformer, make_adapter
 from .record import AttentionRecord, ModelFacts, Readout, StreamInfo, config_token_ids
 from .timm import TimmAdapter, is_timm_model
 from .torch_mha import MHAAdapter, has_mha
+from .vlm import vlm_adapter, vlm_facts
 
 __all__ = [
     "capture", "model_facts", "AttentionRecord", "StreamInfo", "Readout", "ModelFacts", "Capture", "CaptureError",
@@ -52,7 +53,7 @@ def capture(
 
     Args:
         model: a transformers model (ViT, DeiT, BEiT, DINOv2, BERT, RoBERTa, DistilBERT, ELECTRA, GPT-2,
-            Llama, CLIP, T5, BART, Marian, ...), a timm VisionTransformer, a model built from
+            Llama, CLIP, T5, BART, Marian, LLaVA, PaliGemma, ...), a timm VisionTransformer, a model built from
             ``nn.MultiheadAttention``, or any model together with ``modules=``.
         inputs: what the model's processor / tokenizer returns (a dict or BatchEncoding, passed as keyword
             arguments), a tensor (passed positionally, e.g. pixels (B, 3, H, W)), or a tuple of positional
@@ -155,7 +156,7 @@ def model_facts(model: nn.Module) -> ModelFacts:
     if is_sentence_transformer(model):
         return make_adapter(model).facts()
     if is_hf_model(model):
-        return hf_facts(model)
+        return vlm_facts(model) or hf_facts(model)
     if is_timm_model(model):
         return ModelFacts(family="timm", input_key="x", keyword_call=False)
     try:
@@ -173,7 +174,7 @@ def _select_adapter(model: nn.Module, modules: Any, to_probs: Callable | None) -
     if is_sentence_transformer(model):
         return make_adapter(model)
     if is_hf_model(model):
-        return HFAdapter(model)
+        return vlm_adapter(model) or HFAdapter(model)
     if is_timm_model(model):
         return TimmAdapter(model)
     if has_mha(model):

@@ -122,6 +122,8 @@ def _specs(pm: nn.Module) -> list[tuple[str, type | None, str | None, int, str |
 
 class HFAdapter(Adapter):
     family = "hf"
+    #: True for the VLM adapter (capture/vlm.py), which splits the streams; the plain adapter refuses VLMs.
+    composes_vlm = False
 
     def __init__(self, model: nn.Module):
         super().__init__(model)
@@ -142,15 +144,16 @@ class HFAdapter(Adapter):
                 f"modules=/to_probs= if you have your own composition. Supported: {SUPPORTED_FAMILIES}"
             )
         vlm_token = next((k for k in ("image_token_index", "image_token_id") if hasattr(config, k)), None)
-        if vlm_token is not None and getattr(config, "vision_config", None) is not None and (
+        if vlm_token is not None and not self.composes_vlm and getattr(config, "vision_config", None) is not None and (
             getattr(config, "text_config", None) is not None
         ):
             raise _checks.UnsupportedModelError(
                 f"{type(model).__name__} ({self.model_type}) is a vision-language model: its image patches enter "
                 "the language model as tokens (config." + vlm_token + "), so the vision tower and the language "
                 "model would be merged into one stream and the image tokens could not be mapped back to the patch "
-                "grid. attnroll does not compose VLMs yet; explain the vision tower (model.vision_tower / "
-                f"model.model.vision_tower) or the language model on its own. Supported: {SUPPORTED_FAMILIES}"
+                "grid. attnroll composes LLaVA and PaliGemma only (capture/vlm.py); explain the vision tower "
+                "(model.vision_tower / model.model.vision_tower) or the language model on its own. "
+                f"Supported: {SUPPORTED_FAMILIES}"
             )
         found: list[tuple[str, nn.Module, str, int]] = []
 
@@ -385,9 +388,12 @@ def hf_facts(model: nn.Module, family: str = "") -> ModelFacts:
     except (NotImplementedError, AttributeError):
         emb = None
     ids, pad = config_token_ids(text_cfg)
-    similarity = None
+    similarity, stream_inputs = None, {}
     if hasattr(model, "get_image_features") and hasattr(model, "get_text_features"):
         similarity = lambda outputs: outputs.logits_per_image  # noqa: E731  (dual towers: (images, texts))
+        # Each tower's input: the first argument of the model's own feature function for it.
+        stream_inputs = {s: first_argument(getattr(model, f"get_{k}_features")) for s, k in (("vision", "image"),
+                                                                                            ("text", "text"))}
     return ModelFacts(
         family=family or f"hf:{getattr(config, 'model_type', '')}",
         input_key=getattr(model, "main_input_name", None),
@@ -396,7 +402,19 @@ def hf_facts(model: nn.Module, family: str = "") -> ModelFacts:
         special_token_ids=ids,
         pad_token_id=pad,
         similarity=similarity,
+        stream_inputs={s: k for s, k in stream_inputs.items() if k},
     )
+
+
+def first_argument(fn: Any) -> str | None:
+    """The name of a bound method's first parameter, or None when its signature cannot be read."""
+    import inspect
+
+    try:
+        params = list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return None
+    return params[0] if params else None
 
 
 def _eot_positions(config: Any, ids: torch.Tensor) -> list[int]:

@@ -27,7 +27,7 @@ from .record import AttentionRecord, ModelFacts, StreamInfo, is_causal, resolve_
 SUPPORTED_FAMILIES = (
     "Hugging Face transformers: ViT, DeiT (incl. distilled ...WithTeacher), BEiT, DINOv2 (with registers), YOLOS, "
     "ViTMAE, AST, BERT-likes, GPT-2, Llama-family decoders, CLIP (vision and text towers), T5, BART, Marian, "
-    "VisionEncoderDecoder (and other transformers models that declare attention outputs), plus families without "
+    "VisionEncoderDecoder, LLaVA and PaliGemma (vision and language streams) (and other transformers models that declare attention outputs), plus families without "
     "a declaration through output_attentions=True (DeBERTa, MPNet, BLOOM, Falcon, GPT-Neo, RoFormer, XLM, ...); "
     "sentence-transformers SentenceTransformer objects; timm VisionTransformer models (vit_*, deit_* incl. "
     "distilled, register-token variants, parallel blocks, attention pooling), EVA / EVA02 / RoPE ViTs, BEiT, "

@@ -19,8 +19,10 @@ from torch import nn
 READOUT_KINDS = ("cls", "mean", "last", "eot", "position", "weights", "attention_pool")
 
 #: Conventional stream names. Single-stream models use "self"; encoder-decoders "encoder", "decoder" and
-#: "cross"; dual-tower models (CLIP) "vision" and "text".
-STREAM_NAMES = ("self", "encoder", "decoder", "cross", "vision", "text")
+#: "cross"; dual-tower models (CLIP) "vision" and "text"; vision-language models (LLaVA, PaliGemma) "vision"
+#: (the vision tower) and "language" (the language model, whose sequence holds the image tokens as well as
+#: the text: not "text", which is a text-only tower).
+STREAM_NAMES = ("self", "encoder", "decoder", "cross", "vision", "text", "language")
 
 
 @dataclass
@@ -152,6 +154,29 @@ def is_causal(layer: torch.Tensor) -> bool:
 
 
 @dataclass
+class StreamLink:
+    """Tokens of one stream that are another stream's output tokens, one to one (a VLM's image tokens: each
+    is one vision token, projected into the language model's embedding space).
+
+    K linked tokens; the k-th sits at (``example[k]``, ``position[k]``) of this stream and is token
+    ``token[k]`` of item ``item[k]`` (the batch row of the source stream: an image) of stream ``source``.
+
+    Attributes:
+        source: the stream the tokens come from ("vision").
+        example, position, item, token: (K,) long tensors (see above).
+        source_layers: how many layers of the source stream the linked tokens have passed through when they are
+            read (LLaVA's ``vision_feature_layer``): a rollout of the source stream stops after that many.
+    """
+
+    source: str
+    example: torch.Tensor
+    position: torch.Tensor
+    item: torch.Tensor
+    token: torch.Tensor
+    source_layers: int
+
+
+@dataclass
 class StreamInfo:
     """What the tokens of one stream are, as the adapter knows them.
 
@@ -169,6 +194,8 @@ class StreamInfo:
         readout_reason: why ``readout`` is None ("" otherwise).
         input_key: the forward argument carrying this stream's input ("pixel_values", "input_ids", "x", ...),
             or None.
+        link: the tokens of this stream that are another stream's tokens (:class:`StreamLink`: a VLM's image
+            tokens), or None; ``link_reason`` says why a stream that holds such tokens has no link.
     """
 
     kind: str = "tokens"
@@ -182,6 +209,8 @@ class StreamInfo:
     readout: Readout | None = None
     readout_reason: str = ""
     input_key: str | None = None
+    link: StreamLink | None = None
+    link_reason: str = ""
 
     @property
     def units(self) -> slice:
@@ -202,6 +231,10 @@ class ModelFacts:
         special_token_ids: ids of CLS / SEP / BOS / EOS / PAD tokens the config records.
         pad_token_id: the padding id (None when the config has none).
         similarity: for dual towers, ``f(outputs) -> (B_images, B_texts)`` similarity logits, else None.
+        dense_only: why this model's methods need the dense (eager) attention route ("" = any route; a VLM's
+            streams are composed from the dense record).
+        stream_inputs: for models with several input streams, stream name -> the forward argument carrying its
+            input ({"vision": "pixel_values", "text": "input_ids"} for CLIP), else empty.
     """
 
     family: str = ""
@@ -211,6 +244,8 @@ class ModelFacts:
     special_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
     similarity: Callable[[Any], torch.Tensor] | None = None
+    dense_only: str = ""
+    stream_inputs: dict[str, str] = field(default_factory=dict)
 
 
 #: Config fields holding special-token ids.

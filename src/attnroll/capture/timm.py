@@ -128,6 +128,12 @@ class TimmAdapter(Adapter):
             return "mean", "timm global_pool='avg': the mean of the patch tokens"
         if not pool:
             return "cls", "timm global_pool='': no pooling; the first token"
+        if pool == "avgmax":
+            return None, (
+                "timm global_pool='avgmax' is ½(mean + max) over the tokens; the max half takes each feature channel "
+                "from whichever token is largest there, so no fixed weighting of rows describes the pooled vector: "
+                "pass readout='mean' to explain the mean half (or a position / weight vector)"
+            )
         return None, (
             f"timm global_pool={pool!r} takes a maximum over tokens, which is no weighted set of rows: pass "
             "readout= ('cls', 'mean', a position or a weight vector)"

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from .. import _checks
-from ..capture import CaptureError
+from ..capture import CaptureError, model_facts
 from .._checks import UnsupportedModelError
 from ..capture.hf import is_hf_model
 from ..capture.recompute import capture_kernels
@@ -35,7 +35,11 @@ def choose(ctx: Context, attention: Any, refusal: str | None) -> bool:
     if attention == "dense":
         return False
     supported = is_hf_model(ctx.model) and not getattr(ctx.model.config, "is_encoder_decoder", False)
+    dense_only = model_facts(ctx.model).dense_only if supported else ""
     if attention == "recompute":
+        if dense_only:
+            raise ValueError(f"attention='recompute' cannot be used for {type(ctx.model).__name__}: {dense_only}; "
+                             "use attention='dense'")
         if not supported:
             raise ValueError(
                 f"attention='recompute' needs a transformers model whose attention goes through its attention "
@@ -44,7 +48,7 @@ def choose(ctx: Context, attention: Any, refusal: str | None) -> bool:
         if refusal:
             raise ValueError(f"attention='recompute' cannot be used here: {refusal}; use attention='dense'")
         return True
-    return supported and refusal is None
+    return supported and refusal is None and not dense_only
 
 
 def sparsity_refusal(opts: dict) -> str | None:

@@ -19,11 +19,12 @@ from .._modes import params_require_grad
 from ..capture import capture as _capture
 from ..capture.outputs import main_logits
 from ..capture.record import AttentionRecord, Readout, StreamInfo, is_causal, last_real, resolve_readout
+from ..core import multimodal
 from . import _option_checks
 from .explanation import Explanation
 
 __all__ = ["Explanation", "Explainer", "explain", "methods", "method_info", "check_options", "register", "Method",
-           "Context", "main_logits", "gather_rows", "rollout_rows", "prefix_default", "ROLLOUT_OPTIONS", "ROLLOUT_REFUSE"]
+           "Context", "main_logits", "gather_rows", "rollout_rows", "source_rows", "prefix_default", "ROLLOUT_OPTIONS", "ROLLOUT_REFUSE"]
 
 #: Options every method takes (besides its own): the output position to explain (row of the map, and the
 #: position of a token-level target), and the readout (which rows, with what weights; overrides the model's).
@@ -151,10 +152,10 @@ class Context:
         # Examples of a batch are independent (eval mode), so d(sum_b y_b)/dA_b = dy_b/dA_b.
         out_a = {s: [t.detach() for t in rec.streams[s]] for s in names}
         out_g: dict[str, list[torch.Tensor]] = {s: [] for s in names}
-        unreached = []
+        unreached, unread = [], unread_layers(rec)
         for s, i, ps in parts:
             gs = [grads.pop(0) for _ in ps]
-            if any(g is None for g in gs):
+            if any(g is None for g in gs) and (s, i) not in unread:
                 unreached.append(f"{s} layer {i}")
             gs = [torch.zeros_like(p) if g is None else g for p, g in zip(ps, gs)]
             out_g[s].append(torch.cat([g.detach() for g in gs], dim=1) if len(gs) > 1 else gs[0].detach())
@@ -178,6 +179,9 @@ class Context:
         names = rec.stream_names()
         if "self" in names or len(names) == 1:
             return "self" if "self" in names else names[0]
+        linked = [s for s in names if s in rec.info and (rec.info[s].link is not None or rec.info[s].link_reason)]
+        if len(linked) == 1:  # a VLM: the language stream, which holds the other stream's tokens
+            return linked[0]
         special = {"encoder": "'encdec_rollout' or 'encdec_gae'", "vision": "'clip'"}
         hint = next((v for k, v in special.items() if k in names), None)
         raise ValueError(
@@ -278,13 +282,18 @@ class Context:
         extra: dict | None = None,
         prefix: int | None = None,
         options: dict | None = None,
+        source: Callable | None = None,
     ) -> Explanation:
         """Assemble the Explanation: padded tokens zeroed, prefix (and suffix) tokens dropped from ``scores``.
 
         ``readout``: the :class:`Readout` that chose the rows, a list of one position per example, or None
-        (input-gradient baselines, which have no rows)."""
-        full_row = full_row.detach().to(torch.float32).cpu()
+        (input-gradient baselines, which have no rows). ``source``: for a stream linked to another (a VLM's
+        language stream), ``f(stream, readout, layers) -> (N, n_v)`` rows of that stream's relevance (see
+        :func:`source_rows`); the Explanation is then composed over both (see :meth:`build_linked`)."""
         info = self.info(rec, stream)
+        if self.composes(rec, stream, source):
+            return self.build_linked(rec, full_row, readout, stream, source, layers=layers, options=options)
+        full_row = full_row.detach().to(torch.float32).cpu()
         mask = info.mask
         if mask is not None:
             # where, not a product: a model may leave NaN at padding (an example that is all padding).
@@ -314,6 +323,89 @@ class Context:
             readout_weights=None if readout is None else readout.weights.detach().cpu(),
             suffix=info.suffix,
         )
+
+    def composes(self, rec: AttentionRecord, stream: str, source: Callable | None) -> bool:
+        """Whether ``stream`` is linked to another recorded stream (a VLM's image tokens) and the Explanation is
+        composed over both: needs a ``source`` (ValueError naming the methods that compose, or the reason the
+        tokens cannot be linked); never when the ``stream`` option picks one stream."""
+        info = self.info(rec, stream)
+        if self.options.get("stream") is not None:
+            return False
+        if info.link_reason:
+            raise ValueError(
+                f"{type(self.model).__name__}: the image tokens of the {stream} stream cannot be mapped to the vision "
+                f"tokens ({info.link_reason}); pass stream='{stream}' to explain that stream alone (image tokens as "
+                "positions) or stream='vision'"
+            )
+        linked = info.link is not None and info.link.source in rec.streams
+        if linked and source is None:
+            raise ValueError(
+                f"method {self.method.name!r} does not compose the streams of {type(self.model).__name__} (a vision-"
+                "language model); use 'rollout', 'grad_rollout' or 'gae', or pass stream='language' or "
+                "stream='vision' to explain one stream alone"
+            )
+        return linked
+
+    def build_linked(self, rec: AttentionRecord, row: torch.Tensor, readout: Readout, stream: str,
+                     source: Callable, *, layers: torch.Tensor | None = None,
+                     options: dict | None = None) -> Explanation:
+        """The Explanation of a VLM (attnroll.core.multimodal): the language row's shares of the image tokens
+        pushed through the vision stream's relevance onto its patch grid (``scores`` (B, h·w), ``grid``), the
+        text positions' shares in ``extra["text_scores"]`` (B, n_l) (0 at image tokens and padding);
+        ``extra["image_share"] + extra["text_share"]`` = the row's total (1 for rollout)."""
+        link = self.info(rec, stream).link
+        mask = self.mask(rec, stream)
+        row = row.detach().to(torch.float32).cpu()
+        if mask is not None:
+            row = torch.where(mask.cpu().bool(), row, torch.zeros((), dtype=row.dtype))
+        shape = rec.stream_shape(link.source)
+        W = multimodal.source_weights(row, link.example, link.position, link.item, link.token, shape[0], shape[-1])
+        weights, totals = multimodal.split_mass(W)
+        src = source(link.source, Readout("weights", weights, f"the {stream} stream's shares of the image tokens"),
+                     link.source_layers)
+        M = multimodal.push_through(src.detach().to(torch.float32).cpu(), totals)
+        image = multimodal.per_example(M, multimodal.item_examples(link.example, link.item, shape[0]), row.shape[0])
+        text = multimodal.unlinked(row, link.example, link.position)
+        extra = {
+            "text_scores": text, "language_row": row, "image_share": image.sum(dim=-1), "text_share": text.sum(dim=-1),
+            "image_positions": [link.position[link.example == b].tolist() for b in range(row.shape[0])],
+        }
+        if layers is not None:
+            extra["language_layers"] = layers
+        e = self.build(rec, image, readout, link.source, extra=extra, options=options)
+        e.tokens = self.info(rec, stream).tokens
+        return e
+
+
+def unread_layers(rec: AttentionRecord) -> set[tuple[str, int]]:
+    """(stream, layer) pairs whose output no linked stream reads (a VLM's vision layers after the feature
+    layer): a gradient never reaches them, by the model's construction."""
+    out = set()
+    for info in rec.info.values():
+        link = info.link
+        if link is not None and link.source in rec.streams:
+            out |= {(link.source, i) for i in range(link.source_layers, len(rec.streams[link.source]))}
+    return out
+
+
+_ABSENT = object()  # source_rows: the method takes no protect_prefix option
+
+
+def source_rows(ctx: Context, rec: AttentionRecord, fn: Callable, layers_of: Callable, *,
+                protect_prefix: Any = _ABSENT, **options: Any) -> Callable:
+    """The ``source=`` of :meth:`Context.build` for a linked stream: ``f(stream, readout, k) -> (N, n)`` rows
+    of ``fn`` (a core rollout) over the first k layers of ``layers_of(stream)``, with the method's per-layer
+    options; start_layer / end_layer / return_layers belong to the explained stream and are not passed on.
+    ``protect_prefix`` (when the method takes it) is resolved for the source stream's own prefix."""
+    opts = {k: v for k, v in options.items() if k not in ("start_layer", "end_layer", "return_layers")}
+
+    def rows(stream: str, readout: Readout, k: int) -> torch.Tensor:
+        if k == 0:  # the projector reads the embeddings: no vision layer mixes the tokens
+            return readout.weights
+        extra = {} if protect_prefix is _ABSENT else {"protect_prefix": prefix_default(protect_prefix, ctx.info(rec, stream))}
+        return rollout_rows(fn, list(layers_of(stream))[:k], readout, ctx.mask(rec, stream), **extra, **opts)[0]
+
+    return rows
 
 
 def gather_rows(R: torch.Tensor, rows: list[int], positions: list[int], *, layer_axis: bool = False) -> torch.Tensor:

@@ -136,6 +136,7 @@ def _run(ctx: Context, kind: str, n_steps: int = 50, internal_batch_size: Any = 
     score = _score_fn(ctx, rec, B, pos)
     inputs = ctx.inputs
     info = ctx.info(rec, s)
+    ctx.composes(rec, s, None)  # a VLM's linked streams: refused here, before perturbed inputs reach the model
     key = info.input_key
     is_dict = isinstance(inputs, dict) or hasattr(inputs, "keys")
     pixels = inputs.get(key) if is_dict and key else inputs if isinstance(inputs, torch.Tensor) else None

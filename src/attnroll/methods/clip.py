@@ -19,15 +19,19 @@ from ..core.gradients import gradient_weighted
 from .base import Context, combine_rows, register, require_grad_mode, resolve_target
 
 
-def _pairs(inputs):
-    if not (isinstance(inputs, dict) or hasattr(inputs, "keys")) or "pixel_values" not in inputs or "input_ids" not in inputs:
-        raise ValueError("method 'clip' needs inputs with pixel_values and input_ids (what CLIPProcessor returns)")
-    px, ids = inputs["pixel_values"], inputs["input_ids"]
+def _pairs(inputs, facts):
+    """One batch row per image-text pair; the towers' input keys come from the adapter (``stream_inputs``)."""
+    px_key, ids_key = facts.stream_inputs.get("vision"), facts.stream_inputs.get("text")
+    if px_key is None or ids_key is None:
+        raise ValueError(f"method 'clip' needs a dual-tower image-text model; this one ({facts.family}) is not one")
+    if not (isinstance(inputs, dict) or hasattr(inputs, "keys")) or px_key not in inputs or ids_key not in inputs:
+        raise ValueError(f"method 'clip' needs inputs with {px_key} and {ids_key} (what the model's processor returns)")
+    px, ids = inputs[px_key], inputs[ids_key]
     P, T = px.shape[0], ids.shape[0]
     if P == T:
         return dict(inputs)
     if P == 1:
-        return {**inputs, "pixel_values": px.expand(T, *px.shape[1:])}
+        return {**inputs, px_key: px.expand(T, *px.shape[1:])}
     raise ValueError(
         f"method 'clip' pairs image i with text i, or one image with every text: got {P} images and {T} texts"
     )
@@ -51,13 +55,14 @@ def clip(ctx: Context, *, start_layer, start_layer_text):
             "method 'clip' explains each pair's similarity: target must be None (the similarity "
             "logits_per_image[i, i]) or a callable f(outputs) -> (pairs,); class indices make no sense here"
         )
-    ctx.inputs = _pairs(ctx.inputs)
+    facts = model_facts(ctx.model)
+    ctx.inputs = _pairs(ctx.inputs, facts)
 
     def sim(rec):
         if callable(ctx.target):
             y, ctx.target_desc = resolve_target(rec.outputs, ctx.target)
             return y
-        similarity = model_facts(ctx.model).similarity
+        similarity = facts.similarity
         if similarity is None:
             raise ValueError(f"method 'clip' needs a dual-tower image-text model; {type(ctx.model).__name__} is not one")
         ctx.target_desc = "pair similarity (logits_per_image[i, i])"

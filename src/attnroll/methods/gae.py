@@ -10,7 +10,7 @@ from ..core.operators import weighted_probs
 from ..core.rollout import rollout as core_rollout
 from . import _recompute
 from ..core.gradients import gradient_weighted
-from .base import Context, register, rollout_rows
+from .base import Context, register, rollout_rows, source_rows
 
 
 @register(
@@ -46,4 +46,6 @@ def gae(ctx: Context, *, start_layer, end_layer, return_layers, stream, attentio
         core_rollout, W, pos, ctx.mask(rec, s), return_layers=return_layers, head_fusion=None,
         residual_mode="add", alpha=0.5, check_stochastic=False, start_layer=start_layer, end_layer=end_layer,
     )
-    return ctx.build(rec, row, pos, s, layers=layers, options={**ctx.options, "attention": "dense"})
+    src = source_rows(ctx, rec, core_rollout, lambda v: gradient_weighted(atts[v], grads[v], "per_head"),  # VLMs
+                      head_fusion=None, residual_mode="add", alpha=0.5, check_stochastic=False)
+    return ctx.build(rec, row, pos, s, layers=layers, options={**ctx.options, "attention": "dense"}, source=src)

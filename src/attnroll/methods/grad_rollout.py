@@ -12,7 +12,7 @@ from .. import _checks
 from ..core.operators import weighted_probs
 from ..core.rollout import rollout as core_rollout
 from . import _recompute
-from .base import Context, prefix_default, register, rollout_rows
+from .base import Context, prefix_default, register, rollout_rows, source_rows
 
 
 _OPTIONS = {
@@ -55,4 +55,7 @@ def grad_rollout(ctx: Context, *, clamp, stream, return_layers, protect_prefix, 
         core_rollout, W, pos, ctx.mask(rec, s), return_layers=return_layers, head_fusion=None,
         check_stochastic=False, protect_prefix=pp, **opts,
     )
-    return ctx.build(rec, row, pos, s, layers=layers, options={**ctx.options, "protect_prefix": pp, "attention": "dense"})
+    src = source_rows(ctx, rec, core_rollout, lambda v: gradient_weighted(atts[v], grads[v], clamp),  # VLMs: vision
+                      protect_prefix=protect_prefix, head_fusion=None, check_stochastic=False, **opts)
+    return ctx.build(rec, row, pos, s, layers=layers, options={**ctx.options, "protect_prefix": pp, "attention": "dense"},
+                     source=src)

@@ -7,7 +7,7 @@ from .. import _checks
 from ..core.operators import fused_probs
 from ..core.rollout import rollout as core_rollout
 from . import _recompute
-from .base import ROLLOUT_OPTIONS, ROLLOUT_REFUSE, Context, prefix_default, register, rollout_rows
+from .base import ROLLOUT_OPTIONS, ROLLOUT_REFUSE, Context, prefix_default, register, rollout_rows, source_rows
 
 @register(
     "rollout",
@@ -44,4 +44,6 @@ def rollout(ctx: Context, *, stream, return_layers, protect_prefix, attention, *
     row, layers = rollout_rows(
         core_rollout, rec.streams[s], ro, ctx.mask(rec, s), return_layers=return_layers, protect_prefix=pp, **opts
     )
-    return ctx.build(rec, row, ro, s, layers=layers, options={**ctx.options, "protect_prefix": pp, "attention": "dense"})
+    src = source_rows(ctx, rec, core_rollout, rec.stream, protect_prefix=protect_prefix, **opts)  # VLMs: the vision stream
+    return ctx.build(rec, row, ro, s, layers=layers, options={**ctx.options, "protect_prefix": pp, "attention": "dense"},
+                     source=src)
