@@ -123,7 +123,7 @@ def plan(quick: bool) -> list[tuple[str, int, list[str], int]]:
     out += [("llama", 1024, base + grad + dense, 2), ("llama", 2048, base + grad + dense, 1)]
     out += [("llama", n, base + grad, 1) for n in (4096, 8192)]
     out += [("gpt2", 1024, base + grad + dense[:1], 1), ("gpt2", 2048, base + grad, 1), ("gpt2", 4096, base, 1)]
-    out += [("llama", n, base, 1) for n in (16384, 32768)]
+    out += [("gpt2", 8192, base, 1), ("llama", 16384, base + grad, 1), ("llama", 32768, base, 1)]
     return out
 
 
@@ -148,22 +148,23 @@ def main() -> None:
         if (only is not None and f"{name}:{n}" not in only) or f"{name}:{n}" in skip:
             continue
         cmd = [sys.executable, __file__, "--cell", name, str(n), ",".join(modes), str(rounds)]
+        before = os.getloadavg()[0]
         p = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if p.returncode != 0:
             print(f"{name} n={n}: failed\n{p.stderr[-2000:]}", flush=True)
             continue
         r = json.loads(p.stdout.strip().splitlines()[-1])
-        r["load"] = os.getloadavg()[0]
+        r["load_before"], r["load"] = before, os.getloadavg()[0]
         results.append(r)
         print(report(r), flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+        if args.json:  # after every cell: a later cell that runs out of time or memory loses only itself
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1)
 
 
 def report(r: dict) -> str:
     t, m = r["time_s"], r["peak_mib"]
-    parts = [f"{r['model']:7s} n={r['n']:6d} load {r['load']:.1f}"]
+    parts = [f"{r['model']:7s} n={r['n']:6d} load {r.get('load_before', r['load']):.1f}-{r['load']:.1f}"]
     for mode, ref in (("rollout", "sdpa_forward"), ("gae", "sdpa_forward_backward"), ("dense_rollout", "sdpa_forward"),
                       ("dense_gae", "sdpa_forward_backward")):
         if mode in t:

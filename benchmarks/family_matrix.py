@@ -25,7 +25,7 @@ import warnings
 import torch
 
 import attnroll
-from attnroll.capture import CaptureError
+from attnroll.capture import CaptureError, swin
 
 HF_TYPES = """
 bert roberta distilbert electra albert deberta deberta-v2 mpnet xlm-roberta camembert roformer squeezebert xlm
@@ -43,13 +43,21 @@ clip siglip siglip2 blip owlvit chinese_clip altclip vilt flava llava paligemma 
 qwen2_vl qwen2_5_vl llava_next
 """.split()
 
+#: Swin takes per-stage depths and heads (not depth / num_heads): two stages of two blocks, 4x4 windows.
+TINY_SWIN = {"img_size": 32, "patch_size": 2, "window_size": 4, "depths": (2, 2), "embed_dim": 16, "num_heads": (2, 2)}
+
+#: transformers types whose tiny config is built from these arguments instead of shrinking the defaults.
+TINY_HF = {t: dict(image_size=32, patch_size=2, embed_dim=16, depths=[2, 2], num_heads=[2, 2], window_size=4)
+           for t in ("swin", "swinv2")}
+
 TIMM_MODELS = [
     ("vit_tiny_patch16_224", {}), ("deit_tiny_distilled_patch16_224", {}),
     ("vit_tiny_patch16_224", {"reg_tokens": 4, "no_embed_class": True}), ("vit_tiny_patch16_224", {"global_pool": "avg"}),
     ("vit_so150m_patch16_reg4_map_256", {}), ("vit_small_patch16_18x2_224", {}), ("vit_dwee_patch16_reg1_gap_256", {}),
     ("eva02_tiny_patch14_224", {"patch_size": 8}), ("beit_base_patch16_224", {}), ("cait_xxs24_224", {}),
     ("vit_relpos_small_patch16_224", {}), ("naflexvit_base_patch16_gap", {}), ("samvit_base_patch16", {}),
-    ("swin_tiny_patch4_window7_224", {}), ("vit_medium_patch16_rope_reg1_gap_256", {}),
+    ("swin_tiny_patch4_window7_224", TINY_SWIN), ("vit_medium_patch16_rope_reg1_gap_256", {}),
+    ("swinv2_tiny_window8_256", TINY_SWIN),
 ]
 
 SMALL = dict(
@@ -213,7 +221,10 @@ def check_hf(model_type):
         return "skipped", "no base model class"
     try:
         torch.manual_seed(0)
-        cfg = shrink(T.AutoConfig.for_model(model_type))
+        if model_type in TINY_HF:  # derived sizes (Swin's hidden_size = embed_dim·2^stages) need the constructor
+            cfg = T.AutoConfig.for_model(model_type, **TINY_HF[model_type])
+        else:
+            cfg = shrink(T.AutoConfig.for_model(model_type))
         model = getattr(T, name if isinstance(name, str) else name[0])(cfg).eval()
         if hasattr(model, "set_default_language"):  # X-MOD
             model.set_default_language(next(iter(cfg.languages)))
@@ -241,11 +252,45 @@ def check_hf(model_type):
         raise
     except Exception as e:  # noqa: BLE001 - the tiny config itself does not build / run
         return "skipped", f"tiny config: {type(e).__name__}: {str(e)[:90]}"
+    native = None
+    if swin.is_swin(model):  # windows scattered into stage matrices; the reference has each stage's last block
+        native = lambda rec: last_of_stage(model, native_layers(model, rec))  # noqa: E731
     return classify(lambda: attnroll.capture(model, inp), expect, lambda rec: layout_problems(rec, cfg, inp),
-                    lambda: padding_problem(model, inp))
+                    lambda: padding_problem(model, inp), native)
 
 
-def classify(run, expect, layout, padding):
+def native_layers(model, rec):
+    """The record's layers in each attention module's own layout, to compare with the model's tensors:
+    Swin stage matrices read back at their window positions, CaiT's [CLS + patches] rows cropped to the
+    block's own queries and keys; other models' layers as they are."""
+    from attnroll.capture import cait, swin
+
+    layers = rec.attentions
+    if swin.is_swin(model):
+        timm_model = type(model).__module__.startswith("timm.")
+        blocks = [m for _, m in (swin._timm_blocks(model) if timm_model else swin._hf_layers(model))]
+        ids_of = swin.timm_window_ids if timm_model else swin.hf_window_ids
+        out = []
+        for A, blk, (h, w) in zip(layers, blocks, rec.extra["stage_grids"]):
+            ids = ids_of(blk, h, w)
+            B, H = A.shape[:2]
+            win = A[:, :, ids[:, :, None], ids[:, None, :]].permute(0, 2, 1, 3, 4)
+            out.append(win.reshape(B * ids.shape[0], H, ids.shape[1], ids.shape[1]))
+        return out
+    if cait.is_cait(model):
+        kinds = [type(m).__name__ for m in model.modules() if type(m).__name__ in (cait.TALKING, cait.CLASS)]
+        return [A[:, :, :1] if k == cait.CLASS else A[:, :, 1:, 1:] for A, k in zip(layers, kinds)]
+    return layers
+
+
+def last_of_stage(model, layers):
+    """transformers Swin returns the attention of each stage's last block only."""
+    stages = [m for m in model.modules() if type(m).__name__.endswith("Stage") and hasattr(m, "blocks")]
+    ends = list(__import__("itertools").accumulate(len(st.blocks) for st in stages))
+    return [layers[e - 1] for e in ends]
+
+
+def classify(run, expect, layout, padding, native=None):
     try:
         rec = run()
     except (attnroll.UnsupportedModelError, CaptureError) as e:
@@ -257,7 +302,7 @@ def classify(run, expect, layout, padding):
     if not expect:
         return "wrong", "no reference attentions to compare with (unverified)"
     for s, layers in expect.items():
-        got = rec.streams.get(s)
+        got = rec.streams.get(s) if native is None else native(rec)
         if got is None or len(got) != len(layers):
             return "wrong", f"stream {s}: {0 if got is None else len(got)} layers, reference {len(layers)}"
         mask = rec.info[s].mask
@@ -284,8 +329,8 @@ def timm_reference(model, x):
     """Per attention module, (v, out): v (B, H, n, d) from the block's own projection and the tensor its output
     projection (or the norm before it) receives on the model's default fused path. Captured probabilities A
     are right when (A @ v) reproduces ``out`` (RoPE, relative-position biases and all)."""
-    mods = [m for m in model.modules() if hasattr(m, "fused_attn") and hasattr(m, "attn_drop")
-            and hasattr(m, "num_heads") and (getattr(m, "qkv", None) is not None or hasattr(m, "v_proj"))]
+    mods = [m for m in model.modules() if hasattr(m, "attn_drop") and hasattr(m, "num_heads") and hasattr(m, "proj")
+            and (getattr(m, "qkv", None) is not None or hasattr(m, "v_proj") or isinstance(getattr(m, "v", None), torch.nn.Linear))]
     if not mods:
         return None
     seen, hooks = {}, []
@@ -304,16 +349,21 @@ def timm_reference(model, x):
         inp = seen[i]["x"]
         B, N, _ = inp.shape
         if getattr(m, "qkv", None) is not None:
-            v = m.qkv(inp).reshape(B, N, 3, m.num_heads, -1)[:, :, 2]
+            qkv = m.qkv(inp)
+            if getattr(m, "v_bias", None) is not None and m.qkv.bias is None:  # SwinV2 keeps the biases apart
+                qkv = qkv + torch.cat((torch.zeros_like(m.v_bias), torch.zeros_like(m.v_bias), m.v_bias))
+            v = qkv.reshape(B, N, 3, m.num_heads, -1)[:, :, 2]
+        elif isinstance(getattr(m, "v", None), torch.nn.Linear):  # CaiT class attention
+            v = m.v(inp).reshape(B, N, m.num_heads, -1)
         else:
             v = m.v_proj(inp).reshape(B, N, m.num_heads, -1)
         out.append((v.transpose(1, 2), seen[i]["out"]))
     return out
 
 
-def reproduces(rec, pairs):
+def reproduces(rec, pairs, layers=None):
     """'' when every captured layer reproduces its block's output, else the first problem."""
-    layers = rec.attentions
+    layers = rec.attentions if layers is None else layers
     if len(pairs) % len(layers):
         return f"{len(layers)} layers for {len(pairs)} attention modules"
     k = len(pairs) // len(layers)  # parallel branches: heads concatenated per layer
@@ -322,8 +372,8 @@ def reproduces(rec, pairs):
             v, out = pairs[li * k + j]
             H = v.shape[1]
             a = A[:, j * H : (j + 1) * H]
-            B, _, n, d = v.shape
-            mixed = (a @ v).transpose(1, 2).reshape(B, n, H * d)
+            B, _, _, d = v.shape
+            mixed = (a @ v).transpose(1, 2).reshape(B, a.shape[-2], H * d)
             if not torch.allclose(mixed, out, atol=1e-5, rtol=1e-4):
                 return f"layer {li}: A @ v differs from the block's output by {float((mixed - out).abs().max()):.2g}"
     return ""
@@ -369,7 +419,7 @@ def check_timm(name, kw):
         return "wrong", f"crash {type(e).__name__}: {str(e)[:120]}"
     if expect is None:
         return "wrong", "no reference (unverified)"
-    problem = reproduces(rec, expect) or "; ".join(layout(rec))
+    problem = reproduces(rec, expect, native_layers(model, rec)) or "; ".join(layout(rec))
     if problem:
         return "wrong", problem
     return "correct", f"{rec.family}: self({rec.info['self'].readout.kind if rec.info['self'].readout else '-'})"

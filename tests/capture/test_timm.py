@@ -111,13 +111,14 @@ def test_keep_grad_and_fusion():
         torch.testing.assert_close(f, a.detach().mean(1), atol=1e-6, rtol=0)
 
 
-def test_timm_swin_is_refused():
+def test_timm_swinv2_cr_is_refused():
+    # swin_* / swinv2_* are captured by capture/swin.py (tests/capture/test_swin.py); the "cr" variant is not.
     model = timm.create_model(
-        "swin_tiny_patch4_window7_224", pretrained=False, depths=(1, 1), embed_dim=16, num_heads=(2, 2),
-        img_size=56, window_size=7,
+        "swinv2_cr_tiny_ns_224", pretrained=False, img_size=32, window_size=4, depths=(1, 1), embed_dim=16,
+        num_heads=(2, 2), num_classes=3,
     )
     with pytest.raises(attnroll.UnsupportedModelError, match="shifted local windows"):
-        attnroll.capture(model, torch.randn(1, 3, 56, 56))
+        attnroll.capture(model, torch.randn(1, 3, 32, 32))
 
 
 def test_context_manager_sees_unfused_path():

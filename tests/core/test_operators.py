@@ -144,3 +144,56 @@ def test_attention_rows_pick_the_given_queries():
 def test_rows_of_the_wrong_length_are_refused():
     with pytest.raises(ValueError, match="relevance rows have 5 entries"):
         op.apply_layer(torch.ones(B, 1, 5), layer(), op.fused_probs("mean"), a=0.5, c=0.5)
+
+
+# ------------------------------------------------------------------- the tiled path and the row log-sum-exp
+TILED = {k: CASES[k] for k in ("plain", "causal", "window", "sinks")}
+
+
+def naive_lse(lay, **kw):
+    """log Σ_j exp(logit_ij) (+ the sink), from the naive probabilities: log(p_ij) = logit_ij − lse_i."""
+    k = lay.k.repeat_interleave(H // lay.k.shape[1], dim=1)
+    s = lay.q @ k.transpose(-1, -2) * lay.scaling
+    p = naive_probs(lay.q, lay.k, lay.scaling, **kw)
+    j = p.argmax(dim=-1, keepdim=True)  # an allowed key with p > 0 in every row
+    return (s.gather(-1, j) - p.gather(-1, j).log())[..., 0]
+
+
+@pytest.mark.parametrize("case", list(TILED))
+def test_row_lse_equals_naive(case):
+    lay = layer(**TILED[case])
+    torch.testing.assert_close(op.row_lse(lay), naive_lse(lay, **TILED[case]), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("case", list(TILED))
+@pytest.mark.parametrize("tiles", [(None, None), (3, 5), (7, 2), (64, 64)])
+@pytest.mark.parametrize("lse", ["none", "kernel", "wrong"])
+def test_tiled_path_equals_rollout_of_matrices(case, tiles, lse):
+    """The fast path (no normalisation of any block: exp2 of the augmented product) against one layer of
+    ``rollout`` on the naive matrices; relevance on a few rows only (the others skipped). A kernel's
+    log-sum-exp that disagrees with the logits (here shifted by 0.5) must be rejected, not used."""
+    lay = layer(**TILED[case])
+    if lse != "none":
+        lay.lse = naive_lse(lay, **TILED[case]) + (0.5 if lse == "wrong" else 0.0)
+    A = naive_probs(lay.q, lay.k, lay.scaling, **TILED[case]).mean(dim=1)  # (B, n, n)
+    g = torch.Generator().manual_seed(3)
+    r = torch.rand(B, 2, N, generator=g)
+    r[..., 5:9] = 0.0
+    ref = 0.6 * (r @ A) + 0.4 * r
+    assert op.tiled_applies(lay, op.fused_probs("mean"), r, None, False)
+    got = op.apply_layer_tiled(r, lay, a=0.6, c=0.4, rows=tiles[0], keys=tiles[1])
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+
+
+def test_tiled_path_is_taken_only_where_it_is_exact():
+    """Masks, softcapping, position bias, renorm, padding and non-mean fusions need the normalised blocks."""
+    r = torch.rand(B, 1, N)
+    mean = op.fused_probs("mean")
+    assert op.tiled_applies(layer(causal=True, window=3), mean, r, None, False)
+    assert not op.tiled_applies(layer(softcap=1.0), mean, r, None, False)
+    assert not op.tiled_applies(layer(mask=padding_mask()), mean, r, None, False)
+    assert not op.tiled_applies(layer(bias=alibi(N)), mean, r, None, False)
+    assert not op.tiled_applies(layer(), op.fused_probs("max"), r, None, False)
+    assert not op.tiled_applies(layer(), mean, r, torch.ones(B, N, dtype=torch.bool), False)
+    assert not op.tiled_applies(layer(), mean, r, None, True)
+    assert not op.tiled_applies(layer(), mean, r.double(), None, False)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -252,11 +253,118 @@ def test_attention_sinks_gpt_oss(method):
     """gpt-oss: per-head sink logits join the softmax's denominator (rows sum to less than 1), alternating
     sliding-window and full layers; eager is its default kernel and stays so. (Dense ``rollout`` refuses such
     rows as non-stochastic, hence the three methods here.)"""
+    m = _gpt_oss()
+    x = inputs("llama", 11)
+    assert_same(attnroll.explain(m, x, method, attention="dense"), attnroll.explain(m, x, method, attention="recompute"))
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "vit"])
+def test_kernel_log_sum_exp_is_captured(family):
+    """SDPA's fused kernel computes each row's log-sum-exp and drops it; the capture keeps it (observed below
+    autograd, the kernel untouched). It must equal log Σ_j exp(q_i·k_j·scaling) over the keys the row sees,
+    computed here in full from the recorded queries and keys; the eager kernel has none to give."""
+    from attnroll.capture.recompute import capture_kernels
+
+    m = build(family)
+    x = inputs(family, 10, pad=False)
+    rec = capture_kernels(m, x)
+    for lay in rec.operators[rec.stream_names()[0]]:
+        k = lay.k.repeat_interleave(lay.q.shape[1] // lay.k.shape[1], dim=1)
+        s = lay.q @ k.transpose(-1, -2) * lay.scaling
+        if lay.causal:
+            s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+        assert lay.lse is not None
+        torch.testing.assert_close(lay.lse, torch.logsumexp(s, dim=-1), atol=1e-5, rtol=0)
+    eager = build("gemma2")
+    assert all(lay.lse is None for lay in capture_kernels(eager, inputs("gemma2", 8)).operators["self"])
+
+
+@pytest.mark.parametrize("head_fusion", ["mean", "max"])
+def test_rollout_refuses_sink_rows_on_both_routes(head_fusion):
+    """Rows with attention sinks sum to less than 1: rollout refuses them on both routes, with the same check
+    (the same layer and the same range of row sums); without sinks the same model is accepted."""
+    m = _gpt_oss()
+    x = inputs("llama", 9)
+    errors = []
+    for route in ("dense", "recompute"):
+        with pytest.raises(ValueError, match="rows must sum to 1") as e:
+            attnroll.explain(m, x, "rollout", attention=route, head_fusion=head_fusion)
+        errors.append(str(e.value).split(". ")[0])
+    assert errors[0].split(", but")[0] == errors[1].split(", but")[0]  # the same layer and tolerance
+    (lo_d, hi_d), (lo_r, hi_r) = (re.findall(r"range from (\S+) to (\S+)", err)[0] for err in errors)
+    assert abs(float(lo_d) - float(lo_r)) < 1e-4 and abs(float(hi_d) - float(hi_r)) < 1e-4
+    with pytest.raises(ValueError, match="Attention sinks"):
+        attnroll.explain(m, x, "rollout", attention="recompute")
+    for mod in m.modules():
+        if isinstance(getattr(mod, "sinks", None), torch.nn.Parameter):
+            mod.sinks.data.fill_(-1e4)  # no mass left to the sinks: stochastic rows again
+    assert_same(attnroll.explain(m, x, "rollout", attention="dense", head_fusion=head_fusion),
+                attnroll.explain(m, x, "rollout", attention="recompute", head_fusion=head_fusion))
+
+
+def _gpt_oss():
     torch.manual_seed(0)
     cfg = T.GptOssConfig(vocab_size=99, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=2,
                          num_experts_per_tok=1, sliding_window=4, max_position_embeddings=64, initializer_range=0.3,
                          layer_types=["sliding_attention", "full_attention"])
-    m = T.GptOssForCausalLM(cfg).eval()
+    return T.GptOssForCausalLM(cfg).eval()
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_additive_position_bias_through_the_interface_beit(method):
+    """No installed ALiBi family (BLOOM, MPT, Falcon) calls its kernel through transformers' attention
+    interface; BEiT does, with its relative position bias added to the logits as a float (1, H, n, n) mask —
+    the additive-bias path an ALiBi model would take. The bias table is made non-zero (it starts at 0), and
+    switching the bias off must change the answer (so the check can fail)."""
+    torch.manual_seed(0)
+    cfg = T.BeitConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
+                       image_size=32, patch_size=8, num_labels=3, use_relative_position_bias=True)
+    m = T.BeitForImageClassification(cfg).eval()
+    for mod in m.modules():
+        if hasattr(mod, "relative_position_bias_table"):
+            torch.nn.init.normal_(mod.relative_position_bias_table, std=2.0)
+    x = {"pixel_values": torch.randn(2, 3, 32, 32)}
+    d = attnroll.explain(m, x, method, attention="dense")
+    assert_same(d, attnroll.explain(m, x, method, attention="recompute"))
+    if method not in ("raw", "rollout"):  # the gradient rules' rows are near uniform on this tiny model
+        return
+    for mod in m.modules():
+        if hasattr(mod, "relative_position_bias_table"):
+            torch.nn.init.zeros_(mod.relative_position_bias_table)
+    assert not torch.allclose(d.full_row, attnroll.explain(m, x, method, attention="dense").full_row, atol=1e-4)
+
+
+def test_direct_indexing_of_the_interface_is_recorded(monkeypatch):
+    """A module that indexes ``ALL_ATTENTION_FUNCTIONS[impl]`` directly (as Qwen2.5-Omni's DiT does, and
+    SAM 2/3 and EdgeTAM when they fall back from flash to SDPA) is recorded too, once per call: simulated here
+    by routing Llama's get_interface lookups through indexing. The implementation is left as it is, and
+    both class attributes are restored afterwards."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+
+    m = build("llama")
     x = inputs("llama", 11)
-    assert_same(attnroll.explain(m, x, method, attention="dense"), attnroll.explain(m, x, method, attention="recompute"))
+    dense = {method: attnroll.explain(m, x, method, attention="dense") for method in ("rollout", "gae")}
+    monkeypatch.setattr(ALL_ATTENTION_FUNCTIONS, "get_interface", lambda impl, default: ALL_ATTENTION_FUNCTIONS[impl],
+                        raising=False)
+    before = (AttentionInterface.__dict__["get_interface"], AttentionInterface.__dict__.get("__getitem__"))
+    for method in ("rollout", "gae"):
+        r = attnroll.explain(m, x, method)
+        assert r.options["attention"] == "recompute"
+        assert_same(dense[method], r)
+    assert (AttentionInterface.__dict__["get_interface"], AttentionInterface.__dict__.get("__getitem__")) == before
+    assert m.config._attn_implementation == "sdpa"
+
+
+def test_record_does_not_keep_the_fused_projection_alive():
+    """GPT-2 computes q, k and v in one projection; the rollout record keeps q and k only, so they must not
+    stay views into that (B, n, 3·d) buffer (which would keep v alive too); gae needs v and keeps views."""
+    from attnroll.capture.recompute import capture_kernels
+
+    m = build("gpt2")
+    x = inputs("gpt2", 9, pad=False)
+    for lay in capture_kernels(m, x).operators["self"]:
+        for t in (lay.q, lay.k):
+            assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    lay = capture_kernels(m, x, keep_grad=True).operators["self"][0]
+    assert lay.q.untyped_storage().nbytes() == 3 * lay.q.numel() * lay.q.element_size()  # the fused buffer

@@ -24,6 +24,8 @@ from .._callable import make_callable as _make_callable
 from .hf import HFAdapter, is_hf_model
 from .hooks import SUPPORTED_FAMILIES, Adapter, Capture, ModulesAdapter, run_forward
 from .sentence_transformers import is_sentence_transformer, make_adapter
+from .cait import CaitAdapter, is_cait
+from .swin import is_swin, make_adapter as make_swin_adapter
 from .record import AttentionRecord, ModelFacts, Readout, StreamInfo, config_token_ids
 from .timm import TimmAdapter, is_timm_model
 from .torch_mha import MHAAdapter, has_mha
@@ -150,7 +152,15 @@ def _run_once(model: nn.Module, inputs: Any, session: Capture, new_session: Call
 
 def model_facts(model: nn.Module) -> ModelFacts:
     """Facts about ``model`` that need no forward pass (how it is called, its embedding layer, its special
-    tokens; see :class:`ModelFacts`). Works for models the capture refuses too (evaluation only runs them)."""
+    tokens, its layer anatomy; see :class:`ModelFacts`). Works for models the capture refuses too (evaluation only runs them)."""
+    from .anatomy import anatomy_or_reason
+
+    facts = _family_facts(model)
+    facts.anatomy, facts.anatomy_reason = anatomy_or_reason(model)
+    return facts
+
+
+def _family_facts(model: nn.Module) -> ModelFacts:
     from .hf import hf_facts
 
     if is_sentence_transformer(model):
@@ -173,8 +183,12 @@ def _select_adapter(model: nn.Module, modules: Any, to_probs: Callable | None) -
         return ModulesAdapter(model, modules, to_probs)
     if is_sentence_transformer(model):
         return make_adapter(model)
+    if (is_hf_model(model) or is_timm_model(model)) and is_swin(model):
+        return make_swin_adapter(model)
     if is_hf_model(model):
         return vlm_adapter(model) or HFAdapter(model)
+    if is_timm_model(model) and is_cait(model):
+        return CaitAdapter(model)
     if is_timm_model(model):
         return TimmAdapter(model)
     if has_mha(model):

@@ -25,7 +25,7 @@ from .. import _checks
 from .hf_vision import input_size, mae_restore, patch_layout
 from .hf_public import accepts_output_attentions, ask_for_attentions, eager_forwards, output_streams, validate_layers
 from .hooks import SUPPORTED_FAMILIES, Adapter, Recorder, Site, make_sites, stream_names
-from .record import AttentionRecord, ModelFacts, config_token_ids, resolve_readout
+from .record import AttentionRecord, ModelFacts, config_token_id, config_token_ids, resolve_readout
 from .st_pooling import pooling_of_folder
 
 #: The transformers major versions the adapter works with: [5, 6). It reads ``_can_record_outputs`` /
@@ -64,8 +64,10 @@ _MEAN_POOLING_FLAG = ("beit", "data2vec-vision", "videomae")
 _AUDIO = ("wav2vec2", "hubert", "wavlm", "data2vec-audio", "sew", "sew-d", "unispeech", "unispeech-sat",
           "wav2vec2-conformer", "wav2vec2-bert")
 
-#: Windowed models: attention is computed inside local (shifted) windows, so no (n x n) token matrix exists.
+#: Windowed models: attention is computed inside local (shifted) windows, so no (n x n) token matrix exists;
+#: those of ``SWIN_TYPES`` are captured by the Swin adapter (capture/swin.py), the rest refused.
 _WINDOWED = ("swin", "swinv2", "donut-swin", "maskformer-swin", "swin2sr")
+SWIN_TYPES = ("swin", "swinv2", "donut-swin", "maskformer-swin")
 
 
 def is_hf_model(model: nn.Module) -> bool:
@@ -135,14 +137,7 @@ class HFAdapter(Adapter):
         config = model.config
         self.model_type = getattr(config, "model_type", "")
         self.family = f"hf:{self.model_type}"
-        windowed = self.model_type in _WINDOWED or any("Swin" in type(m).__name__ for m in model.modules())
-        if windowed:
-            raise _checks.UnsupportedModelError(
-                f"{type(model).__name__} ({self.model_type}) computes attention inside local, shifted windows of "
-                "patches that merge between stages, so there is no global token-to-token attention matrix to "
-                "roll out; attnroll refuses rather than invent one. Use a global-attention model or "
-                f"modules=/to_probs= if you have your own composition. Supported: {SUPPORTED_FAMILIES}"
-            )
+        _refuse_windowed(model, self.model_type)
         vlm_token = next((k for k in ("image_token_index", "image_token_id") if hasattr(config, k)), None)
         if vlm_token is not None and not self.composes_vlm and getattr(config, "vision_config", None) is not None and (
             getattr(config, "text_config", None) is not None
@@ -379,6 +374,25 @@ class HFAdapter(Adapter):
         return infos
 
 
+def _refuse_windowed(model: nn.Module, model_type: str) -> None:
+    """Windowed models are not this adapter's: Swin types are captured by capture/swin.py (``capture``
+    dispatches them there; only the matrix-free kernel route builds this adapter for them), the rest refused."""
+    if model_type in SWIN_TYPES:
+        raise _checks.UnsupportedModelError(
+            f"{type(model).__name__} ({model_type}) attends inside shifted windows: attnroll captures its window "
+            "attention densely and scatters it into each stage's matrix (capture/swin.py), but the matrix-free "
+            "route (attention='recompute') recomputes one global attention per layer from its kernel's queries "
+            "and keys, which windows do not have. Use attention='dense'."
+        )
+    if model_type in _WINDOWED or any("Swin" in type(m).__name__ for m in model.modules()):
+        raise _checks.UnsupportedModelError(
+            f"{type(model).__name__} ({model_type}) computes attention inside local, shifted windows of "
+            "patches that merge between stages, so there is no global token-to-token attention matrix to "
+            "roll out; attnroll refuses rather than invent one. Use a global-attention model or "
+            f"modules=/to_probs= if you have your own composition. Supported: {SUPPORTED_FAMILIES}"
+        )
+
+
 def hf_facts(model: nn.Module, family: str = "") -> ModelFacts:
     """What evaluation and gradient baselines need from a transformers model, without a forward pass."""
     config = model.config
@@ -401,6 +415,7 @@ def hf_facts(model: nn.Module, family: str = "") -> ModelFacts:
         embedding=emb if isinstance(emb, nn.Module) else None,
         special_token_ids=ids,
         pad_token_id=pad,
+        eos_token_id=config_token_id(text_cfg, "eos_token_id"),
         similarity=similarity,
         stream_inputs={s: k for s, k in stream_inputs.items() if k},
     )

@@ -7,19 +7,24 @@ as ``kernel(module, query, key, value, attention_mask, scaling=..., dropout=...,
 softcap=..., ...)`` with query and key after the position encoding. For the duration of the capture,
 ``AttentionInterface.get_interface`` hands out a wrapper of the very kernel it would return: the wrapper
 records (query, key, mask, scaling, softcapping, window, sinks, position bias; value and the output for
-gradient rules) as :class:`~attnroll.core.operators.KernelInputs` and then calls the original kernel. The
-method is restored on exit, also when the forward raises. Nothing n×n is kept beyond what the model itself
+gradient rules) as :class:`~attnroll.core.operators.KernelInputs` and then calls the original kernel
+(``ALL_ATTENTION_FUNCTIONS[impl]``, which a few modules use directly, is wrapped the same way). While the
+kernel runs, a dispatch mode below autograd notes the row log-sum-exp that fused kernels compute and SDPA
+drops, so that the probabilities can later be recomputed without normalising them again. Both methods are
+restored on exit, also when the forward raises. Nothing n×n is kept beyond what the model itself
 builds (a padding mask, when it makes one).
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 from contextlib import ExitStack
 from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import _checks
 from ..core.operators import KernelInputs
@@ -118,36 +123,104 @@ class KernelAdapter(Adapter):
         from transformers.modeling_utils import AttentionInterface
 
         original = AttentionInterface.__dict__["get_interface"]
-        wrap = self._wrapper
+        own_item = AttentionInterface.__dict__.get("__getitem__")  # None: inherited (GeneralInterface's)
+        original_item = AttentionInterface.__getitem__
+
+        def wrap(kernel: Callable, impl: str) -> Callable:
+            # get_interface looks the kernel up through __getitem__: wrap once.
+            return kernel if getattr(kernel, "_attnroll_wrapper", False) else self._wrapper(kernel, impl, recorder)
 
         def get_interface(iface: Any, attn_implementation: str, default: Callable) -> Callable:
-            kernel = original(iface, attn_implementation, default)
-            return wrap(kernel, attn_implementation, recorder)
+            return wrap(original(iface, attn_implementation, default), attn_implementation)
+
+        def getitem(iface: Any, key: str) -> Callable:
+            # Some modules index ALL_ATTENTION_FUNCTIONS[impl] directly instead of calling get_interface.
+            return wrap(original_item(iface, key), key)
 
         def restore() -> None:
             AttentionInterface.get_interface = original
+            if own_item is None:
+                if "__getitem__" in AttentionInterface.__dict__:
+                    del AttentionInterface.__getitem__
+            else:
+                AttentionInterface.__getitem__ = own_item
 
         stack.callback(restore)
         AttentionInterface.get_interface = get_interface
+        AttentionInterface.__getitem__ = getitem
         self.inner.install_pool_hooks(stack)
 
     def _wrapper(self, kernel: Callable, impl: str, recorder: KernelRecorder) -> Callable:
         sig = _signature(kernel)
 
         def call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-            out = kernel(module, *args, **kwargs)
             site = self.site_of.get(id(module))
-            if site is not None:
-                bound = sig.bind(module, *args, **kwargs) if sig is not None else None
-                arguments = _arguments(bound, args, kwargs)
-                o = out[0] if isinstance(out, (tuple, list)) else out
-                recorder.store(site, kernel_inputs(module, impl, arguments, recorder.keep_grad), o)
+            if site is None:
+                return kernel(module, *args, **kwargs)
+            with LseWatch() as watch:  # the fused kernel's own row log-sum-exp, which SDPA drops
+                out = kernel(module, *args, **kwargs)
+            bound = sig.bind(module, *args, **kwargs) if sig is not None else None
+            arguments = _arguments(bound, args, kwargs)
+            o = out[0] if isinstance(out, (tuple, list)) else out
+            layer = kernel_inputs(module, impl, arguments, recorder.keep_grad)
+            layer.lse = watch.lse(layer.shape)
+            recorder.store(site, layer, o)
             return out
 
+        call._attnroll_wrapper = True  # type: ignore[attr-defined]
         return call
 
 
+#: Fused attention operators that return each query row's log-sum-exp as their second output (CPU flash,
+#: CUDA flash / memory-efficient / cuDNN, the backend-neutral override).
+_LSE_OPS = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+            "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+            "_scaled_dot_product_fused_attention_overrideable")
+
+
+class LseWatch(TorchDispatchMode):
+    """While active, notes the log-sum-exp output of every fused attention operator that runs (below
+    autograd: the operator and its outputs are untouched). ``lse(shape)`` gives it when exactly one ran
+    and it fits the layer, else None (the operators then recompute it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[torch.Tensor] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func.name().split("::")[-1] in _LSE_OPS and isinstance(out, (tuple, list)) and len(out) > 1:
+            if isinstance(out[1], torch.Tensor):
+                self.seen.append(out[1])
+        return out
+
+    def lse(self, shape: tuple[int, int, int, int]) -> torch.Tensor | None:
+        B, H, nq, _ = shape
+        if len(self.seen) != 1:
+            return None
+        lse = self.seen[0]
+        if lse.ndim == 4 and lse.shape[-1] == 1:
+            lse = lse[..., 0]
+        # The memory-efficient kernel pads rows to a multiple of 32.
+        if lse.ndim != 3 or tuple(lse.shape[:2]) != (B, H) or lse.shape[2] < nq or lse.dtype != torch.float32:
+            return None
+        return lse[..., :nq].detach()
+
+
 def _signature(fn: Callable) -> inspect.Signature | None:
+    """The kernel's signature, cached: every attention forward asks for its kernel again."""
+    try:
+        return _cached_signature(fn)
+    except TypeError:  # an unhashable callable
+        return _uncached_signature(fn)
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_signature(fn: Callable) -> inspect.Signature | None:
+    return _uncached_signature(fn)
+
+
+def _uncached_signature(fn: Callable) -> inspect.Signature | None:
     try:
         return inspect.signature(fn)
     except (TypeError, ValueError):
@@ -198,8 +271,8 @@ def kernel_inputs(module: nn.Module, impl: str | None, a: dict[str, Any], keep_v
         sinks = module.sinks
     bias = a.get("position_bias")
     return KernelInputs(
-        q=q.detach(),
-        k=k.detach(),
+        q=_own(q, not keep_value),
+        k=_own(k, not keep_value),
         scaling=float(scaling),
         mask=None if mask is None else mask.detach(),
         causal=causal,
@@ -210,6 +283,15 @@ def kernel_inputs(module: nn.Module, impl: str | None, a: dict[str, Any], keep_v
         v=v.detach() if keep_value else None,
         is_causal_model=module_causal,
     )
+
+
+def _own(t: torch.Tensor, compact: bool) -> torch.Tensor:
+    """``t`` detached; with ``compact``, copied when it is a view into a larger buffer (GPT-2's fused q/k/v
+    projection: keeping q and k as views would keep v alive too)."""
+    t = t.detach()
+    if compact and t.untyped_storage().nbytes() > t.numel() * t.element_size():
+        return t.clone()
+    return t
 
 
 class KernelCapture(Capture):

@@ -194,6 +194,12 @@ class StreamInfo:
         readout_reason: why ``readout`` is None ("" otherwise).
         input_key: the forward argument carrying this stream's input ("pixel_values", "input_ids", "x", ...),
             or None.
+        merges: a stage chain (Swin): layer index k -> merge map (n_k, n_{k-1}), row-stochastic, between
+            layers k-1 and k, whose token counts differ; the layers are then square per stage, the units and
+            ``grid`` are the first layer's tokens and the readout weights the last layer's
+            (``attnroll.core.stages``). Empty for single-stage streams.
+        stochastic_reason: why some layers' rows are not probabilities (talking-heads attention mixes heads
+            after the softmax), "" when every layer holds softmax probabilities; ``nonstochastic`` lists them.
         link: the tokens of this stream that are another stream's tokens (:class:`StreamLink`: a VLM's image
             tokens), or None; ``link_reason`` says why a stream that holds such tokens has no link.
     """
@@ -209,6 +215,9 @@ class StreamInfo:
     readout: Readout | None = None
     readout_reason: str = ""
     input_key: str | None = None
+    merges: dict[int, torch.Tensor] = field(default_factory=dict)
+    stochastic_reason: str = ""
+    nonstochastic: tuple[int, ...] = ()
     link: StreamLink | None = None
     link_reason: str = ""
 
@@ -230,11 +239,16 @@ class ModelFacts:
             else None.
         special_token_ids: ids of CLS / SEP / BOS / EOS / PAD tokens the config records.
         pad_token_id: the padding id (None when the config has none).
+        eos_token_id: the (first) end-of-sequence id (None when the config has none).
         similarity: for dual towers, ``f(outputs) -> (B_images, B_texts)`` similarity logits, else None.
         dense_only: why this model's methods need the dense (eager) attention route ("" = any route; a VLM's
             streams are composed from the dense record).
         stream_inputs: for models with several input streams, stream name -> the forward argument carrying its
             input ({"vision": "pixel_values", "text": "input_ids"} for CLIP), else empty.
+        anatomy: the layer anatomy (:class:`attnroll.capture.layers.ModelAnatomy`: per layer the attention
+            module, q/k/v/o projections, heads and KV grouping, norms and their position, MLP, residual
+            layout; the head), or None when no family builder knows the model (``anatomy_reason`` says why).
+        anatomy_reason: why ``anatomy`` is None ("" otherwise).
     """
 
     family: str = ""
@@ -243,13 +257,23 @@ class ModelFacts:
     embedding: nn.Module | None = None
     special_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
+    eos_token_id: int | None = None
     similarity: Callable[[Any], torch.Tensor] | None = None
     dense_only: str = ""
     stream_inputs: dict[str, str] = field(default_factory=dict)
+    anatomy: Any = None
+    anatomy_reason: str = ""
 
 
 #: Config fields holding special-token ids.
 SPECIAL_ID_FIELDS = ("cls_token_id", "sep_token_id", "bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def config_token_id(config: Any, name: str) -> int | None:
+    """The (first) id a config records in its ``name`` field (``eos_token_id`` may be a list), or None."""
+    v = getattr(config, name, None)
+    found = [i for i in (v if isinstance(v, (list, tuple)) else [v]) if isinstance(i, int) and not isinstance(i, bool)]
+    return int(found[0]) if found else None
 
 
 def config_token_ids(config: Any) -> tuple[tuple[int, ...], int | None]:
@@ -293,6 +317,10 @@ class AttentionRecord:
         family: which adapter captured this ("hf:vit", "timm:vit", "torch:mha", "modules", ...).
         layer_names: stream name -> qualified module names, aligned with ``streams``.
         extra: adapter-specific metadata (e.g. ``decoder_tokens``, ``decoder_attention_mask``).
+            ``extra["native"]``: (stream, layer) -> (the model's own tensor, lift) for layers the adapter
+            rebuilt from what the model computed (Swin's windows scattered into the stage matrix, CaiT's
+            class-attention rows embedded): gradients are taken with respect to the model's tensor and
+            ``lift(grad)`` puts them in the layer's layout.
         info: stream name -> :class:`StreamInfo` (the contract methods read; the flat ``prefix`` / ``grid``
             / ``tokens`` / ``attention_mask`` fields above are kept for the main stream).
         operators: the matrix-free form (``attention="recompute"``): stream name -> per-layer
@@ -387,7 +415,12 @@ class AttentionRecord:
             raise ValueError(
                 "gradients need keep_grad=True at capture time: attnroll.capture(model, inputs, keep_grad=True)"
             )
-        grads = [t.grad for t in layers]
+        native = self.extra.get("native", {})
+        grads = []
+        for i, t in enumerate(layers):
+            src = native.get((stream or self._default_stream(), i))
+            g = t.grad if src is None else src[0].grad
+            grads.append(g if src is None or g is None else src[1](g))
         missing = [i for i, g in enumerate(grads) if g is None]
         if missing:
             raise ValueError(

@@ -1,6 +1,7 @@
 """timm adapter: VisionTransformer (vit_*, deit_* including distilled, register tokens, parallel blocks, attention
 pooling) and the other global-attention ViTs built the same way (EVA / EVA02 and the RoPE ViTs, BEiT, relpos
-ViT, NaFlexViT): every attention module with a ``fused_attn`` switch and an ``attn_drop`` module.
+ViT, NaFlexViT): every attention module with a ``fused_attn`` switch and an ``attn_drop`` module. CaiT
+(talking heads + class attention) is ``cait.py``, Swin ``swin.py``; ``capture`` dispatches to them.
 
 timm's ``Attention`` uses ``F.scaled_dot_product_attention`` when ``fused_attn`` is set (the default on
 recent torch), and then never calls ``attn_drop`` — the module every hook-based tool listens to. For the
@@ -37,14 +38,9 @@ class TimmAdapter(Adapter):
         if "swin" in name.lower():
             raise _checks.UnsupportedModelError(
                 f"timm model {name}: Swin computes attention inside shifted local windows, so there is no global "
-                f"token-to-token matrix to roll out. Supported: {SUPPORTED_FAMILIES}"
-            )
-        kinds = {type(m).__name__ for m in model.modules()}
-        if kinds & {"ClassAttn", "TalkingHeadAttn"}:
-            raise _checks.UnsupportedModelError(
-                f"timm model {name} (CaiT) mixes heads with talking-heads attention and reads the class token "
-                "through class-attention blocks (a query of one token over the patches); attnroll does not compose "
-                "them yet and refuses rather than roll out part of the model."
+                "token-to-token matrix to roll out; attnroll scatters the windows into stage matrices for timm "
+                f"SwinTransformer and SwinTransformerV2 (swin_*, swinv2_*), not for {name}. Supported: "
+                f"{SUPPORTED_FAMILIES}"
             )
         self.attn_modules = [
             (n, m)

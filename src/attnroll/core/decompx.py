@@ -10,7 +10,10 @@ the actual vector exactly. Per block (see :class:`~attnroll.core.value_aware.Blo
 * the MLP: fc1 shares (+ b1 by AbsDot), the activation linearised per element with the *actual*
   pre-activation ζ: θ = act(ζ) / ζ, the same θ for every share (gated MLPs: the gate act(ζ_gate) is held
   at its actual value and multiplies the fc1 shares); fc2 shares (+ b2 by AbsDot);
-* the head (final norm, optional pooler with its activation linearised the same way, classifier).
+* the head (final norm, optional pooler with its activation linearised the same way, classifier). A head
+  that pools rows (timm ``global_pool='avg'``, DINOv2's CLS ⊕ mean of the patch rows) reads
+  :func:`pool_shares`: each row's shares through the per-token final norm, then the pooled parts' weighted
+  sums of the rows' shares concatenated along the features -- linear, so the shares still add up exactly.
 
 AbsDot: a bias b joins share k with weight |b · s_k| / Σ_k' |b · s_k'| (token slots only); a row where every
 weight is 0 puts b in the bias share. ``bias="separate"`` puts every bias in the bias share instead.
@@ -25,7 +28,7 @@ import torch
 from .value_aware import Block, Mlp, Norm, norm_scale, norm_share
 
 __all__ = ["initial_shares", "add_bias", "norm_shares", "mlp_shares", "block_shares", "head_shares",
-           "separate_bias_shares"]
+           "pool_shares", "separate_bias_shares"]
 
 _BIAS_MODES = ("absdot", "separate")
 
@@ -154,6 +157,16 @@ def head_shares(S: torch.Tensor, *, final_norm: Norm | None, pooler: tuple | Non
     return out[torch.arange(out.shape[0], device=out.device), :, classes]
 
 
+def pool_shares(S: torch.Tensor, pools: list[torch.Tensor], *, token_norm: Norm | None = None,
+                bias: str = "absdot") -> torch.Tensor:
+    """Shares of the vector a pooling head reads, (B, K, G·d), from the shares S (B, n, K, d) of every output
+    row: ``token_norm`` applied to each row (its own statistics, β by AbsDot), then for each of the G
+    ``pools`` (B, n) row weights the weighted sum of the rows' shares, the parts concatenated in order."""
+    if token_norm is not None:
+        S = norm_shares(S, token_norm, bias)
+    return torch.cat([torch.einsum("bn,bnkd->bkd", w.to(S.dtype), S) for w in pools], dim=-1)
+
+
 # ------------------------------------------------------------------------------------------- fast exact path
 def _frozen_norm(v: torch.Tensor, norm: Norm) -> torch.Tensor:
     """The norm with its divisor frozen at the actual value (no gradient through the statistics)."""
@@ -196,20 +209,26 @@ def _frozen_block(x: torch.Tensor, alpha: torch.Tensor, block: Block) -> torch.T
 
 def separate_bias_shares(x0: torch.Tensor, alphas: list[torch.Tensor], blocks: list[Block], *,
                          positions: torch.Tensor, classes: torch.Tensor, final_norm: Norm | None,
-                         pooler: tuple | None, classifier: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+                         pooler: tuple | None, classifier: tuple, pools: list[torch.Tensor] | None = None,
+                         token_norm: Norm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """DecompX with every bias in the bias share (``bias="separate"``) in one forward + one backward pass.
 
     With attention, norm divisors and activation slopes frozen at their actual values the network is affine
     in the input embeddings x0 (B, n, d), y = Σ_k J_k x0_k + c, so token k's share of the logit,
     J_k x0_k = Σ_d ∂y/∂x0_kd · x0_kd, is exactly what :func:`block_shares` / :func:`head_shares` carry
     forward, and c is the bias share. Returns (token shares (B, n), logits y (B,)) at ``positions`` (B,)
-    for ``classes`` (B,)."""
+    for ``classes`` (B,); a pooling head reads ``pools`` (row weights (B, n) per part, see
+    :func:`pool_shares`, after ``token_norm``) instead of the rows at ``positions``."""
     x = x0.detach().clone().requires_grad_(True)
     with torch.enable_grad():
         h = x
         for blk, a in zip(blocks, alphas):
             h = _frozen_block(h, a, blk)
-        v = h[torch.arange(h.shape[0], device=h.device), positions]
+        if pools is None:
+            v = h[torch.arange(h.shape[0], device=h.device), positions]
+        else:
+            h = h if token_norm is None else _frozen_norm(h, token_norm)
+            v = torch.cat([torch.einsum("bn,bnd->bd", w.to(h.dtype), h) for w in pools], dim=-1)
         if final_norm is not None:
             v = _frozen_norm(v, final_norm)
         if pooler is not None:

@@ -11,6 +11,11 @@ with a, c the residual coefficients and s the renorm row sums (1 otherwise), the
 ``attnroll.core.residual``. Memory is O(n·d) for the layer plus O(block·n) for one block; the cost is one
 QKᵀ and one exponentiation per layer (plus dO·Vᵀ for gradient rules).
 
+The common case — head-mean probabilities of logits that are q·k scaled, under causal / window rules or
+none, without padding or renorm — takes a faster path (``apply_layer_tiled``): each row's log-sum-exp (the
+one the fused kernel returned, else recomputed once) is folded into the product as one more coordinate, so
+that P = exp2(q̃·k̃ᵀ) needs no max, sum or division, and tiles of keys x queries stay in cache.
+
 Torch only, device-agnostic: everything runs where the captured tensors live (CPU or CUDA).
 """
 
@@ -47,6 +52,8 @@ class KernelInputs:
         grad_out: (B, H, n_q, d_v) gradient of the target with respect to the kernel's output (gradient
             rules only): dy/dA_ij = grad_out_i · v_j.
         is_causal_model: the attention module declares itself causal (a decoder), whatever the kernel did.
+        lse: (B, H, n_q) float32 natural log-sum-exp of each query row's logits as the kernel itself returned
+            it (fused kernels compute it anyway), or None; checked against a recomputation before use.
     """
 
     q: torch.Tensor
@@ -61,6 +68,7 @@ class KernelInputs:
     v: torch.Tensor | None = None
     grad_out: torch.Tensor | None = None
     is_causal_model: bool = False
+    lse: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -159,6 +167,55 @@ def probs_block(layer: KernelInputs, q0: int, q1: int, k0: int, k1: int) -> torc
     return p / z
 
 
+# ------------------------------------------------------------------------------------- row log-sum-exp
+def _lse_rows(layer: KernelInputs, q0: int, q1: int) -> torch.Tensor:
+    """(B, H, q1 − q0) float32 log-sum-exp of the logits of queries [q0, q1), sinks included."""
+    B, H = layer.shape[:2]
+    k0, k1 = key_range(layer, q0, q1)
+    if k1 <= k0:
+        out = torch.full((B, H, q1 - q0), float("-inf"), device=layer.q.device)
+    else:
+        out = torch.logsumexp(logits_block(layer, q0, q1, k0, k1), dim=-1)
+    if layer.sinks is not None:
+        out = torch.logaddexp(out, layer.sinks.to(torch.float32).reshape(1, -1, 1))
+    return out
+
+
+def _lse_agrees(layer: KernelInputs, lse: torch.Tensor) -> bool:
+    """Whether a kernel's log-sum-exp has the layer's shape and matches a recomputation at the first, middle
+    and last query (a kernel that saw other logits than those recorded, e.g. another causality, differs).
+    Only for layers whose logits are q·k scaled (masks, biases and softcapping: the caller recomputes)."""
+    B, H, nq, d = layer.q.shape
+    if tuple(lse.shape) != (B, H, nq):
+        return False
+    # The first example suffices: without a mask tensor every example's logits follow the same rules.
+    rows = torch.tensor(sorted({0, nq // 2, nq - 1}), device=layer.q.device)
+    q = layer.q[:1, :, rows].to(torch.float32).reshape(1, layer.k.shape[1], -1, d)
+    s = (q @ layer.k[:1].to(torch.float32).transpose(-1, -2)).view(1, H, len(rows), -1) * layer.scaling
+    j = torch.arange(s.shape[-1], device=s.device)
+    allowed = torch.ones(len(rows), s.shape[-1], dtype=torch.bool, device=s.device)
+    if layer.causal:
+        allowed &= j[None, :] <= rows[:, None]
+    if layer.window is not None:
+        allowed &= j[None, :] > rows[:, None] - layer.window
+    ref = torch.logsumexp(s.masked_fill(~allowed, float("-inf")), dim=-1)
+    if layer.sinks is not None:
+        ref = torch.logaddexp(ref, layer.sinks.to(torch.float32).reshape(1, -1, 1))
+    got = lse[:1, :, rows].to(torch.float32)
+    return bool(torch.isfinite(got).all()) and torch.allclose(got, ref, atol=1e-4, rtol=1e-5)
+
+
+def row_lse(layer: KernelInputs) -> torch.Tensor:
+    """(B, H, n_q) float32 log-sum-exp of every query row's logits (sinks included; −inf where a row may see
+    no key): the kernel's own (``layer.lse``) when the logits are q·k scaled (no mask tensor, bias or
+    softcapping) and it agrees with a recomputation, else recomputed blockwise."""
+    plain = layer.mask is None and layer.bias is None and layer.softcap is None
+    if layer.lse is not None and plain and _lse_agrees(layer, layer.lse):
+        return layer.lse.to(torch.float32)
+    nq, rows = layer.shape[2], layer.block_rows()
+    return torch.cat([_lse_rows(layer, q0, min(nq, q0 + rows)) for q0 in range(0, nq, rows)], dim=-1)
+
+
 # ------------------------------------------------------------------------------------------ block rules
 BlockRule = Callable[[KernelInputs, int, int, int, int], torch.Tensor]
 
@@ -169,6 +226,7 @@ def fused_probs(how: Any) -> BlockRule:
     def rule(layer: KernelInputs, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
         return fusion.fuse_tensor(probs_block(layer, q0, q1, k0, k1), how)
 
+    rule.stochastic = True  # type: ignore[attr-defined]  (rows of softmax probabilities: rollout checks sums)
     if isinstance(how, str) and how == "mean":
         rule.heads = probs_block  # type: ignore[attr-defined]  (r·mean_h(A) = mean_h(r·A): see apply_layer)
     return rule
@@ -214,6 +272,8 @@ def apply_layer(
     B, H, nq, nk = layer.shape
     if r.shape[-1] != nq:
         raise ValueError(f"relevance rows have {r.shape[-1]} entries, the layer has {nq} queries")
+    if tiled_applies(layer, rule, r, mask, renorm):
+        return apply_layer_tiled(r, layer, a=a, c=c, rows=block)
     rows_per = block or layer.block_rows()
     out = torch.zeros(B, r.shape[1], nk, dtype=r.dtype, device=r.device)
     live = r.abs().amax(dim=(0, 1)) > 0  # (n,) queries with any relevance
@@ -246,6 +306,96 @@ def apply_layer(
             ident = _divide(ident, ident)
         lo, hi = max(q0, 0), min(q1, nk)  # identity: query i -> key i (self-attention)
         out[..., lo:hi] += r[..., lo:hi] * ident[:, None, : hi - lo]
+    return out
+
+
+# ------------------------------------------------------------------------------------ the tiled fast path
+#: Elements of one logits tile of the fast path (B·H·rows·keys): 256 Ki float32 = 1 MiB, so that the
+#: product, the exponentiation and the row product run on a tile that stays in the core's cache.
+TILE_ELEMENTS = 1 << 18
+#: Keys per tile of the fast path.
+TILE_KEYS = 256
+LOG2E = 1.4426950408889634
+
+
+def tiled_applies(layer: KernelInputs, rule: BlockRule, r: torch.Tensor, mask: Any, renorm: bool) -> bool:
+    """Whether ``apply_layer_tiled`` computes this product: head-mean probabilities of a layer whose logits
+    are q·k scaled and nothing else (causal and window rules and sinks allowed), float32 rows, no padding
+    mask or renorm (those need each block's row sums)."""
+    return (getattr(rule, "heads", None) is not None and mask is None and not renorm and r.dtype == torch.float32
+            and layer.mask is None and layer.softcap is None and layer.bias is None)
+
+
+def _augmented(layer: KernelInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """q̃ (B·H, n_q, d+1) and k̃ᵀ (B·H, d+1, n_k) with q̃_i·k̃_j = log2(P_ij) per head: the row's
+    log-sum-exp folds into the product as one more coordinate, and base 2 because exp2 is cheaper than exp.
+    Grouped key heads are repeated for their query heads (O(n·d) memory, like q itself)."""
+    B, H, nq, d = layer.q.shape
+    Hkv, nk = layer.k.shape[1], layer.k.shape[2]
+    dev = layer.q.device
+    lse = row_lse(layer)
+    qa = torch.empty(B, H, nq, d + 1, dtype=torch.float32, device=dev)
+    torch.mul(layer.q, layer.scaling * LOG2E, out=qa[..., :d])
+    # A row that may see no key (−inf) gets −inf logits: probability 0, not inf.
+    qa[..., d] = torch.where(torch.isfinite(lse), lse * -LOG2E, torch.full((), float("-inf"), device=dev))
+    ka = torch.empty(B, Hkv, nk, d + 1, dtype=torch.float32, device=dev)
+    ka[..., :d] = layer.k
+    ka[..., d] = 1.0
+    if Hkv != H:
+        ka = ka.repeat_interleave(H // Hkv, dim=1)
+    return qa.view(B * H, nq, d + 1), ka.view(B * H, nk, d + 1).transpose(1, 2)
+
+
+def _live_blocks(layer: KernelInputs, r: torch.Tensor, rows: int) -> list[tuple[int, int, int, int]]:
+    """(q0, q1, k0, k1) for each block of ``rows`` queries that carries relevance, trimmed to its live rows,
+    with the keys its rows may see (``key_range``)."""
+    live = (r.abs().amax(dim=(0, 1)) > 0).cpu()  # one transfer, not one per block, on an accelerator
+    out = []
+    for b0 in range(0, layer.shape[2], rows):
+        hit = live[b0 : b0 + rows].nonzero()
+        if hit.numel():
+            q0, q1 = b0 + int(hit[0]), b0 + int(hit[-1]) + 1
+            k0, k1 = key_range(layer, q0, q1)
+            if k1 > k0:
+                out.append((q0, q1, k0, k1))
+    return out
+
+
+def apply_layer_tiled(r: torch.Tensor, layer: KernelInputs, *, a: float, c: float,
+                      rows: int | None = None, keys: int | None = None) -> torch.Tensor:
+    """r · (a·mean_h(A_h) + c·I) for rows r (B, R, n) float32 -> (B, R, n), without normalising any block.
+
+    P_ij = exp2(q̃_i·k̃_j) (``_augmented``) is computed one tile of (keys x rows), every head at once, at a
+    time: one product, masking on the tiles the causal / window rule cuts, one exponentiation in place and
+    one batched product with the rows (per head, summed over heads once per key tile); nothing of a tile
+    outlives it. Keys are the outer loop, so a key tile stays in cache while the query blocks pass; blocks
+    whose rows carry no relevance and keys outside ``key_range`` are skipped."""
+    B, H, nq, nk = layer.shape
+    R = r.shape[1]
+    Tk = keys or min(nk, TILE_KEYS)
+    Tq = rows or max(128, TILE_ELEMENTS // max(1, B * H * Tk))  # fewer rows: the products lose efficiency
+    out = torch.zeros(B, R, nk, dtype=r.dtype, device=r.device)
+    m = min(nq, nk)  # identity: query i -> key i (self-attention)
+    out[..., :m] += c * r[..., :m]
+    blocks = _live_blocks(layer, r, Tq)
+    if not blocks:
+        return out
+    qa, ka = _augmented(layer)
+    U = (r * (a / H)).unsqueeze(1).expand(B, H, R, nq).reshape(B * H, R, nq)
+    buf = torch.empty(B * H * Tq * Tk, dtype=torch.float32, device=r.device)
+    acc = torch.empty(B * H * R * Tk, dtype=torch.float32, device=r.device)
+    lo, hi = min(b[2] for b in blocks), max(b[3] for b in blocks)
+    for t0 in range(lo, hi, Tk):
+        t1 = min(hi, t0 + Tk)
+        part = acc[: B * H * R * (t1 - t0)].view(B * H, R, t1 - t0).zero_()
+        for q0, q1, k0, k1 in blocks:
+            if k1 <= t0 or k0 >= t1:
+                continue
+            s = buf[: B * H * (q1 - q0) * (t1 - t0)].view(B * H, q1 - q0, t1 - t0)
+            torch.bmm(qa[:, q0:q1], ka[..., t0:t1], out=s)
+            _structural_mask(layer, s.view(B, H, q1 - q0, t1 - t0), q0, q1, t0, t1)
+            part.baddbmm_(U[..., q0:q1], s.exp2_())
+        out[..., t0:t1] += part.view(B, H, R, t1 - t0).sum(dim=1)
     return out
 
 

@@ -28,12 +28,10 @@ order (steps top-down, parameters in registration order), so a seed gives identi
 * ``"mlp"``: the feed-forward layers.
 
 The head step re-initialises every parameter of the head, whatever the component. Embeddings, the final
-LayerNorm and a pooler (BERT) are never touched. Names recognised (block-relative): transformers v4
-``attention.attention.query/key/value`` (ViT, DeiT) or ``attention.self.query/key/value`` (BERT-likes),
-``attention.output.dense``, ``intermediate.dense``, ``output.dense``; transformers v5 ``attention.q_proj/
-k_proj/v_proj/o_proj``, ``mlp.*``; timm ``attn.qkv`` (fused (3D, D): q, k, v thirds of the rows),
-``attn.proj``, ``mlp.fc1/fc2``; torch ``nn.MultiheadAttention`` ``in_proj_weight`` (fused like qkv),
-``out_proj``, ``linear1/linear2``; DistilBERT ``q_lin/k_lin/v_lin/out_lin``, ``ffn.*``.
+LayerNorm and a pooler (BERT) are never touched. Which tensors make up each component comes only from the
+model's layer anatomy (``attnroll.capture.model_facts(model).anatomy``: the q / k / v / o projections, the
+MLP, the norms of each block; a fused q/k/v tensor contributes the rows of the chosen thirds), never from
+parameter names; a model whose anatomy is unknown is refused with the reason.
 
 The model is copied with ``copy.deepcopy`` (the caller's model is never changed; memory for a second copy is
 needed) and the copy is put in eval mode.
@@ -51,7 +49,9 @@ from torch import nn
 
 from .. import _checks
 from ..methods import Explainer, batch_size_of, explain_batches
-from ..capture.anatomy import Target, component_parameters, find_blocks, find_head
+from ..capture import model_facts
+from ..capture.anatomy import component_parameters, find_blocks, find_head
+from ..capture.layers import Target
 from ._common import nanmean, spearman_rows
 
 __all__ = ["SanityResult", "cascading_randomization", "find_blocks", "find_head", "component_parameters"]
@@ -140,9 +140,9 @@ class SanityResult:
 @torch.no_grad()
 def _reinitialise(targets: list[Target], gen: torch.Generator) -> None:
     """Replace each target by N(0, std of the values it replaces) draws from ``gen``, in place (normalisation
-    parameters marked ``anatomy.RESET``: back to weight 1 / bias 0)."""
+    parameters marked ``layers.RESET``: back to weight 1 / bias 0)."""
     for name, p, rows in targets:
-        if isinstance(rows, str):  # anatomy.RESET: a normalisation layer's default (weight 1, bias 0)
+        if isinstance(rows, str):  # layers.RESET: a normalisation layer's default (weight 1, bias 0)
             p.fill_(0.0 if name.rsplit(".", 1)[-1] == "bias" else 1.0)
             continue
         view = p if rows is None else p[rows]
@@ -191,7 +191,7 @@ def cascading_randomization(
 
     Raises:
         ValueError: unknown component or method, empty methods, method options a method does not take, a
-            model whose blocks or head cannot be found, a component matching no parameter of a block.
+            model whose layer anatomy or head is unknown (the reason named).
         TypeError: a model that is not an nn.Module, inputs that are neither a tensor nor a dict.
     """
     _checks.check_module("model", model)
@@ -207,12 +207,7 @@ def cascading_randomization(
         raise ValueError("inputs hold no examples (B=0)")
 
     work = copy.deepcopy(model).eval()
-    blocks_path, blocks = find_blocks(work)
-    head_path, head = find_head(work, blocks_path)
-    # Resolve every step's parameters first, so a component that matches nothing fails before any work.
-    plan: list[tuple[str, list[Target]]] = [("classifier", [(n, p, None) for n, p in head.named_parameters()])]
-    for i in reversed(range(len(blocks))):
-        plan.append((f"layer {i}", component_parameters(blocks[i], component)))
+    anat, plan = _plan(work, component)
 
     original: dict[str, np.ndarray] = {}
     fixed = target
@@ -235,6 +230,22 @@ def cascading_randomization(
         correlations={m: np.array([nanmean(r) for r in per_example[m]]) for m in methods},
         per_example=per_example,
         seed=seed,
-        head=head_path,
-        blocks=blocks_path,
+        head=anat.head_path,
+        blocks=anat.path,
     )
+
+
+def _plan(work: nn.Module, component: str) -> tuple[Any, list[tuple[str, list[Target]]]]:
+    """The anatomy of ``work`` and the steps: ("classifier", the head's parameters), then ("layer i", the
+    component's tensors of block i) from the last block to the first. Resolved before any work, so a model
+    whose anatomy or head is unknown fails first (ValueError with the anatomy's reason)."""
+    facts = model_facts(work)
+    anat = facts.anatomy
+    if anat is None:
+        raise ValueError(facts.anatomy_reason)
+    if anat.head_module is None:
+        find_head(work, anat.path)  # raises naming what was looked for
+    plan: list[tuple[str, list[Target]]] = [("classifier", anat.head_targets())]
+    for layer in reversed(anat.layers):
+        plan.append((f"layer {layer.index}", layer.targets(component)))
+    return anat, plan

@@ -108,6 +108,31 @@ def layers_of(rec: Any, stream: str) -> list[operators.KernelInputs]:
     return layers
 
 
+#: What the dense route's check (``attnroll.rollout``) says after the row sums, here for explain's users.
+SINK_HINT = ("Attention sinks take part of each row's softmax mass, so the rows are not stochastic and attention "
+             "rollout does not apply; raw, grad_rollout and gae accept such rows.")
+
+
+def check_stochastic(layers: list[operators.KernelInputs], start: int, end: int, head_fusion: Any,
+                     mask: torch.Tensor | None) -> None:
+    """Rollout of probabilities needs rows that sum to 1, as the dense route checks on the captured matrices:
+    a layer with attention sinks has row sums 1 − exp(sink − lse) (B, H, n) (fused by the mean for
+    ``head_fusion="mean"``, per head otherwise, real tokens only). Raises the dense route's ValueError."""
+    for i in reversed(range(start, end)):  # top layer first, the order in which the dense route meets them
+        lay = layers[i]
+        if lay.sinks is None:
+            continue
+        lse = operators.row_lse(lay)
+        sums = 1 - torch.exp(lay.sinks.to(torch.float32).reshape(1, -1, 1) - lse)
+        if isinstance(head_fusion, str) and head_fusion == "mean":
+            sums = sums.mean(dim=1)
+            real = None if mask is None else mask
+        else:
+            real = None if mask is None else mask[:, None, :].expand_as(sums)
+        _checks.check_values(f"attentions[{i}]", 0.0, sums if real is None else sums[real], stochastic=True,
+                             how_to_accept=SINK_HINT, atol=_checks.stochastic_atol(torch.float32))
+
+
 def product(ctx: Context, rec: Any, stream: str, rule: Any, *, alpha: float, residual_mode: str,
             start_layer: int, end_layer: Any, return_layers: bool, head_fusion: Any = None,
             protect_prefix: int = 1, dtype: Any = None) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
@@ -127,6 +152,8 @@ def product(ctx: Context, rec: Any, stream: str, rule: Any, *, alpha: float, res
     ro = ctx.readout(rec, stream)
     mask = ctx.mask(rec, stream)
     mask = None if mask is None or bool(mask.all()) else mask.to(layers[0].q.device).bool()
+    if getattr(rule, "stochastic", False):
+        check_stochastic(layers, start, end, head_fusion, mask)
     E = ro.weights.to(device=layers[0].q.device, dtype=want)[:, None, :]
     R = operators.rollout_rows(layers, E, rule, a=pipe.a, c=pipe.c, renorm=pipe.renorm, mask=mask,
                                start=start, end=end, return_layers=return_layers)

@@ -1,7 +1,7 @@
 """Shared wiring of the value-aware methods (norm, norm_rollout, globenc, alti, value_zeroing, decompx):
 one forward pass recording attention and layer states (``capture.value_path``), the per-layer value vectors,
 and the rollout of per-layer contribution matrices. No model-family knowledge here: weights come only
-through :mod:`attnroll.capture.value_path`."""
+through the layer anatomy of the adapter contract (``model_facts(model).anatomy``), as arrays."""
 
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ from typing import Any, Callable
 import torch
 
 from .. import _checks
-from ..capture.value_path import LayerStates, ModelAnatomy, record_states
+from ..capture import model_facts
+from ..capture.layers import ModelAnatomy
+from ..capture.value_path import LayerStates, record_states, value_anatomy
 from ..capture.record import AttentionRecord
 from ..core.rollout import rollout as core_rollout
 from ..core.value_aware import Block, apply_norm, normalize_rows, value_outputs
@@ -52,8 +54,18 @@ def working_dtype(dtype: Any, like: torch.Tensor) -> torch.dtype:
 
 
 def record(ctx: Context) -> tuple[AttentionRecord, LayerStates, ModelAnatomy]:
-    """One forward pass recording attention and layer states; sets ``ctx.rec``."""
-    rec, states, anat = record_states(ctx.model, ctx.inputs, tokenizer=ctx.tokenizer)
+    """One forward pass recording attention and layer states; sets ``ctx.rec``. A model whose layer anatomy
+    is unknown, or not one the value-aware maths models, is refused with the reason."""
+    facts = model_facts(ctx.model)
+    anat = value_anatomy(facts.anatomy, facts.anatomy_reason, ctx.model)
+    rec, states, anat = record_states(ctx.model, ctx.inputs, anat=anat, tokenizer=ctx.tokenizer)
+    chained = [s for s, info in rec.info.items() if info.merges]
+    if chained:  # Swin: windows in stage matrices, tokens merging between stages
+        raise _checks.UnsupportedModelError(
+            f"method {ctx.method.name!r}: {type(ctx.model).__name__}'s tokens merge between stages (a stage "
+            "chain with fixed merge maps), and the value-aware methods decompose one stack of blocks over one "
+            "token set; use 'rollout', 'raw', 'grad_rollout' or 'gae', which compose the chain"
+        )
     ctx.rec = rec
     return rec, states, anat
 

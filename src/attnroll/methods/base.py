@@ -146,7 +146,11 @@ class Context:
         # Parallel branches of one layer are separate tensors in the graph: differentiate each, then
         # concatenate their heads as the layer's tensor was.
         branches = rec.extra.get("branches", {})
-        parts = [(s, i, branches.get((s, i)) or [t]) for s in names for i, t in enumerate(rec.streams[s])]
+        # A layer the adapter rebuilt from the model's own tensor (Swin windows, CaiT class rows) is
+        # differentiated through that tensor; lift() puts the gradient in the layer's layout.
+        native = rec.extra.get("native", {})
+        parts = [(s, i, branches.get((s, i)) or [native[(s, i)][0] if (s, i) in native else t])
+                 for s in names for i, t in enumerate(rec.streams[s])]
         flat = [p for _, _, ps in parts for p in ps]
         grads = list(torch.autograd.grad(y.sum(), flat, allow_unused=True))
         # Examples of a batch are independent (eval mode), so d(sum_b y_b)/dA_b = dy_b/dA_b.
@@ -158,7 +162,8 @@ class Context:
             if any(g is None for g in gs) and (s, i) not in unread:
                 unreached.append(f"{s} layer {i}")
             gs = [torch.zeros_like(p) if g is None else g for p, g in zip(ps, gs)]
-            out_g[s].append(torch.cat([g.detach() for g in gs], dim=1) if len(gs) > 1 else gs[0].detach())
+            g = torch.cat([g.detach() for g in gs], dim=1) if len(gs) > 1 else gs[0].detach()
+            out_g[s].append(native[(s, i)][1](g) if (s, i) in native else g)
         if unreached:
             raise _checks.CaptureError(
                 f"method {self.method.name!r}: the gradient of the target never reaches the captured attention of "
@@ -202,8 +207,7 @@ class Context:
         """The output position of a token-level target (and the row of one-hot readouts): the ``position``
         option (an int or one per example), else the last real token for causal attention or token-level
         outputs (decoder-only LMs), else the row of the stream's readout when it is one row, else 0."""
-        shape = rec.stream_shape(stream)
-        B, n = shape[0], shape[-1]
+        B, n = _readout_size(rec, stream, self.info(rec, stream))
         pos = self.options.get("position")
         if pos is not None:
             return _checks.check_positions(pos, B, n)
@@ -221,9 +225,8 @@ class Context:
         """The rows explained: the ``readout`` option (a position, "cls", "mean", "last", "eot", a weight
         vector), else ``position``, else the adapter's declared readout of the stream (the rows the model's
         prediction reads), else the first token (the last real one for causal streams)."""
-        shape = rec.stream_shape(stream)
-        B, n = shape[0], shape[-1]
         info = self.info(rec, stream)
+        B, n = _readout_size(rec, stream, info)
         spec = self.options.get("readout")
         common = dict(batch=B, n=n, mask=info.mask, prefix=info.prefix, suffix=info.suffix)
         if spec is not None:
@@ -291,6 +294,13 @@ class Context:
         language stream), ``f(stream, readout, layers) -> (N, n_v)`` rows of that stream's relevance (see
         :func:`source_rows`); the Explanation is then composed over both (see :meth:`build_linked`)."""
         info = self.info(rec, stream)
+        if info.merges and full_row.shape[-1] != rec.stream_shape(stream)[-1]:
+            raise ValueError(
+                f"method {self.method.name!r} gave a row over {full_row.shape[-1]} tokens, but "
+                f"{type(self.model).__name__}'s stream is a stage chain (tokens merge between stages) and its "
+                f"units are the {rec.stream_shape(stream)[-1]} input patches; methods that compose the chain: "
+                f"{', '.join(CHAIN_METHODS)}"
+            )
         if self.composes(rec, stream, source):
             return self.build_linked(rec, full_row, readout, stream, source, layers=layers, options=options)
         full_row = full_row.detach().to(torch.float32).cpu()
@@ -421,6 +431,18 @@ def _token_level(outputs: Any, n: int | None = None) -> bool:
     """Whether the main logits are per token (B, n, V) — not per query (detection heads, other lengths)."""
     logits = main_logits(outputs)
     return logits is not None and logits.ndim == 3 and (n is None or logits.shape[1] == n)
+
+
+#: Methods that compose a stage chain (``StreamInfo.merges``: Swin) down to the input patches.
+CHAIN_METHODS = ("rollout", "raw", "grad_rollout", "gae")
+
+
+def _readout_size(rec: AttentionRecord, stream: str, info: StreamInfo) -> tuple[int, int]:
+    """(B, n) of the rows a readout picks: the last layer's tokens for a stage chain, else the stream's."""
+    shape = rec.stream_shape(stream)
+    if info.merges and rec.streams.get(stream):
+        return shape[0], rec.streams[stream][-1].shape[-1]
+    return shape[0], shape[-1]
 
 
 def resolve_target(outputs: Any, target: Any, *, positions: list[int] | None = None) -> tuple[torch.Tensor, Any]:
@@ -587,17 +609,25 @@ def prefix_default(protect_prefix: int | None, info: Any) -> int:
 
 
 def rollout_rows(fn: Callable, attentions: Any, readout: Readout | list[int], mask: torch.Tensor | None, *,
-                 return_layers: bool = False, **options: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 return_layers: bool = False, info: StreamInfo | None = None,
+                 **options: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run a core rollout function (``rollout`` / ``per_head_rollout``) for only the rows the readout reads
     and combine them with its weights: (B, [H,] n) and, with ``return_layers``, (L', B, [H,] n).
 
-    ``readout`` may also be a list of one position per example (a one-hot readout)."""
+    ``readout`` may also be a list of one position per example (a one-hot readout). ``info``: the stream's
+    StreamInfo; a stage chain (``info.merges``) is composed down to the first layer's tokens
+    (``core.stages.chain_rollout``), and layers whose rows are not probabilities (``info.nonstochastic``)
+    are refused unless the options accept any non-negative matrices (``check_stochastic=False``)."""
     if not isinstance(readout, Readout):
         B = len(readout)
         n = (attentions[0] if isinstance(attentions, (list, tuple)) else attentions[0]).shape[-1]
         readout = resolve_readout(list(readout), batch=B, n=n, mask=None)
-    rows = readout.rows()
     return_layers = _checks.check_bool("return_layers", return_layers)
+    if info is not None:
+        _check_stochastic_layers(info, len(attentions), options)
+    if info is not None and info.merges:
+        return _chain_rows(fn, attentions, readout, info, return_layers, options), None
+    rows = readout.rows()
     R = fn(attentions, rows=rows, return_layers=return_layers, attention_mask=mask, **options)
     return combine_rows(R, readout, rows, layered=return_layers)
 
@@ -610,3 +640,39 @@ def combine_rows(R: torch.Tensor, readout: Readout, rows: list[int], *, layered:
         sel = torch.einsum("br,lb...rn->lb...n", w, R)
         return sel[-1], sel
     return torch.einsum("br,b...rn->b...n", w, R), None
+
+
+def _check_stochastic_layers(info: StreamInfo, num_layers: int, options: dict) -> None:
+    """Refuse, with the adapter's reason, a rollout of probabilities over layers that hold none."""
+    if not info.nonstochastic or options.get("check_stochastic") is False:
+        return
+    from ..core.rollout import layer_range
+
+    start, end = layer_range(num_layers, options.get("start_layer", 0), options.get("end_layer"))
+    hit = [i for i in info.nonstochastic if start <= i < end]
+    if hit:
+        raise ValueError(
+            f"layers {hit[:4]}{'...' if len(hit) > 4 else ''} hold no attention probabilities: "
+            f"{info.stochastic_reason}. Rollout of probabilities does not apply there; use a gradient method "
+            f"('grad_rollout', 'gae'), 'raw', or start_layer={max(hit) + 1} to roll out only the layers after them"
+        )
+
+
+def _chain_rows(fn: Callable, attentions: Any, readout: Readout, info: StreamInfo, return_layers: bool,
+                options: dict) -> torch.Tensor:
+    """The readout's weighted row composed down a stage chain: (B, n_0)."""
+    from ..core.rollout import rollout as core_rollout
+    from ..core.stages import chain_rollout
+
+    if fn is not core_rollout:
+        raise ValueError(
+            f"{getattr(fn, '__name__', fn)} keeps one chain per head, but this stream's stages have their own "
+            "heads and merge between them (a stage chain); use method='rollout' (heads fused per layer)"
+        )
+    if return_layers:
+        raise ValueError(
+            "return_layers=True: the partial products of a stage chain live on different token grids (the "
+            "readout's rows exist only after the last merge); use return_layers=False"
+        )
+    opts = {k: v for k, v in options.items() if k != "attention_mask"}
+    return chain_rollout(list(attentions), info.merges, readout.weights, **opts)

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from .. import _checks
+from ..capture import model_facts
 from ..capture.hf import is_hf_model
 from ..capture.recompute import capture_kernels
 from ..core import operators
@@ -138,7 +139,8 @@ def _answer_ids(model, tokenizer, prompt_ids, generate, answer) -> list[int]:
     n = _checks.check_int("generate", generate)
     if n < 1:
         raise ValueError(f"generate must be >= 1 (tokens to generate), got {n}")
-    pad = model.config.pad_token_id if model.config.pad_token_id is not None else (model.config.eos_token_id or 0)
+    facts = model_facts(model)
+    pad = facts.pad_token_id if facts.pad_token_id is not None else (facts.eos_token_id or 0)
     with torch.no_grad():
         out = model.generate(prompt_ids, attention_mask=torch.ones_like(prompt_ids), max_new_tokens=n,
                              do_sample=False, pad_token_id=pad)
@@ -175,6 +177,8 @@ def _relevance(model, tokenizer, ids, rows, answer_ids, method, options) -> torc
     from ..core.rollout import layer_range
 
     start, end = layer_range(len(layers), options.get("start_layer", 0), options.get("end_layer"))
+    if method == "rollout":  # the same refusal of non-stochastic rows (attention sinks) as explain's rollout
+        _recompute.check_stochastic(layers, start, end, options.get("head_fusion", "mean"), None)
     E = torch.zeros(1, len(rows), ids.shape[1], dtype=torch.float32, device=layers[0].q.device)
     E[0, torch.arange(len(rows)), torch.tensor(rows)] = 1.0
     R = operators.rollout_rows(layers, E, rule, a=a, c=c, renorm=mode == "renorm", start=start, end=end)

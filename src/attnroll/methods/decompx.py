@@ -5,14 +5,16 @@ biases are spread over the tokens by AbsDot (``bias="absdot"``, the paper's defa
 carried through every block, O(n) blocks' linear work) or kept apart (``bias="separate"``, DecompX's bias
 token: then the network with frozen coefficients is affine in the embeddings and the same shares come from
 one forward + one backward pass). The token shares plus the bias share (``extra["bias_share"]``) add up to
-the target logit exactly."""
+the target logit exactly. Heads that pool rows (timm ``global_pool='avg'`` with its ``fc_norm``, DINOv2's
+CLS ⊕ mean of the patch rows) are decomposed as the layer anatomy describes them: every output row's shares
+through the final norm, pooled, concatenated, then the classifier."""
 
 from __future__ import annotations
 
 import torch
 
 from .. import _checks
-from ..core.decompx import block_shares, head_shares, initial_shares, separate_bias_shares
+from ..core.decompx import block_shares, head_shares, initial_shares, pool_shares, separate_bias_shares
 from . import _value_aware as va
 from .base import Context, register
 
@@ -37,26 +39,30 @@ def shares(ctx: Context, bias: str, dtype) -> tuple:
     head = anat.head(dt)  # raises for a model without a head, before any work
     pos = ctx.positions(rec, "self")
     classes = _target_classes(ctx, rec)
-    rows = sorted(set(pos))
+    x0 = states.inputs[0].to(dt)
+    pools = anat.pool_weights(x0.shape[1], torch.tensor(pos, device=x0.device), dt) if anat.pooled else None
+    token_norm = anat.token_norm_params(dt)
+    blocks = anat.blocks(dt)
     if bias == "separate" and not torch.is_inference_mode_enabled():
         # affine once the coefficients are frozen: one forward + backward gives the same shares exactly
-        blocks = anat.blocks(dt)
         alphas = [a.to(dt) for a in rec.attentions]
-        x0 = states.inputs[0].to(dt)
         tok, y = separate_bias_shares(x0, alphas, blocks, positions=torch.tensor(pos, device=x0.device),
-                                      classes=classes.to(x0.device), **head)
+                                      classes=classes.to(x0.device), pools=pools, token_norm=token_norm, **head)
         return rec, pos, torch.cat([tok, (y - tok.sum(-1)).unsqueeze(-1)], dim=-1)
+    rows = sorted(set(pos))
     with torch.no_grad():
-        S = initial_shares(states.inputs[0].to(dt))
-        blocks = anat.blocks(dt)
+        S = initial_shares(x0)
         for i, blk in enumerate(blocks):
             B, n, K, d = S.shape
-            last = i == len(blocks) - 1
+            last = i == len(blocks) - 1 and pools is None  # a pooling head reads every row
             R = torch.tensor(rows, device=S.device) if last else None
             chunk = va.chunk_rows(B, K, max(d, blk.mlp.w1.shape[0]))
             S = block_shares(S, rec.attentions[i].to(dt), blk, rows=R, bias=bias, chunk=chunk)
-        idx = torch.tensor([rows.index(p) for p in pos], device=S.device)
-        read = S[torch.arange(S.shape[0], device=S.device), idx]  # (B, K, d)
+        if pools is None:
+            idx = torch.tensor([rows.index(p) for p in pos], device=S.device)
+            read = S[torch.arange(S.shape[0], device=S.device), idx]  # (B, K, d)
+        else:
+            read = pool_shares(S, pools, token_norm=token_norm, bias=bias)  # (B, K, G·d)
         out = head_shares(read, bias=bias, classes=classes.to(S.device), **head)
     return rec, pos, out
 

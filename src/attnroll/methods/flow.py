@@ -31,6 +31,16 @@ def flow(ctx: Context, *, stream, protect_prefix, max_tokens, **opts):
     default); for a weighted readout the weighted mean of those rows."""
     rec = ctx.record()
     s = ctx.stream(rec)
+    info = ctx.info(rec, s)
+    if info.merges:
+        raise ValueError(
+            f"flow: {type(ctx.model).__name__}'s tokens merge between stages (a stage chain), and a max flow "
+            "through fixed merge maps is not attention flow's layered graph of one token set; use "
+            "method='rollout', which composes the chain"
+        )
+    if info.nonstochastic:
+        raise ValueError(f"flow needs attention probabilities as capacities, but layers {list(info.nonstochastic)[:4]} "
+                         f"hold none: {info.stochastic_reason}; use 'grad_rollout' or 'gae'")
     n = rec.streams[s][0].shape[-1]
     if n > max_tokens:
         raise ValueError(

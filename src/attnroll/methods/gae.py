@@ -45,6 +45,7 @@ def gae(ctx: Context, *, start_layer, end_layer, return_layers, stream, attentio
     row, layers = rollout_rows(
         core_rollout, W, pos, ctx.mask(rec, s), return_layers=return_layers, head_fusion=None,
         residual_mode="add", alpha=0.5, check_stochastic=False, start_layer=start_layer, end_layer=end_layer,
+        info=ctx.info(rec, s),
     )
     src = source_rows(ctx, rec, core_rollout, lambda v: gradient_weighted(atts[v], grads[v], "per_head"),  # VLMs
                       head_fusion=None, residual_mode="add", alpha=0.5, check_stochastic=False)

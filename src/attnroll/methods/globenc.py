@@ -8,7 +8,6 @@ at the last layer (with the statistics of the final stream)."""
 
 from __future__ import annotations
 
-from ..capture.value_path import norm_params
 from ..core.value_aware import norm_matrix
 from . import _value_aware as va
 
@@ -19,8 +18,8 @@ def _matrices(layers, states, anat, mask):
         blk = lay.block
         if not blk.pre_norm:
             norms = [(blk.norm1, lay.n1), (blk.norm2, lay.n2)]
-        elif i == len(layers) - 1 and anat.final_norm is not None and states.final_in is not None:
-            norms = [(norm_params(anat.final_norm, lay.x.dtype), states.final_in.to(lay.x.dtype))]
+        elif i == len(layers) - 1 and anat.stream_norm is not None and states.final_in is not None:
+            norms = [(anat.stream_norm_params(lay.x.dtype), states.final_in.to(lay.x.dtype))]
         else:
             norms = []
         out.append(norm_matrix(lay.alpha, lay.F, lay.x, norms))

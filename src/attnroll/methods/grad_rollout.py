@@ -53,7 +53,7 @@ def grad_rollout(ctx: Context, *, clamp, stream, return_layers, protect_prefix, 
     pp = prefix_default(protect_prefix, ctx.info(rec, s))
     row, layers = rollout_rows(
         core_rollout, W, pos, ctx.mask(rec, s), return_layers=return_layers, head_fusion=None,
-        check_stochastic=False, protect_prefix=pp, **opts,
+        check_stochastic=False, protect_prefix=pp, info=ctx.info(rec, s), **opts,
     )
     src = source_rows(ctx, rec, core_rollout, lambda v: gradient_weighted(atts[v], grads[v], clamp),  # VLMs: vision
                       protect_prefix=protect_prefix, head_fusion=None, check_stochastic=False, **opts)

@@ -23,7 +23,8 @@ def per_head_rollout(ctx: Context, *, stream, return_layers, protect_prefix, **o
     pos = ctx.readout(rec, s)
     pp = prefix_default(protect_prefix, ctx.info(rec, s))
     heads, layers = rollout_rows(
-        core_per_head, rec.streams[s], pos, ctx.mask(rec, s), return_layers=return_layers, protect_prefix=pp, **opts
+        core_per_head, rec.streams[s], pos, ctx.mask(rec, s), return_layers=return_layers, protect_prefix=pp,
+        info=ctx.info(rec, s), **opts,
     )
     extra = {"heads": heads.detach().float().cpu()}
     return ctx.build(

@@ -1,4 +1,7 @@
-"""``raw``: the head-fused attention row of one layer (the last by default): who the output token attends to."""
+"""``raw``: the head-fused attention row of one layer (the last by default): who the output token attends to.
+
+On a stage chain (Swin) the readout is carried down to the layer's stage through the merge maps above it
+and the layer's row down to the input patches through the merge maps below it (``core.stages.stage_row``)."""
 
 from __future__ import annotations
 
@@ -7,6 +10,7 @@ import torch
 from .. import _checks
 from ..core.fusion import fuse_tensor, head_weights
 from ..core.operators import attention_rows
+from ..core.stages import stage_row
 from . import _recompute
 from .base import Context, combine_rows, register
 
@@ -44,11 +48,15 @@ def _raw_rows(ctx, rec, s, layers, rows_of, layer, head_fusion, return_layers, r
     head_weights(head_fusion, first.shape[1], like=first.q if hasattr(first, "q") else first)  # validates
     pos = ctx.readout(rec, s)
     rows = pos.rows()
+    merges = ctx.info(rec, s).merges
 
-    def row(a) -> torch.Tensor:
+    def row(i: int) -> torch.Tensor:
+        a = layers[i]
+        if merges:  # a stage chain: the layer's row between the merges above and below it (core.stages)
+            return stage_row(pos.weights, fuse_tensor(a.to(torch.float32), head_fusion), merges, i, len(layers))
         # Fuse the heads on the readout's rows, then weight the rows: (B, n).
         return combine_rows(fuse_tensor(rows_of(a, rows).to(torch.float32), head_fusion), pos, rows)[0]
 
-    stacked = torch.stack([row(a) for a in layers]) if return_layers else None
+    stacked = torch.stack([row(i) for i in range(len(layers))]) if return_layers else None
     opts = {**ctx.options, "layer": k, "attention": route}
-    return ctx.build(rec, row(layers[k]), pos, s, layers=stacked, options=opts)
+    return ctx.build(rec, row(k), pos, s, layers=stacked, options=opts)

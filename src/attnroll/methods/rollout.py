@@ -42,7 +42,8 @@ def rollout(ctx: Context, *, stream, return_layers, protect_prefix, attention, *
     if fuse is not None:
         opts = {**opts, "head_fusion": None}
     row, layers = rollout_rows(
-        core_rollout, rec.streams[s], ro, ctx.mask(rec, s), return_layers=return_layers, protect_prefix=pp, **opts
+        core_rollout, rec.streams[s], ro, ctx.mask(rec, s), return_layers=return_layers, protect_prefix=pp,
+        info=ctx.info(rec, s), **opts,
     )
     src = source_rows(ctx, rec, core_rollout, rec.stream, protect_prefix=protect_prefix, **opts)  # VLMs: the vision stream
     return ctx.build(rec, row, ro, s, layers=layers, options={**ctx.options, "protect_prefix": pp, "attention": "dense"},
