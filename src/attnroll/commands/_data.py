@@ -10,7 +10,7 @@ import click
 
 from ._output import Failure, one_line
 
-__all__ = ["IMAGE_SUFFIXES", "DATASETS", "expand_images", "read_image", "load", "input_options", "check_inputs",
+__all__ = ["IMAGE_SUFFIXES", "DATASETS", "TEXT_DATASETS", "expand_images", "read_image", "load", "input_options", "check_inputs",
            "load_for", "load_eval_model", "load_image_model", "load_texts", "load_data", "load_files", "fill_tensor",
            "check_data", "check_fill", "check_cmap"]
 
@@ -18,6 +18,8 @@ __all__ = ["IMAGE_SUFFIXES", "DATASETS", "expand_images", "read_image", "load", 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm")
 #: ``--data`` names of the generated datasets.
 DATASETS = ("shapes", "shapes-marker")
+#: ``--data`` names of the generated text datasets (``attnroll.models.evidence``: sentences with evidence tokens).
+TEXT_DATASETS = ("evidence",)
 
 
 def expand_images(paths: tuple[Path, ...]) -> list[Path]:
@@ -128,7 +130,7 @@ def load_image_model(spec: str | None) -> Any:
 def load_texts(data: str, n: int) -> list[str]:
     """``--data`` for a text classifier: a UTF-8 text file, one example per line (blank lines skipped)."""
     path = Path(data)
-    if data in DATASETS or not path.is_file():
+    if data in DATASETS + TEXT_DATASETS or not path.is_file():
         raise click.UsageError(f"--data {data}: a text classifier needs a text file, one example per line")
     try:
         lines = [ln.strip() for ln in path.read_text(encoding="utf-8").splitlines()]
@@ -159,6 +161,8 @@ def _generated(data: str, lm: Any, n: int, seed: int) -> dict[str, Any]:
 def load_data(data: str, lm: Any, n: int, seed: int) -> dict[str, Any]:
     """``--data``: a generated dataset name or a folder of images. Returns pixel_values, and for generated
     data the raw images, labels, object masks (pixels) and marker masks."""
+    if data in TEXT_DATASETS:
+        raise click.UsageError(f"--data {data}: generated sentences, for a text classifier (--model minilm-evidence)")
     if data in DATASETS:
         return _generated(data, lm, n, seed)
     path = Path(data)
@@ -186,9 +190,9 @@ def load_files(files: list[Path], lm: Any) -> dict[str, Any]:
 
 def check_data(data: str) -> None:
     """``--data`` before any model is loaded: a generated dataset name or an existing file / folder."""
-    if data not in DATASETS and not Path(data).exists():
+    if data not in DATASETS + TEXT_DATASETS and not Path(data).exists():
         raise click.UsageError(f"--data {data}: neither a folder of images, a text file, nor one of "
-                               f"{', '.join(DATASETS)}")
+                               f"{', '.join(DATASETS + TEXT_DATASETS)}")
 
 
 def check_fill(fill: str) -> None:

@@ -9,7 +9,7 @@ from typing import Any
 import click
 
 from ._args import method_options, methods_list
-from ._data import DATASETS, check_data, check_fill, fill_tensor, load_data, load_eval_model, load_files, load_texts
+from ._data import DATASETS, TEXT_DATASETS, check_data, check_fill, fill_tensor, load_data, load_eval_model, load_files, load_texts
 from ._group import cli
 from ._output import echo_written, figure_png, prepare_out, write
 
@@ -74,12 +74,34 @@ def _needs_masks(metrics: list[str] | None) -> bool:
     return bool(metrics) and any(metric_info(k).needs_masks for k in metrics)
 
 
-def _evaluate_text(lm: Any, data: str, n: int, names: list[str], metrics: Any, opts: dict, batch_size: int) -> Any:
+def _no_masks_error(metrics: list[str]) -> click.UsageError:
+    """The usage error for mask metrics on data without masks, naming the data that has them."""
+    from ..evaluate import metric_info
+
+    if any(metric_info(k).kind == "text" for k in metrics):
+        return click.UsageError("--metrics evidence_mass/evidence_pointing/evidence_f1 need evidence tokens, which "
+                                "text files do not carry: use --data evidence")
+    return click.UsageError("--metrics pointing/mass/iou need object masks: use --data shapes or shapes-marker")
+
+
+def _evaluate_text(lm: Any, data: str, n: int, seed: int, names: list[str], metrics: Any, opts: dict,
+                   batch_size: int) -> tuple[Any, dict]:
+    """A text classifier on ``--data evidence`` (generated sentences with evidence tokens: AOPC and the
+    rationale metrics) or on a text file (AOPC only). Returns (result, the meta data of evaluation.json)."""
+    if data in TEXT_DATASETS:
+        from ..models import evidence
+
+        ex = evidence.make_examples(n, seed)
+        enc, masks = evidence.encode(lm.tokenizer, ex)
+        result = _run_suite(lm.model, enc, names, labels=ex.labels, masks=masks, metrics=metrics,
+                            method_options=opts, batch_size=batch_size)
+        return result, {"model": lm.name, "data": data, "n": n, "seed": seed, "options": opts}
     if _needs_masks(metrics):
-        raise click.UsageError("--metrics pointing/mass/iou need masks, which text files do not carry")
+        raise _no_masks_error(metrics)
     texts = load_texts(data, n)
     enc = lm.tokenizer(texts, padding=True, truncation=True, return_tensors="pt", return_special_tokens_mask=True)
-    return _run_suite(lm.model, enc, names, metrics=metrics, method_options=opts, batch_size=batch_size)
+    result = _run_suite(lm.model, enc, names, metrics=metrics, method_options=opts, batch_size=batch_size)
+    return result, {"model": lm.name, "data": data, "n": n, "options": opts}
 
 
 def _write_results(out: Path, result: Any, meta: dict) -> None:
@@ -102,21 +124,28 @@ def _metrics_help() -> str:
     def listing(kind: str) -> str:
         return ", ".join(metric_names(kind, masks=False))
 
-    return (f"Comma-separated subset of {listing('image')} (images) or {listing('text')} (text), and with object "
-            f"masks {', '.join(metric_names(masks=True))} [default: all that apply].")
+    def masked(kind: str) -> str:
+        return ", ".join(metric_names(kind, masks=True))
+
+    return (f"Comma-separated subset of {listing('image')} (images) or {listing('text')} (text), with object "
+            f"masks {masked('image')}, with evidence tokens {masked('text')} [default: all that apply].")
 
 
 @cli.command("evaluate", short_help="Score methods with perturbation and localisation metrics.")
 @click.option("--model", "model_spec", metavar="MODEL", default="shapes", show_default=True,
-              help="shapes | shapes-marker (embedded) | a local transformers image or text classifier folder.")
+              help="shapes | shapes-marker | minilm-evidence (embedded; the last a text classifier) | a local "
+                   "transformers image or text classifier folder.")
 @click.option("--methods", "method_list", default="rollout,flow,gae,grad_rollout,raw,integrated_gradients,random",
               show_default=True, help="Comma-separated methods to compare.")
 @click.option("--data", default="shapes", show_default=True,
               help="shapes | shapes-marker (generated, with object masks) | a folder of images (no masks: "
-                   "perturbation metrics only) | for a text classifier, a text file with one example per line.")
-@click.option("--n", "n", default=200, show_default=True, type=click.IntRange(1), help="How many images.")
+                   "perturbation metrics only) | for a text classifier: evidence (generated sentences with "
+                   "evidence tokens; the default with --model minilm-evidence) or a text file, one example per "
+                   "line.")
+@click.option("--n", "n", default=200, show_default=True, type=click.IntRange(1), help="How many images (sentences).")
 @click.option("--seed", default=12345, show_default=True, type=click.IntRange(0),
-              help="Seed of the generated images (12345 = the shapes model's held-out test seed).")
+              help="Seed of the generated images or sentences (12345 = the shapes and evidence models' held-out "
+                   "test seed).")
 @click.option("--metrics", "metric_list", help=_metrics_help())
 @click.option("--option", "-o", "options", multiple=True, metavar="[METHOD.]KEY=VALUE",
               help="A method option, e.g. -o flow.n_jobs=2 or -o alpha=0.6 (every method that takes it).")
@@ -134,7 +163,8 @@ def evaluate_cmd(model_spec, method_list, data, n, seed, metric_list, options, f
                  maps_dir) -> None:
     """Compare methods on one classifier. Images: deletion / insertion AUC, positive / negative perturbation AUC
     and, on generated data with object masks, the pointing game, the relevance mass in the object and the top-k
-    IoU. Text classifiers (--data FILE, one example per line): AOPC comprehensiveness and sufficiency. Prints a
+    IoU. Text classifiers: AOPC comprehensiveness and sufficiency, and on --data evidence (generated sentences
+    whose label is decided by known tokens) the evidence-token mass, pointing game and top-k F1. Prints a
     table (mean ± standard error, best in bold) and writes a CSV, a JSON and a figure of the curves."""
     if maps_dir is not None:
         return _evaluate_batch(maps_dir, model_spec, method_list, n, metric_list, options, fill, steps, batch_size,
@@ -144,13 +174,17 @@ def evaluate_cmd(model_spec, method_list, data, n, seed, metric_list, options, f
     metrics = _metric_names(metric_list)
     check_data(data)
     check_fill(fill)
-    if data not in DATASETS and _needs_masks(metrics):
-        raise click.UsageError("--metrics pointing/mass/iou need object masks: use --data shapes or shapes-marker")
+    text_default = model_spec == "minilm-evidence" and _is_default("data")
+    data = "evidence" if text_default else data
+    if data in TEXT_DATASETS and model_spec in DATASETS:  # the embedded image models share the data's names
+        raise click.UsageError(f"--data {data}: generated sentences, for a text classifier (--model minilm-evidence)")
+    if data not in DATASETS + TEXT_DATASETS and _needs_masks(metrics):
+        raise _no_masks_error(metrics)
     out = prepare_out(out)
     lm = load_eval_model(model_spec)
     if lm.kind == "text":
-        result = _evaluate_text(lm, data, n, names, metrics, opts, batch_size)
-        _write_results(out, result, {"model": lm.name, "data": data, "n": n, "options": opts})
+        result, meta = _evaluate_text(lm, data, n, seed, names, metrics, opts, batch_size)
+        _write_results(out, result, meta)
         return
     d = load_data(data, lm, n, seed)
     masks = None
@@ -159,12 +193,18 @@ def evaluate_cmd(model_spec, method_list, data, n, seed, metric_list, options, f
 
         masks = patch_masks(d["masks"])
     elif _needs_masks(metrics):
-        raise click.UsageError("--metrics pointing/mass/iou need object masks: use --data shapes or shapes-marker")
+        raise _no_masks_error(metrics)
     fill_value = fill_tensor(fill, lm, d["x"])
     result = _run_suite(lm.model, d["x"], names, labels=d["labels"], masks=masks, metrics=metrics,
                         method_options=opts, fill=fill_value, steps=steps, batch_size=batch_size)
     meta = {"model": lm.name, "data": data, "n": n, "seed": seed, "fill": fill, "steps": steps, "options": opts}
     _write_results(out, result, meta)
+
+
+def _is_default(param: str) -> bool:
+    """Whether the command's option ``param`` was left at its default."""
+    src = click.get_current_context().get_parameter_source(param)
+    return src is click.core.ParameterSource.DEFAULT
 
 
 def _evaluate_batch(folder: Path, model_spec: str, method_list: str, n: int, metric_list: Any, options: Any,

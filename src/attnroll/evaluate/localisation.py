@@ -244,21 +244,21 @@ def _mask_share(scores: Any, masks: Any) -> np.ndarray:
     return (m.sum(dim=1).numpy().astype(np.int64) / s.shape[1]).astype(np.float64)
 
 
-@register_metric("pointing", kind="both", higher_is_better=True, needs_masks=True,
+@register_metric("pointing", kind="image", higher_is_better=True, needs_masks=True,
                  description="pointing game: share of maps whose top patch lies on the object")
 def _pointing_metric(inp: MetricInputs, scores: Any, grid: Any) -> MetricValues:
     return MetricValues(np.asarray(pointing_game(scores, inp.masks), dtype=np.float64),
                         chance=_mask_share(scores, inp.masks))
 
 
-@register_metric("mass", kind="both", higher_is_better=True, needs_masks=True,
+@register_metric("mass", kind="image", higher_is_better=True, needs_masks=True,
                  description="relevance mass inside the object mask (Arras et al. 2022)")
 def _mass_metric(inp: MetricInputs, scores: Any, grid: Any) -> MetricValues:
     return MetricValues(np.asarray(mask_mass(scores, inp.masks), dtype=np.float64),
                         chance=_mask_share(scores, inp.masks))
 
 
-@register_metric("iou", kind="both", higher_is_better=True, needs_masks=True,
+@register_metric("iou", kind="image", higher_is_better=True, needs_masks=True,
                  description="IoU of the top-k patches with the object mask (k = mask size)")
 def _iou_metric(inp: MetricInputs, scores: Any, grid: Any) -> MetricValues:
     s, m = _inputs(scores, inp.masks)

@@ -241,8 +241,9 @@ def evaluate_methods(
 
     Image models (``inputs`` = pixel values (B, C, H, W)): deletion / insertion AUC and positive / negative
     perturbation AUC over patches. Text classifiers (``inputs`` = a tokenizer's dict / BatchEncoding with
-    ``input_ids``): AOPC comprehensiveness and sufficiency over tokens. Either kind, given ``masks``: the
-    pointing game, relevance mass and top-k IoU against them (object patches, or rationale tokens).
+    ``input_ids``): AOPC comprehensiveness and sufficiency over tokens. Given ``masks``: images, the pointing
+    game, relevance mass and top-k IoU against the object patches; text, the evidence-token mass, pointing
+    game and top-k F1 against the evidence tokens (special tokens and padding excluded).
 
     Args:
         model: a classifier ``explain`` supports, in eval mode.

