@@ -418,6 +418,7 @@ def hf_facts(model: nn.Module, family: str = "") -> ModelFacts:
         eos_token_id=config_token_id(text_cfg, "eos_token_id"),
         similarity=similarity,
         stream_inputs={s: k for s, k in stream_inputs.items() if k},
+        encoder_decoder=bool(getattr(config, "is_encoder_decoder", False)),
     )
 
 

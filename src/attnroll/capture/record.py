@@ -249,6 +249,7 @@ class ModelFacts:
             module, q/k/v/o projections, heads and KV grouping, norms and their position, MLP, residual
             layout; the head), or None when no family builder knows the model (``anatomy_reason`` says why).
         anatomy_reason: why ``anatomy`` is None ("" otherwise).
+        encoder_decoder: the model has an encoder stack and a decoder stack (T5, BART, Marian, ...).
     """
 
     family: str = ""
@@ -263,6 +264,7 @@ class ModelFacts:
     stream_inputs: dict[str, str] = field(default_factory=dict)
     anatomy: Any = None
     anatomy_reason: str = ""
+    encoder_decoder: bool = False
 
 
 #: Config fields holding special-token ids.

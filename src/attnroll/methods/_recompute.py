@@ -34,7 +34,7 @@ def choose(ctx: Context, attention: Any, refusal: str | None) -> bool:
         _checks.check_choice("attention", attention, MODES)
     if attention == "dense":
         return False
-    supported = is_hf_model(ctx.model) and not getattr(ctx.model.config, "is_encoder_decoder", False)
+    supported = is_hf_model(ctx.model) and not model_facts(ctx.model).encoder_decoder
     dense_only = model_facts(ctx.model).dense_only if supported else ""
     if attention == "recompute":
         if dense_only:

@@ -121,7 +121,7 @@ def context_attribution(
 
 def _is_decoder_lm(model: Any) -> bool:
     """A transformers model that generates text and is not an encoder-decoder."""
-    if not is_hf_model(model) or getattr(model.config, "is_encoder_decoder", False):
+    if not is_hf_model(model) or model_facts(model).encoder_decoder:
         return False
     from transformers import GenerationMixin
 
