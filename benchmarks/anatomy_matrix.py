@@ -123,15 +123,7 @@ def main(argv=None):
                 row = (lib, name, "wrong", f"crash {type(e).__name__}: {str(e)[:120]}")
         rows.append(row)
         print(f"{row[2]:9s} {lib:12s} {name:40s} {row[3]}", flush=True)
-    counts = {v: sum(r[2] == v for r in rows) for v in ("exact", "described", "refused", "wrong", "skipped")}
-    print(f"\n{counts} of {len(rows)} in {time.time() - t0:.0f} s", flush=True)
-    if args.markdown:
-        with open(args.markdown, "w", encoding="utf-8") as f:
-            f.write("| library | architecture | verdict | detail |\n|---|---|---|---|\n")
-            for r in rows:
-                f.write("| " + " | ".join(str(c).replace("|", "/") for c in r) + " |\n")
-            f.write(f"\n{counts}\n")
-    return 0 if counts["wrong"] == 0 else 1
+    return fm.report(rows, ("exact", "described", "refused", "wrong", "skipped"), t0, args.markdown)
 
 
 if __name__ == "__main__":

@@ -452,10 +452,15 @@ def main(argv=None):
             signal.alarm(0)
         rows.append((lib, name, verdict, why))
         print(f"{verdict:8s} {lib:12s} {name:40s} {why}", flush=True)
-    counts = {v: sum(r[2] == v for r in rows) for v in ("correct", "refused", "wrong", "skipped")}
+    return report(rows, ("correct", "refused", "wrong", "skipped"), t0, args.markdown)
+
+
+def report(rows: list[tuple], verdicts: tuple[str, ...], t0: float, markdown: str | None) -> int:
+    """Print the verdict counts, write the rows as a markdown table when asked; exit code 1 if any is wrong."""
+    counts = {v: sum(r[2] == v for r in rows) for v in verdicts}
     print(f"\n{counts} of {len(rows)} in {time.time() - t0:.0f} s", flush=True)
-    if args.markdown:
-        with open(args.markdown, "w", encoding="utf-8") as f:
+    if markdown:
+        with open(markdown, "w", encoding="utf-8") as f:
             f.write("| library | architecture | verdict | detail |\n|---|---|---|---|\n")
             for r in rows:
                 f.write("| " + " | ".join(str(c).replace("|", "/") for c in r) + " |\n")
