@@ -112,8 +112,7 @@ def contributions(alpha: torch.Tensor, F: torch.Tensor, x: torch.Tensor, y: torc
     Fn, xn, yn = (t.detach().contiguous().numpy() for t in (F, x, y))
     y1 = np.abs(yn).sum(-1, dtype=np.float64)
     out = np.empty((B, n, n), dtype=Fn.dtype)
-    work = B * n * n * H * d
-    threads = max(1, min(torch.get_num_threads(), B * n, 1 if work < _THREAD_MIN_WORK else B * n))
+    threads = 1 if B * n * n * H * d < _THREAD_MIN_WORK else max(1, min(torch.get_num_threads(), B * n))
     bounds = [B * n * t // threads for t in range(threads + 1)]
     if threads == 1:
         kernel(A, Fn, xn, yn, y1, out, 0, B * n)
