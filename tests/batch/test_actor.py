@@ -1,6 +1,7 @@
-"""The Ray actor's own logic, without Ray: batches travel as one row each (the items round-trip exactly), and
-an actor running several calls at once in threads (as Ray Data runs it) explains one batch at a time, commits
-every input exactly once and writes the local engine's rows."""
+"""The Ray actor's own logic, without Ray: batches travel as one row each (the items round-trip exactly), an
+actor running several calls at once in threads (as Ray Data runs it) explains one batch at a time, commits
+every input exactly once and writes the local engine's rows, and a killed run's surviving worker commits
+nothing once a rerun has started."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ from attnroll.batch import list_items, read_batch, read_manifest, run_batch  # n
 from attnroll.batch.engines import ACTOR_CALLS, ModelSpec, RayWorker, batch_items, batch_rows  # noqa: E402
 from attnroll.batch.run import resolve_methods  # noqa: E402
 from attnroll.batch.sources import Item  # noqa: E402
-from attnroll.batch.work import Job  # noqa: E402
+from attnroll.batch import store  # noqa: E402
+from attnroll.batch.work import Job, Worker  # noqa: E402
 
 from .helpers import assert_same_rows, write_shapes  # noqa: E402
 
@@ -80,3 +82,34 @@ def test_concurrent_actor_calls_commit_every_input_once_with_the_local_rows(tmp_
     assert sorted(df["id"]) == sorted(ids * 2)
     assert len(list((out / "rows").glob("part-*.parquet"))) == len(rows)  # one shard per batch
     assert_same_rows(read_batch(local), df)
+
+
+def test_a_killed_runs_surviving_worker_commits_nothing_once_a_rerun_started(tmp_path, monkeypatch):
+    """The old run's worker (a Ray actor that outlived its driver) commits a batch exactly while the rerun
+    lists what is missing: it is refused, and the rerun explains that batch once."""
+    import pyarrow.parquet as pq
+
+    src, out = tmp_path / "shapes", tmp_path / "o"
+    write_shapes(src, 12)
+    run_batch(src, out, batch_size=4)
+    meta = read_manifest(out)
+    names, opts = resolve_methods(["rollout"], None)
+    orphan = Worker(ModelSpec().load(), Job(names, opts, meta["key"]["model"], str(out), run=meta["run"]))
+    lost = sorted((out / "rows").glob("part-*.parquet"))[1]
+    lost_ids = set(pq.read_table(lost, columns=["id"]).column("id").to_pylist())
+    lost.unlink()
+    outcome, listing = [], store.committed_ids
+
+    def orphan_commits_while_listed(folder):
+        try:
+            orphan([it for it in list_items(src) if it.id in lost_ids])
+            outcome.append("committed")
+        except store.StaleRunError:
+            outcome.append("refused")
+        return listing(folder)
+
+    monkeypatch.setattr(store, "committed_ids", orphan_commits_while_listed)
+    again = run_batch(src, out, batch_size=4)
+    assert outcome == ["refused"] and again.explained == len(lost_ids) == 4
+    assert sorted(read_batch(out)["id"]) == sorted(it.id for it in list_items(src))  # each input once
+    assert read_manifest(out)["run"] not in (None, meta["run"])

@@ -88,6 +88,9 @@ def import_ray() -> Any:
 
 #: Calls of one actor running at once: one reading the next batch, one explaining, one committing the last.
 ACTOR_CALLS = 3
+#: At most this many Ray blocks (beyond it a block holds several batches, which its call runs one by one);
+#: one block per batch below it, so that each call is one batch.
+MAX_BLOCKS = 10_000
 
 
 class RayWorker:
@@ -180,12 +183,12 @@ def start_ray(ray: Any, address: str | None, num_cpus: int) -> bool:
 def run_ray(spec: ModelSpec, job: Job, todo: list[Item], batch_size: int, progress: Callable[[dict], None], *,
             num_workers: int = 1, address: str | None = None, cpus_per_worker: int | None = None,
             num_gpus: float = 0.0) -> None:
-    """Explain ``todo`` with Ray Data: ``from_items`` (one row, and one block, per batch) → ``map_batches``
-    over a pool of ``num_workers`` actors → each actor commits Parquet shards into ``job.out`` (a folder every
-    node can write, on a cluster). Joins the cluster at ``address``; without one, uses a Ray runtime already
-    started in this process, or starts a local one (``num_cpus`` = workers × CPUs per worker, no dashboard)
-    and stops it afterwards. ``cpus_per_worker`` (torch threads per actor): by default 1 on a cluster, else
-    this machine's CPUs shared between the actors."""
+    """Explain ``todo`` with Ray Data: ``from_items`` (one row per batch; one block per batch, up to
+    :data:`MAX_BLOCKS`) → ``map_batches`` over a pool of ``num_workers`` actors → each actor commits Parquet
+    shards into ``job.out`` (a folder every node can write, on a cluster). Joins the cluster at ``address``;
+    without one, uses a Ray runtime already started in this process, or starts a new local one (``num_cpus``
+    = workers × CPUs per worker, no dashboard) and stops it afterwards. ``cpus_per_worker`` (torch threads
+    per actor): by default 1 on a cluster, else this machine's CPUs shared between the actors."""
     ray = import_ray()
     if cpus_per_worker is None:
         cpus_per_worker = 1 if address else max(1, (os.cpu_count() or 1) // num_workers)
@@ -195,7 +198,7 @@ def run_ray(spec: ModelSpec, job: Job, todo: list[Item], batch_size: int, progre
         ctx = ray.data.DataContext.get_current()
         ctx.enable_progress_bars = False
         rows = batch_rows(todo, batch_size)
-        ds = ray.data.from_items(rows, override_num_blocks=max(1, len(rows)))
+        ds = ray.data.from_items(rows, override_num_blocks=max(1, min(len(rows), MAX_BLOCKS)))
         with warnings.catch_warnings():  # max_restarts has no named parameter in Ray 2.60 yet
             warnings.filterwarnings("ignore", message=".*ray_remote_args.*deprecated")
             out = ds.map_batches(RayWorker, compute=actor_pool(ray, num_workers),

@@ -12,6 +12,7 @@ import os
 import platform
 import sys
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -154,10 +155,9 @@ def run_batch(
     key = run_key(source, column, fp, names, resolved, target, target_column)
     out = Path(out)
     with store.locked(out):
-        todo = _resume(out, key, overwrite, items)
-        info = _manifest(key, lm, spec, engine, command, len(items))
-        store.write_manifest(out, {**info, "status": "running"})
-        job = Job(names, resolved, fp, str(out.resolve()), png, target)
+        info = {**_manifest(key, lm, spec, engine, command, len(items)), "run": uuid.uuid4().hex}
+        todo = _resume(out, key, overwrite, items, {**info, "status": "running"})
+        job = Job(names, resolved, fp, str(out.resolve()), png, target, run=info["run"])
         counter = _Counter(len(todo), progress)
         if engine == "local":
             run_local(Worker(lm, job), todo, batch_size, counter)
@@ -182,14 +182,18 @@ def _check_run_args(engine: Any, batch_size: Any, num_workers: Any, num_gpus: An
             None if target is None else _checks.check_int("target", target, low=0))
 
 
-def _resume(out: Path, key: dict, overwrite: bool, items: list[Item]) -> list[Item]:
+def _resume(out: Path, key: dict, overwrite: bool, items: list[Item], manifest: dict) -> list[Item]:
     """The items no committed shard holds, after checking (or, with ``overwrite``, clearing) what ``out``
-    holds and removing a killed run's temporary files; call with ``out`` locked."""
+    holds, removing a killed run's temporary files and writing this run's ``manifest``; call with ``out``
+    locked. The manifest (with this run's id) is written *before* the shards are listed: a worker of a
+    killed run that is still alive (a Ray actor on a cluster) then finds another run's id and commits
+    nothing more, so that no batch is both listed as missing and committed by it."""
     meta = store.read_manifest(out)
     if overwrite and meta is not None:
         store.clear(out)
         meta = None
     check_resumable(meta, key, out)
+    store.write_manifest(out, manifest)
     store.remove_temporaries(out)
     done_rows, done_failed = store.committed_ids(out)
     return [it for it in items if it.id not in done_rows and it.id not in done_failed]
