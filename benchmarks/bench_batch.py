@@ -207,7 +207,8 @@ def batch_run(src: Path, model_spec: str | None, method: str, batch_size: int, e
     shutil.rmtree(out, ignore_errors=True)
     extra = {}
     if engine == "ray":  # the machine's CPUs shared between the actors, joined or not
-        extra = {"num_workers": workers, "address": address, "cpus_per_worker": max(1, (os.cpu_count() or 1) // workers)}
+        extra = {"num_workers": workers, "address": address,
+                 "cpus_per_worker": max(1, (os.cpu_count() or 1) // workers)}
     t0 = time.time()
     run_batch(src, out, methods=[method], model=model_spec, batch_size=batch_size, engine=engine, **extra)
     t1 = time.time()
@@ -342,7 +343,8 @@ def report(name: str, n: int, bs: int, best: dict, methods: list[str]) -> None:
     Ray: to the local engine)."""
     plain = best[("plain", None)]
     print(f"\n## {name}: {n} images, batch {bs}\n")
-    print("| method | configuration | end to end (inputs/s) | start-up (s) | steady (inputs/s) | ratio end to end | ratio steady |")
+    print("| method | configuration | end to end (inputs/s) | start-up (s) | steady (inputs/s) | ratio end to end "
+          "| ratio steady |")
     print("|---|---|---|---|---|---|---|")
     print(f"| - | plain loop | {plain.rate:.2f} | {plain.startup:.2f} | {plain.steady:.2f} | | |")
     for method in methods:

@@ -33,7 +33,8 @@ def as_ray_batch(rows: list[dict]) -> dict:
 
 def test_batch_rows_round_trip_every_field_and_keep_the_local_chunks():
     items = [Item(0, "a.png", "image", path="/x/a.png"), Item(1, "line:2", "text", text="one", pair="two", target=3),
-             Item(2, "row:3", "text", text="tab\there", target=0), Item(3, "b", "image", path="/x/ü b.png", target=None)]
+             Item(2, "row:3", "text", text="tab\there", target=0),
+             Item(3, "b", "image", path="/x/ü b.png", target=None)]
     rows = batch_rows(items, 3)
     assert [json.loads(r["items"])[0]["index"] for r in rows] == [r["first"] for r in rows] == [0, 3]
     assert [len(json.loads(r["items"])) for r in rows] == [3, 1]  # the local engine's chunks of 3

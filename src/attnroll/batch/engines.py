@@ -118,7 +118,7 @@ class RayWorker:
         import numpy as np
 
         loaded = self.worker.load(batch_items(batch))
-        with self.model_lock:  # one explain at a time: the actor's CPUs (or GPU) are the model's
+        with self.model_lock:  # one explain at a time: it hooks the model, and the CPUs (or GPU) are the model's
             computed = self.worker.compute(loaded)
         counts = self.worker.commit(computed)
         return {k: np.array([v]) for k, v in counts.items()}
