@@ -25,7 +25,8 @@ CPUs shared between them (torch threads = CPUs / K), as the local engine uses th
 the plain loop's step and the local engine's step batch by batch on the same inputs, the ratio least
 disturbed by the load of a shared machine. ``--breakdown`` prints where a batch's time goes (decoding, the
 plain forward, explain on each attention route, rows, the Parquet commit). Each configuration runs
---repeat times, alternating, and the best end-to-end run counts (the machine is shared).
+--repeat times, alternating, each in a fresh Python process, and the best end-to-end run counts (the
+machine is shared).
 
 Usage: python benchmarks/bench_batch.py [--models shapes,vit-b16] [--methods rollout,gae] [--n-shapes 4000]
        [--n-vit 64] [--vit-batch 8] [--repeat 1] [--ray fresh,joined | --ray none] [--workers 1,2]
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import platform
 import shutil
@@ -277,7 +279,10 @@ def main() -> None:
     ap.add_argument("--interleaved", action="store_true", help="also the batch-by-batch local / plain ratio")
     ap.add_argument("--interleaved-only", action="store_true",
                     help="only the batch-by-batch ratio of the local engine to the plain loop")
+    ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: one configuration, in a child process
     args = ap.parse_args()
+    if args.one:
+        return run_one(json.loads(args.one))
     work = Path(tempfile.mkdtemp(prefix="attnroll-bench-batch-"))
     print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cpus, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads; load before: {os.getloadavg()}")
@@ -304,9 +309,6 @@ def run_model(name: str, args: argparse.Namespace, modes: list[str], workers: li
         write_images(src, n)
     files = sorted(src.glob("*.png"))
     methods = args.methods.split(",")
-    from attnroll.models import load_model
-
-    load_model(spec, None, want="image")  # imports paid once, before any timed run (actors pay their own)
     for method in methods:
         if args.breakdown:
             parts = breakdown(spec, files, bs, method, work)
@@ -326,16 +328,45 @@ def run_model(name: str, args: argparse.Namespace, modes: list[str], workers: li
     best: dict = {}
     for _ in range(args.repeat):
         for label, method, engine, k, addr in configs:
-            if label == "plain":
-                t = plain_loop(spec, files, bs)
-            else:
-                t = batch_run(src, spec, method, bs, engine, k, work, addr)
+            one = {"src": str(src), "spec": spec, "method": method, "bs": bs, "engine": engine, "workers": k,
+                   "work": str(work), "address": addr, "plain": label == "plain"}
+            t = isolated(one)
+            if t is None:
+                continue
             print(f"#   {name} {label} {method or ''}: {t.seconds:.1f} s, start-up {t.startup:.1f} s, "
                   f"steady {t.steady:.1f}/s (load {os.getloadavg()[0]:.1f})")
             sys.stdout.flush()
             if (label, method) not in best or t.seconds < best[(label, method)].seconds:
                 best[(label, method)] = t
     report(name, n, bs, best, methods)
+
+
+def isolated(one: dict) -> "Timing | None":
+    """One timed configuration in a fresh Python process, as a user's command runs (and no Ray state left
+    over from another configuration): it loads the model once untimed (so that no configuration pays the
+    first imports of torch and transformers; Ray's actors, fresh processes, still pay theirs), then times.
+    A failed run is reported and retried once."""
+    for attempt in (1, 2):
+        proc = subprocess.run([sys.executable, __file__, "--one", json.dumps(one)], capture_output=True, text=True)
+        lines = proc.stdout.strip().splitlines()
+        if proc.returncode == 0 and lines:
+            return Timing(**json.loads(lines[-1]))
+        print(f"#   FAILED (attempt {attempt}): {one['engine']} {one['workers']} {one['address']}: "
+              f"{(proc.stderr.strip().splitlines() or ['?'])[-1][:300]}")
+    return None
+
+
+def run_one(one: dict) -> None:
+    """``--one``: the body of :func:`isolated`; prints the Timing as JSON."""
+    from attnroll.models import load_model
+
+    load_model(one["spec"], None, want="image")
+    src, work = Path(one["src"]), Path(one["work"])
+    if one["plain"]:
+        t = plain_loop(one["spec"], sorted(src.glob("*.png")), one["bs"])
+    else:
+        t = batch_run(src, one["spec"], one["method"], one["bs"], one["engine"], one["workers"], work, one["address"])
+    print(json.dumps(t.__dict__))
 
 
 def report(name: str, n: int, bs: int, best: dict, methods: list[str]) -> None:
