@@ -51,8 +51,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-import numpy as np
-import torch
+# Before torch starts OpenMP: threads that wait passively. On a shared 2-core machine spinning OpenMP threads
+# make a 2-thread forward 3-14x slower whenever another process runs (measured: the shapes ViT's forward of
+# 32 images 200-1100 ms spinning, 65-77 ms passive, 60-80 ms on one thread). Every process of the benchmark
+# (the configurations' children, the Ray runtime and its actors, `ray start`) inherits it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
 
 
 def write_images(root: Path, n: int) -> list[Path]:
@@ -285,7 +291,8 @@ def main() -> None:
         return run_one(json.loads(args.one))
     work = Path(tempfile.mkdtemp(prefix="attnroll-bench-batch-"))
     print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cpus, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads; load before: {os.getloadavg()}")
+          f"{torch.get_num_threads()} threads, OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}; "
+          f"load before: {os.getloadavg()}")
     modes = [] if args.ray == "none" or args.interleaved_only else args.ray.split(",")
     workers = [int(k) for k in args.workers.split(",")]
     with contextlib.ExitStack() as stack:
