@@ -6,9 +6,10 @@ carried through every block, O(n) blocks' linear work) or kept apart (``bias="se
 token: then the network with frozen coefficients is affine in the embeddings and the same shares come from
 one forward + one backward pass). In a padded batch the AbsDot route carries each example's real tokens
 only (padded tokens' shares of real rows are 0 throughout; ~(n / n_real)² less work, same numbers). The
-token shares plus the bias share (``extra["bias_share"]``) add up to the target logit exactly. Heads that pool rows (timm ``global_pool='avg'`` with its ``fc_norm``, DINOv2's
-CLS ⊕ mean of the patch rows) are decomposed as the layer anatomy describes them: every output row's shares
-through the final norm, pooled, concatenated, then the classifier."""
+token shares plus the bias share (``extra["bias_share"]``) add up to the target logit exactly. Heads that
+pool rows (timm ``global_pool='avg'`` with its ``fc_norm``, DINOv2's CLS ⊕ mean of the patch rows) are
+decomposed as the layer anatomy describes them: every output row's shares through the final norm, pooled,
+concatenated, then the classifier."""
 
 from __future__ import annotations
 
