@@ -17,8 +17,10 @@ builds (a padding mask, when it makes one).
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
+import weakref
 from contextlib import ExitStack
 from typing import Any, Callable
 
@@ -27,7 +29,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import _checks
-from ..core.operators import KernelInputs
+from ..core.operators import KernelInputs, whole_size
 from .hf import HFAdapter
 from .hooks import Adapter, Capture, Site
 
@@ -92,23 +94,60 @@ class KernelRecorder:
         return {s: [torch.empty(lay.shape, device="meta") for lay in layers] for s, layers in taken.items()}
 
 
+def sites_by_module(sites: list[Site]) -> dict[int, Site]:
+    """id(module) -> site for every module a site's kernel may be called with: the site module itself or
+    a child (ViTAttention -> ViTSelfAttention)."""
+    out: dict[int, Site] = {}
+    for site in sites:
+        for m in site.module.modules():
+            out.setdefault(id(m), site)
+    return out
+
+
+#: The public methods of Adapter that the kernel adapter takes from the transformers adapter as they are.
+_DELEGATED = tuple(name for name, value in vars(Adapter).items() if callable(value) and not name.startswith("_")
+                   and name not in {"sites", "install", "extract", "metadata", "input_hint"})
+
+#: model -> (structure key, transformers adapter without its model, site_of). Building the transformers
+#: adapter walks every module several times per call, and its sites change only with the model's modules or
+#: config (the key: every module's identity, the config's identity, model type and attention kernel). Weakly
+#: keyed, and the entry holds no reference to the model (submodules only), so it goes with the model.
+_ADAPTERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _structure_key(model: nn.Module) -> tuple:
+    config = getattr(model, "config", None)
+    return (tuple(map(id, model.modules())), id(config), getattr(config, "model_type", None),
+            getattr(config, "_attn_implementation", None))
+
+
+def kernel_adapter(model: nn.Module) -> "KernelAdapter":
+    """The kernel adapter of a transformers ``model``, the transformers adapter's module walks done once per
+    model structure (see ``_ADAPTERS``); a fresh adapter object per capture."""
+    key = _structure_key(model)
+    hit = _ADAPTERS.get(model)
+    if hit is None or hit[0] != key:
+        inner = HFAdapter(model)
+        template = copy.copy(inner)
+        template.model = None
+        hit = (key, template, sites_by_module(inner.sites()))
+        _ADAPTERS[model] = hit
+    inner = copy.copy(hit[1])
+    inner.model = model
+    return KernelAdapter(inner, hit[2])
+
+
 class KernelAdapter(Adapter):
     """The transformers adapter's sites and metadata; installs the kernel wrapper instead of eager."""
 
-    def __init__(self, inner: HFAdapter):
+    def __init__(self, inner: HFAdapter, site_of: dict[int, Site] | None = None):
         super().__init__(inner.model)
         self.inner = inner
         self.family = inner.family
         # Everything but where the attention comes from is the transformers adapter's own.
-        own = {"sites", "install", "extract", "metadata", "input_hint"}
-        for name, value in vars(Adapter).items():
-            if callable(value) and not name.startswith("_") and name not in own:
-                setattr(self, name, getattr(inner, name))
-        # The kernel is called by the site module itself or by a child (ViTAttention -> ViTSelfAttention).
-        self.site_of: dict[int, Site] = {}
-        for site in inner.sites():
-            for m in site.module.modules():
-                self.site_of.setdefault(id(m), site)
+        for name in _DELEGATED:
+            setattr(self, name, getattr(inner, name))
+        self.site_of = site_of if site_of is not None else sites_by_module(inner.sites())
 
     def sites(self) -> list[Site]:
         return self.inner.sites()
@@ -157,13 +196,16 @@ class KernelAdapter(Adapter):
             site = self.site_of.get(id(module))
             if site is None:
                 return kernel(module, *args, **kwargs)
-            with LseWatch() as watch:  # the fused kernel's own row log-sum-exp, which SDPA drops
-                out = kernel(module, *args, **kwargs)
             bound = sig.bind(module, *args, **kwargs) if sig is not None else None
             arguments = _arguments(bound, args, kwargs)
-            o = out[0] if isinstance(out, (tuple, list)) else out
             layer = kernel_inputs(module, impl, arguments, recorder.keep_grad)
-            layer.lse = watch.lse(layer.shape)
+            if whole_size(layer):  # recomputed whole, with its own row max: no log-sum-exp needed
+                out = kernel(module, *args, **kwargs)
+            else:
+                with LseWatch() as watch:  # the fused kernel's own row log-sum-exp, which SDPA drops
+                    out = kernel(module, *args, **kwargs)
+                layer.lse = watch.lse(layer.shape)
+            o = out[0] if isinstance(out, (tuple, list)) else out
             recorder.store(site, layer, o)
             return out
 
@@ -300,7 +342,7 @@ class KernelCapture(Capture):
 
     def __init__(self, model: nn.Module, *, keep_grad: bool, tokenizer: Any = None, eval_mode: bool = True):
         super().__init__(
-            model, KernelAdapter(HFAdapter(model)), fuse=None, keep_grad=keep_grad, dtype=None,
+            model, kernel_adapter(model), fuse=None, keep_grad=keep_grad, dtype=None,
             eval_mode=eval_mode, tokenizer=tokenizer,
         )
         self.recorder = KernelRecorder(self.site_list, keep_grad)  # type: ignore[assignment]
