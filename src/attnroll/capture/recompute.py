@@ -30,7 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import _checks
 from ..core.operators import KernelInputs, whole_size
-from .hf import HFAdapter
+from .hf import HFAdapter, pool_heads
 from .hooks import Adapter, Capture, Site
 
 
@@ -108,7 +108,7 @@ def sites_by_module(sites: list[Site]) -> dict[int, Site]:
 _DELEGATED = tuple(name for name, value in vars(Adapter).items() if callable(value) and not name.startswith("_")
                    and name not in {"sites", "install", "extract", "metadata", "input_hint"})
 
-#: model -> (structure key, transformers adapter without its model, site_of). Building the transformers
+#: model -> (structure key, transformers adapter without its model, site_of, pooling heads). Building the transformers
 #: adapter walks every module several times per call, and its sites change only with the model's modules or
 #: config (the key: every module's identity, the config's identity, model type and attention kernel). Weakly
 #: keyed, and the entry holds no reference to the model (submodules only), so it goes with the model.
@@ -130,17 +130,18 @@ def kernel_adapter(model: nn.Module) -> "KernelAdapter":
         inner = HFAdapter(model)
         template = copy.copy(inner)
         template.model = None
-        hit = (key, template, sites_by_module(inner.sites()))
+        hit = (key, template, sites_by_module(inner.sites()), pool_heads(model))
         _ADAPTERS[model] = hit
     inner = copy.copy(hit[1])
     inner.model = model
-    return KernelAdapter(inner, hit[2])
+    return KernelAdapter(inner, hit[2], hit[3])
 
 
 class KernelAdapter(Adapter):
     """The transformers adapter's sites and metadata; installs the kernel wrapper instead of eager."""
 
-    def __init__(self, inner: HFAdapter, site_of: dict[int, Site] | None = None):
+    def __init__(self, inner: HFAdapter, site_of: dict[int, Site] | None = None,
+                 pools: list[tuple[str, nn.Module]] | None = None):
         super().__init__(inner.model)
         self.inner = inner
         self.family = inner.family
@@ -148,6 +149,7 @@ class KernelAdapter(Adapter):
         for name in _DELEGATED:
             setattr(self, name, getattr(inner, name))
         self.site_of = site_of if site_of is not None else sites_by_module(inner.sites())
+        self.pools = pools  # the model's attention-pooling heads (None: looked up at install)
 
     def sites(self) -> list[Site]:
         return self.inner.sites()
@@ -187,7 +189,7 @@ class KernelAdapter(Adapter):
         stack.callback(restore)
         AttentionInterface.get_interface = get_interface
         AttentionInterface.__getitem__ = getitem
-        self.inner.install_pool_hooks(stack)
+        self.inner.install_pool_hooks(stack, self.pools)
 
     def _wrapper(self, kernel: Callable, impl: str, recorder: KernelRecorder) -> Callable:
         sig = _signature(kernel)
