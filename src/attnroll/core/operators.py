@@ -407,9 +407,9 @@ def apply_layer_tiled(r: torch.Tensor, layer: KernelInputs, *, a: float, c: floa
 #: tile: at small n the tiles' per-call costs and the log-sum-exp check cost more than the arithmetic.
 #: 2 Mi float32 = 8 MiB: n ≤ 418 at 12 heads. The kernel wrapper keeps no log-sum-exp for such layers.
 WHOLE_ELEMENTS = 1 << 21
-#: Logits elements (B'·H·rows·n_k) of one chunk of examples on the small-n path: 512 Ki float32 = 2 MiB, so
-#: that exponentiation, row sums and the row product pass over a chunk still in cache.
-CHUNK_ELEMENTS = 1 << 19
+#: Logits elements (B'·H·rows·n_k) of one chunk of examples on the small-n path: 1 Mi float32 = 4 MiB, so
+#: that exponentiation, row sums and the row product pass over a chunk still in (L2 / L3) cache.
+CHUNK_ELEMENTS = 1 << 20
 
 
 def whole_size(layer: KernelInputs) -> bool:
@@ -465,7 +465,8 @@ def apply_layer_whole(r: torch.Tensor, layer: KernelInputs, *, a: float, c: floa
 def _whole_chunk(r: torch.Tensor, q: torch.Tensor, k: torch.Tensor, scaling: float, disallowed: Any,
                  a: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(U (B', R, H·m), P (B', H·m, n_k)) with U @ P = a · r · mean_h(softmax rows) for one chunk: r (B', R, m)
-    rows at the m queries q (B', H, m, d), keys k (B', H_kv, n_k, d)."""
+    rows at the m queries q (B', H, m, d), keys k (B', H_kv, n_k, d). (A shift by an upper bound of each row's
+    logits from the norms, instead of the row max, measured slower: baddbmm with a broadcast input.)"""
     B, H, m, d = q.shape
     Hkv, nk, R = k.shape[1], k.shape[2], r.shape[1]
     qs = torch.empty(B, H, m, d, dtype=torch.float32, device=r.device)
