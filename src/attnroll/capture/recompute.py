@@ -9,10 +9,12 @@ softcap=..., ...)`` with query and key after the position encoding. For the dura
 records (query, key, mask, scaling, softcapping, window, sinks, position bias; value and the output for
 gradient rules) as :class:`~attnroll.core.operators.KernelInputs` and then calls the original kernel
 (``ALL_ATTENTION_FUNCTIONS[impl]``, which a few modules use directly, is wrapped the same way). While the
-kernel runs, a dispatch mode below autograd notes the row log-sum-exp that fused kernels compute and SDPA
-drops, so that the probabilities can later be recomputed without normalising them again. Both methods are
-restored on exit, also when the forward raises. Nothing n×n is kept beyond what the model itself
-builds (a padding mask, when it makes one).
+kernel of a layer too large for the small-n path (``operators.whole_size``) runs, a dispatch mode below
+autograd notes the row log-sum-exp that fused kernels compute and SDPA drops, so that the probabilities can
+later be recomputed without normalising them again (small layers are recomputed whole and need none). Both
+interface methods are restored on exit, also when the forward raises. Nothing n×n is kept beyond what the
+model itself builds (a padding mask, when it makes one). The transformers adapter's module walks are done
+once per model structure (``kernel_adapter``).
 """
 
 from __future__ import annotations
