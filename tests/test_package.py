@@ -3,7 +3,7 @@
 import subprocess
 import sys
 
-OPTIONAL = ("transformers", "timm", "matplotlib", "click", "captum", "rich", "PIL", "networkx", "safetensors")
+OPTIONAL = ("transformers", "timm", "matplotlib", "click", "captum", "rich", "PIL", "networkx", "safetensors", "numba")
 
 
 def test_import_loads_no_optional_dependency():

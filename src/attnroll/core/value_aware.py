@@ -18,6 +18,8 @@ from typing import Callable
 
 import torch
 
+from . import alti_kernel
+
 __all__ = [
     "Norm", "Mlp", "Block", "norm_scale", "norm_share", "apply_norm", "value_outputs", "head_mix",
     "pairwise_norms", "normalize_rows", "cosine_distance", "mask_pairs",
@@ -214,17 +216,42 @@ def _mixed_by_key(alpha: torch.Tensor, F: torch.Tensor, rows: torch.Tensor) -> t
     return torch.matmul(a, F)  # (B, n_j, H, d) -> (B, n_j, r, d)
 
 
+ALTI_KERNELS = ("auto", "fused", "torch")
+
+
 def alti_matrix(alpha: torch.Tensor, F: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
-                norm: tuple[Norm, torch.Tensor] | None = None, chunk: int | None = None) -> torch.Tensor:
+                norm: tuple[Norm, torch.Tensor] | None = None, chunk: int | None = None,
+                kernel: str = "auto") -> torch.Tensor:
     """ALTI's contributions (B, n, n), rows not yet normalised.
 
     T_i(x_j) = g(z_{i←j}) (``norm`` = (norm, its actual input) for post-LN blocks; None for pre-LN blocks,
     where T_i(x_j) = z_{i←j} on the residual stream) and c_ij = max(0, ‖y_i‖₁ − ‖y_i − T_i(x_j)‖₁) with
-    y (B, n, d) the actual output the shares add up to (b_O and β included). ``chunk`` rows at a time; the
-    one (B, n, chunk, d) intermediate is reused in place."""
-    B, n, _ = x.shape
+    y (B, n, d) the actual output the shares add up to (b_O and β included).
+
+    g is linear up to the row's divisor σ_i: g(z_{i←j}) = (Σ_h α^h_ij G^h_j + δ_ij g₀(x_j)) / σ_i with
+    G = g₀(F) (centring and γ, per key token), so c_ij = max(0, ‖σ_i y_i‖₁ − ‖σ_i y_i − σ_i T_i(x_j)‖₁) / σ_i
+    and both norm kinds share one kernel. ``kernel``: "fused" (:mod:`alti_kernel`, needs numba), "torch"
+    (``chunk`` rows at a time through a (B, n, chunk, d) buffer) or "auto" (fused where it can run)."""
+    if kernel not in ALTI_KERNELS:
+        raise ValueError(f"kernel must be one of {ALTI_KERNELS}; got {kernel!r}")
+    scale = None
+    if norm is not None:
+        scale = norm_scale(norm[1], norm[0])  # (B, n, 1)
+        F, x, y = _share_map(F, [norm]), _share_map(x, [norm]), y * scale
+    fused = kernel == "fused" or (kernel == "auto" and alti_kernel.supports(F) and alti_kernel.available())
+    C = alti_kernel.contributions(alpha, F, x, y) if fused else _alti_chunks(alpha, F, x, y, chunk)
+    # T_i(x_j) = 0 exactly where no head attends j from i (causal or padded keys): c_ij = 0, not rounding.
+    linked = (alpha != 0).any(1) | torch.eye(x.shape[1], dtype=torch.bool, device=x.device)
+    C = C * linked
+    return C if scale is None else C / scale
+
+
+def _alti_chunks(alpha: torch.Tensor, F: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
+                 chunk: int | None) -> torch.Tensor:
+    """The torch kernel of :func:`alti_matrix` (pre-LN form: T_i(x_j) = Σ_h α^h_ij F^h_j + δ_ij x_j):
+    ``chunk`` rows at a time; the one (B, n_j, chunk, d) intermediate is reused in place."""
+    n = x.shape[1]
     step = n if chunk is None else max(1, int(chunk))
-    scale = None if norm is None else norm_scale(norm[1], norm[0])  # (B, n, 1)
     y1 = y.abs().sum(-1)  # (B, n)
     out = []
     for start in range(0, n, step):
@@ -232,8 +259,6 @@ def alti_matrix(alpha: torch.Tensor, F: torch.Tensor, x: torch.Tensor, y: torch.
         T = _mixed_by_key(alpha, F, rows)  # (B, n_j, r, d)
         local = torch.arange(len(rows), device=x.device)
         T[:, rows, local] += x[:, rows]  # the residual: j = i
-        if norm is not None:
-            T = norm_share(T.transpose(1, 2), scale[:, rows], norm[0]).transpose(1, 2)
         dist = T.sub_(y[:, rows].unsqueeze(1)).abs_().sum(-1)  # ‖T_i(x_j) − y_i‖₁, (B, n_j, r)
         out.append((y1[:, rows].unsqueeze(1) - dist).clamp_(min=0).transpose(1, 2))
     return torch.cat(out, dim=1)
