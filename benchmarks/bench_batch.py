@@ -5,39 +5,60 @@
               same read-ahead thread as the local engine (attnroll.batch.engines.read_ahead), so both sides
               do the same I/O the same way
   local       run_batch(engine="local"): the same reading, explain (rollout: the matrix-free route under the
-              model's own SDPA kernel, attention probabilities recomputed blockwise; gae: eager attention
-              captured and a backward pass), rows built column-wise and committed as Parquet shards by a
-              writer thread
-  ray-1/ray-2 run_batch(engine="ray", num_workers=1 or 2): Ray Data actors (each loads the model once), the
-              same work per batch; the Ray runtime is started once before (as on a cluster)
+              model's own SDPA kernel; gae: eager attention captured and a backward pass), rows built
+              column-wise and committed as Parquet shards by a writer thread
+  ray-K       run_batch(engine="ray", num_workers=K) as `attnroll batch --engine ray` runs on one machine:
+              it starts a local Ray runtime, Ray Data starts K actors (each imports torch and loads the
+              model), they explain and commit, the runtime is stopped — all inside the timed region
+  ray-K@addr  the same job joining an already running local cluster (`ray start --head`, started once before
+              and timed apart: "cluster start"), as on a multi-node cluster with `--address`
 
 for ``rollout`` and ``gae`` on the embedded shapes ViT (64x64 input, 65 tokens) and a ViT-B/16 config with
 random weights (224x224, 197 tokens), on the same PNG files (generated shapes images; ViT-B resizes them).
-Every figure is end to end: model loading (in each Ray actor too), reading, explaining and writing. "steady"
-leaves start-up out: the rate between the first and the last batch (for the engines, between the first and
-the last committed shard, from the shards' modification times; one worker only). "interleaved" runs the plain
-loop's step and the local engine's step batch by batch on the same inputs, the ratio least disturbed by the
-load of a shared machine (there both sides read synchronously, no threads). ``--breakdown`` prints where a
-batch's time goes (decoding, the plain forward, explain on each attention route, rows, the Parquet commit).
-Each configuration runs --repeat times, alternating, and the best run counts (the machine is shared).
+Each configuration reports three figures: **end to end** (inputs / wall time of the whole call: model
+loading, and for Ray the runtime and actors, included), **start-up** (seconds from the call to the first
+committed batch, from the shard files' modification times) and **steady** (inputs per second from the K-th
+committed batch to the last, K = workers, so that every actor is running). The model is loaded once before
+any timed run, so that no configuration pays the process's first imports of torch and transformers (the
+Ray actors, fresh processes, do pay theirs: that is part of their start-up). The Ray actors use the machine's
+CPUs shared between them (torch threads = CPUs / K), as the local engine uses them all. "interleaved" runs
+the plain loop's step and the local engine's step batch by batch on the same inputs, the ratio least
+disturbed by the load of a shared machine. ``--breakdown`` prints where a batch's time goes (decoding, the
+plain forward, explain on each attention route, rows, the Parquet commit). Each configuration runs
+--repeat times, alternating, each in a fresh Python process, and the best end-to-end run counts (the
+machine is shared).
 
-Usage: python benchmarks/bench_batch.py [--models shapes,vit-b16] [--methods rollout,gae] [--n-shapes 512]
-       [--n-vit 32] [--vit-batch 8] [--repeat 2] [--skip-ray] [--breakdown] [--interleaved-only]
+Usage: python benchmarks/bench_batch.py [--models shapes,vit-b16] [--methods rollout,gae] [--n-shapes 4000]
+       [--n-vit 64] [--vit-batch 8] [--repeat 1] [--ray fresh,joined | --ray none] [--workers 1,2]
+       [--breakdown] [--interleaved-only]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import os
 import platform
 import shutil
+import signal
+import subprocess
 import sys
 import tempfile
+import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
-import numpy as np
-import torch
+# Before torch starts OpenMP: threads that wait passively. On a shared 2-core machine spinning OpenMP threads
+# make a 2-thread forward 3-14x slower whenever another process runs (measured: the shapes ViT's forward of
+# 32 images 200-1100 ms spinning, 65-77 ms passive, 60-80 ms on one thread). Every process of the benchmark
+# (the configurations' children, the Ray runtime and its actors, `ray start`) inherits it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
 
 
 def write_images(root: Path, n: int) -> list[Path]:
@@ -65,8 +86,8 @@ def vit_b16_dir(root: Path) -> Path:
     return root
 
 
-def plain_loop(model_spec: str | None, files: list[Path], batch_size: int) -> tuple[float, float]:
-    """The loop a user writes without attnroll: read, preprocess, forward, softmax; (seconds, steady rate)."""
+def plain_loop(model_spec: str | None, files: list[Path], batch_size: int) -> "Timing":
+    """The loop a user writes without attnroll: read, preprocess, forward, softmax."""
     from attnroll.batch.engines import chunks, read_ahead
     from attnroll.batch.work import read_image
     from attnroll.models import load_model
@@ -83,7 +104,7 @@ def plain_loop(model_spec: str | None, files: list[Path], batch_size: int) -> tu
             torch.softmax(lm.model(pixel_values=x).logits, dim=-1).max(dim=-1)
             done += x.shape[0]
             marks.append((time.perf_counter(), done))
-    return time.perf_counter() - t0, steady(marks)
+    return Timing.of(t0, time.perf_counter(), marks, 1)
 
 
 def engine_worker(model_spec: str | None, files: list[Path], method: str, out: Path) -> tuple:
@@ -157,114 +178,223 @@ def interleaved(model_spec: str | None, files: list[Path], batch_size: int, meth
     return t_plain / t_engine
 
 
-def steady(marks: list[tuple[float, int]]) -> float:
-    """Inputs per second between the first and the last finished batch."""
-    if len(marks) < 2:
-        return float("nan")
-    (t1, n1), (t2, n2) = marks[0], marks[-1]
-    return (n2 - n1) / (t2 - t1)
+@dataclass
+class Timing:
+    """One run: ``seconds`` end to end, ``startup`` (seconds to the first committed batch), ``steady``
+    (inputs per second from the K-th committed batch to the last), ``inputs``."""
+
+    seconds: float
+    startup: float
+    steady: float
+    inputs: int
+
+    @property
+    def rate(self) -> float:
+        return self.inputs / self.seconds
+
+    @classmethod
+    def of(cls, t0: float, t1: float, marks: list[tuple[float, int]], workers: int) -> "Timing":
+        """From the call's start and end and its (time, inputs done) marks, one per committed batch."""
+        marks = [m for m in marks if m[1] > 0]
+        k = min(workers, len(marks)) - 1
+        (ta, na), (tb, nb) = marks[k], marks[-1]
+        rate = (nb - na) / (tb - ta) if tb > ta else float("nan")
+        return cls(t1 - t0, marks[0][0] - t0, rate, marks[-1][1])
 
 
 def batch_run(src: Path, model_spec: str | None, method: str, batch_size: int, engine: str, workers: int,
-              work: Path) -> tuple[float, float]:
-    """(seconds end to end, steady rate); steady = inputs committed after the first shard over the time from
-    the first shard to the last (shard modification times), start-up left out; only for one worker (with
-    several, actors start at different times and the shards of a short run land in bursts)."""
+              work: Path, address: str | None = None) -> Timing:
+    """run_batch into an empty folder. The marks are the committed shards' modification times (when each
+    batch was committed, in the actor for Ray: the driver only hears of them through Ray Data's output
+    stream, which can deliver them in bursts) and their rows."""
     import pyarrow.parquet as pq
 
     from attnroll.batch import run_batch
 
     out = work / f"out-{engine}-{workers}-{method}"
     shutil.rmtree(out, ignore_errors=True)
-    t0 = time.perf_counter()
-    run_batch(src, out, methods=[method], model=model_spec, batch_size=batch_size, engine=engine,
-              num_workers=workers)
-    sec = time.perf_counter() - t0
+    extra = {}
+    if engine == "ray":  # the machine's CPUs shared between the actors, joined or not
+        extra = {"num_workers": workers, "address": address,
+                 "cpus_per_worker": max(1, (os.cpu_count() or 1) // workers)}
+    t0 = time.time()
+    run_batch(src, out, methods=[method], model=model_spec, batch_size=batch_size, engine=engine, **extra)
+    t1 = time.time()
     shards = sorted((out / "rows").glob("part-*.parquet"), key=lambda p: p.stat().st_mtime)
-    counts = [pq.ParquetFile(p).metadata.num_rows for p in shards]
-    span = shards[-1].stat().st_mtime - shards[0].stat().st_mtime
-    rate = sum(counts[1:]) / span if span > 0 and workers == 1 else float("nan")
+    marks, done = [], 0
+    for p in shards:
+        done += pq.ParquetFile(p).metadata.num_rows
+        marks.append((p.stat().st_mtime, done))
     shutil.rmtree(out, ignore_errors=True)
-    return sec, rate
+    return Timing.of(t0, t1, marks, workers)
+
+
+@contextlib.contextmanager
+def local_cluster(cpus: int) -> Iterator[tuple[str, float]]:
+    """A Ray cluster on this machine, started with ``ray start --head --block`` in its own session (so that
+    only what it started is stopped afterwards); yields (its address, seconds it took to start)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ray_cli = str(Path(sys.executable).with_name("ray"))
+    # its own temp dir: `ray start` records its address there, where a plain ray.init() elsewhere on the
+    # machine (another program's) would otherwise find it and join this cluster
+    temp = tempfile.mkdtemp(prefix="rb-", dir="/tmp")
+    cmd = [ray_cli, "start", "--head", "--block", f"--port={port}", f"--num-cpus={cpus}", "--include-dashboard=false",
+           "--disable-usage-stats", f"--temp-dir={temp}"]
+    # `ray start` turns token authentication on when ~/.ray/auth_token exists, which ray.init() does not
+    # follow: the benchmark's cluster runs without it, as the job's own local runtime does
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env=env)
+    try:
+        for line in proc.stdout:
+            if "Ray runtime started" in line:
+                break
+        else:
+            raise RuntimeError(f"ray start exited ({proc.wait()}) before the runtime started")
+        started = time.perf_counter() - t0
+        threading.Thread(target=proc.stdout.read, daemon=True).start()  # keep its pipe drained
+        yield f"127.0.0.1:{port}", started
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="shapes,vit-b16")
-    ap.add_argument("--n-shapes", type=int, default=512)
-    ap.add_argument("--n-vit", type=int, default=32)
+    ap.add_argument("--n-shapes", type=int, default=4000)
+    ap.add_argument("--n-vit", type=int, default=64)
     ap.add_argument("--vit-batch", type=int, default=8)
-    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--methods", default="rollout,gae")
-    ap.add_argument("--skip-ray", action="store_true")
+    ap.add_argument("--ray", default="fresh,joined", help="Ray configurations: fresh (the runtime started by "
+                    "the job), joined (a running cluster, --address), or none")
+    ap.add_argument("--workers", default="1,2", help="Ray actors per configuration")
     ap.add_argument("--breakdown", action="store_true", help="where a batch's time goes, per step")
+    ap.add_argument("--interleaved", action="store_true", help="also the batch-by-batch local / plain ratio")
     ap.add_argument("--interleaved-only", action="store_true",
                     help="only the batch-by-batch ratio of the local engine to the plain loop")
+    ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: one configuration, in a child process
     args = ap.parse_args()
+    if args.one:
+        return run_one(json.loads(args.one))
     work = Path(tempfile.mkdtemp(prefix="attnroll-bench-batch-"))
     print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cpus, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads; load before: {os.getloadavg()}")
-    if not (args.skip_ray or args.interleaved_only):
-        import ray
-
-        ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False, logging_level="ERROR")
-    try:
+          f"{torch.get_num_threads()} threads, OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}; "
+          f"load before: {os.getloadavg()}")
+    modes = [] if args.ray == "none" or args.interleaved_only else args.ray.split(",")
+    workers = [int(k) for k in args.workers.split(",")]
+    with contextlib.ExitStack() as stack:
+        stack.callback(shutil.rmtree, work, ignore_errors=True)
+        address, cluster_s = None, float("nan")
+        if "joined" in modes:
+            address, cluster_s = stack.enter_context(local_cluster(os.cpu_count() or 1))
+            print(f"# joined cluster at {address}: `ray start --head` took {cluster_s:.1f} s")
         for name in args.models.split(","):
-            n, bs = (args.n_shapes, 32) if name == "shapes" else (args.n_vit, args.vit_batch)
-            spec = None if name == "shapes" else str(vit_b16_dir(work / "vit-b16"))
-            src = work / f"images-{n}"
-            if not src.exists():
-                write_images(src, n)
-            files = sorted(src.glob("*.png"))
-            methods = args.methods.split(",")
-            for method in methods:
-                if args.breakdown:
-                    parts = breakdown(spec, files, bs, method, work)
-                    print(f"# {name} {method}: ms per batch of {bs}: "
-                          + ", ".join(f"{k} {v:.1f}" for k, v in parts.items()))
-                ratio = interleaved(spec, files, bs, method, work)
-                print(f"# {name} {method}: local engine / plain loop, batch by batch interleaved: {ratio:.2f}x")
-            if args.interleaved_only:
-                continue
-            configs = [("plain", None, "local", 1)]
-            for method in methods:
-                configs.append(("local", method, "local", 1))
-                if not args.skip_ray:
-                    configs += [("ray-1", method, "ray", 1), ("ray-2", method, "ray", 2)]
-            best: dict = {}
-            for _ in range(args.repeat):
-                for label, method, engine, workers in configs:
-                    if label == "plain":
-                        sec, st = plain_loop(spec, files, bs)
-                    else:
-                        sec, st = batch_run(src, spec, method, bs, engine, workers, work)
-                    key = (label, method)
-                    if key not in best or sec < best[key][0]:
-                        best[key] = (sec, st)
-            report(name, n, bs, best, methods)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+            run_model(name, args, modes, workers, address, work)
     print(f"# load after: {os.getloadavg()}")
 
 
-def report(name: str, n: int, bs: int, best: dict, methods: list[str]) -> None:
-    plain = n / best[("plain", None)][0]
-    plain_st = best[("plain", None)][1]
-    print(f"\n## {name}: {n} images, batch {bs}; inputs/s end to end (steady)")
-    print(f"plain loop                {plain:7.2f} ({plain_st:7.2f})")
+def run_model(name: str, args: argparse.Namespace, modes: list[str], workers: list[int], address: str | None,
+              work: Path) -> None:
+    """Every configuration on one model, --repeat times alternating; prints its table."""
+    n, bs = (args.n_shapes, 32) if name == "shapes" else (args.n_vit, args.vit_batch)
+    spec = None if name == "shapes" else str(vit_b16_dir(work / "vit-b16"))
+    src = work / f"images-{n}"
+    if not src.exists():
+        write_images(src, n)
+    files = sorted(src.glob("*.png"))
+    methods = args.methods.split(",")
     for method in methods:
-        if ("local", method) not in best:
+        if args.breakdown:
+            parts = breakdown(spec, files, bs, method, work)
+            print(f"# {name} {method}: ms per batch of {bs}: " + ", ".join(f"{k} {v:.1f}" for k, v in parts.items()))
+        if args.interleaved or args.interleaved_only:
+            ratio = interleaved(spec, files, bs, method, work)
+            print(f"# {name} {method}: local engine / plain loop, batch by batch interleaved: {ratio:.2f}x")
+    if args.interleaved_only:
+        return
+    configs = [("plain", None, "local", 1, None)]
+    for method in methods:
+        configs.append(("local", method, "local", 1, None))
+        for mode in modes:
+            for k in workers:
+                configs.append((f"ray-{k}" + ("@addr" if mode == "joined" else ""), method, "ray", k,
+                                address if mode == "joined" else None))
+    best: dict = {}
+    for _ in range(args.repeat):
+        for label, method, engine, k, addr in configs:
+            one = {"src": str(src), "spec": spec, "method": method, "bs": bs, "engine": engine, "workers": k,
+                   "work": str(work), "address": addr, "plain": label == "plain"}
+            t = isolated(one)
+            if t is None:
+                continue
+            print(f"#   {name} {label} {method or ''}: {t.seconds:.1f} s, start-up {t.startup:.1f} s, "
+                  f"steady {t.steady:.1f}/s (load {os.getloadavg()[0]:.1f})")
+            sys.stdout.flush()
+            if (label, method) not in best or t.seconds < best[(label, method)].seconds:
+                best[(label, method)] = t
+    report(name, n, bs, best, methods)
+
+
+def isolated(one: dict) -> "Timing | None":
+    """One timed configuration in a fresh Python process, as a user's command runs (and no Ray state left
+    over from another configuration): it loads the model once untimed (so that no configuration pays the
+    first imports of torch and transformers; Ray's actors, fresh processes, still pay theirs), then times.
+    A failed run is reported and retried once."""
+    for attempt in (1, 2):
+        proc = subprocess.run([sys.executable, __file__, "--one", json.dumps(one)], capture_output=True, text=True)
+        lines = proc.stdout.strip().splitlines()
+        if proc.returncode == 0 and lines:
+            return Timing(**json.loads(lines[-1]))
+        print(f"#   FAILED (attempt {attempt}): {one['engine']} {one['workers']} {one['address']}: "
+              f"{(proc.stderr.strip().splitlines() or ['?'])[-1][:300]}")
+    return None
+
+
+def run_one(one: dict) -> None:
+    """``--one``: the body of :func:`isolated`; prints the Timing as JSON."""
+    from attnroll.models import load_model
+
+    load_model(one["spec"], None, want="image")
+    src, work = Path(one["src"]), Path(one["work"])
+    if one["plain"]:
+        t = plain_loop(one["spec"], sorted(src.glob("*.png")), one["bs"])
+    else:
+        t = batch_run(src, one["spec"], one["method"], one["bs"], one["engine"], one["workers"], work, one["address"])
+    print(json.dumps(t.__dict__))
+
+
+def report(name: str, n: int, bs: int, best: dict, methods: list[str]) -> None:
+    """A markdown table: inputs/s end to end, start-up, steady, and each ratio (engines: to the plain loop;
+    Ray: to the local engine)."""
+    plain = best[("plain", None)]
+    print(f"\n## {name}: {n} images, batch {bs}\n")
+    print("| method | configuration | end to end (inputs/s) | start-up (s) | steady (inputs/s) | ratio end to end "
+          "| ratio steady |")
+    print("|---|---|---|---|---|---|---|")
+    print(f"| - | plain loop | {plain.rate:.2f} | {plain.startup:.2f} | {plain.steady:.2f} | | |")
+    for method in methods:
+        loc = best.get(("local", method))
+        if loc is None:
             continue
-        loc = n / best[("local", method)][0]
-        loc_st = best[("local", method)][1]
-        print(f"{method:<8} local            {loc:7.2f} ({loc_st:7.2f})   {loc / plain:5.2f}x plain "
-              f"({loc_st / plain_st:5.2f}x steady)")
-        for label in ("ray-1", "ray-2"):
-            if (label, method) in best:
-                r = n / best[(label, method)][0]
-                r_st = best[(label, method)][1]
-                print(f"{method:<8} {label:<16} {r:7.2f} ({r_st:7.2f})   {r / loc:5.2f}x local "
-                      f"({r_st / loc_st:5.2f}x steady)")
+        print(f"| {method} | local | {loc.rate:.2f} | {loc.startup:.2f} | {loc.steady:.2f} | "
+              f"{loc.rate / plain.rate:.2f}x plain | {loc.steady / plain.steady:.2f}x plain |")
+        for (label, m), t in best.items():
+            if m == method and label.startswith("ray"):
+                print(f"| {method} | {label} | {t.rate:.2f} | {t.startup:.2f} | {t.steady:.2f} | "
+                      f"{t.rate / loc.rate:.2f}x local | {t.steady / loc.steady:.2f}x local |")
     sys.stdout.flush()
 
 

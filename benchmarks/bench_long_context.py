@@ -9,7 +9,8 @@ with ``rollout`` (auto route = recompute); a plain SDPA forward + backward of th
 parameters requiring grad, as training would); ``explain`` with ``gae``; and the dense route
 (``attention="dense"``: eager n×n capture) where it fits. Time: CPU time of the calling thread (torch runs
 single-threaded ops, autograd's CPU backward included, on it), which other processes' load on the shared
-cores barely moves, the median over rounds (one round at large n); wall clock is recorded too. Peak memory: the largest resident set sampled every millisecond during the call, above the resident set
+cores barely moves, the median over rounds (one round at large n; 9 / 3 for ViT-B at batch 1 / 8); wall
+clock is recorded too. Peak memory: the largest resident set sampled every millisecond during the call, above the resident set
 just before it; glibc is told to return large blocks to the system (MALLOC_MMAP_THRESHOLD_) so that one
 call's freed memory does not hide the next one's. Each (model, n) runs in its own process with one thread.
 
@@ -119,7 +120,7 @@ def plan(quick: bool) -> list[tuple[str, int, list[str], int]]:
     dense = ["dense_rollout", "dense_gae"]
     if quick:
         return [("llama", 1024, base + grad + dense, 1), ("vit_b1", 197, base + dense[:1], 1)]
-    out = [("vit_b1", 197, base + dense[:1], 5), ("vit_b8", 197, base + dense[:1], 2)]
+    out = [("vit_b1", 197, base + dense[:1], 9), ("vit_b8", 197, base + dense[:1], 3)]
     out += [("llama", 1024, base + grad + dense, 2), ("llama", 2048, base + grad + dense, 1)]
     out += [("llama", n, base + grad, 1) for n in (4096, 8192)]
     out += [("gpt2", 1024, base + grad + dense[:1], 1), ("gpt2", 2048, base + grad, 1), ("gpt2", 4096, base, 1)]

@@ -50,3 +50,25 @@ def test_params_require_grad_only_for_frozen_models():
     with params_require_grad(partly):
         assert [p.requires_grad for p in partly.parameters()] == [True, False]  # not frozen: left alone
     assert [p.requires_grad for p in partly.parameters()] == [True, False]
+
+
+def test_eval_mode_calls_the_models_own_train_only_when_needed():
+    """A model in train mode is switched through its own train() (overrides honoured); one already in eval
+    mode everywhere is not touched at all; either way the flags come back."""
+
+    class Counting(nn.Sequential):
+        calls = 0
+
+        def train(self, mode=True):
+            Counting.calls += 1
+            return super().train(mode)
+
+    m = Counting(nn.Linear(2, 2), nn.Dropout(0.5))
+    with eval_mode(m):
+        assert not any(_flags(m))
+    assert Counting.calls == 1 and all(_flags(m))  # eval() on enter, the flags restored on exit
+    m.eval()
+    Counting.calls = 0
+    with eval_mode(m):
+        assert not any(_flags(m))
+    assert Counting.calls == 0 and not any(_flags(m))

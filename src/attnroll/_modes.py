@@ -17,16 +17,19 @@ def eval_mode(*modules: Any) -> Iterator[None]:
     """Put every ``nn.Module`` among ``modules`` in eval mode for the block; on exit restore each submodule's
     own ``training`` flag (a model kept partly in train mode comes back exactly so, which ``model.train()``
     would not do). Arguments that are not modules (None, a callable) are ignored."""
-    saved = [[(sub, sub.training) for sub in m.modules()] for m in modules if isinstance(m, nn.Module)]
+    mods = [m for m in modules if isinstance(m, nn.Module)]
+    saved = [[(sub, sub.training) for sub in m.modules()] for m in mods]
     try:
-        for m in modules:
-            if isinstance(m, nn.Module):
+        for m, states in zip(mods, saved):
+            # A model already in eval mode everywhere is left alone (nn.Module's attribute writes are slow).
+            if any(was for _, was in states):
                 m.eval()
         yield
     finally:
         for states in saved:
             for sub, was in states:
-                sub.training = was
+                if sub.training != was:
+                    sub.training = was
 
 
 @contextlib.contextmanager

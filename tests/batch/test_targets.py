@@ -104,12 +104,17 @@ def test_bad_targets_name_the_row_and_what_is_expected(images, tmp_path):
 def test_num_gpus_is_checked_and_reaches_the_actor_options(tmp_path):
     job = Job(["rollout"], {"rollout": {}}, "fp", str(tmp_path))
     spec = ModelSpec()
-    on_gpu = map_batches_options(spec, job, 8, 2, num_gpus=0.25)
+    on_gpu = map_batches_options(spec, job, 2, num_gpus=0.25)
     assert on_gpu["num_gpus"] == 0.25 and on_gpu["fn_constructor_kwargs"]["num_gpus"] == 0.25
-    assert on_gpu["num_cpus"] == 2 and on_gpu["batch_size"] == 8 and on_gpu["max_restarts"] == 0
-    cpu = map_batches_options(spec, job, 8, 1, num_gpus=0.0, restart=True)
+    assert on_gpu["num_cpus"] == 2 and on_gpu["fn_constructor_kwargs"]["threads"] == 2
+    assert on_gpu["batch_size"] == 1 and on_gpu["max_restarts"] == 0  # one row = one of our batches
+    cpu = map_batches_options(spec, job, 1, num_gpus=0.0, restart=True)
     assert "num_gpus" not in cpu and "max_restarts" not in cpu  # a cluster keeps Ray Data's actor restarts
     for bad, what in ((-1, "num_gpus must be"), (1.5, "a share of one GPU"), ("x", "num_gpus must be"),
                       (0.5, "needs engine='ray'")):
         with pytest.raises((ValueError, TypeError), match=what):
             run_batch(tmp_path, tmp_path / "o", num_gpus=bad, engine="local")
+    for bad, what in ((0, r"cpus_per_worker must be in \[1, inf\], got 0"), (1.0, "cpus_per_worker must be an integer"),
+                      (2, "cpus_per_worker=2 sizes Ray actors; it needs engine='ray'")):
+        with pytest.raises((ValueError, TypeError), match=what):
+            run_batch(tmp_path, tmp_path / "o", cpus_per_worker=bad, engine="ray" if bad != 2 else "local")

@@ -152,3 +152,24 @@ def test_record_access():
     assert "encoder: 2 x (1, 2, 3, 3)" in repr(only)
     with pytest.raises(ValueError, match="holds no attention"):
         AttentionRecord().attentions
+
+
+def test_forward_signature_is_the_bound_forwards_own():
+    """The cached signature equals inspect.signature(model.forward) for class forwards, decorated ones and a
+    forward set on the instance (not cached: it may differ per instance)."""
+    import functools
+    import inspect
+
+    from torch import nn
+
+    from attnroll.capture.hooks import forward_signature
+
+    class Decorated(nn.Module):
+        @functools.wraps(nn.Linear.forward)
+        def forward(self, *args, **kwargs):
+            return args
+
+    patched = nn.Linear(2, 2)
+    patched.forward = lambda x, scale=2.0: x * scale
+    for m in (nn.Linear(2, 2), nn.MultiheadAttention(4, 2), Decorated(), patched):
+        assert forward_signature(m) == inspect.signature(m.forward)

@@ -197,3 +197,65 @@ def test_tiled_path_is_taken_only_where_it_is_exact():
     assert not op.tiled_applies(layer(), mean, r, torch.ones(B, N, dtype=torch.bool), False)
     assert not op.tiled_applies(layer(), mean, r, None, True)
     assert not op.tiled_applies(layer(), mean, r.double(), None, False)
+
+
+# ------------------------------------------------------------------------------------- the small-n path
+WHOLE = {k: CASES[k] for k in ("plain", "causal", "window")}
+
+
+@pytest.mark.parametrize("case", list(WHOLE))
+@pytest.mark.parametrize("live", ["all", "some", "one"])
+@pytest.mark.parametrize("chunk", [None, 1])
+def test_whole_layer_equals_rollout_of_matrices(case, live, chunk, monkeypatch):
+    """The small-n path (every live row at once, the softmax's division moved onto the rows) against one
+    layer of ``rollout`` on the naive matrices, grouped KV heads included; relevance on every row, on some
+    rows or on one (the top layer of a sweep); chunk=1: one example per chunk."""
+    if chunk is not None:
+        monkeypatch.setattr(op, "CHUNK_ELEMENTS", chunk)
+    lay = layer(**WHOLE[case])
+    A = naive_probs(lay.q, lay.k, lay.scaling, **WHOLE[case]).mean(dim=1)  # (B, n, n)
+    g = torch.Generator().manual_seed(4)
+    r = torch.rand(B, 2, N, generator=g)
+    if live == "some":
+        r[..., 5:12] = 0.0
+        r[0, :, 15:] = 0.0  # live in one example only
+    elif live == "one":
+        r = torch.zeros(B, 1, N)
+        r[:, 0, 3] = 1.0
+    ref = 0.6 * (r @ A) + 0.4 * r
+    assert op.whole_applies(lay, op.fused_probs("mean"), r, None, False)
+    torch.testing.assert_close(op.apply_layer_whole(r, lay, a=0.6, c=0.4), ref, atol=1e-6, rtol=0)
+    torch.testing.assert_close(op.apply_layer(r, lay, op.fused_probs("mean"), a=0.6, c=0.4), ref, atol=1e-6, rtol=0)
+
+
+def test_whole_layer_with_large_logits_and_no_relevance():
+    """Logits in the hundreds (an overflow for exp without the row max) still give the exact softmax; rows
+    without relevance give only the identity share; a = 0 leaves c·r."""
+    lay = layer(causal=True)
+    lay.q = lay.q * 40.0
+    A = naive_probs(lay.q, lay.k, lay.scaling, causal=True).mean(dim=1)
+    assert float((lay.q @ lay.k.repeat_interleave(2, dim=1).transpose(-1, -2)).abs().max() * lay.scaling) > 200
+    r = torch.rand(B, 1, N, generator=torch.Generator().manual_seed(5))
+    torch.testing.assert_close(op.apply_layer_whole(r, lay, a=0.5, c=0.5), 0.5 * (r @ A) + 0.5 * r, atol=1e-6, rtol=0)
+    zero = torch.zeros(B, 1, N)
+    assert torch.equal(op.apply_layer_whole(zero, lay, a=0.5, c=0.5), zero)
+    torch.testing.assert_close(op.apply_layer_whole(r, lay, a=0.0, c=0.7), 0.7 * r)
+
+
+def test_whole_path_is_taken_only_where_it_is_exact(monkeypatch):
+    """Sinks, masks, softcapping, bias, renorm, padding, non-mean fusions, float64 rows and cross-attention go
+    to the general paths, and so do layers above the size budget."""
+    r = torch.rand(B, 1, N)
+    mean = op.fused_probs("mean")
+    assert op.whole_applies(layer(causal=True, window=3), mean, r, None, False)
+    for kw in (dict(sinks=torch.zeros(H)), dict(softcap=1.0), dict(mask=padding_mask()), dict(bias=alibi(N))):
+        assert not op.whole_applies(layer(**kw), mean, r, None, False)
+    assert not op.whole_applies(layer(), op.fused_probs("max"), r, None, False)
+    assert not op.whole_applies(layer(), mean, r, torch.ones(B, N, dtype=torch.bool), False)
+    assert not op.whole_applies(layer(), mean, r, None, True)
+    assert not op.whole_applies(layer(), mean, r.double(), None, False)
+    cross = layer()
+    cross.k = cross.k[:, :, :7]
+    assert not op.whole_applies(cross, mean, r, None, False)
+    monkeypatch.setattr(op, "WHOLE_ELEMENTS", H * N * N - 1)
+    assert not op.whole_applies(layer(), mean, r, None, False) and not op.whole_size(layer())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 
 import numpy as np
@@ -9,8 +10,11 @@ import pytest
 import torch
 from torch import nn
 
+import attnroll
+
 from attnroll.evaluate.sanity import (
     SanityResult,
+    _plan,
     _reinitialise,
     cascading_randomization,
     component_parameters,
@@ -85,6 +89,66 @@ def test_shapes_all_blocks_randomised_drive_rollout_well_below_one(shapes):
     assert c[0] == pytest.approx(1.0, **EXACT)
     assert c[-1] < 0.8
     assert c[-1] < c[1]  # cumulative: more randomised blocks, further from the original
+
+
+def _value_redrawn(model):
+    """Eager-attention copies of ``model``: as trained, and after every step of the "value" plan (head, then
+    every block's v / o)."""
+    trained = copy.deepcopy(model).eval()
+    trained.set_attn_implementation("eager")  # so that output_attentions returns the probabilities
+    work = copy.deepcopy(trained)
+    gen = torch.Generator().manual_seed(0)
+    for _, targets in _plan(work, "value")[1]:
+        _reinitialise(targets, gen)
+    return trained, work
+
+
+def test_value_redraw_changes_every_value_path_and_nothing_else(shapes):
+    model, x = shapes
+    model, work = _value_redrawn(model)
+    before, after = dict(model.named_parameters()), dict(work.named_parameters())
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    want = {f"vit.layers.{i}.attention.{p}_proj.{w}" for i in range(4) for p in "vo" for w in ("weight", "bias")}
+    assert changed == want | {"classifier.weight", "classifier.bias"}
+    for k in want:  # every element re-drawn, at the replaced values' spread
+        assert not torch.isclose(before[k], after[k]).any(), k
+        assert float(after[k].detach().std()) == pytest.approx(float(before[k].detach().std()), rel=0.5), k
+    with torch.no_grad():
+        a = model(pixel_values=x, output_attentions=True, output_hidden_states=True)
+        b = work(pixel_values=x, output_attentions=True, output_hidden_states=True)
+    # block 0 reads the untouched embeddings with untouched q / k: the same attention; the blocks above read
+    # hidden states the new value paths wrote, so theirs moves
+    torch.testing.assert_close(a.attentions[0], b.attentions[0], atol=1e-7, rtol=0)
+    assert (a.attentions[3] - b.attentions[3]).abs().max() > 1e-2
+    for i in range(4):  # each block's value path on the same input: the new vectors are unrelated to the old
+        with torch.no_grad():
+            h = model.vit.layers[i].layernorm_before(a.hidden_states[i])
+            old = model.vit.layers[i].attention.o_proj(model.vit.layers[i].attention.v_proj(h))
+            new = work.vit.layers[i].attention.o_proj(work.vit.layers[i].attention.v_proj(h))
+        cos = torch.nn.functional.cosine_similarity(old.flatten(0, 1), new.flatten(0, 1), dim=-1)
+        assert float(cos.abs().mean()) < 0.25, i  # 64-dim independent directions: about 0.1
+
+
+def test_value_aware_layer0_map_sees_the_redraw_through_the_values_alone(shapes):
+    pytest.importorskip("transformers")
+    model, x = shapes
+    model, work = _value_redrawn(model)
+    with torch.no_grad():
+        a = work(pixel_values=x, output_attentions=True, output_hidden_states=True)
+        att = work.vit.layers[0].attention
+        h = work.vit.layers[0].layernorm_before(a.hidden_states[0])  # (B, n, d)
+        v = att.v_proj(h).unflatten(-1, (4, 16))  # (B, n, H, d_h)
+        alpha = a.attentions[0][:, :, 0]  # the CLS row (B, H, n)
+        mixed = torch.einsum("bhj,bjhe->bjhe", alpha, v).flatten(-2) @ att.o_proj.weight.T  # b_O excluded
+    want = mixed.norm(dim=-1)  # Kobayashi's ‖Σ_h α^h_0j f^h(x_j)‖ from the re-drawn modules
+    got = attnroll.explain(work, x, "norm", layer=0).full_row
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    # the cascade on the layer-0 maps: raw attention never moves (exactly 1), norm only at the layer 0 step
+    r = cascading_randomization(model, x, ("raw", "norm"), component="value",
+                                method_options={"raw": {"layer": 0}, "norm": {"layer": 0}})
+    assert r.per_example["raw"] == pytest.approx(np.ones((5, 4)), **EXACT)
+    assert r.per_example["norm"][:4] == pytest.approx(np.ones((4, 4)), **EXACT)
+    assert r.correlations["norm"][4] < 0.95
 
 
 def test_seed_determinism_and_caller_model_untouched(shapes):

@@ -259,14 +259,18 @@ def test_attention_sinks_gpt_oss(method):
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2", "vit"])
-def test_kernel_log_sum_exp_is_captured(family):
+def test_kernel_log_sum_exp_is_captured(family, monkeypatch):
     """SDPA's fused kernel computes each row's log-sum-exp and drops it; the capture keeps it (observed below
-    autograd, the kernel untouched). It must equal log Σ_j exp(q_i·k_j·scaling) over the keys the row sees,
-    computed here in full from the recorded queries and keys; the eager kernel has none to give."""
+    autograd, the kernel untouched) for layers too large to be recomputed whole (here: every layer). It must
+    equal log Σ_j exp(q_i·k_j·scaling) over the keys the row sees, computed here in full from the recorded
+    queries and keys; the eager kernel has none to give. Small layers keep none (the small-n path needs none)."""
     from attnroll.capture.recompute import capture_kernels
 
     m = build(family)
     x = inputs(family, 10, pad=False)
+    small = capture_kernels(m, x)
+    assert all(lay.lse is None for lay in small.operators[small.stream_names()[0]])
+    monkeypatch.setattr(operators, "WHOLE_ELEMENTS", 0)
     rec = capture_kernels(m, x)
     for lay in rec.operators[rec.stream_names()[0]]:
         k = lay.k.repeat_interleave(lay.q.shape[1] // lay.k.shape[1], dim=1)
@@ -368,3 +372,41 @@ def test_record_does_not_keep_the_fused_projection_alive():
             assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
     lay = capture_kernels(m, x, keep_grad=True).operators["self"][0]
     assert lay.q.untyped_storage().nbytes() == 3 * lay.q.numel() * lay.q.element_size()  # the fused buffer
+
+
+@pytest.mark.parametrize("family", ["vit", "llama", "gpt2", "mistral"])
+def test_recompute_equals_dense_on_the_tiled_path(family, monkeypatch):
+    """Tiny configs take the small-n path (each layer recomputed whole); with its budget at 0 the same inputs
+    go through the tiled path with the kernel's log-sum-exp, which must agree with the dense route too."""
+    m = build(family)
+    x = inputs(family, 12, pad=False)
+    d = attnroll.explain(m, x, "rollout", attention="dense")
+    whole = attnroll.explain(m, x, "rollout", attention="recompute")
+    monkeypatch.setattr(operators, "WHOLE_ELEMENTS", 0)
+    assert_same(d, whole)
+    assert_same(d, attnroll.explain(m, x, "rollout", attention="recompute"))
+
+
+def test_cached_adapter_follows_the_model_and_keeps_it_not_alive():
+    """The kernel adapter is built once per model structure: after a layer's attention module is replaced
+    (other weights), the recompute route still equals the dense route of the changed model; the cache holds
+    no reference that keeps a dropped model alive."""
+    import gc
+    import weakref
+
+    from attnroll.capture import recompute
+
+    m = build("vit")
+    x = inputs("vit", 8)
+    first = attnroll.explain(m, x, "rollout", attention="recompute")
+    torch.manual_seed(5)
+    layer = m.vit.layers[1]
+    layer.attention = type(layer.attention)(m.config).eval()
+    changed = attnroll.explain(m, x, "rollout", attention="recompute")
+    assert not torch.allclose(first.full_row, changed.full_row)
+    assert_same(attnroll.explain(m, x, "rollout", attention="dense"), changed)
+    ref = weakref.ref(m)
+    assert m in recompute._ADAPTERS
+    del m, layer
+    gc.collect()
+    assert ref() is None

@@ -169,6 +169,33 @@ def test_padded_batch_equals_cropped(method):
     assert torch.all(e.full_row[1, 4:] == 0)
 
 
+@pytest.mark.parametrize("kind,side", [("bert", "right"), ("gpt2", "left")])
+def test_decompx_padded_batch_of_several_lengths_equals_the_naive_decomposition(kind, side):
+    # decompx carries each padded example's real tokens only (examples of one length together): the scores
+    # must still be the naive loops' on the padded model's own states, padding 0, bias share included
+    m = R.build(kind)
+    ids = torch.randint(1, 30, (4, 6), generator=torch.Generator().manual_seed(3))
+    lengths = [6, 4, 3, 4]  # two examples of one length share a group
+    mask = torch.zeros(4, 6, dtype=torch.long)
+    for b, k in enumerate(lengths):
+        real = slice(0, k) if side == "right" else slice(6 - k, 6)
+        mask[b, real] = 1
+    inputs = {"input_ids": ids, "attention_mask": mask}
+    e = attnroll.explain(m, inputs, "decompx")
+    S = R.spec(m, kind)
+    xs, alphas, logits = R.model_states(m, inputs)
+    for b, k in enumerate(lengths):
+        row = 0 if side == "right" else 5
+        want = R.decompx(S, xs[0], alphas, b, row, e.target[b])
+        logit = (logits[b] if logits.ndim == 2 else logits[b, row])[e.target[b]]
+        scale = max(1.0, abs(logit))
+        np.testing.assert_allclose(e.full_row[b].double().numpy(), want[:-1], atol=1e-5 * scale)
+        np.testing.assert_allclose(float(e.extra["bias_share"][b]), want[-1], atol=1e-5 * scale)
+        assert torch.all(e.full_row[b][mask[b] == 0] == 0)
+    with pytest.raises(ValueError, match="padded position"):
+        attnroll.explain(m, inputs, "decompx", position=5 if side == "right" else 0)
+
+
 def test_zero_rows_stay_zero_and_nothing_leaks_from_padding():
     C = torch.tensor([[[0.0, 0.0, 0.0], [1.0, 3.0, 5.0], [2.0, 0.0, 2.0]]])
     mask = torch.tensor([[1, 1, 0]])

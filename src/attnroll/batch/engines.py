@@ -5,6 +5,7 @@ explains, writes and commits it, so both produce the same rows."""
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import warnings
@@ -85,11 +86,25 @@ def import_ray() -> Any:
     return ray
 
 
+#: Calls of one actor running at once: one reading the next batch, one explaining, one committing the last.
+ACTOR_CALLS = 3
+#: At most this many Ray blocks (beyond it a block holds several batches, which its call runs one by one);
+#: one block per batch below it, so that each call is one batch.
+MAX_BLOCKS = 10_000
+
+
 class RayWorker:
     """The ``map_batches`` actor: loads the model once, then explains, writes and commits each batch it gets
-    and returns the batch's counts (the driver only sees counts, never the maps)."""
+    and returns the batch's counts (the driver only sees counts, never the maps).
+
+    Ray Data runs up to :data:`ACTOR_CALLS` calls of one actor at once, in threads; the model step holds a
+    lock, so that the actor overlaps like the local engine: while one batch is explained, the next is
+    decoded and the previous one committed (decoding and Parquet writing release the GIL). Each call commits
+    its own shard before it returns, so a batch is either wholly committed or not at all."""
 
     def __init__(self, spec: ModelSpec, job: Job, threads: int, num_gpus: float = 0.0):
+        import threading
+
         import torch
 
         torch.set_num_threads(max(1, int(threads)))
@@ -97,31 +112,43 @@ class RayWorker:
         if num_gpus and torch.cuda.is_available():  # Ray set CUDA_VISIBLE_DEVICES to this actor's GPU
             lm.model.to("cuda")
         self.worker = Worker(lm, job)
+        self.model_lock = threading.Lock()
 
     def __call__(self, batch: dict) -> dict:
         import numpy as np
 
-        items = [Item(int(i), str(d), str(k), path=_opt(p), text=_opt(t), pair=_opt(q),
-                      target=None if int(c) < 0 else int(c)) for i, d, k, p, t, q, c in
-                 zip(batch["index"], batch["id"], batch["kind"], batch["path"], batch["text"], batch["pair"],
-                     batch["target"])]
-        counts = self.worker(items)
+        loaded = self.worker.load(batch_items(batch))
+        with self.model_lock:  # one explain at a time: it hooks the model, and the CPUs (or GPU) are the model's
+            computed = self.worker.compute(loaded)
+        counts = self.worker.commit(computed)
         return {k: np.array([v]) for k, v in counts.items()}
 
 
-def _opt(v: Any) -> str | None:
-    return None if v is None or (isinstance(v, float) and v != v) else str(v)
+def batch_rows(todo: list[Item], batch_size: int) -> list[dict]:
+    """The rows of the Ray dataset: one per batch of ``batch_size`` items (their :meth:`Item.as_dict` as
+    JSON), so that every actor call explains and commits exactly the batch the local engine would, whatever
+    Ray Data's block sizes."""
+    return [{"first": chunk[0].index, "items": json.dumps([it.as_dict() for it in chunk])}
+            for chunk in chunks(todo, batch_size)]
 
 
-def map_batches_options(spec: ModelSpec, job: Job, batch_size: int, cpus_per_worker: int, num_gpus: float = 0.0,
+def batch_items(batch: dict) -> list[Item]:
+    """The items of a Ray Data batch of :func:`batch_rows` rows (numpy columns), in order."""
+    return [Item(int(d["index"]), str(d["id"]), str(d["kind"]), path=d["path"], text=d["text"], pair=d["pair"],
+                 target=None if int(d["target"]) < 0 else int(d["target"]))
+            for row in batch["items"] for d in json.loads(str(row))]
+
+
+def map_batches_options(spec: ModelSpec, job: Job, cpus_per_worker: int, num_gpus: float = 0.0,
                         restart: bool = False) -> dict[str, Any]:
-    """The keyword arguments of ``Dataset.map_batches`` (besides the actor class and its compute strategy):
-    actors of ``cpus_per_worker`` CPUs and ``num_gpus`` GPUs each (0: CPU only; a fraction packs several
-    actors on one GPU), each built with the model spec and the job. ``restart`` keeps Ray Data's restart of
-    a lost actor (on a cluster, where a node can go away); on one machine an actor that dies is not restarted
-    (a rerun resumes the output), which also spares the C++ warning Ray prints for restartable actors."""
+    """The keyword arguments of ``Dataset.map_batches`` (besides the actor class and its compute strategy,
+    :func:`actor_pool`): one :func:`batch_rows` row per call, actors of ``cpus_per_worker`` CPUs and
+    ``num_gpus`` GPUs each (0: CPU only; a fraction packs several actors on one GPU), each built with the
+    model spec and the job. ``restart`` keeps Ray Data's restart of a lost actor (on a cluster, where a node
+    can go away); on one machine an actor that dies is not restarted (a rerun resumes the output), which also
+    spares the C++ warning Ray prints for restartable actors."""
     opts: dict[str, Any] = {
-        "batch_size": batch_size, "batch_format": "numpy", "num_cpus": cpus_per_worker,
+        "batch_size": 1, "batch_format": "numpy", "num_cpus": cpus_per_worker,
         "fn_constructor_kwargs": {"spec": spec, "job": job, "threads": cpus_per_worker, "num_gpus": num_gpus},
     }
     if num_gpus:
@@ -131,26 +158,37 @@ def map_batches_options(spec: ModelSpec, job: Job, batch_size: int, cpus_per_wor
     return opts
 
 
+def actor_pool(ray: Any, num_workers: int) -> Any:
+    """A fixed pool of ``num_workers`` actors, each running :data:`ACTOR_CALLS` calls at once in threads
+    (``RayWorker`` serialises the model step itself) and sent as many batches ahead."""
+    return ray.data.ActorPoolStrategy(size=num_workers, max_concurrent_calls_per_actor=ACTOR_CALLS,
+                                      max_tasks_in_flight_per_actor=ACTOR_CALLS, enable_true_multi_threading=True)
+
+
 def start_ray(ray: Any, address: str | None, num_cpus: int) -> bool:
     """Join the cluster at ``address``, or start a local Ray runtime of ``num_cpus`` CPUs (no dashboard, no
-    log forwarding), unless one runs in this process already; whether this call started it."""
+    log forwarding), unless one runs in this process already; whether this call started (or joined) it.
+    Without ``address`` the runtime is always a new one (``address="local"``): a plain ``ray.init()`` would
+    join whatever cluster ``ray start`` last started on this machine (another user's, or a benchmark's)."""
     if ray.is_initialized():
         return False
     quiet = {"log_to_driver": False, "logging_level": logging.ERROR, "configure_logging": True}
     if address:
         ray.init(address=address, **quiet)
     else:
-        ray.init(num_cpus=num_cpus, include_dashboard=False, **quiet)
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **quiet)
     return True
 
 
 def run_ray(spec: ModelSpec, job: Job, todo: list[Item], batch_size: int, progress: Callable[[dict], None], *,
             num_workers: int = 1, address: str | None = None, cpus_per_worker: int | None = None,
             num_gpus: float = 0.0) -> None:
-    """Explain ``todo`` with Ray Data: ``from_items`` → ``map_batches`` over a pool of ``num_workers`` actors
-    → each actor commits Parquet shards into ``job.out`` (a folder every node can write, on a cluster).
-    Joins the cluster at ``address``; without one, uses a Ray runtime already started in this process, or
-    starts a local one (``num_cpus`` = workers × cpus per worker, no dashboard) and stops it afterwards."""
+    """Explain ``todo`` with Ray Data: ``from_items`` (one row per batch; one block per batch, up to
+    :data:`MAX_BLOCKS`) → ``map_batches`` over a pool of ``num_workers`` actors → each actor commits Parquet
+    shards into ``job.out`` (a folder every node can write, on a cluster). Joins the cluster at ``address``;
+    without one, uses a Ray runtime already started in this process, or starts a new local one (``num_cpus``
+    = workers × CPUs per worker, no dashboard) and stops it afterwards. ``cpus_per_worker`` (torch threads
+    per actor): by default 1 on a cluster, else this machine's CPUs shared between the actors."""
     ray = import_ray()
     if cpus_per_worker is None:
         cpus_per_worker = 1 if address else max(1, (os.cpu_count() or 1) // num_workers)
@@ -159,12 +197,12 @@ def run_ray(spec: ModelSpec, job: Job, todo: list[Item], batch_size: int, progre
     try:
         ctx = ray.data.DataContext.get_current()
         ctx.enable_progress_bars = False
-        ds = ray.data.from_items([it.as_dict() for it in todo])
+        rows = batch_rows(todo, batch_size)
+        ds = ray.data.from_items(rows, override_num_blocks=max(1, min(len(rows), MAX_BLOCKS)))
         with warnings.catch_warnings():  # max_restarts has no named parameter in Ray 2.60 yet
             warnings.filterwarnings("ignore", message=".*ray_remote_args.*deprecated")
-            out = ds.map_batches(RayWorker, compute=ray.data.ActorPoolStrategy(size=num_workers),
-                                 **map_batches_options(spec, job, batch_size, cpus_per_worker, num_gpus,
-                                                       restart=bool(address)))
+            out = ds.map_batches(RayWorker, compute=actor_pool(ray, num_workers),
+                                 **map_batches_options(spec, job, cpus_per_worker, num_gpus, restart=bool(address)))
         with _quiet_ray_data():
             for counts in out.iter_rows():
                 progress({k: int(v) for k, v in counts.items()})

@@ -12,6 +12,7 @@ import os
 import platform
 import sys
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -108,6 +109,7 @@ def run_batch(
     target: int | None = None,
     target_column: str | None = None,
     num_gpus: float = 0.0,
+    cpus_per_worker: int | None = None,
     overwrite: bool = False,
     progress: Callable[[int, int], None] | None = None,
     command: str | None = None,
@@ -131,6 +133,8 @@ def run_batch(
             the predicted class). Class targets need a model with class scores.
         num_gpus: GPUs per Ray actor (a fraction such as 0.25 packs four actors on one GPU; 0 = CPU);
             the actor moves its model to its GPU. Ray engine only.
+        cpus_per_worker: CPUs (torch threads) per Ray actor; None = 1 on a cluster (``address``), else this
+            machine's CPUs shared between the ``num_workers`` actors. Ray engine only.
 
     Returns:
         a :class:`BatchResult`. Inputs that cannot be explained are rows of ``out/failures/``, not errors.
@@ -140,15 +144,8 @@ def run_batch(
             different run; ImportError: ``engine="ray"`` without Ray; RuntimeError: ``out`` is being written.
     """
     t0 = time.perf_counter()
-    engine = _checks.check_choice("engine", engine, ENGINES)
-    batch_size = _checks.check_int("batch_size", batch_size, low=1)
-    num_workers = _checks.check_int("num_workers", num_workers, low=1)
-    num_gpus = check_num_gpus(num_gpus, engine)
-    target = None if target is None else _checks.check_int("target", target, low=0)
-    if engine == "ray":
-        from .engines import import_ray
-
-        import_ray()
+    engine, batch_size, num_workers, num_gpus, cpus_per_worker, target = _check_run_args(
+        engine, batch_size, num_workers, num_gpus, cpus_per_worker, target)
     items = list_items(source, column, target_column)
     names, resolved = resolve_methods(methods, options)
     spec = ModelSpec(model, None if weights is None else os.fspath(weights), items[0].kind)
@@ -158,28 +155,45 @@ def run_batch(
     key = run_key(source, column, fp, names, resolved, target, target_column)
     out = Path(out)
     with store.locked(out):
-        todo = _resume(out, key, overwrite, items)
-        info = _manifest(key, lm, spec, engine, command, len(items))
-        store.write_manifest(out, {**info, "status": "running"})
-        job = Job(names, resolved, fp, str(out.resolve()), png, target)
+        info = {**_manifest(key, lm, spec, engine, command, len(items)), "run": uuid.uuid4().hex}
+        todo = _resume(out, key, overwrite, items, {**info, "status": "running"})
+        job = Job(names, resolved, fp, str(out.resolve()), png, target, run=info["run"])
         counter = _Counter(len(todo), progress)
         if engine == "local":
             run_local(Worker(lm, job), todo, batch_size, counter)
         else:
             run_ray(spec, job, todo, batch_size, counter, num_workers=num_workers, address=address,
-                    num_gpus=num_gpus)
+                    cpus_per_worker=cpus_per_worker, num_gpus=num_gpus)
         result = _finish(out, info, len(items), len(items) - len(todo), len(todo), time.perf_counter() - t0)
     return result
 
 
-def _resume(out: Path, key: dict, overwrite: bool, items: list[Item]) -> list[Item]:
+def _check_run_args(engine: Any, batch_size: Any, num_workers: Any, num_gpus: Any, cpus_per_worker: Any,
+                    target: Any) -> tuple:
+    """run_batch's scalar arguments, checked (and Ray importable for ``engine="ray"``), in that order."""
+    engine = _checks.check_choice("engine", engine, ENGINES)
+    if engine == "ray":
+        from .engines import import_ray
+
+        import_ray()
+    return (engine, _checks.check_int("batch_size", batch_size, low=1),
+            _checks.check_int("num_workers", num_workers, low=1), check_num_gpus(num_gpus, engine),
+            check_cpus_per_worker(cpus_per_worker, engine),
+            None if target is None else _checks.check_int("target", target, low=0))
+
+
+def _resume(out: Path, key: dict, overwrite: bool, items: list[Item], manifest: dict) -> list[Item]:
     """The items no committed shard holds, after checking (or, with ``overwrite``, clearing) what ``out``
-    holds and removing a killed run's temporary files; call with ``out`` locked."""
+    holds, removing a killed run's temporary files and writing this run's ``manifest``; call with ``out``
+    locked. The manifest (with this run's id) is written *before* the shards are listed: a worker of a
+    killed run that is still alive (a Ray actor on a cluster) then finds another run's id and commits
+    nothing more, so that no batch is both listed as missing and committed by it."""
     meta = store.read_manifest(out)
     if overwrite and meta is not None:
         store.clear(out)
         meta = None
     check_resumable(meta, key, out)
+    store.write_manifest(out, manifest)
     store.remove_temporaries(out)
     done_rows, done_failed = store.committed_ids(out)
     return [it for it in items if it.id not in done_rows and it.id not in done_failed]
@@ -213,6 +227,17 @@ def check_num_gpus(num_gpus: Any, engine: str) -> float:
         raise ValueError(f"num_gpus={num_gpus!r} places Ray actors on GPUs; it needs engine='ray' (the local engine "
                          "runs the model where it is: move it to a GPU before passing it as loaded=)")
     return float(value)
+
+
+def check_cpus_per_worker(cpus: Any, engine: str) -> int | None:
+    """CPUs per Ray actor: None (the default) or an int >= 1; only for Ray."""
+    if cpus is None:
+        return None
+    cpus = _checks.check_int("cpus_per_worker", cpus, low=1)
+    if engine != "ray":
+        raise ValueError(f"cpus_per_worker={cpus!r} sizes Ray actors; it needs engine='ray' (the local engine uses "
+                         "torch's threads: torch.set_num_threads)")
+    return cpus
 
 
 def _check_model_fits(lm: Any, items: list[Item], names: list[str], class_target: bool = False) -> None:

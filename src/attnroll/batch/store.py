@@ -10,7 +10,9 @@ DIR/.lock                     held (flock) while a run writes; released by the O
 Each batch of inputs is committed by two atomic renames (its rows, then its failures; a temporary file in
 the same folder first). An input is in at most one committed shard, so the committed shards *are* the
 progress: a rerun lists them and explains only the inputs they do not hold. Temporary files left by a killed
-run are never read (they do not match ``part-*.parquet``) and are removed by the next run.
+run are never read (they do not match ``part-*.parquet``) and are removed by the next run. The manifest names
+the run writing the folder (``run``); a worker commits only while it names its own run (:func:`check_run`),
+so that a killed run's worker that is still alive (a Ray actor on a cluster) cannot add a batch a rerun redoes.
 """
 
 from __future__ import annotations
@@ -183,6 +185,19 @@ def read_manifest(out: Path) -> dict | None:
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise ValueError(f"{path}: not an attnroll batch manifest (format {meta.get('format') if isinstance(meta, dict) else None!r}, expected {FORMAT!r})")
     return meta
+
+
+class StaleRunError(RuntimeError):
+    """A worker of a run that another run has since taken over (a killed run's surviving Ray actor)."""
+
+
+def check_run(out: Path, run: str) -> None:
+    """Raise :class:`StaleRunError` unless the manifest of ``out`` names run ``run`` (read before each
+    commit: a newer run writes its id before it lists what is missing)."""
+    meta = read_manifest(out) or {}
+    if meta.get("run") != run:
+        raise StaleRunError(f"{out} is now written by another run ({meta.get('run')!r}, not {run!r}); this "
+                            "worker's batch is left to it")
 
 
 def write_manifest(out: Path, meta: dict) -> None:

@@ -26,7 +26,8 @@ from .sources import Item
 class Job:
     """What every batch of a run shares: methods (in order), each one's resolved options, the model's
     fingerprint, the output folder, whether to write overlays and the class to explain (``target``: None =
-    each input's own target, else the predicted class). Picklable (sent to Ray actors)."""
+    each input's own target, else the predicted class). ``run``: the run's id in the manifest; a batch is
+    committed only while the manifest still names this run (None: no check). Picklable (sent to Ray actors)."""
 
     methods: list[str]
     options: dict[str, dict[str, Any]]
@@ -34,6 +35,7 @@ class Job:
     out: str
     png: bool = False
     target: int | None = None
+    run: str | None = None
 
 
 class Worker:
@@ -70,6 +72,8 @@ class Worker:
     def commit(self, computed: tuple) -> dict[str, int]:
         """Write the batch's shard (the part a writer thread can do while the model runs); the counts."""
         items, tables, failures = computed
+        if self.job.run is not None:
+            store.check_run(self.out, self.job.run)
         rows = store.commit_tables(self.out, tables, failures)
         return {"inputs": len(items), "rows": rows, "failures": len({f["id"] for f in failures})}
 

@@ -209,16 +209,13 @@ class HFAdapter(Adapter):
         self.install_pool_hooks(stack)
         super().install(stack, recorder, sites)
 
-    def install_pool_hooks(self, stack: ExitStack) -> None:
-        """Hook attention-pooling heads (SigLIP's MAP head) for their probe's attention, the readout."""
+    def install_pool_hooks(self, stack: ExitStack, heads: list[tuple[str, nn.Module]] | None = None) -> None:
+        """Hook attention-pooling heads (SigLIP's MAP head) for their probe's attention, the readout;
+        ``heads``: ``pool_heads(model)`` when the caller has them already."""
         self.pool_attn: dict[str, torch.Tensor] = {}
-        for name, head in self.model.named_modules():
-            if isinstance(getattr(head, "attention", None), nn.MultiheadAttention) and isinstance(
-                getattr(head, "probe", None), torch.Tensor
-            ):
-                where = "vision" if "vision" in name.split(".")[0] or name.startswith("vision") else "self"
-                handle = head.register_forward_hook(self._pool_hook(where))
-                stack.callback(handle.remove)
+        for where, head in pool_heads(self.model) if heads is None else heads:
+            handle = head.register_forward_hook(self._pool_hook(where))
+            stack.callback(handle.remove)
 
     def output_streams(self, output: Any) -> dict[str, list[Any]]:
         return output_streams(self.model, output)
@@ -372,6 +369,18 @@ class HFAdapter(Adapter):
                 info.readout = None if spec is None else resolve_readout(
                     spec, batch=B, n=n, mask=info.mask, prefix=info.prefix, suffix=info.suffix, source=source)
         return infos
+
+
+def pool_heads(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(stream, module) of every attention-pooling head (a learned ``probe`` and an nn.MultiheadAttention
+    ``attention``: SigLIP's MAP head) in ``model``."""
+    out = []
+    for name, head in model.named_modules():
+        if isinstance(getattr(head, "attention", None), nn.MultiheadAttention) and isinstance(
+            getattr(head, "probe", None), torch.Tensor
+        ):
+            out.append(("vision" if "vision" in name.split(".")[0] or name.startswith("vision") else "self", head))
+    return out
 
 
 def _refuse_windowed(model: nn.Module, model_type: str) -> None:

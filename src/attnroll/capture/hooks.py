@@ -10,6 +10,7 @@ metadata (prefix tokens, patch grid, padding mask). Every change it makes is reg
 
 from __future__ import annotations
 
+import functools
 import inspect
 import re
 from contextlib import ExitStack
@@ -421,11 +422,30 @@ def set_attr_temporarily(stack: ExitStack, obj: Any, name: str, value: Any) -> N
     obj.__dict__[name] = value
 
 
+def forward_signature(model: nn.Module) -> inspect.Signature:
+    """The signature of ``model.forward`` (bound: no ``self``), read once per forward function (every capture
+    asks for it twice). Raises TypeError / ValueError as ``inspect.signature`` does."""
+    fwd = model.forward
+    func = getattr(fwd, "__func__", None)
+    if func is None or getattr(fwd, "__self__", None) is not model:
+        return inspect.signature(fwd)  # a forward set on the instance, a partial, ...: not cached
+    try:
+        return _bound_signature(func)
+    except TypeError:  # an unhashable function object
+        return inspect.signature(fwd)
+
+
+@functools.lru_cache(maxsize=256)
+def _bound_signature(func: Callable) -> inspect.Signature:
+    sig = inspect.signature(func)
+    return sig.replace(parameters=list(sig.parameters.values())[1:])
+
+
 def forward_params(model: nn.Module) -> tuple[list[str], list[str], bool]:
     """(named parameters of ``model.forward``, those without a default, whether it takes ``**kwargs``);
     everything open when the signature cannot be read."""
     try:
-        sig = inspect.signature(model.forward)
+        sig = forward_signature(model)
     except (TypeError, ValueError):
         return [], [], True
     kinds = inspect.Parameter
@@ -438,7 +458,7 @@ def forward_params(model: nn.Module) -> tuple[list[str], list[str], bool]:
 def bind_inputs(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
     """The forward arguments by parameter name (positional ones included), best effort."""
     try:
-        sig = inspect.signature(model.forward)
+        sig = forward_signature(model)
         bound = sig.bind_partial(*args, **kwargs)
     except (TypeError, ValueError):
         return dict(kwargs)

@@ -9,16 +9,20 @@ softcap=..., ...)`` with query and key after the position encoding. For the dura
 records (query, key, mask, scaling, softcapping, window, sinks, position bias; value and the output for
 gradient rules) as :class:`~attnroll.core.operators.KernelInputs` and then calls the original kernel
 (``ALL_ATTENTION_FUNCTIONS[impl]``, which a few modules use directly, is wrapped the same way). While the
-kernel runs, a dispatch mode below autograd notes the row log-sum-exp that fused kernels compute and SDPA
-drops, so that the probabilities can later be recomputed without normalising them again. Both methods are
-restored on exit, also when the forward raises. Nothing n×n is kept beyond what the model itself
-builds (a padding mask, when it makes one).
+kernel of a layer too large for the small-n path (``operators.whole_size``) runs, a dispatch mode below
+autograd notes the row log-sum-exp that fused kernels compute and SDPA drops, so that the probabilities can
+later be recomputed without normalising them again (small layers are recomputed whole and need none). Both
+interface methods are restored on exit, also when the forward raises. Nothing n×n is kept beyond what the
+model itself builds (a padding mask, when it makes one). The transformers adapter's module walks are done
+once per model structure (``kernel_adapter``).
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
+import weakref
 from contextlib import ExitStack
 from typing import Any, Callable
 
@@ -27,8 +31,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import _checks
-from ..core.operators import KernelInputs
-from .hf import HFAdapter
+from ..core.operators import KernelInputs, whole_size
+from .hf import HFAdapter, pool_heads
 from .hooks import Adapter, Capture, Site
 
 
@@ -92,23 +96,62 @@ class KernelRecorder:
         return {s: [torch.empty(lay.shape, device="meta") for lay in layers] for s, layers in taken.items()}
 
 
+def sites_by_module(sites: list[Site]) -> dict[int, Site]:
+    """id(module) -> site for every module a site's kernel may be called with: the site module itself or
+    a child (ViTAttention -> ViTSelfAttention)."""
+    out: dict[int, Site] = {}
+    for site in sites:
+        for m in site.module.modules():
+            out.setdefault(id(m), site)
+    return out
+
+
+#: The public methods of Adapter that the kernel adapter takes from the transformers adapter as they are.
+_DELEGATED = tuple(name for name, value in vars(Adapter).items() if callable(value) and not name.startswith("_")
+                   and name not in {"sites", "install", "extract", "metadata", "input_hint"})
+
+#: model -> (structure key, transformers adapter without its model, site_of, pooling heads). Building the transformers
+#: adapter walks every module several times per call, and its sites change only with the model's modules or
+#: config (the key: every module's identity, the config's identity, model type and attention kernel). Weakly
+#: keyed, and the entry holds no reference to the model (submodules only), so it goes with the model.
+_ADAPTERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _structure_key(model: nn.Module) -> tuple:
+    config = getattr(model, "config", None)
+    return (tuple(map(id, model.modules())), id(config), getattr(config, "model_type", None),
+            getattr(config, "_attn_implementation", None))
+
+
+def kernel_adapter(model: nn.Module) -> "KernelAdapter":
+    """The kernel adapter of a transformers ``model``, the transformers adapter's module walks done once per
+    model structure (see ``_ADAPTERS``); a fresh adapter object per capture."""
+    key = _structure_key(model)
+    hit = _ADAPTERS.get(model)
+    if hit is None or hit[0] != key:
+        inner = HFAdapter(model)
+        template = copy.copy(inner)
+        template.model = None
+        hit = (key, template, sites_by_module(inner.sites()), pool_heads(model))
+        _ADAPTERS[model] = hit
+    inner = copy.copy(hit[1])
+    inner.model = model
+    return KernelAdapter(inner, hit[2], hit[3])
+
+
 class KernelAdapter(Adapter):
     """The transformers adapter's sites and metadata; installs the kernel wrapper instead of eager."""
 
-    def __init__(self, inner: HFAdapter):
+    def __init__(self, inner: HFAdapter, site_of: dict[int, Site] | None = None,
+                 pools: list[tuple[str, nn.Module]] | None = None):
         super().__init__(inner.model)
         self.inner = inner
         self.family = inner.family
         # Everything but where the attention comes from is the transformers adapter's own.
-        own = {"sites", "install", "extract", "metadata", "input_hint"}
-        for name, value in vars(Adapter).items():
-            if callable(value) and not name.startswith("_") and name not in own:
-                setattr(self, name, getattr(inner, name))
-        # The kernel is called by the site module itself or by a child (ViTAttention -> ViTSelfAttention).
-        self.site_of: dict[int, Site] = {}
-        for site in inner.sites():
-            for m in site.module.modules():
-                self.site_of.setdefault(id(m), site)
+        for name in _DELEGATED:
+            setattr(self, name, getattr(inner, name))
+        self.site_of = site_of if site_of is not None else sites_by_module(inner.sites())
+        self.pools = pools  # the model's attention-pooling heads (None: looked up at install)
 
     def sites(self) -> list[Site]:
         return self.inner.sites()
@@ -148,7 +191,7 @@ class KernelAdapter(Adapter):
         stack.callback(restore)
         AttentionInterface.get_interface = get_interface
         AttentionInterface.__getitem__ = getitem
-        self.inner.install_pool_hooks(stack)
+        self.inner.install_pool_hooks(stack, self.pools)
 
     def _wrapper(self, kernel: Callable, impl: str, recorder: KernelRecorder) -> Callable:
         sig = _signature(kernel)
@@ -157,13 +200,16 @@ class KernelAdapter(Adapter):
             site = self.site_of.get(id(module))
             if site is None:
                 return kernel(module, *args, **kwargs)
-            with LseWatch() as watch:  # the fused kernel's own row log-sum-exp, which SDPA drops
-                out = kernel(module, *args, **kwargs)
             bound = sig.bind(module, *args, **kwargs) if sig is not None else None
             arguments = _arguments(bound, args, kwargs)
-            o = out[0] if isinstance(out, (tuple, list)) else out
             layer = kernel_inputs(module, impl, arguments, recorder.keep_grad)
-            layer.lse = watch.lse(layer.shape)
+            if whole_size(layer):  # recomputed whole, with its own row max: no log-sum-exp needed
+                out = kernel(module, *args, **kwargs)
+            else:
+                with LseWatch() as watch:  # the fused kernel's own row log-sum-exp, which SDPA drops
+                    out = kernel(module, *args, **kwargs)
+                layer.lse = watch.lse(layer.shape)
+            o = out[0] if isinstance(out, (tuple, list)) else out
             recorder.store(site, layer, o)
             return out
 
@@ -300,7 +346,7 @@ class KernelCapture(Capture):
 
     def __init__(self, model: nn.Module, *, keep_grad: bool, tokenizer: Any = None, eval_mode: bool = True):
         super().__init__(
-            model, KernelAdapter(HFAdapter(model)), fuse=None, keep_grad=keep_grad, dtype=None,
+            model, kernel_adapter(model), fuse=None, keep_grad=keep_grad, dtype=None,
             eval_mode=eval_mode, tokenizer=tokenizer,
         )
         self.recorder = KernelRecorder(self.site_list, keep_grad)  # type: ignore[assignment]

@@ -84,9 +84,12 @@ class _Bar:
               "lines) with the class index to explain per input (empty: the predicted class).")
 @click.option("--num-gpus", default=0.0, show_default=True, type=click.FloatRange(0),
               help="GPUs per Ray actor (0.25: four actors share one GPU); --engine ray.")
+@click.option("--cpus-per-worker", type=click.IntRange(1), metavar="N",
+              help="CPUs (torch threads) per Ray actor [default: 1 with --address, else this machine's CPUs "
+              "shared between the actors]; --engine ray.")
 @click.option("--overwrite", is_flag=True, help="Discard DIR's results when they come from different settings.")
 def batch_cmd(source, out, method_list, options, model_spec, weights, engine, num_workers, batch_size, address, png,
-              column, target, target_column, num_gpus, overwrite) -> int:
+              column, target, target_column, num_gpus, cpus_per_worker, overwrite) -> int:
     """Explain every input of SOURCE with each method and write a Parquet dataset to --out: one row per
     (input, method) under DIR/rows/, unreadable inputs with the reason under DIR/failures/, and
     DIR/manifest.json. Rerunning the same command after a crash completes only what is missing.
@@ -106,7 +109,7 @@ def batch_cmd(source, out, method_list, options, model_spec, weights, engine, nu
     from ..batch import BatchMismatchError, list_items, run_batch
     from ..batch.engines import import_ray
 
-    from ..batch.run import check_num_gpus
+    from ..batch.run import check_cpus_per_worker, check_num_gpus
 
     names = methods_list(method_list)
     opts = method_options(options, names)
@@ -114,6 +117,7 @@ def batch_cmd(source, out, method_list, options, model_spec, weights, engine, nu
         raise click.UsageError("--target and --target-column: give one (a class for every input, or one per input)")
     try:
         check_num_gpus(num_gpus, engine)
+        check_cpus_per_worker(cpus_per_worker, engine)
         items = list_items(source, column, target_column)
     except ValueError as e:
         raise click.UsageError(one_line(e)) from None
@@ -136,7 +140,8 @@ def batch_cmd(source, out, method_list, options, model_spec, weights, engine, nu
             result = run_batch(source, out, methods=names, options=opts, model=model_spec, weights=weights,
                                loaded=lm, engine=engine, batch_size=batch_size, num_workers=num_workers,
                                address=address, png=png, column=column, target=target,
-                               target_column=target_column, num_gpus=num_gpus, overwrite=overwrite,
+                               target_column=target_column, num_gpus=num_gpus,
+                               cpus_per_worker=cpus_per_worker, overwrite=overwrite,
                                progress=_Bar(bar, f"{','.join(names)}") if bar is not None else None,
                                command=command)
     except BatchMismatchError as e:

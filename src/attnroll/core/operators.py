@@ -16,6 +16,11 @@ none, without padding or renorm — takes a faster path (``apply_layer_tiled``):
 one the fused kernel returned, else recomputed once) is folded into the product as one more coordinate, so
 that P = exp2(q̃·k̃ᵀ) needs no max, sum or division, and tiles of keys x queries stay in cache.
 
+At small n (one example's H·n² logits within ``WHOLE_ELEMENTS``: ViT-B/16's 197 tokens, short prompts) the
+tiles' per-call costs dominate, and ``apply_layer_whole`` computes every live row of a chunk of examples at
+once instead: one product, the row max, one exp2, the row sums, and the softmax's division moved onto the
+relevance rows (O(n) instead of O(n²)); it needs no log-sum-exp from the kernel.
+
 Torch only, device-agnostic: everything runs where the captured tensors live (CPU or CUDA).
 """
 
@@ -272,6 +277,8 @@ def apply_layer(
     B, H, nq, nk = layer.shape
     if r.shape[-1] != nq:
         raise ValueError(f"relevance rows have {r.shape[-1]} entries, the layer has {nq} queries")
+    if block is None and whole_applies(layer, rule, r, mask, renorm):
+        return apply_layer_whole(r, layer, a=a, c=c)
     if tiled_applies(layer, rule, r, mask, renorm):
         return apply_layer_tiled(r, layer, a=a, c=c, rows=block)
     rows_per = block or layer.block_rows()
@@ -397,6 +404,86 @@ def apply_layer_tiled(r: torch.Tensor, layer: KernelInputs, *, a: float, c: floa
             part.baddbmm_(U[..., q0:q1], s.exp2_())
         out[..., t0:t1] += part.view(B, H, R, t1 - t0).sum(dim=1)
     return out
+
+
+# ------------------------------------------------------------------------------------- the small-n path
+#: Logits elements of one example's layer (H·n_q·n_k) up to which the layer is recomputed whole, a few
+#: examples at a time, in about a dozen torch calls per chunk (``apply_layer_whole``), rather than tile by
+#: tile: at small n the tiles' per-call costs and the log-sum-exp check cost more than the arithmetic.
+#: 2 Mi float32 = 8 MiB: n ≤ 418 at 12 heads. The kernel wrapper keeps no log-sum-exp for such layers.
+WHOLE_ELEMENTS = 1 << 21
+#: Logits elements (B'·H·rows·n_k) of one chunk of examples on the small-n path: 1 Mi float32 = 4 MiB, so
+#: that exponentiation, row sums and the row product pass over a chunk still in (L2 / L3) cache.
+CHUNK_ELEMENTS = 1 << 20
+
+
+def whole_size(layer: KernelInputs) -> bool:
+    """Whether one example's logits of ``layer`` (H·n_q·n_k) fit ``WHOLE_ELEMENTS``."""
+    _, H, nq, nk = layer.shape
+    return H * nq * nk <= WHOLE_ELEMENTS
+
+
+def whole_applies(layer: KernelInputs, rule: BlockRule, r: torch.Tensor, mask: Any, renorm: bool) -> bool:
+    """Whether ``apply_layer_whole`` computes this product: what ``tiled_applies`` takes, without sinks, for
+    self-attention (n_q = n_k) of at most ``WHOLE_ELEMENTS`` logits per example."""
+    return (tiled_applies(layer, rule, r, mask, renorm) and layer.sinks is None and layer.shape[2] == layer.shape[3]
+            and whole_size(layer))
+
+
+def _live_rows(r: torch.Tensor) -> torch.Tensor | None:
+    """Indices of the queries whose relevance is non-zero in some example and row, or None when all are."""
+    hit = (r.abs().amax(dim=(0, 1)) > 0).nonzero()[:, 0]
+    return None if hit.numel() == r.shape[-1] else hit
+
+
+def _structural_allowed(layer: KernelInputs, rows: torch.Tensor, nk: int) -> torch.Tensor:
+    """(len(rows), n_k) bool: the keys each of the query ``rows`` may see under the causal / window rule."""
+    qi, kj = rows[:, None], torch.arange(nk, device=rows.device)[None, :]
+    ok = kj <= qi if layer.causal else torch.ones(len(rows), nk, dtype=torch.bool, device=rows.device)
+    return ok & (kj > qi - layer.window) if layer.window is not None else ok
+
+
+def apply_layer_whole(r: torch.Tensor, layer: KernelInputs, *, a: float, c: float) -> torch.Tensor:
+    """r · (a·mean_h(A_h) + c·I) for rows r (B, R, n) float32 -> (B, R, n), the probabilities of every live
+    query row (the rows of r that carry relevance) computed at once for a chunk of examples, every head:
+    one product, the causal / window rule, the row max subtracted, one exp2, the row sums, and one product
+    with the rows divided by their head count and row sums (the softmax's division moved onto r: O(n), not
+    O(n²)). Exactly an eager softmax; no log-sum-exp of the kernel is used. Memory: one chunk's logits."""
+    B, H, nq, nk = layer.shape
+    out = r * c
+    live = _live_rows(r)
+    if a == 0 or (live is not None and live.numel() == 0):
+        return out
+    q = layer.q if live is None else layer.q.index_select(2, live)
+    rl = r if live is None else r.index_select(2, live)
+    allowed = None
+    if layer.causal or layer.window is not None:
+        allowed = ~_structural_allowed(layer, torch.arange(nq, device=r.device) if live is None else live, nk)
+    chunks = -(-B * H * q.shape[2] * nk // CHUNK_ELEMENTS)  # ceil: chunks of even size
+    step = -(-B // chunks)
+    for b0 in range(0, B, step):
+        b1 = min(B, b0 + step)
+        out[b0:b1].baddbmm_(*_whole_chunk(rl[b0:b1], q[b0:b1], layer.k[b0:b1], layer.scaling, allowed, a))
+    return out
+
+
+def _whole_chunk(r: torch.Tensor, q: torch.Tensor, k: torch.Tensor, scaling: float, disallowed: Any,
+                 a: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(U (B', R, H·m), P (B', H·m, n_k)) with U @ P = a · r · mean_h(softmax rows) for one chunk: r (B', R, m)
+    rows at the m queries q (B', H, m, d), keys k (B', H_kv, n_k, d). (A shift by an upper bound of each row's
+    logits from the norms, instead of the row max, measured slower: baddbmm with a broadcast input.)"""
+    B, H, m, d = q.shape
+    Hkv, nk, R = k.shape[1], k.shape[2], r.shape[1]
+    qs = torch.empty(B, H, m, d, dtype=torch.float32, device=r.device)
+    torch.mul(q, scaling * LOG2E, out=qs)  # base 2: exp2 is cheaper than exp
+    kf = k.to(torch.float32).reshape(B * Hkv, nk, d)
+    s = torch.bmm(qs.view(B * Hkv, (H // Hkv) * m, d), kf.transpose(1, 2)).view(B, H, m, nk)
+    if disallowed is not None:
+        s.masked_fill_(disallowed, float("-inf"))
+    s.sub_(s.amax(dim=-1, keepdim=True)).exp2_()  # every row sees its own key: the max is finite
+    w = s.sum(dim=-1).reciprocal_().mul_(a / H)  # (B', H, m)
+    U = (r[:, :, None, :] * w[:, None]).view(B, R, H * m)
+    return U, s.view(B, H * m, nk)
 
 
 def _restrict(P: torch.Tensor, row_ok: torch.Tensor, col_ok: torch.Tensor) -> torch.Tensor:

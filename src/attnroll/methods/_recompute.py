@@ -34,8 +34,9 @@ def choose(ctx: Context, attention: Any, refusal: str | None) -> bool:
         _checks.check_choice("attention", attention, MODES)
     if attention == "dense":
         return False
-    supported = is_hf_model(ctx.model) and not model_facts(ctx.model).encoder_decoder
-    dense_only = model_facts(ctx.model).dense_only if supported else ""
+    facts = model_facts(ctx.model, anatomy=False) if is_hf_model(ctx.model) else None
+    supported = facts is not None and not facts.encoder_decoder
+    dense_only = facts.dense_only if supported else ""
     if attention == "recompute":
         if dense_only:
             raise ValueError(f"attention='recompute' cannot be used for {type(ctx.model).__name__}: {dense_only}; "
