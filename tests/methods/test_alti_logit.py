@@ -1,0 +1,110 @@
+"""``alti_logit`` against an independent naive computation from the weights (``value_aware_reference``:
+state_dict names, the model's own eager attention, loops over tokens and heads), on tiny float64 pre-norm
+models (ViT, GPT-2, Llama with RMSNorm and grouped KV); its refusals."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import attnroll
+from attnroll._checks import UnsupportedModelError
+
+from . import value_aware_reference as R
+
+T = pytest.importorskip("transformers")
+PRE = ["vit", "gpt2", "llama"]
+
+
+def _naive(S, xs, alphas, b, row, cls):
+    """(score (n,), Σ_l Σ_j Δ^l_j): Δ^l_j = w_c · g_f(Σ_h α^h_rj f^h(x̃_j)) with the final norm's share map
+    at the actual final vector, carried down by the naive row-normalised ALTI matrices of the layers below."""
+    hd = S["head"]
+    final_vec = R.layer_forward(S["layers"][-1], xs[-1][b], alphas[-1][b])[1][row]
+
+    def logit_of(v):
+        return hd["W"][cls] @ (R.ln(v, hd["final"], actual=final_vec) if hd["final"] is not None else v)
+
+    Cs = [R.normalise(C) for C in R.matrices("alti", S, xs, alphas, b)]
+    n = xs[0].shape[1]
+    score, total, below = np.zeros(n), 0.0, np.eye(n)
+    for l, L in enumerate(S["layers"]):
+        x, alpha = xs[l][b], alphas[l][b]
+        delta = np.zeros(n)
+        for j in range(n):
+            xv = R.ln(x[j], L["ln1"])
+            v = sum(alpha[h, row, j] * R.f_vec(L, h, xv) for h in range(len(L["heads"])))
+            delta[j] = logit_of(v)
+        score += delta @ below
+        total += delta.sum()
+        below = Cs[l] @ below
+    return score, total
+
+
+@pytest.mark.parametrize("kind", PRE)
+def test_alti_logit_equals_the_naive_computation(kind):
+    m, x = R.build(kind), R.inputs_for(kind)
+    S = R.spec(m, kind)
+    xs, alphas, _ = R.model_states(m, x)
+    row = 0 if S["readout"] == "first" else xs[0].shape[1] - 1
+    e = attnroll.explain(m, x, "alti_logit", target=[2, 1])
+    for b in range(2):
+        want, total = _naive(S, xs, alphas, b, row, e.target[b])
+        np.testing.assert_allclose(e.full_row[b].double().numpy(), want, atol=1e-6, rtol=1e-6)
+        assert abs(float(e.extra["direct_logit"][b]) - total) <= 1e-5 * max(1.0, abs(total))
+
+
+def test_direct_logit_is_the_attention_updates_share_of_the_logit():
+    """Σ_l (attention_l(r) − b_O) through the frozen final norm and the classifier row, from the model's own
+    hidden states (no per-token split): what the scores of every token, CLS included, add up to."""
+    m, x = R.build("vit"), R.inputs_for("vit")
+    S = R.spec(m, "vit")
+    xs, alphas, logits = R.model_states(m, x)
+    e = attnroll.explain(m, x, "alti_logit")
+    for b in range(2):
+        final_vec = R.layer_forward(S["layers"][-1], xs[-1][b], alphas[-1][b])[1][0]
+        upd = sum(R.attention_out(L, xs[l][b], alphas[l][b])[0] - L["bo"] for l, L in enumerate(S["layers"]))
+        want = S["head"]["W"][e.target[b]] @ R.ln(upd, S["head"]["final"], actual=final_vec)
+        np.testing.assert_allclose(float(e.extra["direct_logit"][b]), want, rtol=1e-5)
+        np.testing.assert_allclose(float(e.full_row[b].double().sum()), want, rtol=1e-5)
+        assert e.target[b] == int(np.argmax(logits[b]))
+
+
+def test_alti_logit_is_class_specific_and_linear_in_the_classifier_row():
+    m, x = R.build("vit"), R.inputs_for("vit")
+    rows = [attnroll.explain(m, x, "alti_logit", target=c).full_row.double() for c in range(3)]
+    assert not torch.allclose(rows[0], rows[1])
+    W = m.classifier.weight.detach().clone()  # a class whose row is the sum of two others' rows: scores add
+    with torch.no_grad():
+        m.classifier.weight[2] = W[0] + W[1]
+    summed = attnroll.explain(m, x, "alti_logit", target=2).full_row.double()
+    torch.testing.assert_close(summed, rows[0] + rows[1], atol=1e-6, rtol=1e-5)  # float32 scores
+
+
+def test_padding_neither_gives_nor_receives():
+    m = R.build("gpt2")
+    ids = torch.tensor([[3, 7, 2, 9, 4], [5, 8, 1, 0, 0]])
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
+    both = attnroll.explain(m, {"input_ids": ids, "attention_mask": mask}, "alti_logit", target=[4, 4])
+    alone = attnroll.explain(m, {"input_ids": ids[1:, :3]}, "alti_logit", target=4)
+    torch.testing.assert_close(both.full_row[1, :3], alone.full_row[0], atol=1e-9, rtol=1e-9)
+    assert torch.all(both.full_row[1, 3:] == 0)
+
+
+def test_refusals_name_the_reason():
+    bert = R.build("bert")
+    with pytest.raises(UnsupportedModelError, match="post-LN"):
+        attnroll.explain(bert, R.inputs_for("bert"), "alti_logit")
+    cfg = T.Dinov2Config(image_size=16, patch_size=8, hidden_size=8, num_hidden_layers=2, num_attention_heads=2,
+                         mlp_ratio=2, num_labels=3)
+    dino = R._randomise(T.Dinov2ForImageClassification(cfg), 3)
+    with pytest.raises(UnsupportedModelError, match="pools rows"):
+        attnroll.explain(dino, torch.randn(2, 3, 16, 16, dtype=torch.float64), "alti_logit")
+    vit, x = R.build("vit"), R.inputs_for("vit")
+    with pytest.raises(ValueError, match="not a callable"):
+        attnroll.explain(vit, x, "alti_logit", target=lambda out: out.logits[:, 0])
+    with pytest.raises(ValueError, match="start_layer"):
+        attnroll.explain(vit, x, "alti_logit", start_layer=1)
+    with pytest.raises(ValueError, match="dtype"):
+        attnroll.explain(vit, x, "alti_logit", dtype="int8")
