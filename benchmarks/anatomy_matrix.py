@@ -17,10 +17,8 @@ For each tiny random-weight model of ``family_matrix.py`` (same configs, float64
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import torch
@@ -97,15 +95,7 @@ def build_timm(name, kw):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--only", default="", help="comma-separated model types / timm names")
-    ap.add_argument("--markdown", default="", help="write the matrix as a Markdown table to this file")
-    args = ap.parse_args(argv)
-    only = set(filter(None, args.only.split(",")))
-    warnings.filterwarnings("ignore")
-    import transformers
-
-    transformers.logging.set_verbosity_error()
+    args, only = fm.parse_matrix_args(__doc__, argv)
     jobs = [("transformers", t, lambda t=t: build_hf(t)) for t in fm.HF_TYPES]
     jobs += [("timm", f"{n}{kw if kw else ''}", lambda n=n, kw=kw: build_timm(n, kw)) for n, kw in fm.TIMM_MODELS]
     rows, t0 = [], time.time()

@@ -425,16 +425,22 @@ def check_timm(name, kw):
     return "correct", f"{rec.family}: self({rec.info['self'].readout.kind if rec.info['self'].readout else '-'})"
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parse_matrix_args(doc, argv=None):
+    """The matrix scripts' shared command line (``--only``, ``--markdown``); quiets warnings and transformers'
+    logging. Returns (args, the set of names given to ``--only``)."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     ap.add_argument("--only", default="", help="comma-separated model types / timm names")
     ap.add_argument("--markdown", default="", help="write the matrix as a Markdown table to this file")
     args = ap.parse_args(argv)
-    only = set(filter(None, args.only.split(",")))
     warnings.filterwarnings("ignore")
     import transformers
 
     transformers.logging.set_verbosity_error()
+    return args, set(filter(None, args.only.split(",")))
+
+
+def main(argv=None):
+    args, only = parse_matrix_args(__doc__, argv)
     signal.signal(signal.SIGALRM, _alarm)
     rows = []
     jobs = [("transformers", t, lambda t=t: check_hf(t)) for t in HF_TYPES]
