@@ -102,6 +102,19 @@ def explain_matrices(ctx: Context, matrices: Callable[[list[Layer], LayerStates,
     return ctx.build(rec, row, pos, s, layers=lay)
 
 
+def logit_classes(ctx: Context, rec: AttentionRecord, method: str, reads: str) -> torch.Tensor:
+    """The logit index explained per example (B,) long, for methods that decompose one logit of the head;
+    a callable target is refused (``reads`` says what the method reads of the head, for the message)."""
+    if callable(ctx.target) and not isinstance(ctx.target, (int, list, tuple)):
+        raise ValueError(
+            f"target: {method} {reads}; it takes None, a class / token index or one per example, not a callable "
+            f"({getattr(ctx.target, '__qualname__', type(ctx.target).__name__)})"
+        )
+    with torch.no_grad():
+        ctx.target_scores(rec)
+    return torch.tensor(ctx.target_desc, dtype=torch.long)
+
+
 def chunk_rows(B: int, n: int, width: int, budget: int = 1 << 24) -> int:
     """Rows per chunk so that a (B, rows, n, width) intermediate holds about ``budget`` elements."""
     return max(1, budget // max(1, B * n * width))

@@ -18,17 +18,6 @@ from . import _value_aware as va
 from .base import Context, register
 
 
-def _classes(ctx: Context, rec) -> torch.Tensor:
-    """The logit index per example (B,) long; a callable target has no classifier row and is refused."""
-    if callable(ctx.target) and not isinstance(ctx.target, (int, list, tuple)):
-        raise ValueError(
-            "target: alti_logit projects on one logit of the model's head (a classifier row); give None, a class "
-            f"index or one per example, not a callable ({getattr(ctx.target, '__qualname__', type(ctx.target).__name__)})")
-    with torch.no_grad():
-        ctx.target_scores(rec)
-    return torch.tensor(ctx.target_desc, dtype=torch.long)
-
-
 def _check_layout(ctx: Context, anat, head: dict) -> None:
     """Refuse what the decomposition does not model: post-LN blocks, pooling heads, a pooler."""
     name = type(ctx.model).__name__
@@ -60,7 +49,8 @@ def alti_logit(ctx: Context, *, dtype):
     head = anat.head(dt)
     _check_layout(ctx, anat, head)
     pos = torch.tensor(ctx.positions(rec, "self"), device=states.inputs[0].device)
-    classes = _classes(ctx, rec).to(pos.device)
+    reads = "projects on one logit of the model's head (a classifier row)"
+    classes = va.logit_classes(ctx, rec, "alti_logit", reads).to(pos.device)
     mask = ctx.mask(rec, "self")
     ar = torch.arange(pos.shape[0], device=pos.device)
     with torch.no_grad():

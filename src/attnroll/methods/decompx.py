@@ -21,18 +21,6 @@ from . import _value_aware as va
 from .base import Context, register
 
 
-def _target_classes(ctx: Context, rec) -> torch.Tensor:
-    """The logit index explained per example (B,) long; a callable target is refused."""
-    if callable(ctx.target) and not isinstance(ctx.target, (int, list, tuple)):
-        raise ValueError(
-            "target: decompx decomposes one logit of the model's head; it takes None, a class / token index or "
-            f"one per example, not a callable ({getattr(ctx.target, '__qualname__', type(ctx.target).__name__)})"
-        )
-    with torch.no_grad():
-        ctx.target_scores(rec)
-    return torch.tensor(ctx.target_desc, dtype=torch.long)
-
-
 def shares(ctx: Context, bias: str, dtype) -> tuple:
     """(rec, positions, logit shares (B, n + 1): tokens then the bias share)."""
     _checks.check_choice("bias", bias, ("absdot", "separate"))
@@ -40,7 +28,7 @@ def shares(ctx: Context, bias: str, dtype) -> tuple:
     dt = va.working_dtype(dtype, states.inputs[0])
     head = anat.head(dt)  # raises for a model without a head, before any work
     pos = ctx.positions(rec, "self")
-    classes = _target_classes(ctx, rec)
+    classes = va.logit_classes(ctx, rec, "decompx", "decomposes one logit of the model's head")
     x0 = states.inputs[0].to(dt)
     pools = anat.pool_weights(x0.shape[1], torch.tensor(pos, device=x0.device), dt) if anat.pooled else None
     token_norm = anat.token_norm_params(dt)
