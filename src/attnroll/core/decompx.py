@@ -17,6 +17,12 @@ the actual vector exactly. Per block (see :class:`~attnroll.core.value_aware.Blo
 
 AbsDot: a bias b joins share k with weight |b · s_k| / Σ_k' |b · s_k'| (token slots only); a row where every
 weight is 0 puts b in the bias share. ``bias="separate"`` puts every bias in the bias share instead.
+
+Cost: every row carries n + 1 share vectors, so a block costs about (n + 1) · 10 / 12 times a forward block's
+matrix products (value, output, fc1, fc2 per share; the forward also has queries and keys), O(n) forwards by
+construction. The kernels keep the rest small: a norm before a linear map is folded into its weights
+(:func:`norm_linear_shares`), the MLP's wide tensor is written, scaled and read once (:func:`mlp_shares`),
+and a chunk of rows is mixed by one batched product per (example, head) over head-major value shares.
 """
 
 from __future__ import annotations
@@ -25,10 +31,10 @@ from typing import Callable
 
 import torch
 
-from .value_aware import Block, Mlp, Norm, norm_scale, norm_share
+from .value_aware import Block, Mlp, Norm, apply_norm, norm_scale, norm_share
 
-__all__ = ["initial_shares", "add_bias", "norm_shares", "mlp_shares", "block_shares", "head_shares",
-           "pool_shares", "separate_bias_shares"]
+__all__ = ["initial_shares", "absdot_weights", "add_bias", "norm_shares", "norm_linear_shares", "mlp_shares",
+           "block_shares", "head_shares", "pool_shares", "separate_bias_shares"]
 
 _BIAS_MODES = ("absdot", "separate")
 
@@ -42,29 +48,50 @@ def initial_shares(x: torch.Tensor) -> torch.Tensor:
     return S
 
 
+def absdot_weights(dots: torch.Tensor, mode: str = "absdot") -> torch.Tensor:
+    """Each slot's weight in a bias (..., K) from the bias·share dot products ``dots`` (..., K) (the last
+    slot, the bias share, is ignored): |b · s_k| / Σ_k' |b · s_k'|, or 1 in the bias share where every dot is
+    0; ``mode="separate"``: 1 in the bias share. The weights of a row sum to 1."""
+    if mode not in _BIAS_MODES:
+        raise ValueError(f"bias must be one of {_BIAS_MODES}, got {mode!r}")
+    if mode == "separate":
+        w = dots.new_zeros(dots.shape)
+        w[..., -1] = 1
+        return w
+    dots = dots.abs()
+    dots[..., -1] = 0
+    tot = dots.sum(-1, keepdim=True)
+    w = dots / torch.where(tot > 0, tot, torch.ones_like(tot))
+    w[..., -1] = (tot.squeeze(-1) <= 0).to(dots.dtype)
+    return w
+
+
+def _bias_dots(S: torch.Tensor, bias: torch.Tensor, mode: str) -> torch.Tensor:
+    """b · s_k for every slot (..., K), bias (d,) or (..., d) per row; not computed for ``separate``."""
+    if mode == "separate":
+        return S.new_zeros(S.shape[:-1])
+    return S @ bias if bias.ndim == 1 else (S @ bias.unsqueeze(-1)).squeeze(-1)
+
+
 def add_bias(S: torch.Tensor, bias: torch.Tensor | None, mode: str = "absdot") -> torch.Tensor:
     """S (B, r, K, d) plus a bias (d,) or (B, r, d) split over the token slots by AbsDot (see module)."""
     if bias is None:
         return S
-    if mode not in _BIAS_MODES:
-        raise ValueError(f"bias must be one of {_BIAS_MODES}, got {mode!r}")
-    b = bias if bias.ndim == 1 else bias.unsqueeze(-2)  # (d,) or (B, r, 1, d)
-    if mode == "separate":
-        w = S.new_zeros(S.shape[:-1])
-        w[..., -1] = 1
-    else:
-        dots = (S * b).sum(-1).abs() if bias.ndim > 1 else (S @ b).abs()
-        dots[..., -1] = 0
-        tot = dots.sum(-1, keepdim=True)
-        w = dots / torch.where(tot > 0, tot, torch.ones_like(tot))
-        w[..., -1] = (tot.squeeze(-1) <= 0).to(S.dtype)
-    return S + w.unsqueeze(-1) * b
+    return _add_bias_(S.clone(), bias, mode)
+
+
+def _add_bias_(S: torch.Tensor, bias: torch.Tensor | None, mode: str) -> torch.Tensor:
+    """:func:`add_bias` in place on S (an intermediate nobody else holds): no second (B, r, K, d) tensor."""
+    if bias is None:
+        return S
+    w = absdot_weights(_bias_dots(S, bias, mode), mode)
+    return S.addcmul_(w.unsqueeze(-1), bias if bias.ndim == 1 else bias.unsqueeze(-2))
 
 
 def norm_shares(S: torch.Tensor, norm: Norm, bias: str = "absdot") -> torch.Tensor:
     """The norm applied to the shares S (B, r, K, d) of rows whose actual vectors are Σ_k S."""
     scale = norm_scale(S.sum(-2), norm)
-    return add_bias(norm_share(S, scale, norm), norm.bias, bias)
+    return _add_bias_(norm_share(S, scale, norm), norm.bias, bias)
 
 
 def _linearised(act: Callable, pre: torch.Tensor) -> torch.Tensor:
@@ -73,27 +100,76 @@ def _linearised(act: Callable, pre: torch.Tensor) -> torch.Tensor:
     return torch.where(nz, act(pre) / torch.where(nz, pre, torch.ones_like(pre)), torch.zeros_like(pre))
 
 
-def mlp_shares(U: torch.Tensor, mlp: Mlp, bias: str = "absdot") -> torch.Tensor:
-    """The MLP applied to the shares U (B, r, K, d) of its input (see module): (B, r, K, d)."""
-    Z = add_bias(U @ mlp.w1.T, mlp.b1, bias)
+def _folded(w: torch.Tensor, norm: Norm | None) -> torch.Tensor:
+    """w (out, d) with the norm's γ and centring folded in: g(s) @ w.T = (s @ wf.T) / σ for every share s
+    (Σ_j (s_j − mean s) γ_j w_oj = Σ_j s_j (γ_j w_oj − mean_j' γ_j' w_oj'))."""
+    if norm is None:
+        return w
+    wf = w if norm.weight is None else w * norm.weight
+    return wf if norm.rms else wf - wf.mean(-1, keepdim=True)
+
+
+def _beta_weights(U: torch.Tensor, norm: Norm | None, scale: torch.Tensor, mode: str) -> torch.Tensor | None:
+    """The AbsDot weights (B, r, K) of the norm's β over the shares U (B, r, K, d) of its input (β · g(s) =
+    s · u / σ with u = β ⊙ γ centred); None without a norm or β."""
+    if norm is None or norm.bias is None:
+        return None
+    if mode == "separate":
+        return absdot_weights(U.new_zeros(U.shape[:-1]), mode)
+    u = norm.bias if norm.weight is None else norm.bias * norm.weight
+    return absdot_weights((U @ (u if norm.rms else u - u.mean())) / scale, mode)
+
+
+def norm_linear_shares(U: torch.Tensor, norm: Norm, w: torch.Tensor, bias: str = "absdot") -> torch.Tensor:
+    """``norm_shares(U, norm, bias) @ w.T`` (B, r, K, out) without forming the normalised shares: γ and the
+    centring folded into w, the row divisor and β's AbsDot share applied to the (narrower or equal) output."""
+    scale = norm_scale(U.sum(-2), norm)  # (B, r, 1)
+    out = (U @ _folded(w, norm).T).div_(scale.unsqueeze(-1))
+    wb = _beta_weights(U, norm, scale, bias)
+    return out if wb is None else out.addcmul_(wb.unsqueeze(-1), w @ norm.bias)
+
+
+def mlp_shares(U: torch.Tensor, mlp: Mlp, bias: str = "absdot", norm: Norm | None = None) -> torch.Tensor:
+    """The MLP applied to the shares U (B, r, K, d) of its input (see module): (B, r, K, d); with ``norm``,
+    to the shares of norm(U) (= ``mlp_shares(norm_shares(U, norm, bias), mlp, bias)``).
+
+    The wide (B, r, K, f) tensor is written once by fc1, scaled once in place by the slopes and read once by
+    fc2: the norm is folded into fc1 (:func:`_folded`), and the β and fc1-bias shares, w_k·c for one vector
+    c per row, pass the linearised activation and fc2 as rank-one terms w_k · ((c ⊙ θ) W2ᵀ)."""
+    actual = U.sum(-2)  # (B, r, d)
+    scale = None if norm is None else norm_scale(actual, norm)
+    h = actual if norm is None else apply_norm(actual, norm)
+    pre = h @ mlp.w1.T + (0 if mlp.b1 is None else mlp.b1)  # the actual fc1 output ζ (B, r, f)
     if mlp.wg is not None:
-        gate = U.sum(-2) @ mlp.wg.T
-        if mlp.bg is not None:
-            gate = gate + mlp.bg
-        coef = mlp.act(gate)
+        coef = mlp.act(h @ mlp.wg.T + (0 if mlp.bg is None else mlp.bg))
     else:
-        coef = _linearised(mlp.act, Z.sum(-2))
-    return add_bias((Z * coef.unsqueeze(-2)) @ mlp.w2.T, mlp.b2, bias)
+        coef = _linearised(mlp.act, pre)
+    w1f = _folded(mlp.w1, norm)
+    P = U @ w1f.T
+    P.mul_((coef if scale is None else coef / scale).unsqueeze(-2))
+    Y = P @ mlp.w2.T
+    del P
+    wb = _beta_weights(U, norm, scale, bias)
+    c = None if wb is None else mlp.w1 @ norm.bias  # β's image under fc1 (f,)
+    if wb is not None:
+        Y.addcmul_(wb.unsqueeze(-1), ((c * coef) @ mlp.w2.T).unsqueeze(-2))
+    if mlp.b1 is not None:
+        dots = U @ (w1f.T @ mlp.b1)
+        dots = dots if scale is None else dots / scale
+        w = absdot_weights(dots if wb is None else dots + wb * (c @ mlp.b1), bias)
+        Y.addcmul_(w.unsqueeze(-1), ((mlp.b1 * coef) @ mlp.w2.T).unsqueeze(-2))
+    return _add_bias_(Y, mlp.b2, bias)
 
 
 def _value_shares(S: torch.Tensor, block: Block, bias: str) -> torch.Tensor:
-    """Per-head value shares (B, n, K, H, d_h) of the tokens (norm1 first for pre-LN blocks), no b_V."""
-    X = norm_shares(S, block.norm1, bias) if block.pre_norm else S
-    B, n, K, _ = X.shape
-    v = (X @ block.wv.T).view(B, n, K, block.kv_heads, block.head_dim)
+    """Per-head value shares (B, H, n, K·d_h) of the tokens (norm1 folded in for pre-LN blocks), no b_V:
+    heads first, so that mixing a chunk of rows is one batched product per (example, head)."""
+    v = norm_linear_shares(S, block.norm1, block.wv, bias) if block.pre_norm else S @ block.wv.T
+    B, n, K, _ = S.shape
+    v = v.view(B, n, K, block.kv_heads, block.head_dim).permute(0, 3, 1, 2, 4)
     if block.heads != block.kv_heads:
-        v = v.repeat_interleave(block.heads // block.kv_heads, dim=3)
-    return v
+        v = v.repeat_interleave(block.heads // block.kv_heads, dim=1)
+    return v.reshape(B, block.heads, n, K * block.head_dim)
 
 
 def _attention_bias(block: Block, alpha_rows: torch.Tensor) -> torch.Tensor | None:
@@ -115,21 +191,29 @@ def block_shares(S: torch.Tensor, alpha: torch.Tensor, block: Block, *, rows: to
                  bias: str = "absdot", chunk: int | None = None) -> torch.Tensor:
     """Shares of the block's output, (B, r, K, d), from the shares S (B, n, K, d) of its input and the
     attention alpha (B, H, n, n) the block actually used; ``rows`` (r,) long = only those output rows
-    (default all). ``chunk`` rows at a time bound the memory (default: all at once)."""
+    (default all). ``chunk`` rows at a time through the MLP bound the memory (default: all at once); the
+    attention, whose intermediates are narrower, takes f / d times as many rows per product."""
     v = _value_shares(S, block, bias)
-    rows = torch.arange(S.shape[1], device=S.device) if rows is None else rows
+    B, n, K, d = S.shape
+    rows = torch.arange(n, device=S.device) if rows is None else rows
     step = len(rows) if chunk is None else max(1, int(chunk))
-    parts = []
-    for start in range(0, len(rows), step):
-        R = rows[start:start + step]
-        a = torch.einsum("bhij,bjkhe->bikhe", alpha[:, :, R], v)
-        z = add_bias(a.flatten(-2) @ block.wo.T + S[:, R], _attention_bias(block, alpha[:, :, R]), bias)
-        if block.pre_norm:
-            parts.append(z + mlp_shares(norm_shares(z, block.norm2, bias), block.mlp, bias))
-        else:
-            h = norm_shares(z, block.norm1, bias)
-            parts.append(norm_shares(h + mlp_shares(h, block.mlp, bias), block.norm2, bias))
-    return torch.cat(parts, dim=1)
+    wide = max(1, block.mlp.w1.shape[0] // d)
+    out = S.new_empty(B, len(rows), K, d)  # filled chunk by chunk (no list of parts to concatenate)
+    for start in range(0, len(rows), step * wide):
+        R = rows[start:start + step * wide]
+        a = (alpha[:, :, R].to(v.dtype) @ v).view(B, block.heads, len(R), K, block.head_dim)
+        z = a.permute(0, 2, 3, 1, 4).reshape(B, len(R), K, -1) @ block.wo.T
+        del a
+        z = _add_bias_(z.add_(S[:, R]), _attention_bias(block, alpha[:, :, R]), bias)
+        for j in range(0, len(R), step):
+            zj = z[:, j:j + step]
+            if block.pre_norm:
+                got = mlp_shares(zj, block.mlp, bias, norm=block.norm2).add_(zj)
+            else:
+                h = norm_shares(zj, block.norm1, bias)
+                got = norm_shares(mlp_shares(h, block.mlp, bias).add_(h), block.norm2, bias)
+            out[:, start + j:start + j + zj.shape[1]] = got
+    return out
 
 
 def head_shares(S: torch.Tensor, *, final_norm: Norm | None, pooler: tuple | None,
