@@ -11,9 +11,12 @@ Goal (issue 5): rollout <= 1.10x the plain forward.
 Goals (issue 15, value-aware methods, batch 8): norm, globenc, alti <= 3x; decompx <= 10x. They are not in the
 default list (value_zeroing re-runs every block n times, decompx carries n shares): ``--methods value_aware``
 runs VALUE_AWARE (add ``--batches 8 --repeat 1`` for the goal's setting); ``name:key=value`` passes an option
-(``decompx:bias=separate``, the one-backward exact path).
+(``decompx:bias=separate``, the one-backward exact path). ``decompx`` with its default AbsDot rule carries
+n + 1 shares per row (~150 forwards' matrix products at n = 197; ~8 minutes at batch 8 on 2 cores): time it
+alone with ``--methods decompx --batches 8 --slow-max-batch 8 --repeat 1 --paired``; ``--layers`` builds a
+shallower ViT-B (same width) for quick per-layer probes.
 
-Usage: python benchmarks/bench_explain.py [--batches 1,8] [--repeat 3] [--ig-max-batch 8] [--threads N]
+Usage: python benchmarks/bench_explain.py [--batches 1,8] [--repeat 3] [--ig-max-batch 8] [--threads N] [--layers 12]
 """
 
 from __future__ import annotations
@@ -30,8 +33,8 @@ import attnroll
 
 ATTENTION = ["raw", "rollout", "per_head_rollout", "grad_rollout", "gae", "attn_gradcam"]
 CAPTUM = ["saliency", "input_x_gradient", "integrated_gradients"]
-VALUE_AWARE = ["rollout", "norm", "norm_rollout", "globenc", "alti", "decompx:bias=separate", "decompx",
-               "value_zeroing"]
+VALUE_AWARE = ["rollout", "norm", "norm_rollout", "globenc", "alti", "alti_logit", "decompx:bias=separate",
+               "decompx", "value_zeroing"]
 #: O(n)-forward methods, timed only up to --slow-max-batch.
 SLOW = {"decompx", "value_zeroing"}
 
@@ -59,13 +62,14 @@ def main() -> None:
                          "--repeat pairs): robust to load that drifts while the benchmark runs")
     ap.add_argument("--slow-max-batch", type=int, default=1, help=f"skip {sorted(SLOW)} above this batch size")
     ap.add_argument("--methods", default=",".join(ATTENTION + CAPTUM))
+    ap.add_argument("--layers", type=int, default=12, help="ViT-B blocks (12 = ViT-B/16; fewer for quick probes)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     from transformers import ViTConfig, ViTForImageClassification
 
     torch.manual_seed(0)
-    model = ViTForImageClassification(ViTConfig(num_labels=1000)).eval()
+    model = ViTForImageClassification(ViTConfig(num_labels=1000, num_hidden_layers=args.layers)).eval()
     model.set_attn_implementation("sdpa")
     wanted = [w for m in args.methods.split(",") for w in (VALUE_AWARE if m == "value_aware" else [m])]
     try:
@@ -74,7 +78,7 @@ def main() -> None:
         wanted = [m for m in wanted if m not in CAPTUM]
         print("captum not installed: Captum baselines skipped")
     print(f"# torch {torch.__version__}, {platform.processor() or platform.machine()}, threads {torch.get_num_threads()}, "
-          f"cpus {os.cpu_count()}, load {os.getloadavg()[0]:.1f}")
+          f"cpus {os.cpu_count()}, load {os.getloadavg()[0]:.1f}, layers {args.layers}")
     print(f"{'batch':>5} {'method':<22} {'seconds':>9} {'x forward':>10}")
     for B in [int(b) for b in args.batches.split(",")]:
         x = {"pixel_values": torch.randn(B, 3, 224, 224, generator=torch.Generator().manual_seed(B))}
