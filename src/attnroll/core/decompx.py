@@ -67,7 +67,7 @@ def absdot_weights(dots: torch.Tensor, mode: str = "absdot") -> torch.Tensor:
 
 
 def _bias_dots(S: torch.Tensor, bias: torch.Tensor, mode: str) -> torch.Tensor:
-    """b · s_k for every slot (..., K), bias (d,) or (..., d) per row; not computed for ``separate``."""
+    """b · s_k for every slot (..., K), bias (d,) or (..., d) per row; zeros for ``separate`` (unused there)."""
     if mode == "separate":
         return S.new_zeros(S.shape[:-1])
     return S @ bias if bias.ndim == 1 else (S @ bias.unsqueeze(-1)).squeeze(-1)
@@ -153,8 +153,8 @@ def mlp_shares(U: torch.Tensor, mlp: Mlp, bias: str = "absdot", norm: Norm | Non
     c = None if wb is None else mlp.w1 @ norm.bias  # β's image under fc1 (f,)
     if wb is not None:
         Y.addcmul_(wb.unsqueeze(-1), ((c * coef) @ mlp.w2.T).unsqueeze(-2))
-    if mlp.b1 is not None:
-        dots = U @ (w1f.T @ mlp.b1)
+    if mlp.b1 is not None:  # b1 · ζ_k = u_k · (W1fᵀ b1) / σ + w^β_k (c · b1), without the wide tensor
+        dots = _bias_dots(U, w1f.T @ mlp.b1, bias)
         dots = dots if scale is None else dots / scale
         w = absdot_weights(dots if wb is None else dots + wb * (c @ mlp.b1), bias)
         Y.addcmul_(w.unsqueeze(-1), ((mlp.b1 * coef) @ mlp.w2.T).unsqueeze(-2))
