@@ -33,8 +33,8 @@ import attnroll
 
 ATTENTION = ["raw", "rollout", "per_head_rollout", "grad_rollout", "gae", "attn_gradcam"]
 CAPTUM = ["saliency", "input_x_gradient", "integrated_gradients"]
-VALUE_AWARE = ["rollout", "norm", "norm_rollout", "globenc", "alti", "alti_logit", "decompx:bias=separate",
-               "decompx", "value_zeroing"]
+VALUE_AWARE = ["rollout", "measured_rollout", "norm", "norm_rollout", "globenc", "alti", "alti_logit",
+               "decompx:bias=separate", "decompx", "value_zeroing"]
 #: O(n)-forward methods, timed only up to --slow-max-batch.
 SLOW = {"decompx", "value_zeroing"}
 
