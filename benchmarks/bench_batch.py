@@ -342,6 +342,8 @@ def main() -> None:
     ap.add_argument("--cli", action="store_true", help="time the command itself (`attnroll batch`, cold "
                     "processes: local and --engine ray with each --workers) instead of the configurations")
     ap.add_argument("--ref", help="with --cli: also a reference source tree (e.g. /work/main/src), alternating")
+    ap.add_argument("--threads", type=int, help="torch threads of the plain loop and the local engine (default: "
+                    "torch's, one per core); Ray actors share the cores as always")
     ap.add_argument("--image-cache", help="a folder where the generated PNGs are kept and reused (a large "
                     "--n-shapes takes minutes to generate), e.g. /tmp/attnroll-bench-images")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: one configuration, in a child process
@@ -395,7 +397,7 @@ def run_model(name: str, args: argparse.Namespace, modes: list[str], workers: li
     for _ in range(args.repeat):
         for label, method, engine, k, addr in configs:
             one = {"src": str(src), "spec": spec, "method": method, "bs": bs, "engine": engine, "workers": k,
-                   "work": str(work), "address": addr, "plain": label == "plain"}
+                   "work": str(work), "address": addr, "plain": label == "plain", "threads": args.threads}
             t = isolated(one)
             if t is None:
                 continue
@@ -453,6 +455,8 @@ def run_one(one: dict) -> None:
     """``--one``: the body of :func:`isolated`; prints the Timing as JSON."""
     from attnroll.models import load_model
 
+    if one.get("threads"):  # the plain loop's and the local engine's; Ray actors take --cpus-per-worker
+        torch.set_num_threads(one["threads"])
     load_model(one["spec"], None, want="image")
     src, work = Path(one["src"]), Path(one["work"])
     if one["plain"]:
