@@ -31,18 +31,21 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import _checks
-from ..core.operators import KernelInputs, whole_size
+from ..core.operators import KernelInputs, fusable, mean_probs, whole_size
 from .hf import HFAdapter, pool_heads
 from .hooks import Adapter, Capture, Site
 
 
 class KernelRecorder:
     """Collects one :class:`KernelInputs` per site and pass (the interface of ``hooks.Recorder`` that
-    Capture drives: reset, store, finish, dirty)."""
+    Capture drives: reset, store, finish, dirty). With ``fuse_mean`` each layer that ``fusable`` admits is
+    replaced by its head-mean probabilities (``mean_probs``) right after its kernel ran, while its queries
+    and keys are still in cache, except the stream's top layer: a row product needs only its live rows."""
 
-    def __init__(self, sites: list[Site], keep_grad: bool):
+    def __init__(self, sites: list[Site], keep_grad: bool, fuse_mean: bool = False):
         self.sites = sites
         self.keep_grad = keep_grad
+        self.fuse_mean = fuse_mean and not keep_grad
         self.layout: dict[str, list[str]] = {}
         for s in sites:
             self.layout.setdefault(s.stream, []).append(s.name)
@@ -64,6 +67,8 @@ class KernelRecorder:
         self.slots[site.stream][site.layer] = layer
         if self.keep_grad:
             self.outs[site.stream][site.layer] = output
+        if self.fuse_mean and site.layer < len(self.layout[site.stream]) - 1 and fusable(layer):
+            self.slots[site.stream][site.layer] = mean_probs(layer)
 
     def finish(self) -> dict[str, list[torch.Tensor]]:
         """Check the pass and keep its layers in ``taken``; returns shape-only (meta) stand-ins of the
@@ -344,12 +349,13 @@ class KernelCapture(Capture):
     """A capture session recording kernel inputs instead of attention matrices; the record's ``operators``
     holds them (``streams`` stays empty)."""
 
-    def __init__(self, model: nn.Module, *, keep_grad: bool, tokenizer: Any = None, eval_mode: bool = True):
+    def __init__(self, model: nn.Module, *, keep_grad: bool, tokenizer: Any = None, eval_mode: bool = True,
+                 fuse_mean: bool = False):
         super().__init__(
             model, kernel_adapter(model), fuse=None, keep_grad=keep_grad, dtype=None,
             eval_mode=eval_mode, tokenizer=tokenizer,
         )
-        self.recorder = KernelRecorder(self.site_list, keep_grad)  # type: ignore[assignment]
+        self.recorder = KernelRecorder(self.site_list, keep_grad, fuse_mean)  # type: ignore[assignment]
         self.record.fused = None
 
     def _finalize(self, outputs: Any) -> None:
@@ -362,15 +368,17 @@ class KernelCapture(Capture):
         self.record.streams = {}
 
 
-def capture_kernels(model: nn.Module, inputs: Any, *, keep_grad: bool = False, tokenizer: Any = None) -> Any:
+def capture_kernels(model: nn.Module, inputs: Any, *, keep_grad: bool = False, tokenizer: Any = None,
+                    fuse_mean: bool = False) -> Any:
     """One forward pass of a transformers ``model`` under its own attention kernel; returns an
     AttentionRecord whose ``operators[stream]`` are per-layer ``KernelInputs``. With ``keep_grad`` the forward
     runs with autograd and ``extra["kernel_outputs"][stream]`` holds each kernel's output (B, n, H, d_v),
-    still in the graph, for dy/dO."""
+    still in the graph, for dy/dO. With ``fuse_mean`` (head-mean rules only; not with ``keep_grad``) small
+    layers below each stream's top one are kept as :class:`~attnroll.core.operators.FusedLayer`."""
     from .hooks import run_forward
 
     _checks.check_model_device(model)
-    session = KernelCapture(model, keep_grad=keep_grad, tokenizer=tokenizer)
+    session = KernelCapture(model, keep_grad=keep_grad, tokenizer=tokenizer, fuse_mean=fuse_mean)
     session.adapter.check_inputs(inputs)
     with session as record:
         with torch.enable_grad() if keep_grad else torch.no_grad():
