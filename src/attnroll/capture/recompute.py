@@ -31,6 +31,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import _checks
+from .._modes import submodules
 from ..core.operators import KernelInputs, fusable, mean_probs, whole_size
 from .hf import HFAdapter, pool_heads
 from .hooks import Adapter, Capture, Site
@@ -122,16 +123,17 @@ _DELEGATED = tuple(name for name, value in vars(Adapter).items() if callable(val
 _ADAPTERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _structure_key(model: nn.Module) -> tuple:
+def _structure_key(model: nn.Module, modules: list[nn.Module]) -> tuple:
     config = getattr(model, "config", None)
-    return (tuple(map(id, model.modules())), id(config), getattr(config, "model_type", None),
+    return (tuple(map(id, modules)), id(config), getattr(config, "model_type", None),
             getattr(config, "_attn_implementation", None))
 
 
-def kernel_adapter(model: nn.Module) -> "KernelAdapter":
+def kernel_adapter(model: nn.Module, modules: list[nn.Module] | None = None) -> "KernelAdapter":
     """The kernel adapter of a transformers ``model``, the transformers adapter's module walks done once per
-    model structure (see ``_ADAPTERS``); a fresh adapter object per capture."""
-    key = _structure_key(model)
+    model structure (see ``_ADAPTERS``); a fresh adapter object per capture. ``modules``: ``submodules(model)``
+    when the caller has them."""
+    key = _structure_key(model, submodules(model) if modules is None else modules)
     hit = _ADAPTERS.get(model)
     if hit is None or hit[0] != key:
         inner = HFAdapter(model)
@@ -350,9 +352,9 @@ class KernelCapture(Capture):
     holds them (``streams`` stays empty)."""
 
     def __init__(self, model: nn.Module, *, keep_grad: bool, tokenizer: Any = None, eval_mode: bool = True,
-                 fuse_mean: bool = False):
+                 fuse_mean: bool = False, modules: list[nn.Module] | None = None):
         super().__init__(
-            model, kernel_adapter(model), fuse=None, keep_grad=keep_grad, dtype=None,
+            model, kernel_adapter(model, modules), fuse=None, keep_grad=keep_grad, dtype=None,
             eval_mode=eval_mode, tokenizer=tokenizer,
         )
         self.recorder = KernelRecorder(self.site_list, keep_grad, fuse_mean)  # type: ignore[assignment]
@@ -377,8 +379,9 @@ def capture_kernels(model: nn.Module, inputs: Any, *, keep_grad: bool = False, t
     layers below each stream's top one are kept as :class:`~attnroll.core.operators.FusedLayer`."""
     from .hooks import run_forward
 
-    _checks.check_model_device(model)
-    session = KernelCapture(model, keep_grad=keep_grad, tokenizer=tokenizer, fuse_mean=fuse_mean)
+    modules = submodules(model)
+    _checks.check_model_device(model, modules)
+    session = KernelCapture(model, keep_grad=keep_grad, tokenizer=tokenizer, fuse_mean=fuse_mean, modules=modules)
     session.adapter.check_inputs(inputs)
     with session as record:
         with torch.enable_grad() if keep_grad else torch.no_grad():

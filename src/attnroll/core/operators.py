@@ -442,7 +442,7 @@ def whole_applies(layer: KernelInputs, rule: BlockRule, r: torch.Tensor, mask: A
 
 def _live_rows(r: torch.Tensor) -> torch.Tensor | None:
     """Indices of the queries whose relevance is non-zero in some example and row, or None when all are."""
-    hit = (r.abs().amax(dim=(0, 1)) > 0).nonzero()[:, 0]
+    hit = r.reshape(-1, r.shape[-1]).any(dim=0).nonzero()[:, 0]
     return None if hit.numel() == r.shape[-1] else hit
 
 
@@ -504,8 +504,9 @@ def _logits2(q: torch.Tensor, k: torch.Tensor, scaling: float, disallowed: Any) 
     −inf where ``disallowed``; in the thread's scratch on CPU (``_scratch``)."""
     B, H, m, d = q.shape
     Hkv, nk = k.shape[1], k.shape[2]
-    qg = q.to(torch.float32).reshape(B * Hkv, (H // Hkv) * m, d)  # a view for the kernel's own layout
-    kf = k.to(torch.float32).reshape(B * Hkv, nk, d)
+    # (dtype checks first: at small n each torch call, even a no-op conversion, costs as much as arithmetic)
+    qg = (q if q.dtype == torch.float32 else q.to(torch.float32)).reshape(B * Hkv, (H // Hkv) * m, d)
+    kf = (k if k.dtype == torch.float32 else k.to(torch.float32)).reshape(B * Hkv, nk, d)
     work = _scratch(B * H * m * nk, q.device)
     s = torch.empty(B * H * m * nk, dtype=torch.float32, device=q.device) if work is None else work
     s = s.view(B * Hkv, (H // Hkv) * m, nk).baddbmm_(qg, kf.transpose(1, 2), beta=0, alpha=scaling * LOG2E)
@@ -599,8 +600,10 @@ def mean_probs(layer: KernelInputs) -> FusedLayer:
     step = -(-B // -(-B * H * n * n // CHUNK_ELEMENTS))  # chunks of even size
     for b0 in range(0, B, step):
         b1 = min(B, b0 + step)
-        s, w = _exp_rows(layer.q[b0:b1], layer.k[b0:b1], layer.scaling, disallowed)
-        torch.sum(s.mul_(w.mul_(1.0 / H)[..., None]), dim=1, out=out[b0:b1])
+        whole = b0 == 0 and b1 == B  # (slices cost a torch call each)
+        q, k = (layer.q, layer.k) if whole else (layer.q[b0:b1], layer.k[b0:b1])
+        s, w = _exp_rows(q, k, layer.scaling, disallowed)
+        torch.sum(s.mul_(w.mul_(1.0 / H).unsqueeze_(-1)), dim=1, out=out if whole else out[b0:b1])
     return FusedLayer(out, H, layer.is_causal_model)
 
 
