@@ -9,12 +9,17 @@ with ``rollout`` (auto route = recompute); a plain SDPA forward + backward of th
 parameters requiring grad, as training would); ``explain`` with ``gae``; and the dense route
 (``attention="dense"``: eager n×n capture) where it fits. Time: CPU time of the calling thread (torch runs
 single-threaded ops, autograd's CPU backward included, on it), which other processes' load on the shared
-cores barely moves, the median over rounds (one round at large n; 9 / 3 for ViT-B at batch 1 / 8); wall
-clock is recorded too. Peak memory: the largest resident set sampled every millisecond during the call, above the resident set
+cores barely moves, the median over rounds (one round at large n; 15 / 5 for ViT-B at batch 1 / 8; the
+ratios also as the median over rounds of each round's own ratio, "pair", which a load that drifts between
+rounds moves less); wall clock is recorded too. Peak memory: the largest resident set sampled every millisecond during the call, above the resident set
 just before it; glibc is told to return large blocks to the system (MALLOC_MMAP_THRESHOLD_) so that one
 call's freed memory does not hide the next one's. Each (model, n) runs in its own process with one thread.
 
+``--ref SRC`` runs every cell a second time, right after, with another checkout's package (``SRC``: its
+``src`` folder, e.g. a worktree of main) on ``PYTHONPATH``: a before/after comparison in one run.
+
 Usage: python benchmarks/bench_long_context.py [--quick] [--json out.json] [--only llama:32768,...] [--skip ...]
+       [--ref OTHER/src]
 """
 
 from __future__ import annotations
@@ -111,7 +116,15 @@ def cell(name: str, n: int, modes: list[str], rounds: int) -> dict:
             peaks[mode] = max(peaks[mode], s.extra)
     med = {m: sorted(v)[len(v) // 2] for m, v in times.items()}
     wall = {m: sorted(v)[len(v) // 2] for m, v in walls.items()}
-    return {"model": name, "n": n, "time_s": med, "wall_s": wall, "peak_mib": {m: p / 2**20 for m, p in peaks.items()}}
+    pair = {m: sorted(a / b for a, b in zip(times[m], times[ref]))[rounds // 2]
+            for m, ref in REFERENCE.items() if m in times and ref in times}
+    return {"model": name, "n": n, "time_s": med, "wall_s": wall, "pair_ratio": pair, "rounds": rounds,
+            "peak_mib": {m: p / 2**20 for m, p in peaks.items()}}
+
+
+#: The plain pass each explain mode is compared with.
+REFERENCE = {"rollout": "sdpa_forward", "gae": "sdpa_forward_backward", "dense_rollout": "sdpa_forward",
+             "dense_gae": "sdpa_forward_backward"}
 
 
 def plan(quick: bool) -> list[tuple[str, int, list[str], int]]:
@@ -120,7 +133,7 @@ def plan(quick: bool) -> list[tuple[str, int, list[str], int]]:
     dense = ["dense_rollout", "dense_gae"]
     if quick:
         return [("llama", 1024, base + grad + dense, 1), ("vit_b1", 197, base + dense[:1], 1)]
-    out = [("vit_b1", 197, base + dense[:1], 9), ("vit_b8", 197, base + dense[:1], 3)]
+    out = [("vit_b1", 197, base + dense[:1], 15), ("vit_b8", 197, base + dense[:1], 5)]
     out += [("llama", 1024, base + grad + dense, 2), ("llama", 2048, base + grad + dense, 1)]
     out += [("llama", n, base + grad, 1) for n in (4096, 8192)]
     out += [("gpt2", 1024, base + grad + dense[:1], 1), ("gpt2", 2048, base + grad, 1), ("gpt2", 4096, base, 1)]
@@ -134,6 +147,7 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--only", default=None, help="comma-separated cells model:n to run (default: all)")
     ap.add_argument("--skip", default=None, help="comma-separated cells model:n to leave out")
+    ap.add_argument("--ref", default=None, help="another checkout's src folder: each cell also runs with it")
     ap.add_argument("--cell", nargs=4, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.cell:
@@ -148,28 +162,42 @@ def main() -> None:
     for name, n, modes, rounds in plan(args.quick):
         if (only is not None and f"{name}:{n}" not in only) or f"{name}:{n}" in skip:
             continue
-        cmd = [sys.executable, __file__, "--cell", name, str(n), ",".join(modes), str(rounds)]
-        before = os.getloadavg()[0]
-        p = subprocess.run(cmd, capture_output=True, text=True, env=env)
-        if p.returncode != 0:
-            print(f"{name} n={n}: failed\n{p.stderr[-2000:]}", flush=True)
-            continue
-        r = json.loads(p.stdout.strip().splitlines()[-1])
-        r["load_before"], r["load"] = before, os.getloadavg()[0]
-        results.append(r)
-        print(report(r), flush=True)
+        for label, src in [("", None)] + ([("ref", args.ref)] if args.ref else []):
+            r = run_cell(name, n, modes, rounds, env, src)
+            if r is None:
+                continue
+            r["code"] = label or "this"
+            results.append(r)
+            print(("ref     " if label else "") + report(r), flush=True)
         if args.json:  # after every cell: a later cell that runs out of time or memory loses only itself
             with open(args.json, "w") as f:
                 json.dump(results, f, indent=1)
 
 
+def run_cell(name: str, n: int, modes: list[str], rounds: int, env: dict, src: str | None) -> dict | None:
+    """One cell in its own process (with ``src`` first on PYTHONPATH when given); None when it failed."""
+    if src is not None:
+        paths = [os.path.abspath(src)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+        env = {**env, "PYTHONPATH": os.pathsep.join(paths)}
+    cmd = [sys.executable, __file__, "--cell", name, str(n), ",".join(modes), str(rounds)]
+    before = os.getloadavg()[0]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if p.returncode != 0:
+        print(f"{name} n={n}: failed\n{p.stderr[-2000:]}", flush=True)
+        return None
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    r["load_before"], r["load"] = before, os.getloadavg()[0]
+    return r
+
+
 def report(r: dict) -> str:
     t, m = r["time_s"], r["peak_mib"]
     parts = [f"{r['model']:7s} n={r['n']:6d} load {r.get('load_before', r['load']):.1f}-{r['load']:.1f}"]
-    for mode, ref in (("rollout", "sdpa_forward"), ("gae", "sdpa_forward_backward"), ("dense_rollout", "sdpa_forward"),
-                      ("dense_gae", "sdpa_forward_backward")):
+    pair = r.get("pair_ratio", {})
+    for mode, ref in REFERENCE.items():
         if mode in t:
-            parts.append(f"{mode} {t[mode]:.2f}s ({t[mode] / t[ref]:.2f}x time, {m[mode]:.0f}/{m[ref]:.0f} MiB "
+            paired = f", pair {pair[mode]:.3f}x" if mode in pair and r.get("rounds", 1) > 1 else ""
+            parts.append(f"{mode} {t[mode]:.3f}s ({t[mode] / t[ref]:.3f}x time{paired}, {m[mode]:.0f}/{m[ref]:.0f} MiB "
                          f"= {m[mode] / max(m[ref], 1e-9):.2f}x)")
     parts.append(f"sdpa fwd {t['sdpa_forward']:.2f}s")
     if "sdpa_forward_backward" in t:
