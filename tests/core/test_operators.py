@@ -263,13 +263,19 @@ def test_whole_path_is_taken_only_where_it_is_exact(monkeypatch):
 
 # ------------------------------------------------------------------- small layers fused during the forward
 @pytest.mark.parametrize("case", list(WHOLE))
-@pytest.mark.parametrize("chunk", [None, 1])
-def test_mean_probs_equal_naive_head_mean(case, chunk, monkeypatch):
+@pytest.mark.parametrize("split", ["none", "chunks", "examples"])
+def test_mean_probs_equal_naive_head_mean(case, split, monkeypatch):
     """``mean_probs`` (the capture's fusion of a small layer) against the head mean of the naive softmax in
-    float64, grouped KV heads included; chunk=1: one example per chunk."""
-    if chunk is not None:
-        monkeypatch.setattr(op, "CHUNK_ELEMENTS", chunk)
+    float64, grouped KV heads included; "chunks": one example per chunk; "examples": the logits multiplied
+    example by example (``PER_EXAMPLE_MACS``), on q and k laid out as the kernels get them ((B, n, H, d)
+    buffers seen as (B, H, n, d))."""
+    if split == "chunks":
+        monkeypatch.setattr(op, "CHUNK_ELEMENTS", 1)
     lay = layer(**WHOLE[case])
+    if split == "examples":
+        monkeypatch.setattr(op, "PER_EXAMPLE_MACS", 1)
+        lay.q = lay.q.transpose(1, 2).contiguous().transpose(1, 2)
+        lay.k = lay.k.transpose(1, 2).contiguous().transpose(1, 2)
     assert op.fusable(lay)
     fused = op.mean_probs(lay)
     ref = naive_probs(lay.q.double(), lay.k.double(), lay.scaling, **WHOLE[case]).mean(dim=1)
