@@ -1,0 +1,55 @@
+"""The residual share of every token, measured through the whole block (attention, norms and MLP).
+
+A block's output at token i is made of two parts and the biases: what its residual carries (token i's own
+input x_i) and what its attention mixes in from the tokens (a_i = Σ_h Σ_j α^h_ij f^h(x̃_j), b_O apart). The
+MLP reads their sum, so it is split between them as DecompX does (Modarressi et al. 2023): every norm acts
+on a part with the actual vector's statistics, the activation is linearised per element with the actual
+pre-activation, θ = act(ζ) / ζ, the same θ for both parts (a gated MLP holds its gate at its actual value),
+and every bias is kept apart. The two parts T_res and T_mix of the output (plus the bias part) add up to
+the block's actual output exactly. The measured residual share of token i is
+
+    r_i = ‖T_res,i‖ / (‖T_res,i‖ + ‖T_mix,i‖)
+
+the per-token, per-layer quantity rollout fixes at ½ (Abnar & Zuidema's 0.5·A + 0.5·I).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .decompx import mlp_shares, norm_shares
+from .value_aware import Block
+
+__all__ = ["block_parts", "residual_share", "share_rollout_matrix"]
+
+
+def block_parts(x: torch.Tensor, mixed: torch.Tensor, attn_bias: torch.Tensor | None, block: Block) -> torch.Tensor:
+    """The block's output split into (residual part, attention part, bias part): (B, n, 3, d).
+
+    ``x`` (B, n, d) the block input, ``mixed`` (B, n, d) the attention branch's output without b_O
+    (Σ_h Σ_j α^h_ij f^h(x̃_j)), ``attn_bias`` (d,) / (B, n, d) / None what the branch adds besides (b_O).
+    The three parts sum to the block's actual output (float rounding apart)."""
+    S = torch.stack([x, mixed, torch.zeros_like(x)], dim=2)
+    if attn_bias is not None:
+        S[:, :, 2] = S[:, :, 2] + attn_bias
+    if block.pre_norm:  # out = h + MLP(norm2(h)), h = x + attention
+        return S + mlp_shares(norm_shares(S, block.norm2, "separate"), block.mlp, "separate")
+    h = norm_shares(S, block.norm1, "separate")  # post-LN: out = norm2(h + MLP(h)), h = norm1(x + attention)
+    return norm_shares(h + mlp_shares(h, block.mlp, "separate"), block.norm2, "separate")
+
+
+def residual_share(parts: torch.Tensor) -> torch.Tensor:
+    """r = ‖T_res‖ / (‖T_res‖ + ‖T_mix‖) per token from :func:`block_parts`' (B, n, 3, d): (B, n) in [0, 1];
+    1 where both parts vanish (nothing is mixed in, so the token keeps itself)."""
+    res, mix = parts[:, :, 0].norm(dim=-1), parts[:, :, 1].norm(dim=-1)
+    tot = res + mix
+    return torch.where(tot > 0, res / torch.where(tot > 0, tot, torch.ones_like(tot)), torch.ones_like(tot))
+
+
+def share_rollout_matrix(alpha: torch.Tensor, share: torch.Tensor) -> torch.Tensor:
+    """One layer's mixing matrix M = diag(r) + diag(1 − r) · mean_h α^h: (B, n, n) from alpha (B, H, n, n)
+    and the residual share r (B, n). Rows sum to 1 where α's rows do."""
+    n = alpha.shape[-1]
+    eye = torch.eye(n, dtype=alpha.dtype, device=alpha.device)
+    r = share.to(alpha.dtype).unsqueeze(-1)
+    return r * eye + (1 - r) * alpha.mean(1)
