@@ -28,9 +28,15 @@ plain forward, explain on each attention route, rows, the Parquet commit). Each 
 --repeat times, alternating, each in a fresh Python process, and the best end-to-end run counts (the
 machine is shared).
 
+``--cli`` times the command itself instead (``attnroll batch``, each run a cold process that imports torch,
+transformers and Ray itself: what a user waits for), optionally beside a reference tree (``--ref``). The
+report gives each Ray configuration's fixed cost (end to end less inputs / steady rate) and the dataset size
+from which it would reach 0.8x the local engine end to end at these rates; ``--n-shapes 20000
+--image-cache /tmp/attnroll-bench-images`` measures a large dataset (generated once, then reused).
+
 Usage: python benchmarks/bench_batch.py [--models shapes,vit-b16] [--methods rollout,gae] [--n-shapes 4000]
        [--n-vit 64] [--vit-batch 8] [--repeat 1] [--ray fresh,joined | --ray none] [--workers 1,2]
-       [--breakdown] [--interleaved-only]
+       [--breakdown] [--interleaved-only] [--image-cache DIR] [--cli [--ref OTHER/src]]
 """
 
 from __future__ import annotations
@@ -61,19 +67,36 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 
-def write_images(root: Path, n: int) -> list[Path]:
+def write_images(root: Path, n: int, chunk: int = 2000) -> list[Path]:
+    """``n`` generated shapes PNGs in ``root``, made ``chunk`` at a time (a distinct seed each) so that a large
+    dataset never holds all its pixels in memory; a ``complete`` marker says the folder is whole (reused
+    by ``--image-cache``)."""
     from PIL import Image
 
     from attnroll.models import shapes
 
-    images, _, _ = shapes.make_dataset(n, 11)
     root.mkdir(parents=True, exist_ok=True)
     paths = []
-    for i, im in enumerate(images):
-        p = root / f"img{i:05d}.png"
-        Image.fromarray((im.permute(1, 2, 0).numpy() * 255).round().astype(np.uint8)).save(p)
-        paths.append(p)
+    for start in range(0, n, chunk):
+        images, _, _ = shapes.make_dataset(min(chunk, n - start), 11 + start // chunk)
+        for i, im in enumerate(images, start):
+            p = root / f"img{i:05d}.png"
+            Image.fromarray((im.permute(1, 2, 0).numpy() * 255).round().astype(np.uint8)).save(p)
+            paths.append(p)
+    (root / "complete").write_text(str(n))
     return paths
+
+
+def shapes_images(work: Path, n: int, cache: str | None) -> Path:
+    """The folder of ``n`` shapes PNGs: in ``cache`` (made once, reused by later runs) or in ``work``."""
+    src = (Path(cache) if cache else work) / f"images-{n}"
+    marker = src / "complete"
+    if not (marker.is_file() and marker.read_text() == str(n)):
+        shutil.rmtree(src, ignore_errors=True)
+        t0 = time.perf_counter()
+        write_images(src, n)
+        print(f"# generated {n} shapes PNGs in {src} in {time.perf_counter() - t0:.0f} s")
+    return src
 
 
 def vit_b16_dir(root: Path) -> Path:
@@ -192,6 +215,12 @@ class Timing:
     def rate(self) -> float:
         return self.inputs / self.seconds
 
+    @property
+    def fixed(self) -> float:
+        """Seconds of the run that its steady rate does not explain (start-up, tail, shutdown): the run
+        modelled as fixed + inputs / steady."""
+        return self.seconds - self.inputs / self.steady
+
     @classmethod
     def of(cls, t0: float, t1: float, marks: list[tuple[float, int]], workers: int) -> "Timing":
         """From the call's start and end and its (time, inputs done) marks, one per committed batch."""
@@ -207,8 +236,6 @@ def batch_run(src: Path, model_spec: str | None, method: str, batch_size: int, e
     """run_batch into an empty folder. The marks are the committed shards' modification times (when each
     batch was committed, in the actor for Ray: the driver only hears of them through Ray Data's output
     stream, which can deliver them in bursts) and their rows."""
-    import pyarrow.parquet as pq
-
     from attnroll.batch import run_batch
 
     out = work / f"out-{engine}-{workers}-{method}"
@@ -219,7 +246,14 @@ def batch_run(src: Path, model_spec: str | None, method: str, batch_size: int, e
                  "cpus_per_worker": max(1, (os.cpu_count() or 1) // workers)}
     t0 = time.time()
     run_batch(src, out, methods=[method], model=model_spec, batch_size=batch_size, engine=engine, **extra)
-    t1 = time.time()
+    return shard_timing(out, t0, time.time(), workers)
+
+
+def shard_timing(out: Path, t0: float, t1: float, workers: int) -> Timing:
+    """The Timing of a run into ``out`` from ``t0`` to ``t1`` (wall clock), its marks the committed shards'
+    modification times and rows; ``out`` is removed."""
+    import pyarrow.parquet as pq
+
     shards = sorted((out / "rows").glob("part-*.parquet"), key=lambda p: p.stat().st_mtime)
     marks, done = [], 0
     for p in shards:
@@ -227,6 +261,26 @@ def batch_run(src: Path, model_spec: str | None, method: str, batch_size: int, e
         marks.append((p.stat().st_mtime, done))
     shutil.rmtree(out, ignore_errors=True)
     return Timing.of(t0, t1, marks, workers)
+
+
+def cli_run(src: Path, method: str, batch_size: int, engine: str, workers: int, work: Path,
+            tree: str | None) -> Timing:
+    """The real command, ``python -m attnroll.commands batch SRC --out OUT ...``, in a fresh process: what a
+    user waits for, the first imports of torch and transformers (and for Ray the runtime, Ray Data and the
+    actors) included. ``tree``: a source folder to import attnroll from (another checkout, for a before /
+    after comparison); None = this one."""
+    out = work / f"out-cli-{engine}-{workers}-{method}"
+    shutil.rmtree(out, ignore_errors=True)
+    cmd = [sys.executable, "-m", "attnroll.commands", "batch", str(src), "--out", str(out), "-m", method,
+           "--batch-size", str(batch_size), "--engine", engine]
+    if engine == "ray":
+        cmd += ["--num-workers", str(workers), "--cpus-per-worker", str(max(1, (os.cpu_count() or 1) // workers))]
+    env = dict(os.environ)
+    if tree:
+        env["PYTHONPATH"] = os.pathsep.join([tree] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    t0 = time.time()
+    subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    return shard_timing(out, t0, time.time(), workers)
 
 
 @contextlib.contextmanager
@@ -285,6 +339,13 @@ def main() -> None:
     ap.add_argument("--interleaved", action="store_true", help="also the batch-by-batch local / plain ratio")
     ap.add_argument("--interleaved-only", action="store_true",
                     help="only the batch-by-batch ratio of the local engine to the plain loop")
+    ap.add_argument("--cli", action="store_true", help="time the command itself (`attnroll batch`, cold "
+                    "processes: local and --engine ray with each --workers) instead of the configurations")
+    ap.add_argument("--ref", help="with --cli: also a reference source tree (e.g. /work/main/src), alternating")
+    ap.add_argument("--threads", type=int, help="torch threads of the plain loop and the local engine (default: "
+                    "torch's, one per core); Ray actors share the cores as always")
+    ap.add_argument("--image-cache", help="a folder where the generated PNGs are kept and reused (a large "
+                    "--n-shapes takes minutes to generate), e.g. /tmp/attnroll-bench-images")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: one configuration, in a child process
     args = ap.parse_args()
     if args.one:
@@ -293,7 +354,7 @@ def main() -> None:
     print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cpus, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads, OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}; "
           f"load before: {os.getloadavg()}")
-    modes = [] if args.ray == "none" or args.interleaved_only else args.ray.split(",")
+    modes = [] if args.ray == "none" or args.interleaved_only or args.cli else args.ray.split(",")
     workers = [int(k) for k in args.workers.split(",")]
     with contextlib.ExitStack() as stack:
         stack.callback(shutil.rmtree, work, ignore_errors=True)
@@ -311,9 +372,7 @@ def run_model(name: str, args: argparse.Namespace, modes: list[str], workers: li
     """Every configuration on one model, --repeat times alternating; prints its table."""
     n, bs = (args.n_shapes, 32) if name == "shapes" else (args.n_vit, args.vit_batch)
     spec = None if name == "shapes" else str(vit_b16_dir(work / "vit-b16"))
-    src = work / f"images-{n}"
-    if not src.exists():
-        write_images(src, n)
+    src = shapes_images(work, n, args.image_cache)
     files = sorted(src.glob("*.png"))
     methods = args.methods.split(",")
     for method in methods:
@@ -325,6 +384,8 @@ def run_model(name: str, args: argparse.Namespace, modes: list[str], workers: li
             print(f"# {name} {method}: local engine / plain loop, batch by batch interleaved: {ratio:.2f}x")
     if args.interleaved_only:
         return
+    if args.cli:
+        return run_cli(name, n, bs, src, methods, workers, args, work)
     configs = [("plain", None, "local", 1, None)]
     for method in methods:
         configs.append(("local", method, "local", 1, None))
@@ -336,7 +397,7 @@ def run_model(name: str, args: argparse.Namespace, modes: list[str], workers: li
     for _ in range(args.repeat):
         for label, method, engine, k, addr in configs:
             one = {"src": str(src), "spec": spec, "method": method, "bs": bs, "engine": engine, "workers": k,
-                   "work": str(work), "address": addr, "plain": label == "plain"}
+                   "work": str(work), "address": addr, "plain": label == "plain", "threads": args.threads}
             t = isolated(one)
             if t is None:
                 continue
@@ -346,6 +407,33 @@ def run_model(name: str, args: argparse.Namespace, modes: list[str], workers: li
             if (label, method) not in best or t.seconds < best[(label, method)].seconds:
                 best[(label, method)] = t
     report(name, n, bs, best, methods)
+
+
+def run_cli(name: str, n: int, bs: int, src: Path, methods: list[str], workers: list[int], args: argparse.Namespace,
+            work: Path) -> None:
+    """``--cli``: the command itself (cold processes), local and Ray with each worker count, this tree and, with
+    --ref, the reference tree, alternating, --repeat times; prints each run and a table of the best."""
+    trees = [("this", None)] + ([("ref", args.ref)] if args.ref else [])
+    best: dict = {}
+    for _ in range(args.repeat):
+        for method in methods:
+            for engine, k in [("local", 1)] + [("ray", k) for k in workers if args.ray != "none"]:
+                for label, tree in trees:
+                    t = cli_run(src, method, bs, engine, k, work, tree)
+                    key = (label, method, engine if engine == "local" else f"ray-{k}")
+                    print(f"#   cli {name} {'/'.join(key)}: {t.seconds:.1f} s, start-up {t.startup:.1f} s, "
+                          f"steady {t.steady:.1f}/s (load {os.getloadavg()[0]:.1f})")
+                    sys.stdout.flush()
+                    if key not in best or t.seconds < best[key].seconds:
+                        best[key] = t
+    print(f"\n## {name} via `attnroll batch` (cold processes): {n} images, batch {bs}\n")
+    print("| tree | method | engine | end to end (inputs/s) | start-up (s) | steady (inputs/s) | end to end vs local |")
+    print("|---|---|---|---|---|---|---|")
+    for (label, method, eng), t in best.items():
+        loc = best[(label, method, "local")]
+        print(f"| {label} | {method} | {eng} | {t.rate:.2f} | {t.startup:.2f} | {t.steady:.2f} | "
+              f"{t.rate / loc.rate:.2f}x |")
+    sys.stdout.flush()
 
 
 def isolated(one: dict) -> "Timing | None":
@@ -367,6 +455,8 @@ def run_one(one: dict) -> None:
     """``--one``: the body of :func:`isolated`; prints the Timing as JSON."""
     from attnroll.models import load_model
 
+    if one.get("threads"):  # the plain loop's and the local engine's; Ray actors take --cpus-per-worker
+        torch.set_num_threads(one["threads"])
     load_model(one["spec"], None, want="image")
     src, work = Path(one["src"]), Path(one["work"])
     if one["plain"]:
@@ -378,24 +468,39 @@ def run_one(one: dict) -> None:
 
 def report(name: str, n: int, bs: int, best: dict, methods: list[str]) -> None:
     """A markdown table: inputs/s end to end, start-up, steady, and each ratio (engines: to the plain loop;
-    Ray: to the local engine)."""
+    Ray: to the local engine), and for Ray the dataset size at which it would reach 0.8x the local engine
+    end to end (:func:`size_for_ratio`)."""
     plain = best[("plain", None)]
     print(f"\n## {name}: {n} images, batch {bs}\n")
     print("| method | configuration | end to end (inputs/s) | start-up (s) | steady (inputs/s) | ratio end to end "
-          "| ratio steady |")
-    print("|---|---|---|---|---|---|---|")
-    print(f"| - | plain loop | {plain.rate:.2f} | {plain.startup:.2f} | {plain.steady:.2f} | | |")
+          "| ratio steady | fixed cost (s) | 0.8x local end to end from |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    print(f"| - | plain loop | {plain.rate:.2f} | {plain.startup:.2f} | {plain.steady:.2f} | | | "
+          f"{plain.fixed:.1f} | |")
     for method in methods:
         loc = best.get(("local", method))
         if loc is None:
             continue
         print(f"| {method} | local | {loc.rate:.2f} | {loc.startup:.2f} | {loc.steady:.2f} | "
-              f"{loc.rate / plain.rate:.2f}x plain | {loc.steady / plain.steady:.2f}x plain |")
+              f"{loc.rate / plain.rate:.2f}x plain | {loc.steady / plain.steady:.2f}x plain | {loc.fixed:.1f} | |")
         for (label, m), t in best.items():
             if m == method and label.startswith("ray"):
+                at = size_for_ratio(t, loc, 0.8)
                 print(f"| {method} | {label} | {t.rate:.2f} | {t.startup:.2f} | {t.steady:.2f} | "
-                      f"{t.rate / loc.rate:.2f}x local | {t.steady / loc.steady:.2f}x local |")
+                      f"{t.rate / loc.rate:.2f}x local | {t.steady / loc.steady:.2f}x local | {t.fixed:.1f} | "
+                      f"{'never (steady below 0.8x)' if at is None else f'{at:,.0f} inputs'} |")
     sys.stdout.flush()
+
+
+def size_for_ratio(ray: "Timing", local: "Timing", ratio: float) -> float | None:
+    """The number of inputs N from which Ray's end-to-end rate is at least ``ratio`` x the local engine's, each
+    run modelled as its fixed cost plus N / its steady rate (:attr:`Timing.fixed`): the N solving
+    local.fixed + N / local.steady = ratio * (ray.fixed + N / ray.steady); 0 when Ray is there from the
+    start, None when its steady rate is below ``ratio`` x local's (it never gets there)."""
+    gain = 1 / local.steady - ratio / ray.steady  # seconds per input that Ray's fixed cost is paid back with
+    if not gain > 0:
+        return None
+    return max(0.0, (ratio * ray.fixed - local.fixed) / gain)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,25 @@ def test_an_image_folder_is_searched_recursively_in_a_stable_order(tmp_path):
     assert items[2].path == str(tmp_path / "b.png")
 
 
+def test_folder_order_is_pathlib_s_and_links_to_files_count_but_links_to_folders_are_not_followed(tmp_path):
+    root = tmp_path / "src"
+    for rel in ("a-b.png", "a/b.png", "a b/c.png", "A.png", "a.b/x.PNG", "z/deep/er/1.png", "z/deep/er/10.png",
+                "z/deep/er/2.png", "outside/o.png"):
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(b"")
+    (root / "link.png").symlink_to(root / "A.png")
+    (root / "linked").symlink_to(root / "z", target_is_directory=True)
+    (root / "broken.png").symlink_to(root / "nowhere.png")
+    # The reference: pathlib's own order of every image file below, not descending into linked folders.
+    expect = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix.lower() == ".png"
+                    and "linked" not in p.relative_to(root).parts)
+    items = list_items(root)
+    assert [it.path for it in items] == [str(p) for p in expect]
+    assert [it.id for it in items] == [p.relative_to(root).as_posix() for p in expect]
+    assert "link.png" in [it.id for it in items] and not any(it.id.startswith("linked/") for it in items)
+    assert [it.id for it in items].index("a/b.png") < [it.id for it in items].index("a-b.png")  # parts, not strings
+
+
 def test_text_lines_with_tab_pairs_and_jsonl(tmp_path):
     t = tmp_path / "t.txt"
     t.write_text("one\ntwo\tpair two\n\nfour\n")

@@ -86,6 +86,80 @@ def import_ray() -> Any:
     return ray
 
 
+def check_ray() -> None:
+    """Raise the ImportError of :func:`import_ray` when Ray Data is not installed, without importing it
+    (importing ``ray.data`` takes seconds: :class:`RayStart` does it in the background)."""
+    from importlib.util import find_spec
+
+    spec = find_spec("ray")
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    if not any(os.path.isdir(os.path.join(loc, "data")) for loc in locations) or find_spec("pyarrow") is None:
+        raise ImportError(f"--engine ray needs Ray Data: {RAY_INSTALL}")
+
+
+def ray_cpus(address: str | None, num_workers: int, cpus_per_worker: int | None) -> int:
+    """CPUs (torch threads) per Ray actor: as given, else 1 on a cluster (``address``) and this machine's
+    CPUs shared between the ``num_workers`` actors without one."""
+    if cpus_per_worker is not None:
+        return cpus_per_worker
+    return 1 if address else max(1, (os.cpu_count() or 1) // num_workers)
+
+
+class RayStart:
+    """The Ray runtime started (or joined) in a background thread, then Ray Data imported there, so that the
+    driver lists the source, loads and fingerprints the model and scans the output meanwhile: on one
+    machine ``ray.init`` spends seconds starting the runtime's processes, most of it waiting on them.
+    :meth:`wait` returns whether this start began the runtime (re-raising what starting raised);
+    :meth:`stop` stops a runtime this start began. A runtime already running in this process is used as
+    it is (and left running).
+
+    The thread lives until :meth:`stop` and shuts the runtime down itself: Ray ties the processes it starts
+    to the thread that started them (Linux's parent-death signal is per thread), so a thread that ended
+    after ``ray.init`` would take the runtime's GCS and raylet with it."""
+
+    def __init__(self, address: str | None, num_cpus: int):
+        import threading
+
+        self.address, self.num_cpus = address, num_cpus
+        self.started = False
+        self._error: BaseException | None = None
+        self._ready, self._done = threading.Event(), threading.Event()
+        self._thread = threading.Thread(target=self._run, name="attnroll-ray-start", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            import ray  # the core only: the runtime's processes start before Ray Data is imported
+
+            self.started = start_ray(ray, self.address, self.num_cpus)
+            import_ray()
+        except BaseException as e:  # noqa: BLE001 - handed to the driver's thread by wait()
+            self._error = e
+        finally:
+            self._ready.set()
+        self._done.wait()
+        if self.started:
+            import ray
+
+            ray.shutdown()
+
+    def wait(self) -> bool:
+        """Block until the runtime runs; whether this start began (or joined) it."""
+        self._ready.wait()
+        if self._error is not None:
+            if isinstance(self._error, ImportError):
+                raise ImportError(f"--engine ray needs Ray Data: {RAY_INSTALL}") from self._error
+            raise self._error
+        return self.started
+
+    def stop(self) -> None:
+        """Stop the runtime if this start began it (after its start has finished); idempotent."""
+        self._ready.wait()
+        self._done.set()
+        self._thread.join()
+        self.started = False
+
+
 #: Calls of one actor running at once: one reading the next batch, one explaining, one committing the last.
 ACTOR_CALLS = 3
 #: At most this many Ray blocks (beyond it a block holds several batches, which its call runs one by one);
@@ -182,22 +256,24 @@ def start_ray(ray: Any, address: str | None, num_cpus: int) -> bool:
 
 def run_ray(spec: ModelSpec, job: Job, todo: list[Item], batch_size: int, progress: Callable[[dict], None], *,
             num_workers: int = 1, address: str | None = None, cpus_per_worker: int | None = None,
-            num_gpus: float = 0.0) -> None:
+            num_gpus: float = 0.0, ray_start: RayStart | None = None) -> None:
     """Explain ``todo`` with Ray Data: ``from_items`` (one row per batch; one block per batch, up to
     :data:`MAX_BLOCKS`) → ``map_batches`` over a pool of ``num_workers`` actors → each actor commits Parquet
     shards into ``job.out`` (a folder every node can write, on a cluster). Joins the cluster at ``address``;
     without one, uses a Ray runtime already started in this process, or starts a new local one (``num_cpus``
     = workers × CPUs per worker, no dashboard) and stops it afterwards. ``cpus_per_worker`` (torch threads
-    per actor): by default 1 on a cluster, else this machine's CPUs shared between the actors."""
-    ray = import_ray()
-    if cpus_per_worker is None:
-        cpus_per_worker = 1 if address else max(1, (os.cpu_count() or 1) // num_workers)
+    per actor): see :func:`ray_cpus`. ``ray_start``: the runtime already being started (by the caller, in
+    the background), which this call waits for and stops when that start began it."""
+    cpus_per_worker = ray_cpus(address, num_workers, cpus_per_worker)
     os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
-    started = start_ray(ray, address, num_workers * cpus_per_worker)
+    if ray_start is None:
+        ray_start = RayStart(address, num_workers * cpus_per_worker)
     try:
+        rows = batch_rows(todo, batch_size)  # while the runtime may still be starting (0.5 s at 50,000 inputs)
+        ray_start.wait()
+        ray = import_ray()
         ctx = ray.data.DataContext.get_current()
         ctx.enable_progress_bars = False
-        rows = batch_rows(todo, batch_size)
         ds = ray.data.from_items(rows, override_num_blocks=max(1, min(len(rows), MAX_BLOCKS)))
         with warnings.catch_warnings():  # max_restarts has no named parameter in Ray 2.60 yet
             warnings.filterwarnings("ignore", message=".*ray_remote_args.*deprecated")
@@ -207,8 +283,7 @@ def run_ray(spec: ModelSpec, job: Job, todo: list[Item], batch_size: int, progre
             for counts in out.iter_rows():
                 progress({k: int(v) for k, v in counts.items()})
     finally:
-        if started:
-            ray.shutdown()
+        ray_start.stop()
 
 
 @contextlib.contextmanager

@@ -7,6 +7,7 @@ holds; a different key is refused (:class:`BatchMismatchError`) unless ``overwri
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -15,11 +16,11 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from .. import _checks
 from . import store
-from .engines import ModelSpec, run_local, run_ray
+from .engines import ModelSpec, RayStart, ray_cpus, run_local, run_ray
 from .fingerprint import model_fingerprint
 from .sources import Item, list_items
 from .work import Job, Worker, has_class_scores
@@ -113,6 +114,7 @@ def run_batch(
     overwrite: bool = False,
     progress: Callable[[int, int], None] | None = None,
     command: str | None = None,
+    ray_start: RayStart | None = None,
 ) -> BatchResult:
     """Explain every input of ``source`` with each of ``methods`` and write a Parquet dataset into ``out``.
 
@@ -135,6 +137,9 @@ def run_batch(
             the actor moves its model to its GPU. Ray engine only.
         cpus_per_worker: CPUs (torch threads) per Ray actor; None = 1 on a cluster (``address``), else this
             machine's CPUs shared between the ``num_workers`` actors. Ray engine only.
+        ray_start: the Ray runtime being started by the caller (:class:`attnroll.batch.engines.RayStart`, as
+            ``attnroll batch`` begins it before loading the model); None = begun here first thing, in the
+            background (the driver's own work overlaps it). Stopped at the end when that start began it.
 
     Returns:
         a :class:`BatchResult`. Inputs that cannot be explained are rows of ``out/failures/``, not errors.
@@ -146,26 +151,43 @@ def run_batch(
     t0 = time.perf_counter()
     engine, batch_size, num_workers, num_gpus, cpus_per_worker, target = _check_run_args(
         engine, batch_size, num_workers, num_gpus, cpus_per_worker, target)
-    items = list_items(source, column, target_column)
-    names, resolved = resolve_methods(methods, options)
-    spec = ModelSpec(model, None if weights is None else os.fspath(weights), items[0].kind)
-    lm = spec.load() if loaded is None else loaded
-    _check_model_fits(lm, items, names, target is not None or target_column is not None)
-    fp = model_fingerprint(lm.model)
-    key = run_key(source, column, fp, names, resolved, target, target_column)
-    out = Path(out)
-    with store.locked(out):
-        info = {**_manifest(key, lm, spec, engine, command, len(items)), "run": uuid.uuid4().hex}
-        todo = _resume(out, key, overwrite, items, {**info, "status": "running"})
-        job = Job(names, resolved, fp, str(out.resolve()), png, target, run=info["run"])
-        counter = _Counter(len(todo), progress)
-        if engine == "local":
-            run_local(Worker(lm, job), todo, batch_size, counter)
-        else:
-            run_ray(spec, job, todo, batch_size, counter, num_workers=num_workers, address=address,
-                    cpus_per_worker=cpus_per_worker, num_gpus=num_gpus)
-        result = _finish(out, info, len(items), len(items) - len(todo), len(todo), time.perf_counter() - t0)
+    with _ray_runtime(engine, address, num_workers, cpus_per_worker, ray_start) as ray_start:
+        items = list_items(source, column, target_column)
+        names, resolved = resolve_methods(methods, options)
+        spec = ModelSpec(model, None if weights is None else os.fspath(weights), items[0].kind)
+        lm = spec.load() if loaded is None else loaded
+        _check_model_fits(lm, items, names, target is not None or target_column is not None)
+        fp = model_fingerprint(lm.model)
+        key = run_key(source, column, fp, names, resolved, target, target_column)
+        out = Path(out)
+        with store.locked(out):
+            info = {**_manifest(key, lm, spec, engine, command, len(items)), "run": uuid.uuid4().hex}
+            todo = _resume(out, key, overwrite, items, {**info, "status": "running"})
+            job = Job(names, resolved, fp, str(out.resolve()), png, target, run=info["run"])
+            counter = _Counter(len(todo), progress)
+            if engine == "local":
+                run_local(Worker(lm, job), todo, batch_size, counter)
+            else:
+                run_ray(spec, job, todo, batch_size, counter, num_workers=num_workers, address=address,
+                        cpus_per_worker=cpus_per_worker, num_gpus=num_gpus, ray_start=ray_start)
+            result = _finish(out, info, len(items), len(items) - len(todo), len(todo), time.perf_counter() - t0)
     return result
+
+
+@contextlib.contextmanager
+def _ray_runtime(engine: str, address: str | None, num_workers: int, cpus_per_worker: int | None,
+                 ray_start: RayStart | None) -> Iterator[RayStart | None]:
+    """For ``engine="ray"``: the Ray runtime starting in the background from the run's first line (or the
+    caller's ``ray_start``), so that listing the source, loading and fingerprinting the model and scanning the
+    output overlap it; stopped at the end when that start began it, also when the run stops before Ray's
+    part (a bad source, a mismatched output). None for the local engine."""
+    if engine == "ray" and ray_start is None:
+        ray_start = RayStart(address, num_workers * ray_cpus(address, num_workers, cpus_per_worker))
+    try:
+        yield ray_start
+    finally:
+        if ray_start is not None:
+            ray_start.stop()
 
 
 def _check_run_args(engine: Any, batch_size: Any, num_workers: Any, num_gpus: Any, cpus_per_worker: Any,
@@ -173,9 +195,9 @@ def _check_run_args(engine: Any, batch_size: Any, num_workers: Any, num_gpus: An
     """run_batch's scalar arguments, checked (and Ray importable for ``engine="ray"``), in that order."""
     engine = _checks.check_choice("engine", engine, ENGINES)
     if engine == "ray":
-        from .engines import import_ray
+        from .engines import check_ray
 
-        import_ray()
+        check_ray()
     return (engine, _checks.check_int("batch_size", batch_size, low=1),
             _checks.check_int("num_workers", num_workers, low=1), check_num_gpus(num_gpus, engine),
             check_cpus_per_worker(cpus_per_worker, engine),

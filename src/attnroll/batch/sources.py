@@ -103,22 +103,31 @@ def class_index(value: Any, where: str) -> int | None:
 
 
 def _folder_items(root: Path) -> list[Item]:
-    files = sorted(_image_files(root))
+    # Sorted by path components (as pathlib orders paths) and built from strings: listing 20,000 files
+    # through Path objects took 1.7 s, most of it Path comparisons and constructions.
+    files = sorted(_image_files(str(root)))
     if not files:
         raise ValueError(f"source {root}: no images in this folder or below (looked for {', '.join(IMAGE_SUFFIXES)})")
-    return [Item(i, f.relative_to(root).as_posix(), "image", path=str(f)) for i, f in enumerate(files)]
+    base = str(root)
+    return [Item(i, "/".join(parts), "image", path=os.path.join(base, *parts)) for i, parts in enumerate(files)]
 
 
-def _image_files(root: Path) -> Iterator[Path]:
-    """Image files under ``root`` (os.walk: one directory listing per folder), hidden files and folders
-    skipped, symbolic links to folders not followed."""
-    for folder, dirs, names in os.walk(root):
-        dirs[:] = [d for d in dirs if not d.startswith(".")]
-        for name in names:
-            if not name.startswith(".") and os.path.splitext(name)[1].lower() in IMAGE_SUFFIXES:
-                p = Path(folder, name)
-                if p.is_file():
-                    yield p
+def _image_files(root: str, prefix: tuple[str, ...] = ()) -> Iterator[tuple[str, ...]]:
+    """Image files under ``root`` as path components relative to it (one directory listing per folder,
+    whose entries know their type: no stat per file), hidden files and folders skipped, symbolic links to
+    folders not followed (links to files are files)."""
+    try:
+        with os.scandir(os.path.join(root, *prefix)) as entries:
+            listed = list(entries)
+    except OSError:  # an unreadable folder holds no inputs (as os.walk skips it)
+        return
+    for e in listed:
+        if e.name.startswith("."):
+            continue
+        if e.is_dir(follow_symlinks=False):
+            yield from _image_files(root, prefix + (e.name,))
+        elif os.path.splitext(e.name)[1].lower() in IMAGE_SUFFIXES and e.is_file():
+            yield prefix + (e.name,)
 
 
 def _read_lines(path: Path) -> list[str]:

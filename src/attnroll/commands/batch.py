@@ -107,7 +107,7 @@ def batch_cmd(source, out, method_list, options, model_spec, weights, engine, nu
     Exit codes: 0 all explained, 3 some inputs failed (see DIR/failures/), 2 usage, 1 failure, 130 interrupted.
     """
     from ..batch import BatchMismatchError, list_items, run_batch
-    from ..batch.engines import import_ray
+    from ..batch.engines import RayStart, check_ray, ray_cpus
 
     from ..batch.run import check_cpus_per_worker, check_num_gpus
 
@@ -125,17 +125,20 @@ def batch_cmd(source, out, method_list, options, model_spec, weights, engine, nu
         raise click.UsageError("--png writes overlays of images; this source holds texts")
     if engine == "local" and (address or num_workers > 1):
         raise click.UsageError("--address and --num-workers are for --engine ray")
+    ray_start = None
     if engine == "ray":
         try:
-            import_ray()
+            check_ray()
         except ImportError as e:
             raise Failure(one_line(e)) from None
-    out = prepare_out(out)
-    lm = load(model_spec, weights, items[0].kind)
-    bar = _progress_bar()
-    argv = sys.argv[1:]
-    command = shlex.join(["attnroll", *argv[argv.index("batch"):]]) if "batch" in argv else None
+        # the runtime starts in the background while this process loads the model (seconds each)
+        ray_start = RayStart(address, num_workers * ray_cpus(address, num_workers, cpus_per_worker))
     try:
+        out = prepare_out(out)
+        lm = load(model_spec, weights, items[0].kind)
+        bar = _progress_bar()
+        argv = sys.argv[1:]
+        command = shlex.join(["attnroll", *argv[argv.index("batch"):]]) if "batch" in argv else None
         with bar if bar is not None else _null():
             result = run_batch(source, out, methods=names, options=opts, model=model_spec, weights=weights,
                                loaded=lm, engine=engine, batch_size=batch_size, num_workers=num_workers,
@@ -143,9 +146,14 @@ def batch_cmd(source, out, method_list, options, model_spec, weights, engine, nu
                                target_column=target_column, num_gpus=num_gpus,
                                cpus_per_worker=cpus_per_worker, overwrite=overwrite,
                                progress=_Bar(bar, f"{','.join(names)}") if bar is not None else None,
-                               command=command)
+                               command=command, ray_start=ray_start)
     except BatchMismatchError as e:
         raise click.UsageError(one_line(e)) from None
+    except ImportError as e:  # Ray installed without what Ray Data needs (found when it is imported)
+        raise Failure(one_line(e)) from None
+    finally:
+        if ray_start is not None:  # the model did not load, say: the runtime started for nothing stops
+            ray_start.stop()
     click.echo(result.summary())
     return SOME_FAILED if result.failed else 0
 
