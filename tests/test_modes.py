@@ -72,3 +72,18 @@ def test_eval_mode_calls_the_models_own_train_only_when_needed():
     with eval_mode(m):
         assert not any(_flags(m))
     assert Counting.calls == 0 and not any(_flags(m))
+
+
+def test_submodules_are_modules_each_once():
+    """``submodules`` (the captures' cheaper walk) gives the set ``model.modules()`` gives, each module once,
+    a module registered under two names (tied) and a None child included."""
+    from torch import nn
+
+    from attnroll._modes import submodules
+
+    shared = nn.Linear(2, 2)
+    model = nn.Sequential(nn.Sequential(shared, nn.ReLU()), shared, nn.ModuleList([nn.Linear(2, 3), shared]))
+    model.register_module("empty", None)
+    got = submodules(model)
+    assert got[0] is model and len(got) == len({id(m) for m in got})
+    assert {id(m) for m in got} == {id(m) for m in model.modules()}

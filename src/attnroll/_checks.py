@@ -403,12 +403,13 @@ def check_model_inputs(
             check_device(f"inputs[{k!r}]", v)
 
 
-def check_model_device(model: Any) -> None:
-    """Refuse a model whose parameters or buffers are on the meta device (built without weights)."""
+def check_model_device(model: Any, modules: Sequence[Any] | None = None) -> None:
+    """Refuse a model whose parameters or buffers are on the meta device (built without weights);
+    ``modules``: the model's modules when the caller has walked them already."""
     # The common case without building every tensor's qualified name (nn.Module's own dicts: a third of the
     # time of parameters() + buffers()).
-    if not any(t is not None and t.is_meta for m in model.modules() for d in (m._parameters, m._buffers)
-               for t in d.values()):
+    if not any(t is not None and t.is_meta for m in (model.modules() if modules is None else modules)
+               for d in (m._parameters, m._buffers) for t in d.values()):
         return
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         if t.device.type == "meta":

@@ -259,3 +259,112 @@ def test_whole_path_is_taken_only_where_it_is_exact(monkeypatch):
     assert not op.whole_applies(cross, mean, r, None, False)
     monkeypatch.setattr(op, "WHOLE_ELEMENTS", H * N * N - 1)
     assert not op.whole_applies(layer(), mean, r, None, False) and not op.whole_size(layer())
+
+
+# ------------------------------------------------------------------- small layers fused during the forward
+@pytest.mark.parametrize("case", list(WHOLE))
+@pytest.mark.parametrize("split", ["none", "chunks", "examples"])
+def test_mean_probs_equal_naive_head_mean(case, split, monkeypatch):
+    """``mean_probs`` (the capture's fusion of a small layer) against the head mean of the naive softmax in
+    float64, grouped KV heads included; "chunks": one example per chunk; "examples": the logits multiplied
+    example by example (``PER_EXAMPLE_MACS``), on q and k laid out as the kernels get them ((B, n, H, d)
+    buffers seen as (B, H, n, d))."""
+    if split == "chunks":
+        monkeypatch.setattr(op, "CHUNK_ELEMENTS", 1)
+    lay = layer(**WHOLE[case])
+    if split == "examples":
+        monkeypatch.setattr(op, "PER_EXAMPLE_MACS", 1)
+        lay.q = lay.q.transpose(1, 2).contiguous().transpose(1, 2)
+        lay.k = lay.k.transpose(1, 2).contiguous().transpose(1, 2)
+    assert op.fusable(lay)
+    fused = op.mean_probs(lay)
+    ref = naive_probs(lay.q.double(), lay.k.double(), lay.scaling, **WHOLE[case]).mean(dim=1)
+    assert fused.shape == lay.shape and fused.probs.dtype == torch.float32 and fused.heads == H
+    torch.testing.assert_close(fused.probs.double(), ref, atol=1e-6, rtol=0)
+
+
+def _all_logits_far_below_zero():
+    """A layer whose every logit is about −140: exp without the row max underflows to 0 in every row."""
+    g = torch.Generator().manual_seed(8)
+    u = torch.randn(D, generator=g)
+    u = u / u.norm()
+    q = -40.0 * u + 0.3 * torch.randn(B, H, N, D, generator=g)
+    k = 10.0 * u + 0.3 * torch.randn(B, HKV, N, D, generator=g)
+    return op.KernelInputs(q=q, k=k, scaling=D ** -0.5)
+
+
+@pytest.mark.parametrize("extreme", ["overflow", "underflow"])
+def test_exponentials_out_of_range_still_give_the_softmax(extreme):
+    """The small-n path exponentiates the logits without the row max when every row sum stays in range;
+    logits in the hundreds (exp overflows) and rows whose every logit is far below zero (every exp
+    underflows) must still give the exact softmax, in ``mean_probs`` and in ``apply_layer_whole``."""
+    if extreme == "overflow":
+        lay = layer(causal=True)
+        lay.q = lay.q * 40.0
+    else:
+        lay = _all_logits_far_below_zero()
+    kw = dict(causal=lay.causal)
+    logits = (lay.q @ lay.k.repeat_interleave(H // HKV, dim=1).transpose(-1, -2)) * lay.scaling
+    sums = torch.exp(logits.masked_fill(~torch.ones(N, N, dtype=torch.bool).tril(), -math.inf)
+                     if lay.causal else logits).sum(dim=-1)
+    assert bool(torch.isinf(sums).any()) if extreme == "overflow" else float(sums.max()) < 2.0 ** -100
+    ref = naive_probs(lay.q.double(), lay.k.double(), lay.scaling, **kw).mean(dim=1)
+    tol = 1e-6 if extreme == "overflow" else 1e-5  # float32 logits near −140 are rounded by ~1e-5
+    torch.testing.assert_close(op.mean_probs(lay).probs.double(), ref, atol=tol, rtol=0)
+    r = torch.rand(B, 2, N, generator=torch.Generator().manual_seed(9))
+    want = 0.5 * (r.double() @ ref) + 0.5 * r.double()
+    torch.testing.assert_close(op.apply_layer_whole(r, lay, a=0.5, c=0.5).double(), want, atol=tol, rtol=0)
+
+
+@pytest.mark.parametrize("mode", ["blend", "renorm", "add"])
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_fused_layers_in_the_row_operator_equal_rollout_of_matrices(mode, padded, dtype):
+    """A stack of fused layers (and a top layer kept as queries and keys, as the capture leaves it) through
+    ``rollout_rows`` against ``rollout`` on the naive matrices: residual modes, padding, float64 rows."""
+    cases = [dict(causal=True), dict(), dict(causal=True, window=6)]
+    layers = [layer(**kw) for kw in cases]
+    mats = [naive_probs(lay.q, lay.k, lay.scaling, **kw) for lay, kw in zip(layers, cases)]
+    mixed = [op.mean_probs(lay) for lay in layers[:-1]] + [layers[-1]]
+    assert [type(x).__name__ for x in mixed] == ["FusedLayer", "FusedLayer", "KernelInputs"]
+    mask = None
+    if padded:
+        mask = torch.ones(B, N, dtype=torch.bool)
+        mask[1, -4:] = False
+    rows = [N - 5, 0]
+    ref = rollout(mats, head_fusion="mean", residual_mode=mode, alpha=0.3, rows=rows, attention_mask=mask)
+    E = torch.zeros(B, 2, N, dtype=dtype)
+    E[:, 0, rows[0]], E[:, 1, rows[1]] = 1.0, 1.0
+    from attnroll.core.residual import residual_coefficients
+
+    a, c = residual_coefficients(0.3, mode)
+    got = op.rollout_rows(mixed, E, op.fused_probs("mean"), a=a, c=c, renorm=mode == "renorm", mask=mask)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.to(torch.float32), ref, atol=1e-6, rtol=0)
+
+
+def test_only_small_plain_layers_are_fusable():
+    """Masks, biases, softcapping, sinks, cross-attention, layers above the whole-layer budget and a matrix
+    larger than the queries and keys it would replace (n > d·(H + H_kv)) keep their queries and keys."""
+    assert op.fusable(layer(causal=True, window=3))
+    for kw in (dict(sinks=torch.zeros(H)), dict(softcap=1.0), dict(mask=padding_mask()), dict(bias=alibi(N))):
+        assert not op.fusable(layer(**kw))
+    cross = layer()
+    cross.k = cross.k[:, :, :7]
+    assert not op.fusable(cross)
+    narrow = layer()
+    narrow.q, narrow.k = narrow.q[..., :3], narrow.k[..., :3]  # 19 > 3·(4 + 2)
+    assert not op.fusable(narrow)
+
+
+def test_scratch_reuse_across_layers_of_other_sizes():
+    """The small-n path's per-thread scratch is shared by layers of every size: interleaving two shapes
+    gives the same results as computing each alone."""
+    small, big = layer(causal=True), op.KernelInputs(q=torch.randn(3, 2, 30, 8), k=torch.randn(3, 2, 30, 8),
+                                                     scaling=0.4)
+    first = op.mean_probs(small).probs.clone()
+    big_probs = op.mean_probs(big).probs
+    again = op.mean_probs(small).probs
+    assert torch.equal(first, again)
+    want = torch.softmax(big.q @ big.k.transpose(-1, -2) * big.scaling, dim=-1).mean(dim=1)
+    torch.testing.assert_close(big_probs, want, atol=1e-6, rtol=0)

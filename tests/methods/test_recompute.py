@@ -410,3 +410,37 @@ def test_cached_adapter_follows_the_model_and_keeps_it_not_alive():
     del m, layer
     gc.collect()
     assert ref() is None
+
+
+@pytest.mark.parametrize("family", ["vit3", "llama"])
+def test_small_layers_are_fused_during_the_forward(family):
+    """With ``fuse_mean`` (explain's rollout with the head mean) every small layer below the top one is kept
+    as its head-mean probabilities, computed while the forward runs; they equal the head mean of the
+    model's own eager attention (a copy switched to eager, ``output_attentions``). The top layer keeps
+    its queries and keys; without ``fuse_mean`` (other rules, gradients) every layer does."""
+    from attnroll.capture.recompute import capture_kernels
+
+    torch.manual_seed(0)
+    if family == "vit3":
+        m = T.ViTForImageClassification(T.ViTConfig(num_hidden_layers=3, hidden_size=32, num_attention_heads=4,
+                                                     intermediate_size=37, image_size=32, patch_size=8,
+                                                     num_labels=3, initializer_range=0.3)).eval()
+        x = {"pixel_values": torch.randn(2, 3, 32, 32)}
+    else:
+        m, x = build("llama"), inputs("llama", 12, pad=False)
+    rec = capture_kernels(m, x, fuse_mean=True)
+    kinds = [type(lay).__name__ for lay in rec.operators["self"]]
+    assert kinds == ["FusedLayer"] * (len(kinds) - 1) + ["KernelInputs"]
+    eager = copy.deepcopy(m)
+    eager.set_attn_implementation("eager")
+    with torch.no_grad():
+        ref = eager(**x, output_attentions=True).attentions
+    for lay, att in zip(rec.operators["self"][:-1], ref):
+        torch.testing.assert_close(lay.probs, att.mean(dim=1), atol=1e-5, rtol=0)
+    assert lay.is_causal_model == (family == "llama") and rec.info["self"].causal == (family == "llama")
+    assert all(type(lay).__name__ == "KernelInputs" for lay in capture_kernels(m, x).operators["self"])
+    with torch.enable_grad():
+        grad = capture_kernels(m, x, keep_grad=True, fuse_mean=True)
+    assert all(type(lay).__name__ == "KernelInputs" for lay in grad.operators["self"])
+    d = attnroll.explain(m, x, "rollout", attention="dense", return_layers=True)
+    assert_same(d, attnroll.explain(m, x, "rollout", attention="recompute", return_layers=True))

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from .. import _checks
-from .hf_vision import input_size, mae_restore, patch_layout
+from .hf_vision import embeddings_of, input_size, mae_restore, patch_layout
 from .hf_public import accepts_output_attentions, ask_for_attentions, eager_forwards, output_streams, validate_layers
 from .hooks import SUPPORTED_FAMILIES, Adapter, Recorder, Site, make_sites, stream_names
 from .record import AttentionRecord, ModelFacts, config_token_id, config_token_ids, resolve_readout
@@ -134,6 +134,9 @@ class HFAdapter(Adapter):
 
         check_transformers_version(transformers.__version__)
 
+        # Lookups that depend only on the model's structure (the embeddings module of a stream); the
+        # kernel adapter's per-structure template shares this dict with every copy it hands out.
+        self.memo: dict[Any, Any] = {}
         config = model.config
         self.model_type = getattr(config, "model_type", "")
         self.family = f"hf:{self.model_type}"
@@ -343,7 +346,9 @@ class HFAdapter(Adapter):
         if stream == "encoder" and inputs.get("pixel_values") is None and inputs.get("input_values") is None:
             return
         n = record.streams[stream][0].shape[-1]
-        lay = patch_layout(self.model, stream, self.model_type, inputs, n)
+        if ("embeddings", stream) not in self.memo:
+            self.memo[("embeddings", stream)] = embeddings_of(self.model, stream)
+        lay = patch_layout(self.model, stream, self.model_type, inputs, n, self.memo[("embeddings", stream)])
         ids_restore = getattr(record.outputs, "ids_restore", None)
         if lay["grid"] is not None and self.model_type == "vit_mae" and isinstance(ids_restore, torch.Tensor):
             if record.keep_grad:

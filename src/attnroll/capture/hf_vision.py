@@ -78,10 +78,17 @@ def input_size(model_type: str, inputs: dict[str, Any]) -> tuple[int, int] | Non
     return None
 
 
-def patch_layout(model: nn.Module, stream: str, model_type: str, inputs: dict[str, Any], n: int) -> dict[str, Any]:
+#: ``patch_layout``'s default: look the embeddings module up.
+_LOOK_UP: Any = object()
+
+
+def patch_layout(model: nn.Module, stream: str, model_type: str, inputs: dict[str, Any], n: int,
+                 emb: Any = _LOOK_UP) -> dict[str, Any]:
     """{"prefix", "suffix", "grid", "reason"} of a vision stream with n tokens ("grid" None with a reason
-    when the layout does not account for every token)."""
-    emb = embeddings_of(model, stream)
+    when the layout does not account for every token); ``emb``: ``embeddings_of(model, stream)`` when the
+    caller has it."""
+    if emb is _LOOK_UP:
+        emb = embeddings_of(model, stream)
     size = input_size(model_type, inputs)
     if emb is None or size is None:
         return {"prefix": 0, "suffix": 0, "grid": None, "reason": "no patch embedding found for this stream"}

@@ -31,18 +31,22 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import _checks
-from ..core.operators import KernelInputs, whole_size
+from .._modes import submodules
+from ..core.operators import KernelInputs, fusable, mean_probs, whole_size
 from .hf import HFAdapter, pool_heads
 from .hooks import Adapter, Capture, Site
 
 
 class KernelRecorder:
     """Collects one :class:`KernelInputs` per site and pass (the interface of ``hooks.Recorder`` that
-    Capture drives: reset, store, finish, dirty)."""
+    Capture drives: reset, store, finish, dirty). With ``fuse_mean`` each layer that ``fusable`` admits is
+    replaced by its head-mean probabilities (``mean_probs``) right after its kernel ran, while its queries
+    and keys are still in cache, except the stream's top layer: a row product needs only its live rows."""
 
-    def __init__(self, sites: list[Site], keep_grad: bool):
+    def __init__(self, sites: list[Site], keep_grad: bool, fuse_mean: bool = False):
         self.sites = sites
         self.keep_grad = keep_grad
+        self.fuse_mean = fuse_mean and not keep_grad
         self.layout: dict[str, list[str]] = {}
         for s in sites:
             self.layout.setdefault(s.stream, []).append(s.name)
@@ -64,6 +68,8 @@ class KernelRecorder:
         self.slots[site.stream][site.layer] = layer
         if self.keep_grad:
             self.outs[site.stream][site.layer] = output
+        if self.fuse_mean and site.layer < len(self.layout[site.stream]) - 1 and fusable(layer):
+            self.slots[site.stream][site.layer] = mean_probs(layer)
 
     def finish(self) -> dict[str, list[torch.Tensor]]:
         """Check the pass and keep its layers in ``taken``; returns shape-only (meta) stand-ins of the
@@ -117,16 +123,17 @@ _DELEGATED = tuple(name for name, value in vars(Adapter).items() if callable(val
 _ADAPTERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _structure_key(model: nn.Module) -> tuple:
+def _structure_key(model: nn.Module, modules: list[nn.Module]) -> tuple:
     config = getattr(model, "config", None)
-    return (tuple(map(id, model.modules())), id(config), getattr(config, "model_type", None),
+    return (tuple(map(id, modules)), id(config), getattr(config, "model_type", None),
             getattr(config, "_attn_implementation", None))
 
 
-def kernel_adapter(model: nn.Module) -> "KernelAdapter":
+def kernel_adapter(model: nn.Module, modules: list[nn.Module] | None = None) -> "KernelAdapter":
     """The kernel adapter of a transformers ``model``, the transformers adapter's module walks done once per
-    model structure (see ``_ADAPTERS``); a fresh adapter object per capture."""
-    key = _structure_key(model)
+    model structure (see ``_ADAPTERS``); a fresh adapter object per capture. ``modules``: ``submodules(model)``
+    when the caller has them."""
+    key = _structure_key(model, submodules(model) if modules is None else modules)
     hit = _ADAPTERS.get(model)
     if hit is None or hit[0] != key:
         inner = HFAdapter(model)
@@ -344,12 +351,13 @@ class KernelCapture(Capture):
     """A capture session recording kernel inputs instead of attention matrices; the record's ``operators``
     holds them (``streams`` stays empty)."""
 
-    def __init__(self, model: nn.Module, *, keep_grad: bool, tokenizer: Any = None, eval_mode: bool = True):
+    def __init__(self, model: nn.Module, *, keep_grad: bool, tokenizer: Any = None, eval_mode: bool = True,
+                 fuse_mean: bool = False, modules: list[nn.Module] | None = None):
         super().__init__(
-            model, kernel_adapter(model), fuse=None, keep_grad=keep_grad, dtype=None,
+            model, kernel_adapter(model, modules), fuse=None, keep_grad=keep_grad, dtype=None,
             eval_mode=eval_mode, tokenizer=tokenizer,
         )
-        self.recorder = KernelRecorder(self.site_list, keep_grad)  # type: ignore[assignment]
+        self.recorder = KernelRecorder(self.site_list, keep_grad, fuse_mean)  # type: ignore[assignment]
         self.record.fused = None
 
     def _finalize(self, outputs: Any) -> None:
@@ -362,15 +370,18 @@ class KernelCapture(Capture):
         self.record.streams = {}
 
 
-def capture_kernels(model: nn.Module, inputs: Any, *, keep_grad: bool = False, tokenizer: Any = None) -> Any:
+def capture_kernels(model: nn.Module, inputs: Any, *, keep_grad: bool = False, tokenizer: Any = None,
+                    fuse_mean: bool = False) -> Any:
     """One forward pass of a transformers ``model`` under its own attention kernel; returns an
     AttentionRecord whose ``operators[stream]`` are per-layer ``KernelInputs``. With ``keep_grad`` the forward
     runs with autograd and ``extra["kernel_outputs"][stream]`` holds each kernel's output (B, n, H, d_v),
-    still in the graph, for dy/dO."""
+    still in the graph, for dy/dO. With ``fuse_mean`` (head-mean rules only; not with ``keep_grad``) small
+    layers below each stream's top one are kept as :class:`~attnroll.core.operators.FusedLayer`."""
     from .hooks import run_forward
 
-    _checks.check_model_device(model)
-    session = KernelCapture(model, keep_grad=keep_grad, tokenizer=tokenizer)
+    modules = submodules(model)
+    _checks.check_model_device(model, modules)
+    session = KernelCapture(model, keep_grad=keep_grad, tokenizer=tokenizer, fuse_mean=fuse_mean, modules=modules)
     session.adapter.check_inputs(inputs)
     with session as record:
         with torch.enable_grad() if keep_grad else torch.no_grad():

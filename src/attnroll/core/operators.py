@@ -19,13 +19,17 @@ that P = exp2(q̃·k̃ᵀ) needs no max, sum or division, and tiles of keys x qu
 At small n (one example's H·n² logits within ``WHOLE_ELEMENTS``: ViT-B/16's 197 tokens, short prompts) the
 tiles' per-call costs dominate, and ``apply_layer_whole`` computes every live row of a chunk of examples at
 once instead: one product, the row max, one exp2, the row sums, and the softmax's division moved onto the
-relevance rows (O(n) instead of O(n²)); it needs no log-sum-exp from the kernel.
+relevance rows (O(n) instead of O(n²)); it needs no log-sum-exp from the kernel. For rollout's head mean
+the capture goes one step further (``mean_probs``): every such layer but the top one is fused to its (B, n, n)
+head-mean probabilities while the forward runs, right after its kernel, so that the record keeps that
+matrix (no larger than q and k) and applying the layer afterwards is one product (``apply_fused``).
 
 Torch only, device-agnostic: everything runs where the captured tensors live (CPU or CUDA).
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -80,6 +84,10 @@ class KernelInputs:
         """(B, H, n_q, n_k): the shape of the attention this layer never materialises."""
         B, H, nq, _ = self.q.shape
         return B, H, nq, self.k.shape[-2]
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
 
     def block_rows(self, budget: int = BLOCK_ELEMENTS) -> int:
         """Query rows per block so that one (B, H, rows, n_k) block holds about ``budget`` elements."""
@@ -272,11 +280,13 @@ def apply_layer(
     tokens (padded rows and columns 0, real rows rescaled to their previous sum, as ``rollout`` drops
     padding) and the identity sits on real tokens only; ``renorm`` divides each row by its sum
     s_i = a·Σ_j P_ij + c·[i real] (a zero sum gives a zero row). Blocks whose rows carry no relevance are
-    skipped.
+    skipped. A :class:`FusedLayer` (probabilities fused during the forward) is applied as one product.
     """
     B, H, nq, nk = layer.shape
     if r.shape[-1] != nq:
         raise ValueError(f"relevance rows have {r.shape[-1]} entries, the layer has {nq} queries")
+    if isinstance(layer, FusedLayer):
+        return apply_fused(r, layer, a=a, c=c, renorm=renorm, mask=mask)
     if block is None and whole_applies(layer, rule, r, mask, renorm):
         return apply_layer_whole(r, layer, a=a, c=c)
     if tiled_applies(layer, rule, r, mask, renorm):
@@ -432,7 +442,7 @@ def whole_applies(layer: KernelInputs, rule: BlockRule, r: torch.Tensor, mask: A
 
 def _live_rows(r: torch.Tensor) -> torch.Tensor | None:
     """Indices of the queries whose relevance is non-zero in some example and row, or None when all are."""
-    hit = (r.abs().amax(dim=(0, 1)) > 0).nonzero()[:, 0]
+    hit = r.reshape(-1, r.shape[-1]).any(dim=0).nonzero()[:, 0]
     return None if hit.numel() == r.shape[-1] else hit
 
 
@@ -467,23 +477,166 @@ def apply_layer_whole(r: torch.Tensor, layer: KernelInputs, *, a: float, c: floa
     return out
 
 
+#: Largest scratch (float32 elements) that the small-n path keeps per thread on CPU (``_scratch``): 16 MiB.
+SCRATCH_ELEMENTS = 1 << 22
+_SCRATCH = threading.local()
+
+
+def _scratch(numel: int, device: torch.device) -> torch.Tensor | None:
+    """A float32 CPU buffer of ``numel`` elements, the same one for every small-n layer of this thread, or
+    None (an accelerator, or more than ``SCRATCH_ELEMENTS``): a fresh temporary of a few MiB per layer costs
+    more in page faults than its arithmetic, since the C allocator gives it back to the system when it is
+    freed and the next one faults its pages in again. Valid until the next call (not reentrant)."""
+    if device.type != "cpu" or numel > SCRATCH_ELEMENTS:
+        return None
+    buf = getattr(_SCRATCH, "buf", None)
+    if buf is None or buf.numel() < numel:
+        buf = _SCRATCH.buf = torch.empty(numel, dtype=torch.float32)
+    return buf[:numel]
+
+
+#: Row sums of unshifted exponentials accepted by ``_exp_rows`` (outside them it shifts by the row max).
+_SUM_RANGE = (2.0 ** -60, float("inf"))
+
+
+#: Multiply-adds of one example's logits (H·m·n_k·d) from which ``_logits2`` multiplies example by example:
+#: the kernel's q and k are views of (B, n, H, d) buffers, which one batched product over (B·H) would first
+#: copy (measured: 2 of 12 ms per ViT-B layer at B = 8), while each example alone is a view.
+PER_EXAMPLE_MACS = 1 << 22
+
+
+def _logits2(q: torch.Tensor, k: torch.Tensor, scaling: float, disallowed: Any) -> torch.Tensor:
+    """(B', H, m, n_k) float32 logits in base 2, log2(e)·scaling·q·kᵀ (the scale applied inside the product),
+    −inf where ``disallowed``; in the thread's scratch on CPU (``_scratch``)."""
+    B, H, m, d = q.shape
+    Hkv, nk = k.shape[1], k.shape[2]
+    G = H // Hkv
+    # (dtype checks first: at small n each torch call, even a no-op conversion, costs as much as arithmetic)
+    q = q if q.dtype == torch.float32 else q.to(torch.float32)
+    k = k if k.dtype == torch.float32 else k.to(torch.float32)
+    work = _scratch(B * H * m * nk, q.device)
+    s = torch.empty(B * H * m * nk, dtype=torch.float32, device=q.device) if work is None else work
+    alpha = scaling * LOG2E
+    if B > 1 and H * m * nk * d >= PER_EXAMPLE_MACS:
+        s4 = s.view(B, Hkv, G * m, nk)
+        for b in range(B):
+            s4[b].baddbmm_(q[b].reshape(Hkv, G * m, d), k[b].transpose(1, 2), beta=0, alpha=alpha)
+    else:
+        s.view(B * Hkv, G * m, nk).baddbmm_(q.reshape(B * Hkv, G * m, d), k.reshape(B * Hkv, nk, d).transpose(1, 2),
+                                            beta=0, alpha=alpha)
+    s = s.view(B, H, m, nk)
+    if disallowed is not None:
+        s.masked_fill_(disallowed, float("-inf"))
+    return s
+
+
+def _exp_rows(q: torch.Tensor, k: torch.Tensor, scaling: float, disallowed: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """(E (B', H, m, n_k), 1/z (B', H, m)): the exponentiated logits of the m queries q (B', H, m, d) on the keys
+    k (B', H_kv, n_k, d) (base 2: exp2 is cheaper than exp) and their reciprocal row sums z, so that E / z are
+    the softmax rows; ``disallowed`` (m, n_k) bool marks the causal / window rule's entries (probability 0).
+    E may live in the thread's scratch (``_scratch``): use it before the next call.
+
+    On CPU the logits are exponentiated as they are, without the row max: the same softmax whenever every
+    row sum lies within ``_SUM_RANGE`` (no exponential overflows, and the largest ones stay normal floats, so
+    that terms lost to underflow weigh < 2⁻⁵⁸ of a row); otherwise, and on accelerators (where the check
+    would wait for the device), each row is shifted by its max first (every row sees its own key: finite)."""
+    s = _logits2(q, k, scaling, disallowed)
+    if s.device.type == "cpu":
+        z = s.exp2_().sum(dim=-1)
+        lo, hi = torch.aminmax(z)
+        if float(lo) >= _SUM_RANGE[0] and float(hi) < _SUM_RANGE[1]:
+            return s, z.reciprocal_()
+        s = _logits2(q, k, scaling, disallowed)  # the exponentials replaced the logits: compute them again
+    s.sub_(s.amax(dim=-1, keepdim=True)).exp2_()
+    return s, s.sum(dim=-1).reciprocal_()
+
+
 def _whole_chunk(r: torch.Tensor, q: torch.Tensor, k: torch.Tensor, scaling: float, disallowed: Any,
                  a: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(U (B', R, H·m), P (B', H·m, n_k)) with U @ P = a · r · mean_h(softmax rows) for one chunk: r (B', R, m)
     rows at the m queries q (B', H, m, d), keys k (B', H_kv, n_k, d). (A shift by an upper bound of each row's
     logits from the norms, instead of the row max, measured slower: baddbmm with a broadcast input.)"""
-    B, H, m, d = q.shape
-    Hkv, nk, R = k.shape[1], k.shape[2], r.shape[1]
-    qs = torch.empty(B, H, m, d, dtype=torch.float32, device=r.device)
-    torch.mul(q, scaling * LOG2E, out=qs)  # base 2: exp2 is cheaper than exp
-    kf = k.to(torch.float32).reshape(B * Hkv, nk, d)
-    s = torch.bmm(qs.view(B * Hkv, (H // Hkv) * m, d), kf.transpose(1, 2)).view(B, H, m, nk)
-    if disallowed is not None:
-        s.masked_fill_(disallowed, float("-inf"))
-    s.sub_(s.amax(dim=-1, keepdim=True)).exp2_()  # every row sees its own key: the max is finite
-    w = s.sum(dim=-1).reciprocal_().mul_(a / H)  # (B', H, m)
-    U = (r[:, :, None, :] * w[:, None]).view(B, R, H * m)
-    return U, s.view(B, H * m, nk)
+    B, H, m, _ = q.shape
+    s, w = _exp_rows(q, k, scaling, disallowed)
+    w.mul_(a / H)  # (B', H, m)
+    U = (r[:, :, None, :] * w[:, None]).view(B, r.shape[1], H * m)
+    return U, s.view(B, H * m, k.shape[2])
+
+
+# ------------------------------------------------------------------ small layers fused during the forward
+@dataclass
+class FusedLayer:
+    """A small layer reduced, while the model runs, to its head-mean probabilities (``mean_probs``): what
+    ``apply_layer_whole`` recomputes for every row of a layer below the top one, computed once while its
+    queries and keys are fresh, so that the record keeps (B, n, n) instead of q and k.
+
+    Attributes:
+        probs: (B, n, n) float32 mean_h softmax(scaling·q_h·k_hᵀ), the causal / window rule applied.
+        heads: H, the number of query heads fused.
+        is_causal_model: as in :class:`KernelInputs`.
+    """
+
+    probs: torch.Tensor
+    heads: int
+    is_causal_model: bool = False
+    sinks = None  # the attributes of KernelInputs that the row methods' checks read
+    mask = None
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """(B, H, n, n), as ``KernelInputs.shape``."""
+        B, nq, nk = self.probs.shape
+        return B, self.heads, nq, nk
+
+    @property
+    def device(self) -> torch.device:
+        return self.probs.device
+
+
+def fusable(layer: KernelInputs) -> bool:
+    """Whether ``mean_probs`` may stand in for ``layer``: logits q·k scaled under the causal / window rule or
+    none (no mask tensor, bias, softcapping or sinks), self-attention within ``WHOLE_ELEMENTS``, and a
+    (B, n, n) matrix no larger than the q and k it replaces (n ≤ d·(H + H_kv))."""
+    _, H, nq, nk = layer.shape
+    plain = layer.mask is None and layer.bias is None and layer.softcap is None and layer.sinks is None
+    return plain and nq == nk and whole_size(layer) and nk <= layer.q.shape[-1] * (H + layer.k.shape[1])
+
+
+def mean_probs(layer: KernelInputs) -> FusedLayer:
+    """The layer's head-mean softmax probabilities (B, n, n), computed as ``apply_layer_whole`` does (one
+    product, the row max, one exp2, the row sums), a chunk of examples (``CHUNK_ELEMENTS`` logits) at a time;
+    ``layer`` must be ``fusable``."""
+    B, H, n, _ = layer.shape
+    out = torch.empty(B, n, n, dtype=torch.float32, device=layer.q.device)
+    disallowed = None
+    if layer.causal or layer.window is not None:
+        disallowed = ~_structural_allowed(layer, torch.arange(n, device=out.device), n)
+    step = -(-B // -(-B * H * n * n // CHUNK_ELEMENTS))  # chunks of even size
+    for b0 in range(0, B, step):
+        b1 = min(B, b0 + step)
+        whole = b0 == 0 and b1 == B  # (slices cost a torch call each)
+        q, k = (layer.q, layer.k) if whole else (layer.q[b0:b1], layer.k[b0:b1])
+        s, w = _exp_rows(q, k, layer.scaling, disallowed)
+        torch.sum(s.mul_(w.mul_(1.0 / H).unsqueeze_(-1)), dim=1, out=out if whole else out[b0:b1])
+    return FusedLayer(out, H, layer.is_causal_model)
+
+
+def apply_fused(r: torch.Tensor, layer: FusedLayer, *, a: float, c: float, renorm: bool = False,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+    """r · Ã for rows r (B, R, n) -> (B, R, n) with P = ``layer.probs``, as ``apply_layer`` defines Ã (padding
+    ``mask`` (B, n) bool and ``renorm`` included)."""
+    P = layer.probs if layer.probs.dtype == r.dtype else layer.probs.to(r.dtype)
+    if mask is None and not renorm:
+        return torch.baddbmm(r, r, P, beta=c, alpha=a)
+    ident = torch.full((r.shape[0], r.shape[-1]), c, dtype=r.dtype, device=r.device)
+    rb = r
+    if mask is not None:
+        ident = ident * mask
+        P = _restrict(P, mask, mask)
+    if renorm:
+        s = a * P.sum(dim=-1) + ident
+        rb, ident = _divide(r, s), _divide(ident, s)
+    return a * (rb @ P) + r * ident[:, None, :]
 
 
 def _restrict(P: torch.Tensor, row_ok: torch.Tensor, col_ok: torch.Tensor) -> torch.Tensor:

@@ -60,11 +60,12 @@ def sparsity_refusal(opts: dict) -> str | None:
     return None
 
 
-def record(ctx: Context, attention: Any) -> Any:
+def record(ctx: Context, attention: Any, fuse_mean: bool = False) -> Any:
     """Capture kernel inputs (no gradients); in auto mode None when the model's attention did not go through
-    the interface (the caller then takes the dense route)."""
+    the interface (the caller then takes the dense route). ``fuse_mean``: the rule is the head mean of the
+    probabilities, so small layers may be fused during the forward (``capture_kernels``)."""
     try:
-        ctx.rec = capture_kernels(ctx.model, ctx.inputs, tokenizer=ctx.tokenizer)
+        ctx.rec = capture_kernels(ctx.model, ctx.inputs, tokenizer=ctx.tokenizer, fuse_mean=fuse_mean)
     except (CaptureError, UnsupportedModelError):  # no kernel to record (e.g. attention read from outputs)
         if attention == "recompute":
             raise
@@ -152,10 +153,10 @@ def product(ctx: Context, rec: Any, stream: str, rule: Any, *, alpha: float, res
     want = _checks.check_dtype(dtype) or torch.float32
     ro = ctx.readout(rec, stream)
     mask = ctx.mask(rec, stream)
-    mask = None if mask is None or bool(mask.all()) else mask.to(layers[0].q.device).bool()
+    mask = None if mask is None or bool(mask.all()) else mask.to(layers[0].device).bool()
     if getattr(rule, "stochastic", False):
         check_stochastic(layers, start, end, head_fusion, mask)
-    E = ro.weights.to(device=layers[0].q.device, dtype=want)[:, None, :]
+    E = ro.weights.to(device=layers[0].device, dtype=want)[:, None, :]
     R = operators.rollout_rows(layers, E, rule, a=pipe.a, c=pipe.c, renorm=pipe.renorm, mask=mask,
                                start=start, end=end, return_layers=return_layers)
     if return_layers:
@@ -164,10 +165,11 @@ def product(ctx: Context, rec: Any, stream: str, rule: Any, *, alpha: float, res
 
 
 def explain_rows(ctx: Context, attention: Any, rule_for: Any, *, grad: bool, stream_opt: Any,
-                 protect_prefix: Any = None, **product_opts: Any) -> Any:
+                 protect_prefix: Any = None, fuse_mean: bool = False, **product_opts: Any) -> Any:
     """The whole recompute route of a row method: capture, product, Explanation; None when auto mode falls
-    back to dense. ``rule_for(rec)`` gives the block rule; ``protect_prefix`` None = the record's prefix."""
-    rec = grad_record(ctx, attention, stream_opt) if grad else record(ctx, attention)
+    back to dense. ``rule_for(rec)`` gives the block rule; ``protect_prefix`` None = the record's prefix;
+    ``fuse_mean``: the rule is ``fused_probs("mean")`` (see ``record``)."""
+    rec = grad_record(ctx, attention, stream_opt) if grad else record(ctx, attention, fuse_mean)
     if rec is None:
         return None
     s = ctx.stream(rec)

@@ -29,6 +29,7 @@ def rollout(ctx: Context, *, stream, return_layers, protect_prefix, attention, *
             ctx, attention, lambda rec: fused_probs(how), grad=False, stream_opt=stream, protect_prefix=protect_prefix,
             alpha=opts["alpha"], residual_mode=opts["residual_mode"], start_layer=opts["start_layer"],
             end_layer=opts["end_layer"], return_layers=return_layers, head_fusion=how, dtype=opts["dtype"],
+            fuse_mean=isinstance(how, str) and how == "mean",
         )
         if out is not None:
             return out
