@@ -77,12 +77,16 @@ def run_local(worker: Worker, todo: list[Item], batch_size: int, progress: Calla
             progress(pending.result())
 
 
+def _needs_ray() -> str:
+    return f"--engine ray needs Ray Data: {RAY_INSTALL}"
+
+
 def import_ray() -> Any:
     try:
         import ray
         import ray.data  # noqa: F401
     except ImportError:
-        raise ImportError(f"--engine ray needs Ray Data: {RAY_INSTALL}") from None
+        raise ImportError(_needs_ray()) from None
     return ray
 
 
@@ -94,7 +98,7 @@ def check_ray() -> None:
     spec = find_spec("ray")
     locations = list(spec.submodule_search_locations or []) if spec is not None else []
     if not any(os.path.isdir(os.path.join(loc, "data")) for loc in locations) or find_spec("pyarrow") is None:
-        raise ImportError(f"--engine ray needs Ray Data: {RAY_INSTALL}")
+        raise ImportError(_needs_ray())
 
 
 def ray_cpus(address: str | None, num_workers: int, cpus_per_worker: int | None) -> int:
@@ -103,6 +107,11 @@ def ray_cpus(address: str | None, num_workers: int, cpus_per_worker: int | None)
     if cpus_per_worker is not None:
         return cpus_per_worker
     return 1 if address else max(1, (os.cpu_count() or 1) // num_workers)
+
+
+def begin_ray(address: str | None, num_workers: int, cpus_per_worker: int | None) -> "RayStart":
+    """The runtime for ``num_workers`` actors of :func:`ray_cpus` CPUs each, starting in the background."""
+    return RayStart(address, num_workers * ray_cpus(address, num_workers, cpus_per_worker))
 
 
 class RayStart:
@@ -148,7 +157,7 @@ class RayStart:
         self._ready.wait()
         if self._error is not None:
             if isinstance(self._error, ImportError):
-                raise ImportError(f"--engine ray needs Ray Data: {RAY_INSTALL}") from self._error
+                raise ImportError(_needs_ray()) from self._error
             raise self._error
         return self.started
 
@@ -267,7 +276,7 @@ def run_ray(spec: ModelSpec, job: Job, todo: list[Item], batch_size: int, progre
     cpus_per_worker = ray_cpus(address, num_workers, cpus_per_worker)
     os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
     if ray_start is None:
-        ray_start = RayStart(address, num_workers * cpus_per_worker)
+        ray_start = begin_ray(address, num_workers, cpus_per_worker)
     try:
         rows = batch_rows(todo, batch_size)  # while the runtime may still be starting (0.5 s at 50,000 inputs)
         ray_start.wait()

@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 from .. import _checks
 from . import store
-from .engines import ModelSpec, RayStart, ray_cpus, run_local, run_ray
+from .engines import ModelSpec, RayStart, begin_ray, run_local, run_ray
 from .fingerprint import model_fingerprint
 from .sources import Item, list_items
 from .work import Job, Worker, has_class_scores
@@ -182,7 +182,7 @@ def _ray_runtime(engine: str, address: str | None, num_workers: int, cpus_per_wo
     output overlap it; stopped at the end when that start began it, also when the run stops before Ray's
     part (a bad source, a mismatched output). None for the local engine."""
     if engine == "ray" and ray_start is None:
-        ray_start = RayStart(address, num_workers * ray_cpus(address, num_workers, cpus_per_worker))
+        ray_start = begin_ray(address, num_workers, cpus_per_worker)
     try:
         yield ray_start
     finally:

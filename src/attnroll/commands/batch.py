@@ -107,7 +107,7 @@ def batch_cmd(source, out, method_list, options, model_spec, weights, engine, nu
     Exit codes: 0 all explained, 3 some inputs failed (see DIR/failures/), 2 usage, 1 failure, 130 interrupted.
     """
     from ..batch import BatchMismatchError, list_items, run_batch
-    from ..batch.engines import RayStart, check_ray, ray_cpus
+    from ..batch.engines import begin_ray, check_ray
 
     from ..batch.run import check_cpus_per_worker, check_num_gpus
 
@@ -132,7 +132,7 @@ def batch_cmd(source, out, method_list, options, model_spec, weights, engine, nu
         except ImportError as e:
             raise Failure(one_line(e)) from None
         # the runtime starts in the background while this process loads the model (seconds each)
-        ray_start = RayStart(address, num_workers * ray_cpus(address, num_workers, cpus_per_worker))
+        ray_start = begin_ray(address, num_workers, cpus_per_worker)
     try:
         out = prepare_out(out)
         lm = load(model_spec, weights, items[0].kind)
