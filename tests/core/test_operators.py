@@ -283,6 +283,43 @@ def test_mean_probs_equal_naive_head_mean(case, split, monkeypatch):
     torch.testing.assert_close(fused.probs.double(), ref, atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("case", list(WHOLE))
+@pytest.mark.parametrize("split", ["none", "chunks"])
+def test_attend_mean_gives_the_attention_output_and_the_head_mean(case, split, monkeypatch):
+    """``attend_mean`` (the capture computing a fused layer's attention itself) against a naive float64
+    eager attention: its output softmax·v in transformers' (B, n, H, d_v) layout, contiguous, and the head
+    mean of the same probabilities, grouped KV heads included, on q, k, v laid out as the kernels get them;
+    "chunks": one example per chunk. The output also equals torch's own SDPA kernel (the one it replaces)."""
+    if split == "chunks":
+        monkeypatch.setattr(op, "CHUNK_ELEMENTS", 1)
+    lay = layer(**WHOLE[case])
+    lay.q = lay.q.transpose(1, 2).contiguous().transpose(1, 2)
+    lay.k = lay.k.transpose(1, 2).contiguous().transpose(1, 2)
+    v = torch.randn(B, N, HKV, 5, generator=torch.Generator().manual_seed(3)).transpose(1, 2)
+    out, fused = op.attend_mean(lay, v)
+    p = naive_probs(lay.q.double(), lay.k.double(), lay.scaling, **WHOLE[case])  # (B, H, n, n)
+    want = (p @ v.double().repeat_interleave(H // HKV, dim=1)).transpose(1, 2)
+    assert out.shape == (B, N, H, 5) and out.is_contiguous() and out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), want, atol=1e-6, rtol=0)
+    torch.testing.assert_close(fused.probs.double(), p.mean(dim=1), atol=1e-6, rtol=0)
+    assert fused.heads == H and fused.shape == lay.shape
+    if case == "plain":
+        sdpa = torch.nn.functional.scaled_dot_product_attention(lay.q, lay.k, v, scale=lay.scaling, enable_gqa=True)
+        torch.testing.assert_close(out, sdpa.transpose(1, 2), atol=1e-5, rtol=0)
+
+
+def test_attend_mean_with_exponentials_out_of_range():
+    """Logits in the hundreds (exp overflows without the row max): ``attend_mean`` still gives the softmax."""
+    lay = layer(causal=True)
+    lay.q = lay.q * 40.0
+    v = torch.randn(B, HKV, N, 3, generator=torch.Generator().manual_seed(4))
+    out, fused = op.attend_mean(lay, v)
+    p = naive_probs(lay.q.double(), lay.k.double(), lay.scaling, causal=True)
+    want = (p @ v.double().repeat_interleave(H // HKV, dim=1)).transpose(1, 2)
+    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=0)
+    torch.testing.assert_close(fused.probs.double(), p.mean(dim=1), atol=1e-6, rtol=0)
+
+
 def _all_logits_far_below_zero():
     """A layer whose every logit is about −140: exp without the row max underflows to 0 in every row."""
     g = torch.Generator().manual_seed(8)
@@ -319,14 +356,18 @@ def test_exponentials_out_of_range_still_give_the_softmax(extreme):
 @pytest.mark.parametrize("mode", ["blend", "renorm", "add"])
 @pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_fused_layers_in_the_row_operator_equal_rollout_of_matrices(mode, padded, dtype):
-    """A stack of fused layers (and a top layer kept as queries and keys, as the capture leaves it) through
-    ``rollout_rows`` against ``rollout`` on the naive matrices: residual modes, padding, float64 rows."""
+@pytest.mark.parametrize("top", ["kept", "fused"])
+def test_fused_layers_in_the_row_operator_equal_rollout_of_matrices(mode, padded, dtype, top):
+    """A stack of fused layers (and a top layer kept as queries and keys, as the capture leaves it after the
+    model's kernel, or fused too, as after ``attend_mean``) through ``rollout_rows`` against ``rollout`` on
+    the naive matrices: residual modes, padding, float64 rows."""
     cases = [dict(causal=True), dict(), dict(causal=True, window=6)]
     layers = [layer(**kw) for kw in cases]
     mats = [naive_probs(lay.q, lay.k, lay.scaling, **kw) for lay, kw in zip(layers, cases)]
-    mixed = [op.mean_probs(lay) for lay in layers[:-1]] + [layers[-1]]
-    assert [type(x).__name__ for x in mixed] == ["FusedLayer", "FusedLayer", "KernelInputs"]
+    v = torch.randn(B, HKV, N, 4)
+    mixed = [op.mean_probs(lay) for lay in layers[:-1]]
+    mixed.append(layers[-1] if top == "kept" else op.attend_mean(layers[-1], v)[1])
+    assert [type(x).__name__ for x in mixed] == ["FusedLayer", "FusedLayer", "KernelInputs" if top == "kept" else "FusedLayer"]
     mask = None
     if padded:
         mask = torch.ones(B, N, dtype=torch.bool)

@@ -412,14 +412,7 @@ def test_cached_adapter_follows_the_model_and_keeps_it_not_alive():
     assert ref() is None
 
 
-@pytest.mark.parametrize("family", ["vit3", "llama"])
-def test_small_layers_are_fused_during_the_forward(family):
-    """With ``fuse_mean`` (explain's rollout with the head mean) every small layer below the top one is kept
-    as its head-mean probabilities, computed while the forward runs; they equal the head mean of the
-    model's own eager attention (a copy switched to eager, ``output_attentions``). The top layer keeps
-    its queries and keys; without ``fuse_mean`` (other rules, gradients) every layer does."""
-    from attnroll.capture.recompute import capture_kernels
-
+def _small_model(family: str, kernel: str) -> tuple[torch.nn.Module, dict]:
     torch.manual_seed(0)
     if family == "vit3":
         m = T.ViTForImageClassification(T.ViTConfig(num_hidden_layers=3, hidden_size=32, num_attention_heads=4,
@@ -428,14 +421,29 @@ def test_small_layers_are_fused_during_the_forward(family):
         x = {"pixel_values": torch.randn(2, 3, 32, 32)}
     else:
         m, x = build("llama"), inputs("llama", 12, pad=False)
+    m.set_attn_implementation(kernel)
+    return m, x
+
+
+@pytest.mark.parametrize("family, kernel", [("vit3", "sdpa"), ("llama", "sdpa"), ("vit3", "eager")])
+def test_small_layers_are_fused_during_the_forward(family, kernel):
+    """With ``fuse_mean`` (explain's rollout with the head mean) every small layer below the top one is kept
+    as its head-mean probabilities, computed while the forward runs; they equal the head mean of the
+    model's own eager attention (a copy switched to eager, ``output_attentions``). Under transformers' SDPA
+    kernel on CPU the capture computes those layers' attention itself (``attend_mean``), the top layer's too;
+    under another kernel (eager: llama's then gets a mask tensor, not fused) the top layer keeps its queries
+    and keys. Without ``fuse_mean`` (other rules, gradients) every layer does."""
+    from attnroll.capture.recompute import capture_kernels
+
+    m, x = _small_model(family, kernel)
     rec = capture_kernels(m, x, fuse_mean=True)
     kinds = [type(lay).__name__ for lay in rec.operators["self"]]
-    assert kinds == ["FusedLayer"] * (len(kinds) - 1) + ["KernelInputs"]
+    assert kinds == ["FusedLayer"] * (len(kinds) - 1) + ["FusedLayer" if kernel == "sdpa" else "KernelInputs"]
     eager = copy.deepcopy(m)
     eager.set_attn_implementation("eager")
     with torch.no_grad():
         ref = eager(**x, output_attentions=True).attentions
-    for lay, att in zip(rec.operators["self"][:-1], ref):
+    for lay, att in zip(rec.operators["self"][: len(kinds) - 1], ref):
         torch.testing.assert_close(lay.probs, att.mean(dim=1), atol=1e-5, rtol=0)
     assert lay.is_causal_model == (family == "llama") and rec.info["self"].causal == (family == "llama")
     assert all(type(lay).__name__ == "KernelInputs" for lay in capture_kernels(m, x).operators["self"])
@@ -444,3 +452,52 @@ def test_small_layers_are_fused_during_the_forward(family):
     assert all(type(lay).__name__ == "KernelInputs" for lay in grad.operators["self"])
     d = attnroll.explain(m, x, "rollout", attention="dense", return_layers=True)
     assert_same(d, attnroll.explain(m, x, "rollout", attention="recompute", return_layers=True))
+
+
+@pytest.mark.parametrize("family", ["vit3", "llama"])
+def test_the_attention_the_capture_computes_gives_the_model_its_outputs(family):
+    """Where the capture computes a layer's attention itself (SDPA on CPU, fused layers), the model's forward
+    under the capture gives what it gives without (its own SDPA kernel) and what eager attention gives, to
+    float32 rounding: logits and every layer's hidden states; and explain's prediction is the model's."""
+    from attnroll.capture.recompute import capture_kernels
+
+    m, x = _small_model(family, "sdpa")
+    got = {}
+    handle = m.register_forward_hook(lambda mod, a, out: got.setdefault("out", out))
+    try:
+        capture_kernels(m, x, fuse_mean=True)
+    finally:
+        handle.remove()
+    eager = copy.deepcopy(m)
+    eager.set_attn_implementation("eager")
+    with torch.no_grad():
+        for ref in (m(**x, output_hidden_states=True), eager(**x, output_hidden_states=True)):
+            torch.testing.assert_close(got["out"].logits, ref.logits, atol=1e-5, rtol=0)
+    with torch.no_grad():
+        captured = m(**x, output_hidden_states=True)
+    assert len(captured.hidden_states) > 2
+    e = attnroll.explain(m, x, "rollout")
+    assert e.options["attention"] == "recompute"
+    if family == "vit3":
+        assert e.target == captured.logits.argmax(dim=-1).tolist()
+
+
+def test_the_capture_computes_only_what_sdpa_computes_exactly(monkeypatch):
+    """``own_attention_applies`` admits transformers' stock SDPA kernel on CPU, float32, no dropout, no
+    gradients, no window; anything else keeps the model's kernel (and the layer is fused after it)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from attnroll.capture.recompute import own_attention_applies
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 6, 8, generator=g) for _ in range(3))
+    lay = operators.KernelInputs(q=q, k=k, scaling=8 ** -0.5)
+    args = {"query": q, "key": k, "value": v, "dropout": 0.0}
+    assert own_attention_applies(sdpa_attention_forward, lay, args)
+    assert not own_attention_applies(lambda *a, **kw: None, lay, args)  # another kernel, even if named sdpa
+    assert not own_attention_applies(sdpa_attention_forward, lay, {**args, "dropout": 0.1})
+    assert not own_attention_applies(sdpa_attention_forward, operators.KernelInputs(q=q, k=k, scaling=1.0, window=3),
+                                     args)
+    assert not own_attention_applies(sdpa_attention_forward, lay, {**args, "value": v.double()})
+    assert not own_attention_applies(sdpa_attention_forward, lay, {**args, "query": q.clone().requires_grad_()})
+    assert not own_attention_applies(sdpa_attention_forward, lay, {**args, "output_attentions": True})

@@ -32,7 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import _checks
 from .._modes import submodules
-from ..core.operators import KernelInputs, fusable, mean_probs, whole_size
+from ..core.operators import FusedLayer, KernelInputs, attend_mean, fusable, mean_probs, whole_size
 from .hf import HFAdapter, pool_heads
 from .hooks import Adapter, Capture, Site
 
@@ -41,7 +41,10 @@ class KernelRecorder:
     """Collects one :class:`KernelInputs` per site and pass (the interface of ``hooks.Recorder`` that
     Capture drives: reset, store, finish, dirty). With ``fuse_mean`` each layer that ``fusable`` admits is
     replaced by its head-mean probabilities (``mean_probs``) right after its kernel ran, while its queries
-    and keys are still in cache, except the stream's top layer: a row product needs only its live rows."""
+    and keys are still in cache, except the stream's top layer: a row product needs only its live rows.
+    Where the capture computes such a layer's attention itself (``own_attention_applies``), the kernel's
+    output and the head mean come from one computation of the probabilities (``attend_mean``), the top
+    layer's included."""
 
     def __init__(self, sites: list[Site], keep_grad: bool, fuse_mean: bool = False):
         self.sites = sites
@@ -61,15 +64,24 @@ class KernelRecorder:
         self.parts: dict = {}  # the dense recorder's multi-branch attention; kernels have none
         self.dirty = False
 
-    def store(self, site: Site, layer: KernelInputs, output: torch.Tensor) -> None:
+    def fuses(self, site: Site, layer: KernelInputs, computed: bool = False) -> bool:
+        """Whether ``store`` keeps this layer as its head-mean probabilities. ``computed``: when the capture
+        computes the layer's attention itself (``attend_mean``: every probability is there anyway), the
+        stream's top layer too; otherwise not, since a row product needs only its live rows."""
+        top = site.layer == len(self.layout[site.stream]) - 1
+        return self.fuse_mean and (computed or not top) and fusable(layer)
+
+    def store(self, site: Site, layer: KernelInputs | FusedLayer, output: torch.Tensor) -> None:
+        """Keep what the kernel of ``site`` saw (fused by ``mean_probs`` when ``fuses``; a FusedLayer the
+        wrapper computed with the output, ``attend_mean``, as it is)."""
         self.dirty = True
         key = (site.stream, site.layer)
         self.fired[key] = self.fired.get(key, 0) + 1
-        self.slots[site.stream][site.layer] = layer
         if self.keep_grad:
             self.outs[site.stream][site.layer] = output
-        if self.fuse_mean and site.layer < len(self.layout[site.stream]) - 1 and fusable(layer):
-            self.slots[site.stream][site.layer] = mean_probs(layer)
+        if isinstance(layer, KernelInputs) and self.fuses(site, layer):
+            layer = mean_probs(layer)
+        self.slots[site.stream][site.layer] = layer
 
     def finish(self) -> dict[str, list[torch.Tensor]]:
         """Check the pass and keep its layers in ``taken``; returns shape-only (meta) stand-ins of the
@@ -210,6 +222,10 @@ class KernelAdapter(Adapter):
             bound = sig.bind(module, *args, **kwargs) if sig is not None else None
             arguments = _arguments(bound, args, kwargs)
             layer = kernel_inputs(module, impl, arguments, recorder.keep_grad)
+            if recorder.fuses(site, layer, computed=True) and own_attention_applies(kernel, layer, arguments):
+                out, fused = attend_mean(layer, arguments["value"])  # the probabilities computed once
+                recorder.store(site, fused, out)
+                return out, None
             if whole_size(layer):  # recomputed whole, with its own row max: no log-sum-exp needed
                 out = kernel(module, *args, **kwargs)
             else:
@@ -222,6 +238,22 @@ class KernelAdapter(Adapter):
 
         call._attnroll_wrapper = True  # type: ignore[attr-defined]
         return call
+
+
+def own_attention_applies(kernel: Callable, layer: KernelInputs, a: dict[str, Any]) -> bool:
+    """Whether the capture may compute a layer that it fuses (``KernelRecorder.fuses``) itself
+    (``operators.attend_mean``) instead of calling the model's kernel and then computing the probabilities a
+    second time: transformers' SDPA kernel on CPU in float32 without dropout, gradients, a window (which SDPA
+    does not apply without a mask) or a mask, bias, softcapping or sinks (``fusable``), where what that kernel
+    computes is softmax(scaling·q·kᵀ, causal or not)·v exactly. (Where the fused kernel is fast, on
+    accelerators, it keeps running and the probabilities are computed after it.)"""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    q, k, v = a["query"], a["key"], a["value"]
+    tensors = (q, k, v)
+    return (kernel is sdpa_attention_forward and q.device.type == "cpu" and layer.window is None and not float(a.get("dropout") or 0.0)
+            and all(t.dtype == torch.float32 and not t.requires_grad for t in tensors)
+            and v.ndim == 4 and v.shape[:3] == k.shape[:3] and not a.get("output_attentions"))
 
 
 #: Fused attention operators that return each query row's log-sum-exp as their second output (CPU flash,

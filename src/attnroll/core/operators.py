@@ -608,17 +608,52 @@ def mean_probs(layer: KernelInputs) -> FusedLayer:
     ``layer`` must be ``fusable``."""
     B, H, n, _ = layer.shape
     out = torch.empty(B, n, n, dtype=torch.float32, device=layer.q.device)
-    disallowed = None
-    if layer.causal or layer.window is not None:
-        disallowed = ~_structural_allowed(layer, torch.arange(n, device=out.device), n)
-    step = -(-B // -(-B * H * n * n // CHUNK_ELEMENTS))  # chunks of even size
-    for b0 in range(0, B, step):
-        b1 = min(B, b0 + step)
-        whole = b0 == 0 and b1 == B  # (slices cost a torch call each)
+    disallowed = _disallowed(layer)
+    for b0, b1, whole in _example_chunks(layer):
         q, k = (layer.q, layer.k) if whole else (layer.q[b0:b1], layer.k[b0:b1])
         s, w = _exp_rows(q, k, layer.scaling, disallowed)
         torch.sum(s.mul_(w.mul_(1.0 / H).unsqueeze_(-1)), dim=1, out=out if whole else out[b0:b1])
     return FusedLayer(out, H, layer.is_causal_model)
+
+
+def _disallowed(layer: KernelInputs) -> torch.Tensor | None:
+    """(n, n) bool, True where the causal / window rule gives probability 0; None without a rule."""
+    if not (layer.causal or layer.window is not None):
+        return None
+    n = layer.shape[2]
+    return ~_structural_allowed(layer, torch.arange(n, device=layer.q.device), n)
+
+
+def _example_chunks(layer: KernelInputs) -> list[tuple[int, int, bool]]:
+    """(b0, b1, whether the chunk is the whole batch): chunks of examples of even size whose logits fit
+    ``CHUNK_ELEMENTS`` (at least one example each)."""
+    B, H, nq, nk = layer.shape
+    step = -(-B // -(-B * H * nq * nk // CHUNK_ELEMENTS))
+    return [(b0, min(B, b0 + step), b0 == 0 and step >= B) for b0 in range(0, B, step)]
+
+
+def attend_mean(layer: KernelInputs, v: torch.Tensor) -> tuple[torch.Tensor, FusedLayer]:
+    """The attention of a ``fusable`` layer computed once for both what the model needs and what rollout
+    needs: (its output softmax(scaling·q·kᵀ)·v as (B, n, H, d_v), contiguous — the layout transformers'
+    kernels return — and the head-mean probabilities as ``mean_probs`` gives them). ``v`` (B, H_kv, n, d_v)
+    the values (grouped heads as for k). The probabilities are the softmax of ``_exp_rows`` (row sums
+    checked, max-shifted when out of range), normalised before the product with v: an eager softmax
+    attention, to float32 rounding the output of any exact kernel."""
+    B, H, n, _ = layer.shape
+    Hkv, dv = layer.k.shape[1], v.shape[-1]
+    G = H // Hkv
+    v = v if v.dtype == torch.float32 else v.to(torch.float32)
+    out = torch.empty(B, n, H, dv, dtype=torch.float32, device=layer.q.device)
+    probs = torch.empty(B, n, n, dtype=torch.float32, device=layer.q.device)
+    disallowed = _disallowed(layer)
+    for b0, b1, whole in _example_chunks(layer):
+        q, k, vb = (layer.q, layer.k, v) if whole else (layer.q[b0:b1], layer.k[b0:b1], v[b0:b1])
+        s, w = _exp_rows(q, k, layer.scaling, disallowed)
+        p = s.mul_(w.unsqueeze_(-1))  # (b, H, n, n) softmax rows, in place
+        o = torch.bmm(p.view((b1 - b0) * Hkv, G * n, n), vb.reshape((b1 - b0) * Hkv, n, dv))
+        (out if whole else out[b0:b1]).copy_(o.view(b1 - b0, H, n, dv).transpose(1, 2))
+        torch.sum(p, dim=1, out=probs if whole else probs[b0:b1]).mul_(1.0 / H)
+    return out, FusedLayer(probs, H, layer.is_causal_model)
 
 
 def apply_fused(r: torch.Tensor, layer: FusedLayer, *, a: float, c: float, renorm: bool = False,
