@@ -109,13 +109,15 @@ def vit_b16_dir(root: Path) -> Path:
     return root
 
 
-def plain_loop(model_spec: str | None, files: list[Path], batch_size: int) -> "Timing":
-    """The loop a user writes without attnroll: read, preprocess, forward, softmax."""
+def plain_loop(model_spec: str | None, src: Path, batch_size: int) -> "Timing":
+    """The loop a user writes without attnroll: list the folder, read, preprocess, forward, softmax (the
+    listing is timed, as the engine's own listing is)."""
     from attnroll.batch.engines import chunks, read_ahead
     from attnroll.batch.work import read_image
     from attnroll.models import load_model
 
     t0 = time.perf_counter()
+    files = sorted(src.glob("*.png"))
     lm = load_model(model_spec, None, want="image")
     marks, done = [], 0
 
@@ -460,7 +462,7 @@ def run_one(one: dict) -> None:
     load_model(one["spec"], None, want="image")
     src, work = Path(one["src"]), Path(one["work"])
     if one["plain"]:
-        t = plain_loop(one["spec"], sorted(src.glob("*.png")), one["bs"])
+        t = plain_loop(one["spec"], src, one["bs"])
     else:
         t = batch_run(src, one["spec"], one["method"], one["bs"], one["engine"], one["workers"], work, one["address"])
     print(json.dumps(t.__dict__))
