@@ -36,7 +36,7 @@ from which it would reach 0.8x the local engine end to end at these rates; ``--n
 
 Usage: python benchmarks/bench_batch.py [--models shapes,vit-b16] [--methods rollout,gae] [--n-shapes 4000]
        [--n-vit 64] [--vit-batch 8] [--repeat 1] [--ray fresh,joined | --ray none] [--workers 1,2]
-       [--breakdown] [--interleaved-only] [--image-cache DIR] [--cli [--ref OTHER/src]]
+       [--breakdown] [--interleaved-only] [--image-cache DIR] [--ref OTHER/src] [--cli]
 """
 
 from __future__ import annotations
@@ -343,7 +343,8 @@ def main() -> None:
                     help="only the batch-by-batch ratio of the local engine to the plain loop")
     ap.add_argument("--cli", action="store_true", help="time the command itself (`attnroll batch`, cold "
                     "processes: local and --engine ray with each --workers) instead of the configurations")
-    ap.add_argument("--ref", help="with --cli: also a reference source tree (e.g. /work/main/src), alternating")
+    ap.add_argument("--ref", help="also a reference source tree (e.g. /work/main/src), alternating: the local engine "
+                    "beside this tree's (with --cli: every configuration)")
     ap.add_argument("--threads", type=int, help="torch threads of the plain loop and the local engine (default: "
                     "torch's, one per core); Ray actors share the cores as always")
     ap.add_argument("--image-cache", help="a folder where the generated PNGs are kept and reused (a large "
@@ -391,6 +392,8 @@ def run_model(name: str, args: argparse.Namespace, modes: list[str], workers: li
     configs = [("plain", None, "local", 1, None)]
     for method in methods:
         configs.append(("local", method, "local", 1, None))
+        if args.ref:  # the same engine from another tree, right after (the ratio to the same plain loop)
+            configs.append(("local@ref", method, "local", 1, None))
         for mode in modes:
             for k in workers:
                 configs.append((f"ray-{k}" + ("@addr" if mode == "joined" else ""), method, "ray", k,
@@ -400,7 +403,7 @@ def run_model(name: str, args: argparse.Namespace, modes: list[str], workers: li
         for label, method, engine, k, addr in configs:
             one = {"src": str(src), "spec": spec, "method": method, "bs": bs, "engine": engine, "workers": k,
                    "work": str(work), "address": addr, "plain": label == "plain", "threads": args.threads}
-            t = isolated(one)
+            t = isolated(one, args.ref if label.endswith("@ref") else None)
             if t is None:
                 continue
             print(f"#   {name} {label} {method or ''}: {t.seconds:.1f} s, start-up {t.startup:.1f} s, "
@@ -438,13 +441,18 @@ def run_cli(name: str, n: int, bs: int, src: Path, methods: list[str], workers: 
     sys.stdout.flush()
 
 
-def isolated(one: dict) -> "Timing | None":
+def isolated(one: dict, tree: str | None = None) -> "Timing | None":
     """One timed configuration in a fresh Python process, as a user's command runs (and no Ray state left
     over from another configuration): it loads the model once untimed (so that no configuration pays the
     first imports of torch and transformers; Ray's actors, fresh processes, still pay theirs), then times.
-    A failed run is reported and retried once."""
+    ``tree``: a source folder to import attnroll from (``--ref``); None = this one. A failed run is
+    reported and retried once."""
+    env = dict(os.environ)
+    if tree:
+        env["PYTHONPATH"] = os.pathsep.join([tree] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     for attempt in (1, 2):
-        proc = subprocess.run([sys.executable, __file__, "--one", json.dumps(one)], capture_output=True, text=True)
+        proc = subprocess.run([sys.executable, __file__, "--one", json.dumps(one)], capture_output=True, text=True,
+                              env=env)
         lines = proc.stdout.strip().splitlines()
         if proc.returncode == 0 and lines:
             return Timing(**json.loads(lines[-1]))
@@ -483,8 +491,11 @@ def report(name: str, n: int, bs: int, best: dict, methods: list[str]) -> None:
         loc = best.get(("local", method))
         if loc is None:
             continue
-        print(f"| {method} | local | {loc.rate:.2f} | {loc.startup:.2f} | {loc.steady:.2f} | "
-              f"{loc.rate / plain.rate:.2f}x plain | {loc.steady / plain.steady:.2f}x plain | {loc.fixed:.1f} | |")
+        for label in ("local", "local@ref"):
+            t = best.get((label, method))
+            if t is not None:
+                print(f"| {method} | {label} | {t.rate:.2f} | {t.startup:.2f} | {t.steady:.2f} | "
+                      f"{t.rate / plain.rate:.2f}x plain | {t.steady / plain.steady:.2f}x plain | {t.fixed:.1f} | |")
         for (label, m), t in best.items():
             if m == method and label.startswith("ray"):
                 at = size_for_ratio(t, loc, 0.8)
