@@ -9,12 +9,12 @@ Each entry is the median of --repeat runs after one warm-up (integrated gradient
 
 Goal (issue 5): rollout <= 1.10x the plain forward.
 Goals (issue 15, value-aware methods, batch 8): norm, globenc, alti <= 3x; decompx <= 10x. They are not in the
-default list (value_zeroing re-runs every block n times, decompx carries n shares): ``--methods value_aware``
-runs VALUE_AWARE (add ``--batches 8 --repeat 1`` for the goal's setting); ``name:key=value`` passes an option
-(``decompx:bias=separate``, the one-backward exact path). ``decompx`` with its default AbsDot rule carries
+default list (value_zeroing re-runs every block n times): ``--methods value_aware`` runs VALUE_AWARE (add
+``--batches 8 --repeat 1`` for the goal's setting); ``name:key=value`` passes an option. ``decompx`` is its
+default ``bias="separate"`` (one backward pass); ``decompx:bias=absdot``, the paper's AbsDot rule, carries
 n + 1 shares per row (~150 forwards' matrix products at n = 197; ~8 minutes at batch 8 on 2 cores): time it
-alone with ``--methods decompx --batches 8 --slow-max-batch 8 --repeat 1 --paired``; ``--layers`` builds a
-shallower ViT-B (same width) for quick per-layer probes.
+alone with ``--methods decompx:bias=absdot --batches 8 --slow-max-batch 8 --repeat 1 --paired``; ``--layers``
+builds a shallower ViT-B (same width) for quick per-layer probes.
 
 Usage: python benchmarks/bench_explain.py [--batches 1,8] [--repeat 3] [--ig-max-batch 8] [--threads N] [--layers 12]
 """
@@ -34,9 +34,9 @@ import attnroll
 ATTENTION = ["raw", "rollout", "per_head_rollout", "grad_rollout", "gae", "attn_gradcam"]
 CAPTUM = ["saliency", "input_x_gradient", "integrated_gradients"]
 VALUE_AWARE = ["rollout", "measured_rollout", "norm", "norm_rollout", "globenc", "alti", "alti_logit",
-               "decompx:bias=separate", "decompx", "value_zeroing"]
-#: O(n)-forward methods, timed only up to --slow-max-batch.
-SLOW = {"decompx", "value_zeroing"}
+               "decompx", "decompx:bias=absdot", "value_zeroing"]
+#: O(n)-forward entries, timed only up to --slow-max-batch.
+SLOW = {"decompx:bias=absdot", "value_zeroing"}
 
 
 def timed(fn, repeat: int, warm: bool = True) -> float:
@@ -94,7 +94,7 @@ def main() -> None:
             opts = dict(kv.split("=", 1) for kv in opt.split(";")) if opt else {}
             if m == "integrated_gradients":
                 opts = {"n_steps": args.ig_steps, "internal_batch_size": 50}
-            slow = m in SLOW and not opts
+            slow = entry in SLOW
             if (m == "integrated_gradients" and B > args.ig_max_batch) or (slow and B > args.slow_max_batch):
                 print(f"{B:>5} {entry:<22} {'skipped':>9}")
                 continue

@@ -74,30 +74,50 @@ def test_norm_layer_option_reads_that_layer():
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_decompx_equals_the_naive_decomposition_and_adds_up_to_the_logit(kind):
+@pytest.mark.parametrize("bias", [None, "absdot", "separate"])  # None: the default, which is separate
+def test_decompx_equals_the_naive_decomposition_and_adds_up_to_the_logit(kind, bias):
     m, x, S, xs, alphas, logits = _setup(kind)
-    e = attnroll.explain(m, x, "decompx")
+    e = attnroll.explain(m, x, "decompx", **({} if bias is None else {"bias": bias}))
+    assert e.options["bias"] == (bias or "separate")
     row = _row(S, xs)
     for b in range(2):
         cls = e.target[b]
-        want = R.decompx(S, xs[0], alphas, b, row, cls)
+        want = R.decompx(S, xs[0], alphas, b, row, cls, bias=bias or "separate")
         logit = (logits[b] if logits.ndim == 2 else logits[b, row])[cls]
         np.testing.assert_allclose(want.sum(), logit, atol=1e-9)  # the reference itself is exact
         scale = max(1.0, abs(logit))
         np.testing.assert_allclose(e.full_row[b].double().numpy(), want[:-1], atol=1e-5 * scale)
+        np.testing.assert_allclose(float(e.extra["bias_share"][b]), want[-1], atol=1e-5 * scale)
         total = float(e.full_row[b].double().sum()) + float(e.extra["bias_share"][b])
         assert abs(total - logit) <= 1e-5 * scale
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_two_bias_rules_give_different_shares_of_the_same_logit(kind):
+    # the naive references of the two rules must differ on these models (else the default test proves nothing)
+    m, x, S, xs, alphas, logits = _setup(kind)
+    row = _row(S, xs)
+    sep, ab = (R.decompx(S, xs[0], alphas, 0, row, 1, bias=r) for r in ("separate", "absdot"))
+    np.testing.assert_allclose(sep.sum(), ab.sum(), atol=1e-9)
+    if kind == "llama":  # no bias anywhere (RMSNorm without β, bias-free projections and head): one rule
+        np.testing.assert_allclose(sep, ab, atol=1e-12)
+        assert sep[-1] == 0
+    else:
+        assert np.abs(sep - ab).max() > 1e-3
+        assert abs(ab[-1]) < abs(sep[-1])  # AbsDot hands (most of) the biases to the tokens
 
 
 def test_decompx_is_class_specific_and_bias_modes():
     m, x, *_ = _setup("bert")
     a, b = attnroll.explain(m, x, "decompx", target=0), attnroll.explain(m, x, "decompx", target=1)
     assert not torch.allclose(a.full_row, b.full_row)
-    sep = attnroll.explain(m, x, "decompx", target=0, bias="separate")
+    ab = attnroll.explain(m, x, "decompx", target=0, bias="absdot")
     with torch.no_grad():
         logit = m(**x).logits[:, 0].float()
-    torch.testing.assert_close(sep.full_row.sum(-1) + sep.extra["bias_share"], logit, atol=1e-5, rtol=1e-5)
-    assert torch.all(sep.extra["bias_share"].abs() > 0)
+    for e in (a, ab):  # the default (separate) and AbsDot: shares + bias share = the logit
+        torch.testing.assert_close(e.full_row.sum(-1) + e.extra["bias_share"], logit, atol=1e-5, rtol=1e-5)
+    assert torch.all(a.extra["bias_share"].abs() > 0)
+    assert not torch.allclose(a.full_row, ab.full_row, atol=1e-3)
     with pytest.raises(ValueError, match="bias must be one of"):
         attnroll.explain(m, x, "decompx", bias="norm")
     with pytest.raises(ValueError, match="decompx decomposes one logit"):
@@ -169,8 +189,9 @@ def test_padded_batch_equals_cropped(method):
     assert torch.all(e.full_row[1, 4:] == 0)
 
 
+@pytest.mark.parametrize("bias", ["absdot", "separate"])
 @pytest.mark.parametrize("kind,side", [("bert", "right"), ("gpt2", "left")])
-def test_decompx_padded_batch_of_several_lengths_equals_the_naive_decomposition(kind, side):
+def test_decompx_padded_batch_of_several_lengths_equals_the_naive_decomposition(kind, side, bias):
     # decompx carries each padded example's real tokens only (examples of one length together): the scores
     # must still be the naive loops' on the padded model's own states, padding 0, bias share included
     m = R.build(kind)
@@ -181,19 +202,19 @@ def test_decompx_padded_batch_of_several_lengths_equals_the_naive_decomposition(
         real = slice(0, k) if side == "right" else slice(6 - k, 6)
         mask[b, real] = 1
     inputs = {"input_ids": ids, "attention_mask": mask}
-    e = attnroll.explain(m, inputs, "decompx")
+    e = attnroll.explain(m, inputs, "decompx", bias=bias)
     S = R.spec(m, kind)
     xs, alphas, logits = R.model_states(m, inputs)
     for b, k in enumerate(lengths):
         row = 0 if side == "right" else 5
-        want = R.decompx(S, xs[0], alphas, b, row, e.target[b])
+        want = R.decompx(S, xs[0], alphas, b, row, e.target[b], bias=bias)
         logit = (logits[b] if logits.ndim == 2 else logits[b, row])[e.target[b]]
         scale = max(1.0, abs(logit))
         np.testing.assert_allclose(e.full_row[b].double().numpy(), want[:-1], atol=1e-5 * scale)
         np.testing.assert_allclose(float(e.extra["bias_share"][b]), want[-1], atol=1e-5 * scale)
         assert torch.all(e.full_row[b][mask[b] == 0] == 0)
     with pytest.raises(ValueError, match="padded position"):
-        attnroll.explain(m, inputs, "decompx", position=5 if side == "right" else 0)
+        attnroll.explain(m, inputs, "decompx", position=5 if side == "right" else 0, bias=bias)
 
 
 def test_zero_rows_stay_zero_and_nothing_leaks_from_padding():
@@ -279,10 +300,27 @@ def test_decompx_separate_fast_path_equals_the_carried_shares(kind):
     torch.testing.assert_close(y, logits[torch.arange(2), classes], atol=_TOL, rtol=0)
 
 
-def test_decompx_separate_under_inference_mode_carries_the_shares_instead():
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_decompx_default_under_no_grad_and_inference_mode_equals_the_naive_decomposition(kind, mode):
+    # the default (separate) takes one backward pass; it must run, exactly, where autograd is off (evaluate
+    # and batch call methods under no_grad; users may wrap inference_mode), not fall back to carrying shares
+    m, x, S, xs, alphas, logits = _setup(kind)
+    with (torch.no_grad() if mode == "no_grad" else torch.inference_mode()):
+        e = attnroll.explain(m, x, "decompx", target=1)
+    assert not e.full_row.requires_grad
+    row = _row(S, xs)
+    for b in range(2):
+        want = R.decompx(S, xs[0], alphas, b, row, 1, bias="separate")
+        scale = max(1.0, abs(want.sum()))
+        np.testing.assert_allclose(e.full_row[b].double().numpy(), want[:-1], atol=1e-5 * scale)
+        np.testing.assert_allclose(float(e.extra["bias_share"][b]), want[-1], atol=1e-5 * scale)
+
+
+def test_decompx_absdot_under_inference_mode_equals_outside_it():
     m, x = R.build("gpt2"), R.inputs_for("gpt2")
-    fast = attnroll.explain(m, x, "decompx", bias="separate")
+    out = attnroll.explain(m, x, "decompx", bias="absdot")
     with torch.inference_mode():
-        carried = attnroll.explain(m, x, "decompx", bias="separate")
-    torch.testing.assert_close(carried.full_row, fast.full_row, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(carried.extra["bias_share"], fast.extra["bias_share"], atol=1e-5, rtol=1e-5)
+        inside = attnroll.explain(m, x, "decompx", bias="absdot")
+    torch.testing.assert_close(inside.full_row, out.full_row, atol=1e-9, rtol=1e-9)
+    torch.testing.assert_close(inside.extra["bias_share"], out.extra["bias_share"], atol=1e-9, rtol=1e-9)

@@ -278,13 +278,14 @@ def rolled(method, S, xs, alphas, b, row):
 
 
 # ----------------------------------------------------------------------------------------- naive DecompX
-def _absdot(Si, b):
-    """Si (K, d) shares of one row (last = bias slot) plus bias b split by AbsDot."""
+def _absdot(Si, b, mode="absdot"):
+    """Si (K, d) shares of one row (last = bias slot) plus bias b split by AbsDot; ``mode="separate"``: b
+    joins the bias slot."""
     if b is None:
         return Si
     Si = Si.copy()
     w = np.array([abs(b @ Si[k]) for k in range(len(Si) - 1)])
-    if w.sum() > 0:
+    if mode == "absdot" and w.sum() > 0:
         for k in range(len(w)):
             Si[k] += w[k] / w.sum() * b
     else:
@@ -292,25 +293,26 @@ def _absdot(Si, b):
     return Si
 
 
-def _norm_shares(Si, p):
+def _norm_shares(Si, p, mode):
     actual = Si.sum(0)
     out = np.stack([ln(Si[k], p, actual=actual) for k in range(len(Si))])
-    return _absdot(out, p[1])
+    return _absdot(out, p[1], mode)
 
 
-def _mlp_shares(L, U):
+def _mlp_shares(L, U, mode):
     m = L["mlp"]
-    Z = _absdot(np.stack([m["W1"] @ u for u in U]), m["b1"])
+    Z = _absdot(np.stack([m["W1"] @ u for u in U]), m["b1"], mode)
     if "Wg" in m:
         coef = m["act"](m["Wg"] @ U.sum(0))
     else:
         zeta = Z.sum(0)
         coef = np.where(zeta != 0, m["act"](zeta) / np.where(zeta != 0, zeta, 1), 0)
-    return _absdot(np.stack([m["W2"] @ (coef * z) for z in Z]), m["b2"])
+    return _absdot(np.stack([m["W2"] @ (coef * z) for z in Z]), m["b2"], mode)
 
 
-def decompx(S, x0, alphas, b, row, cls):
-    """Token shares (n + 1,) of logit ``cls`` at output row ``row`` of example b, by loops."""
+def decompx(S, x0, alphas, b, row, cls, bias="absdot"):
+    """Token shares (n + 1,) of logit ``cls`` at output row ``row`` of example b, by loops; ``bias`` the rule
+    ("absdot" or "separate": every bias in the last slot)."""
     x = x0[b]
     n, d = x.shape
     K = n + 1
@@ -319,30 +321,30 @@ def decompx(S, x0, alphas, b, row, cls):
         Sh[i, i] = x[i]
     for l, L in enumerate(S["layers"]):
         alpha = alphas[l][b]
-        X = np.stack([_norm_shares(Sh[j], L["ln1"]) for j in range(n)]) if L["pre"] else Sh
+        X = np.stack([_norm_shares(Sh[j], L["ln1"], bias) for j in range(n)]) if L["pre"] else Sh
         new = np.zeros_like(Sh)
-        bias = sum(hd["Wo"] @ hd["bv"] for hd in L["heads"] if hd["bv"] is not None) + (0 if L["bo"] is None else L["bo"])
-        bias = None if isinstance(bias, int) else bias
+        b_attn = sum(hd["Wo"] @ hd["bv"] for hd in L["heads"] if hd["bv"] is not None) + (0 if L["bo"] is None else L["bo"])
+        b_attn = None if isinstance(b_attn, int) else b_attn
         for i in range(n):
             z = Sh[i].copy()
             for k in range(K):
                 for j in range(n):
                     for h, hd in enumerate(L["heads"]):
                         z[k] += alpha[h, i, j] * (hd["Wo"] @ (hd["Wv"] @ X[j, k]))
-            z = _absdot(z, bias)
+            z = _absdot(z, b_attn, bias)
             if L["pre"]:
-                new[i] = z + _mlp_shares(L, _norm_shares(z, L["ln2"]))
+                new[i] = z + _mlp_shares(L, _norm_shares(z, L["ln2"], bias), bias)
             else:
-                hh = _norm_shares(z, L["ln1"])
-                new[i] = _norm_shares(hh + _mlp_shares(L, hh), L["ln2"])
+                hh = _norm_shares(z, L["ln1"], bias)
+                new[i] = _norm_shares(hh + _mlp_shares(L, hh, bias), L["ln2"], bias)
         Sh = new
     V = Sh[row]
     hd = S["head"]
     if hd["final"] is not None:
-        V = _norm_shares(V, hd["final"])
+        V = _norm_shares(V, hd["final"], bias)
     if hd["pooler"] is not None:
-        Z = _absdot(np.stack([hd["pooler"][0] @ v for v in V]), hd["pooler"][1])
+        Z = _absdot(np.stack([hd["pooler"][0] @ v for v in V]), hd["pooler"][1], bias)
         zeta = Z.sum(0)
         V = Z * (np.tanh(zeta) / zeta)
-    logits = _absdot(np.stack([hd["W"] @ v for v in V]), hd["b"])
+    logits = _absdot(np.stack([hd["W"] @ v for v in V]), hd["b"], bias)
     return logits[:, cls]

@@ -1,15 +1,25 @@
 """``decompx``: DecompX (Modarressi, Fayyaz, Aghazadeh, Yaghoobzadeh & Pilehvar, ACL 2023). Every token's
 share of every hidden vector is carried through all blocks (attention, norms, the MLP with its activation
-linearised per element) and through the head, so a token's score is its signed share of the target logit;
-biases are spread over the tokens by AbsDot (``bias="absdot"``, the paper's default: every token's share is
-carried through every block, O(n) blocks' linear work) or kept apart (``bias="separate"``, DecompX's bias
-token: then the network with frozen coefficients is affine in the embeddings and the same shares come from
-one forward + one backward pass). In a padded batch the AbsDot route carries each example's real tokens
-only (padded tokens' shares of real rows are 0 throughout; ~(n / n_real)² less work, same numbers). The
-token shares plus the bias share (``extra["bias_share"]``) add up to the target logit exactly. Heads that
-pool rows (timm ``global_pool='avg'`` with its ``fc_norm``, DINOv2's CLS ⊕ mean of the patch rows) are
-decomposed as the layer anatomy describes them: every output row's shares through the final norm, pooled,
-concatenated, then the classifier."""
+linearised per element) and through the head, so a token's score is its signed share of the target logit.
+The token shares plus the bias share (``extra["bias_share"]``) add up to the target logit exactly.
+
+Two rules for the biases (b_V, b_O, β, b_1, b_2, the head's):
+
+* ``bias="separate"``, the default: every bias stays in the bias share (DecompX's bias token). With the
+  coefficients frozen (attention, norm divisors, activation slopes) the network is then affine in the input
+  embeddings, so the shares come exactly from one forward + one backward pass: ~3x an SDPA forward at
+  ViT-B/16, batch 8 (BENCHMARKS.md). It is the default because it is ~65x cheaper than AbsDot and was as
+  faithful on both of the project's benchmarks (EVALUATION.md: shapes deletion 0.159 vs 0.160, text
+  comprehensiveness 0.574 vs 0.558). It runs under ``torch.no_grad()`` and ``torch.inference_mode()`` too
+  (the backward pass is local: inference mode is left for it on copies of the tensors it saves).
+* ``bias="absdot"``, the paper's rule: a bias joins each token's share in proportion to |b · s_k|. That is
+  not affine in the shares, so every token's share is carried through every block, O(n) blocks' linear work
+  (~190x a forward at ViT-B/16). In a padded batch this route carries each example's real tokens only
+  (padded tokens' shares of real rows are 0 throughout; ~(n / n_real)² less work, same numbers).
+
+Heads that pool rows (timm ``global_pool='avg'`` with its ``fc_norm``, DINOv2's CLS ⊕ mean of the patch
+rows) are decomposed as the layer anatomy describes them: every output row's shares through the final norm,
+pooled, concatenated, then the classifier."""
 
 from __future__ import annotations
 
@@ -25,24 +35,44 @@ def shares(ctx: Context, bias: str, dtype) -> tuple:
     """(rec, positions, logit shares (B, n + 1): tokens then the bias share)."""
     _checks.check_choice("bias", bias, ("absdot", "separate"))
     rec, states, anat = va.record(ctx)
-    dt = va.working_dtype(dtype, states.inputs[0])
-    head = anat.head(dt)  # raises for a model without a head, before any work
-    pos = ctx.positions(rec, "self")
-    classes = va.logit_classes(ctx, rec, "decompx", "decomposes one logit of the model's head")
-    x0 = states.inputs[0].to(dt)
-    pools = anat.pool_weights(x0.shape[1], torch.tensor(pos, device=x0.device), dt) if anat.pooled else None
-    token_norm = anat.token_norm_params(dt)
-    blocks = anat.blocks(dt)
-    alphas = [a.to(dt) for a in rec.attentions]
-    if bias == "separate" and not torch.is_inference_mode_enabled():
-        # affine once the coefficients are frozen: one forward + backward gives the same shares exactly
-        tok, y = separate_bias_shares(x0, alphas, blocks, positions=torch.tensor(pos, device=x0.device),
-                                      classes=classes.to(x0.device), pools=pools, token_norm=token_norm, **head)
-        return rec, pos, torch.cat([tok, (y - tok.sum(-1)).unsqueeze(-1)], dim=-1)
-    mask = ctx.mask(rec, "self")
-    if mask is None or pools is not None or bool(mask.all()):
-        return rec, pos, _carried(x0, alphas, blocks, pos, classes, head, bias, pools, token_norm)
-    return rec, pos, _carried_cropped(x0, alphas, blocks, pos, classes, head, bias, mask)
+    # separate's backward pass needs autograd, which inference mode switches off; the arrays below are built
+    # outside it (normal tensors) and the recorded ones copied where autograd saves them (_normal)
+    with torch.inference_mode(False):
+        dt = va.working_dtype(dtype, states.inputs[0])
+        head = anat.head(dt)  # raises for a model without a head, before any work
+        pos = ctx.positions(rec, "self")
+        mask = ctx.mask(rec, "self")
+        _check_real(mask, pos)
+        classes = _normal(va.logit_classes(ctx, rec, "decompx", "decomposes one logit of the model's head"))
+        x0 = _normal(states.inputs[0].to(dt))
+        pos_t = torch.tensor(pos, device=x0.device)
+        pools = anat.pool_weights(x0.shape[1], pos_t, dt) if anat.pooled else None
+        token_norm = anat.token_norm_params(dt)
+        blocks = anat.blocks(dt)
+        alphas = [a.to(dt) for a in rec.attentions]
+        if bias == "separate":
+            # affine once the coefficients are frozen: one forward + backward gives the carried shares exactly
+            tok, y = separate_bias_shares(x0, [_normal(a) for a in alphas], blocks, positions=pos_t,
+                                          classes=classes.to(x0.device), pools=pools, token_norm=token_norm,
+                                          **head)
+            return rec, pos, torch.cat([tok, (y - tok.sum(-1)).unsqueeze(-1)], dim=-1)
+        if mask is None or pools is not None or bool(mask.all()):
+            return rec, pos, _carried(x0, alphas, blocks, pos, classes, head, bias, pools, token_norm)
+        return rec, pos, _carried_cropped(x0, alphas, blocks, pos, classes, head, bias, mask)
+
+
+def _normal(t: torch.Tensor) -> torch.Tensor:
+    """t, or a copy of it when it was made under ``torch.inference_mode()`` (autograd may not save those)."""
+    return t.clone() if t.is_inference() else t
+
+
+def _check_real(mask: torch.Tensor | None, pos: list[int]) -> None:
+    """Refuse explaining a padded position (its logit is no output of the example)."""
+    if mask is None:
+        return
+    bad = [p for b, p in enumerate(pos) if not bool(mask[b, p])]
+    if bad:
+        raise ValueError(f"position: decompx explains a real (unpadded) token, got padded position(s) {bad}")
 
 
 def _carried(x0, alphas, blocks, pos, classes, head, bias, pools, token_norm) -> torch.Tensor:
@@ -76,9 +106,6 @@ def _carried_cropped(x0, alphas, blocks, pos, classes, head, bias, mask) -> torc
     for b in range(B):
         groups.setdefault(tuple(mask[b].nonzero().flatten().tolist()), []).append(b)
     for keep, members in groups.items():
-        if any(pos[b] not in keep for b in members):
-            bad = [pos[b] for b in members if pos[b] not in keep]
-            raise ValueError(f"position: decompx explains a real (unpadded) token, got padded position(s) {bad}")
         ex, k = torch.tensor(members, device=x0.device), torch.tensor(keep, device=x0.device)
         sub = [a[ex][:, :, k][..., k] for a in alphas]
         got = _carried(x0[ex][:, k], sub, blocks, [keep.index(pos[b]) for b in members], classes[ex.cpu()],
@@ -90,9 +117,10 @@ def _carried_cropped(x0, alphas, blocks, pos, classes, head, bias, mask) -> torc
 @register(
     "decompx",
     description="DecompX: each token's signed share of the target logit, decomposed through attention, norms, MLP and head (class-specific)",
-    options={"bias": "absdot", **va.COMMON},
+    options={"bias": "separate", **va.COMMON},
     class_specific=True,
-    cost="1 forward + O(n) times the block's linear work (every token's share carried through every block)",
+    cost="1 forward + 1 backward (bias='separate', the default); bias='absdot': + O(n) times the block's linear "
+         "work (every token's share carried through every block)",
     reference="Modarressi, Fayyaz, Aghazadeh, Yaghoobzadeh & Pilehvar, DecompX: Explaining Transformers "
               "Decisions by Propagating Token Decomposition, ACL 2023",
     refuse={**va.REFUSE, "start_layer": "decompx decomposes the whole network; there is no layer range"},
