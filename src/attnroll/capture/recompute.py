@@ -8,7 +8,10 @@ softcap=..., ...)`` with query and key after the position encoding. For the dura
 ``AttentionInterface.get_interface`` hands out a wrapper of the very kernel it would return: the wrapper
 records (query, key, mask, scaling, softcapping, window, sinks, position bias; value and the output for
 gradient rules) as :class:`~attnroll.core.operators.KernelInputs` and then calls the original kernel
-(``ALL_ATTENTION_FUNCTIONS[impl]``, which a few modules use directly, is wrapped the same way). While the
+(``ALL_ATTENTION_FUNCTIONS[impl]``, which a few modules use directly, is wrapped the same way). For a layer
+that rollout's head mean fuses (``KernelRecorder.fuses``) under transformers' SDPA kernel on CPU, the
+wrapper computes softmax·v itself (``own_attention_applies``, ``operators.attend_mean``): the
+probabilities once for the output and the head mean, equal to the kernel's output to float32 rounding. While the
 kernel of a layer too large for the small-n path (``operators.whole_size``) runs, a dispatch mode below
 autograd notes the row log-sum-exp that fused kernels compute and SDPA drops, so that the probabilities can
 later be recomputed without normalising them again (small layers are recomputed whole and need none). Both

@@ -22,7 +22,10 @@ once instead: one product, the row max, one exp2, the row sums, and the softmax'
 relevance rows (O(n) instead of O(n²)); it needs no log-sum-exp from the kernel. For rollout's head mean
 the capture goes one step further (``mean_probs``): every such layer but the top one is fused to its (B, n, n)
 head-mean probabilities while the forward runs, right after its kernel, so that the record keeps that
-matrix (no larger than q and k) and applying the layer afterwards is one product (``apply_fused``).
+matrix (no larger than q and k) and applying the layer afterwards is one product (``apply_fused``). Where
+the model's kernel is transformers' SDPA on CPU, the capture computes such a layer's attention itself
+(``attend_mean``): the probabilities once, for both the kernel's output and the head mean (SDPA's fused
+CPU kernel computes them too and drops them), the top layer included.
 
 Torch only, device-agnostic: everything runs where the captured tensors live (CPU or CUDA).
 """
