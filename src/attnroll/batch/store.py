@@ -18,6 +18,7 @@ so that a killed run's worker that is still alive (a Ray actor on a cluster) can
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import uuid
@@ -51,8 +52,9 @@ def import_in_background() -> None:
     threading.Thread(target=load, name="attnroll-import-pyarrow", daemon=True).start()
 
 
+@functools.lru_cache(maxsize=1)
 def row_schema() -> Any:
-    """The Parquet schema of ``rows/`` (see the README's "whole datasets" section)."""
+    """The Parquet schema of ``rows/`` (see the README's "whole datasets" section); one object (immutable)."""
     pa = _pa()
     return pa.schema([
         ("index", pa.int64()),            # position of the input in the source
@@ -135,8 +137,11 @@ def arrow_column(values: list, kind: Any) -> Any:
     import numpy as np
 
     pa = _pa()
-    present = np.fromiter((v is not None for v in values), dtype=bool, count=len(values))
-    validity = None if present.all() else pa.py_buffer(np.packbits(present, bitorder="little"))
+    nulls = any(v is None for v in values)
+    validity = None
+    if nulls:
+        present = np.fromiter((v is not None for v in values), dtype=bool, count=len(values))
+        validity = pa.py_buffer(np.packbits(present, bitorder="little"))
     if pa.types.is_list(kind):
         lengths = [0 if v is None else len(v) for v in values]
         child = arrow_column([x for v in values if v is not None for x in v], kind.value_type)
@@ -146,7 +151,7 @@ def arrow_column(values: list, kind: Any) -> Any:
         buffers = [validity, pa.py_buffer(_offsets([len(b) for b in data])), pa.py_buffer(b"".join(data))]
         return pa.Array.from_buffers(kind, len(values), buffers)
     dtype = kind.to_pandas_dtype()  # the numpy dtype (a table of types; pandas is not imported)
-    flat = np.array([0 if v is None else v for v in values], dtype=dtype)
+    flat = np.array([0 if v is None else v for v in values] if nulls else values, dtype=dtype)
     return pa.Array.from_buffers(kind, len(values), [validity, pa.py_buffer(flat)])
 
 
