@@ -70,17 +70,12 @@ def test_committed_ids_in_shard_order_as_the_dataset_reader_gives_them(tmp_path)
 
 def test_writing_and_reading_shards_imports_no_pandas(tmp_path):
     """Building a batch's rows, committing it and scanning the committed ids (a run's own path) import no
-    pandas, which ``pa.array`` and pyarrow's dataset reader would (~0.3 s each, in a fresh process); the
-    background import that a local run starts with loads pyarrow's Parquet module."""
+    pandas, which ``pa.array`` and pyarrow's dataset reader would (~0.3 s each, in a fresh process)."""
     code = textwrap.dedent(f"""
-        import sys, threading
+        import sys
         from pathlib import Path
         import numpy as np
         from attnroll.batch import store
-        assert "pyarrow.parquet" not in sys.modules
-        store.import_in_background()
-        [t.join() for t in threading.enumerate() if t.name == "attnroll-import-pyarrow"]
-        assert "pyarrow.parquet" in sys.modules
         out = Path({str(tmp_path)!r})
         full = np.ones((2, 5), dtype=np.float32)
         table = store.rows_table({{"index": [0, 1], "id": ["a", "b"], "source": ["a", "b"], "method": ["raw"] * 2,

@@ -180,10 +180,7 @@ def _ray_runtime(engine: str, address: str | None, num_workers: int, cpus_per_wo
     """For ``engine="ray"``: the Ray runtime starting in the background from the run's first line (or the
     caller's ``ray_start``), so that listing the source, loading and fingerprinting the model and scanning the
     output overlap it; stopped at the end when that start began it, also when the run stops before Ray's
-    part (a bad source, a mismatched output). None for the local engine, which starts importing pyarrow's
-    writer in the background instead (``store.import_in_background``)."""
-    if engine == "local":
-        store.import_in_background()
+    part (a bad source, a mismatched output). None for the local engine."""
     if engine == "ray" and ray_start is None:
         ray_start = begin_ray(address, num_workers, cpus_per_worker)
     try:

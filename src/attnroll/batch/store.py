@@ -39,19 +39,6 @@ def _pa() -> Any:
     return pa
 
 
-def import_in_background() -> None:
-    """Start importing pyarrow's Parquet writer in a daemon thread (~50 ms: the first batch's rows and commit
-    need it), so that it overlaps a run's start (listing, loading the model, the first batch's forward);
-    without pyarrow nothing happens here (``_pa`` says how to install it when it is needed)."""
-    import threading
-
-    def load() -> None:
-        with contextlib.suppress(ImportError):
-            import pyarrow.parquet  # noqa: F401
-
-    threading.Thread(target=load, name="attnroll-import-pyarrow", daemon=True).start()
-
-
 @functools.lru_cache(maxsize=1)
 def row_schema() -> Any:
     """The Parquet schema of ``rows/`` (see the README's "whole datasets" section); one object (immutable)."""
