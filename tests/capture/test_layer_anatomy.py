@@ -327,15 +327,16 @@ def test_decompx_of_a_pooling_head_adds_up_to_the_models_own_logit(kind, bias):
     torch.testing.assert_close(carried[:, -1], e.extra["bias_share"].double(), atol=1e-5, rtol=1e-5)
 
 
-def _carried_pooled(m, x, target, bias):
+def _carried_pooled(m, x, target, bias, start=0):
     """Every token's shares carried through the blocks by the core kernels, pooled at CLS (row 0) and the
-    patch mean as the anatomy says, then the head: (B, n + 1) shares of logit ``target``."""
+    patch mean as the anatomy says, then the head: (B, n + 1) shares of logit ``target``; ``start`` = the
+    shares of the tokens entering that block (carried from there up)."""
     from attnroll.capture.value_path import record_states
     from attnroll.core.decompx import block_shares, head_shares, initial_shares, pool_shares
 
     rec, st, anat = record_states(m, x)
-    S = initial_shares(st.inputs[0])
-    for i, blk in enumerate(anat.blocks(F64)):
+    S = initial_shares(st.inputs[start])
+    for i, blk in enumerate(anat.blocks(F64)[start:], start):
         S = block_shares(S, rec.attentions[i], blk, bias=bias)
     B, n = S.shape[:2]
     pools = anat.pool_weights(n, torch.zeros(B, dtype=torch.long), F64)

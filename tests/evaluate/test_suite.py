@@ -106,6 +106,8 @@ def test_method_options_are_passed(data):
     (dict(methods=["rollout"], method_options={"gae": {}}), ValueError, "not evaluated"),
     (dict(methods=["rollout"], labels=[0, 1]), ValueError, "labels has 2 entries"),
     (dict(methods=["rollout", "encdec_rollout"]), ValueError, "'encdec_rollout' cannot explain this model"),
+    (dict(methods=["decompx"], method_options={"decompx": {"start_layer": 9}}), ValueError,
+     r"'decompx' with start_layer=9 cannot explain this model: .*start_layer must be in \[0, \d+\], got 9"),
 ])
 def test_errors(data, kwargs, err, words):
     model, x, _, _ = data

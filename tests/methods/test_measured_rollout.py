@@ -19,42 +19,10 @@ T = pytest.importorskip("transformers")
 KINDS = ["bert", "vit", "gpt2", "llama"]
 
 
-def _naive_parts(L, x, alpha):
-    """(T_res, T_mix, bias part) of every row (n, d) each: the residual x_i and the attention mix a_i pushed
-    through the block, norms with the actual statistics, the MLP linearised at the actual pre-activation."""
-    n = len(x)
-    a = R.attention_out(L, x, alpha) - (0 if L["bo"] is None else L["bo"])
-    m = L["mlp"]
-    parts = np.zeros((3, n, x.shape[1]))
-    for i in range(n):
-        full = x[i] + a[i] + (0 if L["bo"] is None else L["bo"])
-        u = R.ln(full, L["ln2"]) if L["pre"] else R.ln(full, L["ln1"])  # what the MLP reads
-        zeta = m["W1"] @ u + (0 if m["b1"] is None else m["b1"])
-        coef = m["act"](m["Wg"] @ u) if "Wg" in m else m["act"](zeta) / zeta
-
-        def through(s):  # a part s of the block's pre-norm sum, linearised through the rest of the block
-            if L["pre"]:
-                return s + m["W2"] @ (coef * (m["W1"] @ R.ln(s, L["ln2"], actual=full)))
-            g = R.ln(s, L["ln1"], actual=full)
-            return R.ln(g + m["W2"] @ (coef * (m["W1"] @ g)), L["ln2"], actual=u + R.mlp(L, u))
-
-        parts[0, i], parts[1, i] = through(x[i]), through(a[i])
-        out = full + R.mlp(L, u) if L["pre"] else R.ln(u + R.mlp(L, u), L["ln2"])
-        parts[2, i] = out - parts[0, i] - parts[1, i]
-    return parts
-
-
 def _naive_map(S, xs, alphas, b, row):
     P = np.eye(xs[0].shape[1])
     for l, L in enumerate(S["layers"]):
-        x, alpha = xs[l][b], alphas[l][b]
-        Tr, Tm, _ = _naive_parts(L, x, alpha)
-        M = np.zeros_like(P)
-        for i in range(len(x)):
-            r = np.linalg.norm(Tr[i]) / (np.linalg.norm(Tr[i]) + np.linalg.norm(Tm[i]))
-            for j in range(len(x)):
-                M[i, j] = (1 - r) * alpha[:, i, j].mean() + (r if i == j else 0.0)
-        P = M @ P
+        P = R.measured_matrix(L, xs[l][b], alphas[l][b]) @ P
     return P[row]
 
 
@@ -85,7 +53,7 @@ def test_block_parts_add_up_to_the_layer_output_and_match_the_naive_split(kind):
 
     blocks = anatomy(m).blocks(torch.float64)
     for l, (L, blk) in enumerate(zip(S["layers"], blocks)):
-        naive = np.stack([_naive_parts(L, xs[l][b], alphas[l][b]) for b in range(2)])  # (B, 3, n, d)
+        naive = np.stack([R.measured_parts(L, xs[l][b], alphas[l][b]) for b in range(2)])  # (B, 3, n, d)
         attn = np.stack([R.attention_out(L, xs[l][b], alphas[l][b]) for b in range(2)])
         mixed = torch.from_numpy(attn - (0 if L["bo"] is None else L["bo"]))
         parts = block_parts(torch.from_numpy(xs[l]), mixed, blk.bo, blk)

@@ -26,23 +26,23 @@ def _randomise(model: torch.nn.Module, seed: int) -> torch.nn.Module:
     return model.double().eval()
 
 
-def build(kind: str, seed: int = 0) -> torch.nn.Module:
-    """A 2-layer float64 random-weight model of ``kind`` (bert, vit, gpt2, llama)."""
+def build(kind: str, seed: int = 0, layers: int = 2) -> torch.nn.Module:
+    """A ``layers``-layer float64 random-weight model of ``kind`` (bert, vit, gpt2, llama)."""
     eager = dict(attn_implementation="eager")
     if kind == "bert":
-        cfg = T.BertConfig(vocab_size=30, hidden_size=8, num_hidden_layers=2, num_attention_heads=2,
+        cfg = T.BertConfig(vocab_size=30, hidden_size=8, num_hidden_layers=layers, num_attention_heads=2,
                            intermediate_size=12, max_position_embeddings=16, num_labels=3, **eager)
         m = T.BertForSequenceClassification(cfg)
     elif kind == "vit":
-        cfg = T.ViTConfig(image_size=16, patch_size=8, num_channels=3, hidden_size=8, num_hidden_layers=2,
+        cfg = T.ViTConfig(image_size=16, patch_size=8, num_channels=3, hidden_size=8, num_hidden_layers=layers,
                           num_attention_heads=2, intermediate_size=12, num_labels=3, **eager)
         m = T.ViTForImageClassification(cfg)
     elif kind == "gpt2":
-        cfg = T.GPT2Config(vocab_size=30, n_embd=8, n_layer=2, n_head=2, n_positions=16, bos_token_id=0,
+        cfg = T.GPT2Config(vocab_size=30, n_embd=8, n_layer=layers, n_head=2, n_positions=16, bos_token_id=0,
                            eos_token_id=0, **eager)
         m = T.GPT2LMHeadModel(cfg)
     elif kind == "llama":
-        cfg = T.LlamaConfig(vocab_size=30, hidden_size=8, num_hidden_layers=2, num_attention_heads=4,
+        cfg = T.LlamaConfig(vocab_size=30, hidden_size=8, num_hidden_layers=layers, num_attention_heads=4,
                             num_key_value_heads=2, intermediate_size=12, max_position_embeddings=16,
                             bos_token_id=0, eos_token_id=0, **eager)
         m = T.LlamaForCausalLM(cfg)
@@ -275,6 +275,44 @@ def rolled(method, S, xs, alphas, b, row):
     for C in Cs:
         R = C @ R
     return R[row]
+
+
+# ----------------------------------------------------------------------------------------- measured share
+def measured_parts(L, x, alpha):
+    """(T_res, T_mix, bias part) of every row (n, d) each: the residual x_i and the attention mix a_i pushed
+    through the block, norms with the actual statistics, the MLP linearised at the actual pre-activation."""
+    n = len(x)
+    a = attention_out(L, x, alpha) - (0 if L["bo"] is None else L["bo"])
+    m = L["mlp"]
+    parts = np.zeros((3, n, x.shape[1]))
+    for i in range(n):
+        full = x[i] + a[i] + (0 if L["bo"] is None else L["bo"])
+        u = ln(full, L["ln2"]) if L["pre"] else ln(full, L["ln1"])  # what the MLP reads
+        zeta = m["W1"] @ u + (0 if m["b1"] is None else m["b1"])
+        coef = m["act"](m["Wg"] @ u) if "Wg" in m else m["act"](zeta) / zeta
+
+        def through(s):  # a part s of the block's pre-norm sum, linearised through the rest of the block
+            if L["pre"]:
+                return s + m["W2"] @ (coef * (m["W1"] @ ln(s, L["ln2"], actual=full)))
+            g = ln(s, L["ln1"], actual=full)
+            return ln(g + m["W2"] @ (coef * (m["W1"] @ g)), L["ln2"], actual=u + mlp(L, u))
+
+        parts[0, i], parts[1, i] = through(x[i]), through(a[i])
+        out = full + mlp(L, u) if L["pre"] else ln(u + mlp(L, u), L["ln2"])
+        parts[2, i] = out - parts[0, i] - parts[1, i]
+    return parts
+
+
+def measured_matrix(L, x, alpha):
+    """measured_rollout's matrix of one layer (n, n): M_ij = (1 − r_i) mean_h α^h_ij + r_i δ_ij with
+    r_i = ‖T_res,i‖ / (‖T_res,i‖ + ‖T_mix,i‖) from :func:`measured_parts`."""
+    Tr, Tm, _ = measured_parts(L, x, alpha)
+    M = np.zeros((len(x), len(x)))
+    for i in range(len(x)):
+        r = np.linalg.norm(Tr[i]) / (np.linalg.norm(Tr[i]) + np.linalg.norm(Tm[i]))
+        for j in range(len(x)):
+            M[i, j] = (1 - r) * alpha[:, i, j].mean() + (r if i == j else 0.0)
+    return M
 
 
 # ----------------------------------------------------------------------------------------- naive DecompX

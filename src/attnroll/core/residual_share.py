@@ -20,7 +20,7 @@ import torch
 from .decompx import mlp_shares, norm_shares
 from .value_aware import Block
 
-__all__ = ["block_parts", "residual_share", "share_rollout_matrix"]
+__all__ = ["block_parts", "residual_share", "share_rollout_matrix", "measured_matrix"]
 
 
 def block_parts(x: torch.Tensor, mixed: torch.Tensor, attn_bias: torch.Tensor | None, block: Block) -> torch.Tensor:
@@ -53,3 +53,12 @@ def share_rollout_matrix(alpha: torch.Tensor, share: torch.Tensor) -> torch.Tens
     eye = torch.eye(n, dtype=alpha.dtype, device=alpha.device)
     r = share.to(alpha.dtype).unsqueeze(-1)
     return r * eye + (1 - r) * alpha.mean(1)
+
+
+def measured_matrix(x: torch.Tensor, attn_out: torch.Tensor, alpha: torch.Tensor, block: Block) -> torch.Tensor:
+    """One block's measured-share matrix M = diag(r) + diag(1 − r) · mean_h α^h (B, n, n), r from
+    :func:`block_parts`: ``x`` (B, n, d) the block input, ``attn_out`` (B, n, d) the attention branch's actual
+    output (b_O included), ``alpha`` (B, H, n, n) the attention the block used."""
+    bo = block.bo
+    mixed = attn_out if bo is None else attn_out - bo
+    return share_rollout_matrix(alpha, residual_share(block_parts(x, mixed, bo, block)))

@@ -212,10 +212,13 @@ def _probe(model: Any, x: Any, methods: list[str], tgt: Any, method_options: dic
     fails here on one example, before minutes of work on the others."""
     t0 = tgt[:1] if isinstance(tgt, (list, tuple)) else (tgt.tolist()[:1] if isinstance(tgt, torch.Tensor) else tgt)
     for m in methods:
+        opts = method_options.get(m, {})
         try:
-            explain_scores(model, take_rows(x, slice(0, 1)), m, target=t0, **method_options.get(m, {}))
+            explain_scores(model, take_rows(x, slice(0, 1)), m, target=t0, **opts)
         except (ValueError, TypeError, RuntimeError) as e:
-            raise ValueError(f"method {m!r} cannot explain this model: {e}") from e
+            # the options are quoted: a bad option value fails here too, not only an unsuitable model
+            given = f" with {', '.join(f'{k}={v!r}' for k, v in opts.items())}" if opts else ""
+            raise ValueError(f"method {m!r}{given} cannot explain this model: {e}") from e
 
 
 @in_eval_mode

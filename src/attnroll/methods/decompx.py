@@ -17,6 +17,14 @@ Two rules for the biases (b_V, b_O, β, b_1, b_2, the head's):
   (~190x a forward at ViT-B/16). In a padded batch this route carries each example's real tokens only
   (padded tokens' shares of real rows are 0 throughout; ~(n / n_real)² less work, same numbers).
 
+``start_layer=l`` (default 0, the paper's DecompX; ``bias="separate"`` only) is our variant, not the paper's:
+the decomposition starts at the vectors entering block l. With the coefficients frozen the logit is affine in
+them, so token j's share there is ⟨∂y/∂x^l_j, x^l_j⟩ (the same one backward pass, from block l up), and
+these shares are carried down to the input tokens through blocks l − 1, …, 0 by ``measured_rollout``'s
+matrices M = diag(r) + diag(1 − r) · mean_h α^h (rows sum to 1: the tokens and the bias share still add up
+to the logit). On the shapes benchmark's validation images l = 1 was more faithful than l = 0
+(EVALUATION.md, session 5): block 0 mixes each patch with its neighbours before any class evidence is read.
+
 Heads that pool rows (timm ``global_pool='avg'`` with its ``fc_norm``, DINOv2's CLS ⊕ mean of the patch
 rows) are decomposed as the layer anatomy describes them: every output row's shares through the final norm,
 pooled, concatenated, then the classifier."""
@@ -27,13 +35,23 @@ import torch
 
 from .. import _checks
 from ..core.decompx import block_shares, head_shares, initial_shares, pool_shares, separate_bias_shares
+from ..core.residual_share import measured_matrix
+from ..core.value_aware import normalize_rows
 from . import _value_aware as va
 from .base import Context, register
 
 
-def shares(ctx: Context, bias: str, dtype) -> tuple:
-    """(rec, positions, logit shares (B, n + 1): tokens then the bias share)."""
+def shares(ctx: Context, bias: str, dtype, start_layer=0) -> tuple:
+    """(rec, positions, logit shares (B, n + 1): tokens then the bias share); ``start_layer`` l > 0: the
+    shares are taken at block l's input and carried down by the measured-share matrices (module)."""
     _checks.check_choice("bias", bias, ("absdot", "separate"))
+    start = _checks.check_int("start_layer", start_layer)  # its range [0, L − 1] once the model is recorded
+    if start > 0 and bias != "separate":
+        raise ValueError(
+            f"start_layer: decompx starts above the input (start_layer={start}) only with bias='separate', got "
+            f"bias={bias!r}: the shares at block l are the frozen-coefficient linear shares of one backward pass, "
+            "which AbsDot's |b · s_k| split is not; use start_layer=0 with bias='absdot'"
+        )
     rec, states, anat = va.record(ctx)
     # separate's backward pass needs autograd, which inference mode switches off; the arrays below are built
     # outside it (normal tensors) and the recorded ones copied where autograd saves them (_normal)
@@ -50,15 +68,31 @@ def shares(ctx: Context, bias: str, dtype) -> tuple:
         token_norm = anat.token_norm_params(dt)
         blocks = anat.blocks(dt)
         alphas = [a.to(dt) for a in rec.attentions]
+        start = _checks.check_int("start_layer", start, low=0, high=len(blocks) - 1)
         if bias == "separate":
             # affine once the coefficients are frozen: one forward + backward gives the carried shares exactly
-            tok, y = separate_bias_shares(x0, [_normal(a) for a in alphas], blocks, positions=pos_t,
-                                          classes=classes.to(x0.device), pools=pools, token_norm=token_norm,
-                                          **head)
+            xl = x0 if start == 0 else _normal(states.inputs[start].to(dt))
+            tok, y = separate_bias_shares(xl, [_normal(a) for a in alphas[start:]], blocks[start:],
+                                          positions=pos_t, classes=classes.to(x0.device), pools=pools,
+                                          token_norm=token_norm, **head)
+            tok = _carried_down(tok, states, alphas, blocks, start, mask, dt)
             return rec, pos, torch.cat([tok, (y - tok.sum(-1)).unsqueeze(-1)], dim=-1)
         if mask is None or pools is not None or bool(mask.all()):
             return rec, pos, _carried(x0, alphas, blocks, pos, classes, head, bias, pools, token_norm)
         return rec, pos, _carried_cropped(x0, alphas, blocks, pos, classes, head, bias, mask)
+
+
+def _carried_down(tok: torch.Tensor, states, alphas, blocks, start: int, mask, dt) -> torch.Tensor:
+    """Shares (B, n) of the tokens entering block ``start`` carried down to the input tokens through the
+    blocks below it: s ← s · M_i for i = start − 1, …, 0, M_i measured_rollout's row-normalised matrix
+    diag(r) + diag(1 − r) · mean_h α^h (rows sum to 1, so the total, and the bias share, are unchanged)."""
+    with torch.no_grad():
+        for i in reversed(range(start)):
+            x, blk = states.inputs[i].to(dt), blocks[i]
+            attn = (states.norm2_in[i] if blk.pre_norm else states.norm1_in[i]).to(dt) - x
+            M = normalize_rows(measured_matrix(x, attn, alphas[i], blk), mask)
+            tok = torch.einsum("bi,bij->bj", tok, M)
+    return tok
 
 
 def _normal(t: torch.Tensor) -> torch.Tensor:
@@ -117,15 +151,15 @@ def _carried_cropped(x0, alphas, blocks, pos, classes, head, bias, mask) -> torc
 @register(
     "decompx",
     description="DecompX: each token's signed share of the target logit, decomposed through attention, norms, MLP and head (class-specific)",
-    options={"bias": "separate", **va.COMMON},
+    options={"bias": "separate", "start_layer": 0, **va.COMMON},
     class_specific=True,
-    cost="1 forward + 1 backward (bias='separate', the default); bias='absdot': + O(n) times the block's linear "
-         "work (every token's share carried through every block)",
+    cost="1 forward + 1 backward (bias='separate', the default; start_layer=l adds l blocks' measured shares); "
+         "bias='absdot': + O(n) times the block's linear work (every token's share carried through every block)",
     reference="Modarressi, Fayyaz, Aghazadeh, Yaghoobzadeh & Pilehvar, DecompX: Explaining Transformers "
               "Decisions by Propagating Token Decomposition, ACL 2023",
-    refuse={**va.REFUSE, "start_layer": "decompx decomposes the whole network; there is no layer range"},
+    refuse=va.REFUSE,
 )
-def decompx(ctx: Context, *, bias, dtype):
+def decompx(ctx: Context, *, bias, start_layer, dtype):
     """full_row[b, k] = token k's share of the target logit; ``extra["bias_share"]`` (B,) the rest."""
-    rec, pos, out = shares(ctx, bias, dtype)
+    rec, pos, out = shares(ctx, bias, dtype, start_layer)
     return ctx.build(rec, out[:, :-1], pos, "self", extra={"bias_share": out[:, -1].detach().float().cpu()})

@@ -6,18 +6,12 @@ to the block's output, the MLP and the norms split between the two as DecompX do
 
 from __future__ import annotations
 
-from ..core.residual_share import block_parts, residual_share, share_rollout_matrix
+from ..core.residual_share import measured_matrix
 from . import _value_aware as va
 
 
 def _matrices(layers, states, anat, mask):
-    out = []
-    for lay in layers:
-        bo = lay.block.bo
-        mixed = lay.attn if bo is None else lay.attn - bo
-        r = residual_share(block_parts(lay.x, mixed, bo, lay.block))
-        out.append(share_rollout_matrix(lay.alpha, r))
-    return out
+    return [measured_matrix(lay.x, lay.attn, lay.alpha, lay.block) for lay in layers]
 
 
 va.register_rolled(
