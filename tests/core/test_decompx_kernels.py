@@ -14,6 +14,8 @@ import torch
 from attnroll.core.decompx import block_shares, mlp_shares, norm_linear_shares, norm_shares
 from attnroll.core.value_aware import Block, Mlp, Norm
 
+from ..methods.value_aware_reference import absdot_split
+
 B, R, K, D, F = 2, 3, 5, 6, 10
 
 
@@ -35,20 +37,6 @@ def _mlp(rng, gated, biases):
                wg=_t(rng, F, D) if gated else None, bg=b(F) if gated else None)
 
 
-def _naive_absdot(Si, b, mode):
-    """Si (K, width) numpy, one row's slots (last = bias slot)."""
-    if b is None:
-        return Si
-    Si, b = Si.copy(), np.asarray(b)
-    w = np.array([abs(b @ Si[k]) for k in range(len(Si) - 1)])
-    if mode == "absdot" and w.sum() > 0:
-        for k in range(len(w)):
-            Si[k] += w[k] / w.sum() * b
-    else:
-        Si[-1] += b
-    return Si
-
-
 def _naive_norm(Si, norm, mode):
     actual = Si.sum(0)
     var = np.mean(actual ** 2) if norm.rms else np.var(actual)
@@ -56,20 +44,20 @@ def _naive_norm(Si, norm, mode):
     for s in Si:
         g = (s if norm.rms else s - s.mean()) / math.sqrt(var + norm.eps)
         out.append(g if norm.weight is None else g * norm.weight.numpy())
-    return _naive_absdot(np.stack(out), None if norm.bias is None else norm.bias.numpy(), mode)
+    return absdot_split(np.stack(out), None if norm.bias is None else norm.bias.numpy(), mode)
 
 
 def _naive_mlp(Ui, mlp, mode):
     w1, w2 = mlp.w1.numpy(), mlp.w2.numpy()
     np_ = lambda t: None if t is None else t.numpy()  # noqa: E731
-    Z = _naive_absdot(np.stack([w1 @ u for u in Ui]), np_(mlp.b1), mode)
+    Z = absdot_split(np.stack([w1 @ u for u in Ui]), np_(mlp.b1), mode)
     if mlp.wg is not None:
         g = mlp.wg.numpy() @ Ui.sum(0) + (0 if mlp.bg is None else mlp.bg.numpy())
         coef = mlp.act(torch.tensor(g)).numpy()
     else:
         zeta = Z.sum(0)
         coef = mlp.act(torch.tensor(zeta)).numpy() / zeta
-    return _naive_absdot(np.stack([w2 @ (coef * z) for z in Z]), np_(mlp.b2), mode)
+    return absdot_split(np.stack([w2 @ (coef * z) for z in Z]), np_(mlp.b2), mode)
 
 
 def _shares(rng, zero_row=False):

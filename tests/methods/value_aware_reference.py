@@ -316,7 +316,7 @@ def measured_matrix(L, x, alpha):
 
 
 # ----------------------------------------------------------------------------------------- naive DecompX
-def _absdot(Si, b, mode="absdot"):
+def absdot_split(Si, b, mode="absdot"):
     """Si (K, d) shares of one row (last = bias slot) plus bias b split by AbsDot; ``mode="separate"``: b
     joins the bias slot."""
     if b is None:
@@ -334,18 +334,18 @@ def _absdot(Si, b, mode="absdot"):
 def _norm_shares(Si, p, mode):
     actual = Si.sum(0)
     out = np.stack([ln(Si[k], p, actual=actual) for k in range(len(Si))])
-    return _absdot(out, p[1], mode)
+    return absdot_split(out, p[1], mode)
 
 
 def _mlp_shares(L, U, mode):
     m = L["mlp"]
-    Z = _absdot(np.stack([m["W1"] @ u for u in U]), m["b1"], mode)
+    Z = absdot_split(np.stack([m["W1"] @ u for u in U]), m["b1"], mode)
     if "Wg" in m:
         coef = m["act"](m["Wg"] @ U.sum(0))
     else:
         zeta = Z.sum(0)
         coef = np.where(zeta != 0, m["act"](zeta) / np.where(zeta != 0, zeta, 1), 0)
-    return _absdot(np.stack([m["W2"] @ (coef * z) for z in Z]), m["b2"], mode)
+    return absdot_split(np.stack([m["W2"] @ (coef * z) for z in Z]), m["b2"], mode)
 
 
 def decompx(S, x0, alphas, b, row, cls, bias="absdot"):
@@ -369,7 +369,7 @@ def decompx(S, x0, alphas, b, row, cls, bias="absdot"):
                 for j in range(n):
                     for h, hd in enumerate(L["heads"]):
                         z[k] += alpha[h, i, j] * (hd["Wo"] @ (hd["Wv"] @ X[j, k]))
-            z = _absdot(z, b_attn, bias)
+            z = absdot_split(z, b_attn, bias)
             if L["pre"]:
                 new[i] = z + _mlp_shares(L, _norm_shares(z, L["ln2"], bias), bias)
             else:
@@ -381,8 +381,8 @@ def decompx(S, x0, alphas, b, row, cls, bias="absdot"):
     if hd["final"] is not None:
         V = _norm_shares(V, hd["final"], bias)
     if hd["pooler"] is not None:
-        Z = _absdot(np.stack([hd["pooler"][0] @ v for v in V]), hd["pooler"][1], bias)
+        Z = absdot_split(np.stack([hd["pooler"][0] @ v for v in V]), hd["pooler"][1], bias)
         zeta = Z.sum(0)
         V = Z * (np.tanh(zeta) / zeta)
-    logits = _absdot(np.stack([hd["W"] @ v for v in V]), hd["b"], bias)
+    logits = absdot_split(np.stack([hd["W"] @ v for v in V]), hd["b"], bias)
     return logits[:, cls]
