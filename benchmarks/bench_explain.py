@@ -22,6 +22,7 @@ Usage: python benchmarks/bench_explain.py [--batches 1,8] [--repeat 3] [--ig-max
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import statistics
@@ -37,6 +38,14 @@ VALUE_AWARE = ["rollout", "measured_rollout", "norm", "norm_rollout", "globenc",
                "decompx", "decompx:bias=absdot", "value_zeroing"]
 #: O(n)-forward entries, timed only up to --slow-max-batch.
 SLOW = {"decompx:bias=absdot", "value_zeroing"}
+
+
+def _value(v: str):
+    """An option value as the CLI's ``-o`` reads it: JSON when it parses (numbers, true/false), else the str."""
+    try:
+        return json.loads(v)
+    except ValueError:
+        return v
 
 
 def timed(fn, repeat: int, warm: bool = True) -> float:
@@ -91,7 +100,7 @@ def main() -> None:
         print(f"{B:>5} {'forward (sdpa)':<22} {base:>9.3f} {1.0:>9.2f}x", flush=True)
         for entry in wanted:
             m, _, opt = entry.partition(":")
-            opts = dict(kv.split("=", 1) for kv in opt.split(";")) if opt else {}
+            opts = {k: _value(v) for k, v in (kv.split("=", 1) for kv in opt.split(";"))} if opt else {}
             if m == "integrated_gradients":
                 opts = {"n_steps": args.ig_steps, "internal_batch_size": 50}
             slow = entry in SLOW

@@ -11,6 +11,9 @@ the block's actual output exactly. The measured residual share of token i is
     r_i = ‖T_res,i‖ / (‖T_res,i‖ + ‖T_mix,i‖)
 
 the per-token, per-layer quantity rollout fixes at ½ (Abnar & Zuidema's 0.5·A + 0.5·I).
+
+The rest of the row is spread by the head-mean attention, or, in the blocks made class-specific, by
+:func:`class_pattern`: gae's gradient-weighted attention mean_h (∂y/∂α^h ⊙ α^h)^+ with its rows normalised.
 """
 
 from __future__ import annotations
@@ -18,9 +21,10 @@ from __future__ import annotations
 import torch
 
 from .decompx import mlp_shares, norm_shares
-from .value_aware import Block
+from .gradients import gradient_weighted
+from .value_aware import Block, normalize_rows
 
-__all__ = ["block_parts", "residual_share", "share_rollout_matrix", "measured_matrix"]
+__all__ = ["block_parts", "residual_share", "share_rollout_matrix", "measured_matrix", "class_pattern"]
 
 
 def block_parts(x: torch.Tensor, mixed: torch.Tensor, attn_bias: torch.Tensor | None, block: Block) -> torch.Tensor:
@@ -46,19 +50,28 @@ def residual_share(parts: torch.Tensor) -> torch.Tensor:
     return torch.where(tot > 0, res / torch.where(tot > 0, tot, torch.ones_like(tot)), torch.ones_like(tot))
 
 
-def share_rollout_matrix(alpha: torch.Tensor, share: torch.Tensor) -> torch.Tensor:
-    """One layer's mixing matrix M = diag(r) + diag(1 − r) · mean_h α^h: (B, n, n) from alpha (B, H, n, n)
-    and the residual share r (B, n). Rows sum to 1 where α's rows do."""
+def share_rollout_matrix(alpha: torch.Tensor, share: torch.Tensor, pattern: torch.Tensor | None = None) -> torch.Tensor:
+    """One layer's mixing matrix M = diag(r) + diag(1 − r) · P: (B, n, n) from alpha (B, H, n, n), the residual
+    share r (B, n) and the pattern P (B, n, n; default mean_h α^h). Rows sum to 1 where P's rows do."""
     n = alpha.shape[-1]
     eye = torch.eye(n, dtype=alpha.dtype, device=alpha.device)
     r = share.to(alpha.dtype).unsqueeze(-1)
-    return r * eye + (1 - r) * alpha.mean(1)
+    return r * eye + (1 - r) * (alpha.mean(1) if pattern is None else pattern.to(alpha.dtype))
 
 
-def measured_matrix(x: torch.Tensor, attn_out: torch.Tensor, alpha: torch.Tensor, block: Block) -> torch.Tensor:
-    """One block's measured-share matrix M = diag(r) + diag(1 − r) · mean_h α^h (B, n, n), r from
-    :func:`block_parts`: ``x`` (B, n, d) the block input, ``attn_out`` (B, n, d) the attention branch's actual
-    output (b_O included), ``alpha`` (B, H, n, n) the attention the block used."""
+def class_pattern(alpha: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """gae's class-specific pattern with its rows normalised: rows of mean_h (∂y/∂α^h ⊙ α^h)^+ divided by their
+    sums, (B, n, n) from alpha and grad = ∂y/∂α (B, H, n, n), in alpha's dtype. A row with no positive entry
+    stays 0 (nothing of the target is mixed into that token; its rolled-out row then keeps itself)."""
+    return normalize_rows(gradient_weighted([alpha], [grad.to(alpha.dtype)], "per_head", dtype=None)[0])
+
+
+def measured_matrix(x: torch.Tensor, attn_out: torch.Tensor, alpha: torch.Tensor, block: Block,
+                    pattern: torch.Tensor | None = None) -> torch.Tensor:
+    """One block's measured-share matrix M = diag(r) + diag(1 − r) · P (B, n, n), r from :func:`block_parts`:
+    ``x`` (B, n, d) the block input, ``attn_out`` (B, n, d) the attention branch's actual output (b_O
+    included), ``alpha`` (B, H, n, n) the attention the block used, ``pattern`` P (B, n, n) how the rest of
+    each row is spread (default mean_h α^h; :func:`class_pattern` for a class-specific block)."""
     bo = block.bo
     mixed = attn_out if bo is None else attn_out - bo
-    return share_rollout_matrix(alpha, residual_share(block_parts(x, mixed, bo, block)))
+    return share_rollout_matrix(alpha, residual_share(block_parts(x, mixed, bo, block)), pattern)
