@@ -308,6 +308,76 @@ def test_attend_mean_gives_the_attention_output_and_the_head_mean(case, split, m
         torch.testing.assert_close(out, sdpa.transpose(1, 2), atol=1e-5, rtol=0)
 
 
+def _scaled_layer(seed):
+    """A plain layer whose logits differ from ``layer()``'s (q scaled by a seed-dependent factor)."""
+    lay = layer()
+    lay.q = lay.q * (0.5 + 0.25 * seed)
+    return lay
+
+
+def test_kept_buffers_reuse_one_buffer_per_matrix_across_calls():
+    """Inside ``kept_buffers`` the k-th fused matrix of a call lands in the thread's k-th buffer, the same
+    storage from one call to the next (that is the point: no fresh pages), and every value is the naive
+    float64 head mean of its own layer, in both calls; outside, fresh tensors as before."""
+    v = torch.randn(B, HKV, N, 3, generator=torch.Generator().manual_seed(5))
+    ptrs = []
+    for call in range(2):
+        with op.kept_buffers():
+            lays = [_scaled_layer(call * 3 + i) for i in range(3)]
+            fused = [op.mean_probs(lays[0]), op.attend_mean(lays[1], v)[1], op.mean_probs(lays[2])]
+            for lay, f in zip(lays, fused):
+                ref = naive_probs(lay.q.double(), lay.k.double(), lay.scaling).mean(dim=1)
+                torch.testing.assert_close(f.probs.double(), ref, atol=1e-6, rtol=0)
+            ptrs.append([f.probs.data_ptr() for f in fused])
+    assert ptrs[0] == ptrs[1] and len(set(ptrs[0])) == 3
+    outside = [op.mean_probs(layer()).probs.data_ptr() for _ in range(2)]
+    assert not set(outside) & set(ptrs[0])
+
+
+def _in_new_thread(fn):
+    """``fn()`` run in a fresh thread (a fresh arena); its result."""
+    import threading
+
+    got = {}
+    t = threading.Thread(target=lambda: got.setdefault("r", fn()))
+    t.start()
+    t.join()
+    return got["r"]
+
+
+def test_kept_buffers_nested_over_budget_and_other_threads(monkeypatch):
+    """A nested ``kept_buffers`` goes on with the outer one's buffers (no two matrices of one call share
+    storage); beyond ``ARENA_ELEMENTS`` a matrix is a fresh tensor; each thread has its own buffers. Values
+    are the naive head mean in every case."""
+    ref = naive_probs(layer().q.double(), layer().k.double(), layer().scaling).mean(dim=1)
+
+    def nested():
+        with op.kept_buffers():
+            first = op.mean_probs(layer()).probs
+            with op.kept_buffers():
+                second = op.mean_probs(layer()).probs
+            third = op.mean_probs(layer()).probs
+        return first, second, third
+
+    def budget():
+        monkeypatch.setattr(op, "ARENA_ELEMENTS", B * N * N)  # room for one matrix only
+        calls = []
+        for _ in range(2):
+            with op.kept_buffers():
+                calls.append([op.mean_probs(layer()).probs for _ in range(2)])
+        return calls
+
+    mats = _in_new_thread(nested)
+    assert len({m.data_ptr() for m in mats}) == 3
+    (a0, a1), (b0, b1) = _in_new_thread(budget)
+    assert a0.data_ptr() == b0.data_ptr() and len({a0.data_ptr(), a1.data_ptr(), b1.data_ptr()}) == 3
+    with op.kept_buffers():
+        mine = op.mean_probs(layer()).probs
+    assert mine.data_ptr() not in {m.data_ptr() for m in (*mats, a0)}
+    for p in (*mats, a0, a1, b0, b1, mine):
+        torch.testing.assert_close(p.double(), ref, atol=1e-6, rtol=0)
+
+
 def test_attend_mean_with_exponentials_out_of_range():
     """Logits in the hundreds (exp overflows without the row max): ``attend_mean`` still gives the softmax."""
     lay = layer(causal=True)

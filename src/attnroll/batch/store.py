@@ -117,6 +117,14 @@ def rows_table(columns: dict[str, Any]) -> Any:
     return pa.Table.from_arrays(arrays, schema=schema)
 
 
+@functools.lru_cache(maxsize=64)
+def repeated_column(value: Any, n: int, name: str) -> Any:
+    """The ``row_schema()`` column ``name`` holding ``value`` in each of ``n`` rows (a list value given as a
+    tuple, so that it hashes): the columns that one Explanation gives all of its rows (method, options, grid,
+    model) are the same from one batch to the next, and an Arrow array is immutable, so each is built once."""
+    return arrow_column([list(value) if isinstance(value, tuple) else value] * n, row_schema().field(name).type)
+
+
 def arrow_column(values: list, kind: Any) -> Any:
     """``pa.array(values, type=kind)`` for the row schema's column types — int64, int32, float32, string and
     lists of them — None = null, built from numpy buffers: ``pa.array`` imports pandas on its first call

@@ -25,7 +25,8 @@ head-mean probabilities while the forward runs, right after its kernel, so that 
 matrix (no larger than q and k) and applying the layer afterwards is one product (``apply_fused``). Where
 the model's kernel is transformers' SDPA on CPU, the capture computes such a layer's attention itself
 (``attend_mean``): the probabilities once, for both the kernel's output and the head mean (SDPA's fused
-CPU kernel computes them too and drops them), the top layer included.
+CPU kernel computes them too and drops them), the top layer included. Inside ``kept_buffers`` (``explain``'s
+capture and product) those fused matrices live in buffers the thread reuses from call to call.
 
 Torch only, device-agnostic: everything runs where the captured tensors live (CPU or CUDA).
 """
@@ -33,8 +34,9 @@ Torch only, device-agnostic: everything runs where the captured tensors live (CP
 from __future__ import annotations
 
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -498,6 +500,63 @@ def _scratch(numel: int, device: torch.device) -> torch.Tensor | None:
     return buf[:numel]
 
 
+#: Largest total (float32 elements) of the fused matrices that one thread's ``kept_buffers`` arena holds on to
+#: between calls: 16 MiB (beyond it a fused matrix is a fresh tensor, as outside the arena).
+ARENA_ELEMENTS = 1 << 22
+
+
+class _Arena(threading.local):
+    """One thread's buffers for the (B, n, n) matrices a capture keeps (``kept_buffers``)."""
+
+    def __init__(self) -> None:
+        self.bufs: list[torch.Tensor] = []
+        self.used = 0
+        self.active = False
+
+
+_ARENA = _Arena()
+
+
+@contextmanager
+def kept_buffers() -> Iterator[None]:
+    """While active, the fused matrices that ``mean_probs`` / ``attend_mean`` return on CPU live in buffers
+    this thread reuses from one call to the next (the k-th matrix of the call in the k-th buffer), instead of
+    fresh tensors. Why: matrices that outlive the forward sit above the model's freed activations in the C
+    heap, so that freeing them after the call lets the allocator give the heap's top back to the system and
+    the next forward faults its activations in again (~1,000 page faults per call at B = 32, n = 65). The
+    matrices are valid until the next ``kept_buffers`` of this thread: use them (the row product) inside it
+    and keep nothing that aliases them. A nested one goes on with the outer one's buffers."""
+    ar = _ARENA
+    if ar.active:
+        yield
+        return
+    ar.active, ar.used = True, 0
+    try:
+        yield
+    finally:
+        ar.active = False
+
+
+def _kept(B: int, n: int, device: torch.device) -> torch.Tensor:
+    """An uninitialised (B, n, n) float32 tensor for a fused matrix: from the thread's arena while
+    ``kept_buffers`` is active (CPU, within ``ARENA_ELEMENTS``), else fresh."""
+    ar = _ARENA
+    numel = B * n * n
+    if not ar.active or device.type != "cpu":
+        return torch.empty(B, n, n, dtype=torch.float32, device=device)
+    i = ar.used
+    if i < len(ar.bufs) and ar.bufs[i].numel() >= numel:
+        buf = ar.bufs[i]
+    else:
+        held = sum(b.numel() for k, b in enumerate(ar.bufs) if k != i)
+        if held + numel > ARENA_ELEMENTS:
+            return torch.empty(B, n, n, dtype=torch.float32, device=device)
+        buf = torch.empty(numel, dtype=torch.float32)
+        ar.bufs[i:i + 1] = [buf]
+    ar.used += 1
+    return buf[:numel].view(B, n, n)
+
+
 #: Row sums of unshifted exponentials accepted by ``_exp_rows`` (outside them it shifts by the row max).
 _SUM_RANGE = (2.0 ** -60, float("inf"))
 
@@ -608,9 +667,9 @@ def fusable(layer: KernelInputs) -> bool:
 def mean_probs(layer: KernelInputs) -> FusedLayer:
     """The layer's head-mean softmax probabilities (B, n, n), computed as ``apply_layer_whole`` does (one
     product, the row max, one exp2, the row sums), a chunk of examples (``CHUNK_ELEMENTS`` logits) at a time;
-    ``layer`` must be ``fusable``."""
+    ``layer`` must be ``fusable``. The matrix is one of ``kept_buffers``' while one is active (``_kept``)."""
     B, H, n, _ = layer.shape
-    out = torch.empty(B, n, n, dtype=torch.float32, device=layer.q.device)
+    out = _kept(B, n, layer.q.device)
     disallowed = _disallowed(layer)
     for b0, b1, whole in _example_chunks(layer):
         q, k = (layer.q, layer.k) if whole else (layer.q[b0:b1], layer.k[b0:b1])
@@ -647,7 +706,7 @@ def attend_mean(layer: KernelInputs, v: torch.Tensor) -> tuple[torch.Tensor, Fus
     G = H // Hkv
     v = v if v.dtype == torch.float32 else v.to(torch.float32)
     out = torch.empty(B, n, H, dv, dtype=torch.float32, device=layer.q.device)
-    probs = torch.empty(B, n, n, dtype=torch.float32, device=layer.q.device)
+    probs = _kept(B, n, layer.q.device)
     disallowed = _disallowed(layer)
     for b0, b1, whole in _example_chunks(layer):
         q, k, vb = (layer.q, layer.k, v) if whole else (layer.q[b0:b1], layer.k[b0:b1], v[b0:b1])

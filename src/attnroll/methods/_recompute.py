@@ -10,6 +10,7 @@ and keys its own kernel saw (``attnroll.capture.recompute``) and folds them into
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -169,12 +170,15 @@ def explain_rows(ctx: Context, attention: Any, rule_for: Any, *, grad: bool, str
     """The whole recompute route of a row method: capture, product, Explanation; None when auto mode falls
     back to dense. ``rule_for(rec)`` gives the block rule; ``protect_prefix`` None = the record's prefix;
     ``fuse_mean``: the rule is ``fused_probs("mean")`` (see ``record``)."""
-    rec = grad_record(ctx, attention, stream_opt) if grad else record(ctx, attention, fuse_mean)
-    if rec is None:
-        return None
-    s = ctx.stream(rec)
-    pp = prefix_default(protect_prefix, ctx.info(rec, s))
-    row, layers, ro = product(ctx, rec, s, rule_for(rec), protect_prefix=pp, **product_opts)
+    # The fused matrices live in this thread's reused buffers until the product has read them (see
+    # ``operators.kept_buffers``: no page faults for the next call's forward); nothing returned aliases them.
+    with operators.kept_buffers() if fuse_mean and not grad else contextlib.nullcontext():
+        rec = grad_record(ctx, attention, stream_opt) if grad else record(ctx, attention, fuse_mean)
+        if rec is None:
+            return None
+        s = ctx.stream(rec)
+        pp = prefix_default(protect_prefix, ctx.info(rec, s))
+        row, layers, ro = product(ctx, rec, s, rule_for(rec), protect_prefix=pp, **product_opts)
     options = {**ctx.options, "attention": "recompute"}
     if "protect_prefix" in ctx.options:
         options["protect_prefix"] = pp
