@@ -26,7 +26,8 @@ the plain loop's step and the local engine's step batch by batch on the same inp
 disturbed by the load of a shared machine. ``--breakdown`` prints where a batch's time goes (decoding, the
 plain forward, explain on each attention route, rows, the Parquet commit). Each configuration runs
 --repeat times, alternating, each in a fresh Python process, and the best end-to-end run counts (the
-machine is shared).
+machine is shared); with ``--ref`` the two trees' local engines swap places every other round, and each
+one's per-round ratio to that round's plain loop and their median ("paired") are printed too.
 
 ``--cli`` times the command itself instead (``attnroll batch``, each run a cold process that imports torch,
 transformers and Ray itself: what a user waits for), optionally beside a reference tree (``--ref``). The
@@ -48,6 +49,7 @@ import os
 import platform
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -399,8 +401,10 @@ def run_model(name: str, args: argparse.Namespace, modes: list[str], workers: li
                 configs.append((f"ray-{k}" + ("@addr" if mode == "joined" else ""), method, "ray", k,
                                 address if mode == "joined" else None))
     best: dict = {}
-    for _ in range(args.repeat):
-        for label, method, engine, k, addr in configs:
+    rounds: list[dict] = []
+    for r in range(args.repeat):
+        rounds.append({})
+        for label, method, engine, k, addr in in_round_order(configs, r):
             one = {"src": str(src), "spec": spec, "method": method, "bs": bs, "engine": engine, "workers": k,
                    "work": str(work), "address": addr, "plain": label == "plain", "threads": args.threads}
             t = isolated(one, args.ref if label.endswith("@ref") else None)
@@ -409,9 +413,38 @@ def run_model(name: str, args: argparse.Namespace, modes: list[str], workers: li
             print(f"#   {name} {label} {method or ''}: {t.seconds:.1f} s, start-up {t.startup:.1f} s, "
                   f"steady {t.steady:.1f}/s (load {os.getloadavg()[0]:.1f})")
             sys.stdout.flush()
+            rounds[-1][(label, method)] = t
             if (label, method) not in best or t.seconds < best[(label, method)].seconds:
                 best[(label, method)] = t
     report(name, n, bs, best, methods)
+    report_paired(rounds, methods)
+
+
+def in_round_order(configs: list[tuple], r: int) -> list[tuple]:
+    """The configurations of round ``r``: the plain loop first, then on odd rounds each method's local engine
+    and its ``@ref`` twin swapped, so that neither tree always runs right after the plain loop (in two runs
+    of session 6 the second run of a round came out ~0.1x faster than the third whichever tree it was; a
+    run with the same tree in both places, at load 3, showed no consistent order effect)."""
+    if r % 2 == 0:
+        return list(configs)
+    out = list(configs)
+    for i, c in enumerate(out[:-1]):
+        if c[0] == "local" and out[i + 1][0] == "local@ref":
+            out[i], out[i + 1] = out[i + 1], c
+    return out
+
+
+def report_paired(rounds: list[dict], methods: list[str]) -> None:
+    """Per round, each local engine's end-to-end rate over that round's plain loop, and their median
+    ("paired": load that drifts between rounds cancels within one)."""
+    for method in methods:
+        for label in ("local", "local@ref"):
+            ratios = [rd[(label, method)].rate / rd[("plain", None)].rate for rd in rounds
+                      if (label, method) in rd and ("plain", None) in rd]
+            if ratios:
+                print(f"# paired {method} {label} / plain per round: " + ", ".join(f"{x:.2f}" for x in ratios)
+                      + f"; median {statistics.median(ratios):.2f}x")
+    sys.stdout.flush()
 
 
 def run_cli(name: str, n: int, bs: int, src: Path, methods: list[str], workers: list[int], args: argparse.Namespace,

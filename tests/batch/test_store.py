@@ -37,6 +37,19 @@ def test_arrow_column_equals_pa_array(values, kind):
     assert got.type == kind and got.equals(want) and got.null_count == want.null_count
 
 
+@pytest.mark.parametrize("name, value", [("method", "rollout"), ("options", '{"alpha": 0.5}'), ("grid", (8, 8)),
+                                         ("grid", None), ("tokens", None), ("model", "sha256:ab")])
+def test_repeated_column_equals_pa_array_of_the_repeated_value(name, value):
+    """The engine's shared columns (one value in every row; a list as a tuple) against ``pa.array`` of the
+    value repeated; a second call gives the same immutable array."""
+    kind = store.row_schema().field(name).type
+    got = store.repeated_column(value, 3, name)
+    got.validate(full=True)
+    want = pa.array([list(value) if isinstance(value, tuple) else value] * 3, type=kind)
+    assert got.type == kind and got.equals(want) and got.null_count == want.null_count
+    assert store.repeated_column(value, 3, name) is got and len(store.repeated_column(value, 2, name)) == 2
+
+
 def test_rows_table_equals_the_table_pa_array_builds():
     """A whole row table (every column of the schema, nulls included) against one built by ``pa.array``."""
     full = np.arange(12, dtype=np.float32).reshape(2, 6) / 7

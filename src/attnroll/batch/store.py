@@ -122,7 +122,8 @@ def rows_table(columns: dict[str, Any]) -> Any:
 class PendingRows:
     """The rows of one Explanation, every value already computed, as an Arrow table later (:meth:`table`):
     the engines build the table when they commit the batch (the writer thread), not in the thread that
-    runs the model. ``columns``: ``row_schema()``'s columns but ``scores`` / ``prefix_scores``, as lists;
+    runs the model. ``columns``: ``row_schema()``'s columns but ``scores`` / ``prefix_scores``, as lists
+    (or Arrow arrays, e.g. :func:`repeated_column`);
     ``full`` (B, n) float32 numpy array, the explained rows; ``prefix``: their first ``prefix`` entries go to
     ``prefix_scores``; ``lengths``: each row's real length (padding left out)."""
 
@@ -145,6 +146,14 @@ class PendingRows:
 def as_table(rows: Any) -> Any:
     """An Arrow table from a table or :class:`PendingRows`."""
     return rows.table() if isinstance(rows, PendingRows) else rows
+
+
+@functools.lru_cache(maxsize=64)
+def repeated_column(value: Any, n: int, name: str) -> Any:
+    """The ``row_schema()`` column ``name`` holding ``value`` in each of ``n`` rows (a list value given as a
+    tuple, so that it hashes): the columns that one Explanation gives all of its rows (method, options, grid,
+    model) are the same from one batch to the next, and an Arrow array is immutable, so each is built once."""
+    return arrow_column([list(value) if isinstance(value, tuple) else value] * n, row_schema().field(name).type)
 
 
 def arrow_column(values: list, kind: Any) -> Any:

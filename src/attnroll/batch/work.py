@@ -196,16 +196,18 @@ class Worker:
         labels = getattr(self.lm, "labels", {}) or {}
         is_class = [isinstance(t, int) and not isinstance(t, bool) for t in targets]
         pred, prob = _predictions(logits, B)
-        tokens = [None] * B if e.tokens is None else [list(e.tokens[b][: lengths[b]]) for b in range(B)]
+        tokens = None if e.tokens is None else [list(e.tokens[b][: lengths[b]]) for b in range(B)]
+        same = store.repeated_column  # the columns every row of the Explanation shares, built once per run
         return store.PendingRows({
             "index": [it.index for it in items], "id": [it.id for it in items],
-            "source": [it.source for it in items], "method": [e.method] * B,
-            "options": [json.dumps(jsonable(e.options), sort_keys=True)] * B,
+            "source": [it.source for it in items], "method": same(e.method, B, "method"),
+            "options": same(json.dumps(jsonable(e.options), sort_keys=True), B, "options"),
             "target": [t if c else None for t, c in zip(targets, is_class)],
             "target_name": [labels.get(t) if c else (None if t is None else str(t)) for t, c in zip(targets, is_class)],
             "prediction": pred, "probability": prob,
-            "grid": [None if e.grid is None else [int(g) for g in e.grid]] * B,
-            "tokens": tokens, "model": [self.job.fingerprint] * B,
+            "grid": same(None if e.grid is None else tuple(int(g) for g in e.grid), B, "grid"),
+            "tokens": same(None, B, "tokens") if e.tokens is None else tokens,
+            "model": same(self.job.fingerprint, B, "model"),
         }, full, p, lengths)
 
 

@@ -25,7 +25,8 @@ head-mean probabilities while the forward runs, right after its kernel, so that 
 matrix (no larger than q and k) and applying the layer afterwards is one product (``apply_fused``). Where
 the model's kernel is transformers' SDPA on CPU, the capture computes such a layer's attention itself
 (``attend_mean``): the probabilities once, for both the kernel's output and the head mean (SDPA's fused
-CPU kernel computes them too and drops them), the top layer included.
+CPU kernel computes them too and drops them), the top layer included. Inside ``kept_buffers`` (``explain``'s
+capture and product) those fused matrices live in buffers the thread reuses from call to call.
 
 Torch only, device-agnostic: everything runs where the captured tensors live (CPU or CUDA).
 """
@@ -666,7 +667,7 @@ def fusable(layer: KernelInputs) -> bool:
 def mean_probs(layer: KernelInputs) -> FusedLayer:
     """The layer's head-mean softmax probabilities (B, n, n), computed as ``apply_layer_whole`` does (one
     product, the row max, one exp2, the row sums), a chunk of examples (``CHUNK_ELEMENTS`` logits) at a time;
-    ``layer`` must be ``fusable``."""
+    ``layer`` must be ``fusable``. The matrix is one of ``kept_buffers``' while one is active (``_kept``)."""
     B, H, n, _ = layer.shape
     out = _kept(B, n, layer.q.device)
     disallowed = _disallowed(layer)
