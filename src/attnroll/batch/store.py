@@ -22,6 +22,7 @@ import functools
 import json
 import os
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -117,6 +118,36 @@ def rows_table(columns: dict[str, Any]) -> Any:
     return pa.Table.from_arrays(arrays, schema=schema)
 
 
+@dataclass
+class PendingRows:
+    """The rows of one Explanation, every value already computed, as an Arrow table later (:meth:`table`):
+    the engines build the table when they commit the batch (the writer thread), not in the thread that
+    runs the model. ``columns``: ``row_schema()``'s columns but ``scores`` / ``prefix_scores``, as lists
+    (or Arrow arrays, e.g. :func:`repeated_column`);
+    ``full`` (B, n) float32 numpy array, the explained rows; ``prefix``: their first ``prefix`` entries go to
+    ``prefix_scores``; ``lengths``: each row's real length (padding left out)."""
+
+    columns: dict[str, Any]
+    full: Any
+    prefix: int
+    lengths: list[int]
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.lengths)
+
+    def table(self) -> Any:
+        """The Arrow table of ``row_schema()`` (:func:`rows_table`)."""
+        B = len(self.lengths)
+        return rows_table({**self.columns, "scores": ragged(self.full, self.prefix, self.lengths),
+                           "prefix_scores": ragged(self.full, 0, [self.prefix] * B)})
+
+
+def as_table(rows: Any) -> Any:
+    """An Arrow table from a table or :class:`PendingRows`."""
+    return rows.table() if isinstance(rows, PendingRows) else rows
+
+
 @functools.lru_cache(maxsize=64)
 def repeated_column(value: Any, n: int, name: str) -> Any:
     """The ``row_schema()`` column ``name`` holding ``value`` in each of ``n`` rows (a list value given as a
@@ -175,10 +206,10 @@ def write_arrow(path: Path, table: Any) -> Path:
 
 
 def commit_tables(out: Path, tables: list[Any], failures: list[dict]) -> int:
-    """Commit one batch: its row tables (as one shard) and its failures, each shard named after the batch's
-    first input; returns the number of rows written."""
+    """Commit one batch: its row tables (Arrow tables or :class:`PendingRows`, as one shard) and its failures,
+    each shard named after the batch's first input; returns the number of rows written."""
     pa = _pa()
-    tables = [t for t in tables if t.num_rows]
+    tables = [as_table(t) for t in tables if t.num_rows]
     if not tables and not failures:
         return 0
     firsts = [min(t.column("index").to_pylist()) for t in tables] + [f["index"] for f in failures]

@@ -53,7 +53,8 @@ class Worker:
 
     def load(self, items: list[Item]) -> tuple:
         """Read and preprocess ``items`` (the part a prefetching thread can do while the model runs):
-        (items, readable items, their inputs, failures of the unreadable)."""
+        (items, readable items, their inputs, failures of the unreadable, the readable images' pixels
+        concatenated (B, C, H, W) or None for texts)."""
         ready, payloads, failures = [], [], []
         for it in items:
             try:
@@ -61,12 +62,12 @@ class Worker:
                 ready.append(it)
             except _Bad as e:
                 failures.append(failure(it, None, str(e)))
-        return items, ready, payloads, failures
+        return items, ready, payloads, failures, _stack(payloads) if self.lm.kind == "image" else None
 
     def compute(self, loaded: tuple) -> tuple:
         """Explain what :meth:`load` read with every method: (items, row tables, failures), ready to commit."""
-        items, ready, payloads, failures = loaded
-        tables, failures = self.explain_loaded(ready, payloads, failures)
+        items, ready, payloads, failures, stacked = loaded
+        tables, failures = self.explain_loaded(ready, payloads, failures, stacked)
         return items, tables, failures
 
     def commit(self, computed: tuple) -> dict[str, int]:
@@ -80,15 +81,18 @@ class Worker:
     def explain(self, items: list[Item]) -> tuple[list[Any], list[dict]]:
         """Row tables (one row per readable item and method) and failures (one per unreadable item, or item
         and method)."""
-        _, ready, payloads, failures = self.load(items)
-        return self.explain_loaded(ready, payloads, failures)
+        _, ready, payloads, failures, stacked = self.load(items)
+        tables, failures = self.explain_loaded(ready, payloads, failures, stacked)
+        return [store.as_table(t) for t in tables], failures
 
-    def explain_loaded(self, ready: list[Item], payloads: list, failures: list[dict]) -> tuple[list[Any], list[dict]]:
+    def explain_loaded(self, ready: list[Item], payloads: list, failures: list[dict],
+                       stacked: torch.Tensor | None = None) -> tuple[list[Any], list[dict]]:
+        """``explain`` of what :meth:`load` read; ``stacked``: the images' pixels concatenated (or None)."""
         tables: list[Any] = []
         failures = list(failures)
         if ready:
             for method in self.job.methods:
-                t, f = self._explain_method(method, ready, payloads)
+                t, f = self._explain_method(method, ready, payloads, stacked)
                 tables += t
                 failures += f
         return tables, failures
@@ -110,10 +114,12 @@ class Worker:
             raise _Bad(f"cannot preprocess the image: {_one_line(e)}") from None
 
     # ------------------------------------------------------------------------------------------ explaining
-    def _explain_method(self, method: str, items: list[Item], payloads: list[Any]) -> tuple[list[Any], list[dict]]:
-        """All items at once; when that fails, one by one, so that one bad input fails alone."""
+    def _explain_method(self, method: str, items: list[Item], payloads: list[Any],
+                        stacked: torch.Tensor | None = None) -> tuple[list[Any], list[dict]]:
+        """All items at once; when that fails, one by one, so that one bad input fails alone. ``stacked``:
+        the items' pixels concatenated, or None."""
         try:
-            return self._tables(method, items, payloads), []
+            return self._tables(method, items, payloads, stacked), []
         except Exception as e:  # noqa: BLE001 - a failing input must not stop the job
             if len(items) == 1:
                 return [], [failure(items[0], method, f"{type(e).__name__}: {_one_line(e)}")]
@@ -124,16 +130,18 @@ class Worker:
             failures += f
         return tables, failures
 
-    def _tables(self, method: str, items: list[Item], payloads: list[Any]) -> list[Any]:
+    def _tables(self, method: str, items: list[Item], payloads: list[Any], stacked: torch.Tensor | None = None) -> list[Any]:
         """One row table per group of items explained in one call (images: those with and without their own
-        target; texts: also with and without a pair)."""
+        target; texts: also with and without a pair). ``stacked``: the items' pixels concatenated (by the
+        reader thread: the usual batch is one group, which then needs no concatenation here), or None."""
         tables = []
         for group in _groups(items, self.lm.kind, self.job.target):
             pick = [payloads[k] for k in group]
             its = [items[k] for k in group]
             target = _targets(its, self.job.target)
             if self.lm.kind == "image":
-                x = torch.cat([p[1] for p in pick]).to(self.device)
+                whole = stacked is not None and len(group) == len(items)  # (a group keeps source order)
+                x = (stacked if whole else torch.cat([p[1] for p in pick])).to(self.device)
                 e, logits = self._run(method, x, target, its[0].index)
                 tables.append(self._table(e, its, logits, None))
                 if self.job.png:
@@ -176,7 +184,9 @@ class Worker:
 
     # ---------------------------------------------------------------------------------------------- rows
     def _table(self, e: Any, items: list[Item], logits: torch.Tensor | None, lengths: list[int] | None) -> Any:
-        """The rows of one Explanation as one Arrow table (store.row_schema), built column by column."""
+        """The rows of one Explanation (store.row_schema), every value computed here, the Arrow table built
+        when the batch is committed (``store.PendingRows``: in the local engine's writer thread, while the
+        model runs the next batch)."""
         from ..methods.explanation import jsonable
 
         B, p = len(items), int(e.prefix)
@@ -188,18 +198,29 @@ class Worker:
         pred, prob = _predictions(logits, B)
         tokens = None if e.tokens is None else [list(e.tokens[b][: lengths[b]]) for b in range(B)]
         same = store.repeated_column  # the columns every row of the Explanation shares, built once per run
-        return store.rows_table({
+        return store.PendingRows({
             "index": [it.index for it in items], "id": [it.id for it in items],
             "source": [it.source for it in items], "method": same(e.method, B, "method"),
             "options": same(json.dumps(jsonable(e.options), sort_keys=True), B, "options"),
             "target": [t if c else None for t, c in zip(targets, is_class)],
             "target_name": [labels.get(t) if c else (None if t is None else str(t)) for t, c in zip(targets, is_class)],
             "prediction": pred, "probability": prob,
-            "scores": store.ragged(full, p, lengths), "prefix_scores": store.ragged(full, 0, [p] * B),
             "grid": same(None if e.grid is None else tuple(int(g) for g in e.grid), B, "grid"),
             "tokens": same(None, B, "tokens") if e.tokens is None else tokens,
             "model": same(self.job.fingerprint, B, "model"),
-        })
+        }, full, p, lengths)
+
+
+def _stack(payloads: list[Any]) -> torch.Tensor | None:
+    """The images' pixels (1, C, H, W) each, concatenated; None when there are none or they do not
+    concatenate (then each group concatenates its own, and a failing one is explained input by input, as
+    before)."""
+    if not payloads:
+        return None
+    try:
+        return torch.cat([p[1] for p in payloads])
+    except (RuntimeError, TypeError, ValueError):
+        return None
 
 
 def _predictions(logits: torch.Tensor | None, B: int) -> tuple[list, list]:
