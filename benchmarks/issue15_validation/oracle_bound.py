@@ -2,8 +2,9 @@
 query the model (and the IoU-constrained ones read the ground-truth mask), so no explanation method can use
 them; they bound what a patch ranking can score on the benchmark's own metrics.
 
-    python oracle_bound.py greedy SEEDS N VARIANTS [STOP]   # e.g. greedy 777,778 200 u,c 0.01
-    python oracle_bound.py summary TAGS                     # e.g. summary 12345_200_None (pooled over tags)
+    python oracle_bound.py greedy SEEDS N VARIANTS [STOP [LO-HI]]  # e.g. greedy 777 200 u,c 0.01;
+                                                            # greedy 12345 200 u None 0-100 (images 0-99)
+    python oracle_bound.py summary TAGS                     # e.g. summary 12345_200_None_0-100,12345_200_None_100-200
     python oracle_bound.py pointing                         # G1: pointing hits on the 200 held-out images
 
 Greedy deletion order (per image, the benchmark's black fill, the target = the class predicted on the clean
@@ -13,8 +14,10 @@ size in patches, the k of the top-k IoU metric) may hold at most floor(3m/17) ba
 exactly IoU >= 0.70 (IoU = I / (2m - I) >= 0.7  <=>  17 I >= 14 m); greedy among the allowed patches, then
 greedy on the rest. With STOP an image stops re-querying once its target probability is below STOP and takes
 the rest of its order from its last query (a one-shot ranking); the scores stay exact, the order is just a
-weaker oracle. Per-image scores go to $VA_OUT/ob_{variant}_{seed}_{n}_{stop}.npz (orders, probabilities, and deletion, positive,
-iou, insertion per image; variant u = unconstrained, c = constrained).
+weaker oracle. Variant o stops after the first query: the patches ranked by the target probability with each
+removed alone, i.e. occlusion with the black fill (64 queries, no mask: a model-querying map). Per-image
+scores go to $VA_OUT/ob_{variant}_{seed}_{n}_{stop}[_{lo}-{hi}].npz (orders, probabilities, and deletion,
+positive, iou, insertion per image; variant u = unconstrained, c = constrained, o = occlusion).
 """
 from __future__ import annotations
 
@@ -182,18 +185,28 @@ def score_orders(st: dict, orders: torch.Tensor, metrics: Sequence[str] = KEYS) 
 
 
 # ----------------------------------------------------------------------------------------- commands
-def run_greedy(seed: int, n: int, variants: Sequence[str], stop: float | None, out: str) -> None:
-    """Greedy orders ("u" unconstrained, "c" IoU-constrained) for make_dataset(n, seed), scored, saved."""
+def subset(st: dict, lo: int, hi: int) -> dict:
+    """The setup restricted to images lo .. hi - 1 (the model, fill and forward shared)."""
+    return {k: (v[lo:hi] if k in ("x", "labels", "masks", "target", "pixel_masks") else v) for k, v in st.items()}
+
+
+def run_greedy(seed: int, n: int, variants: Sequence[str], stop: float | None, out: str,
+               part: tuple[int, int] | None = None) -> None:
+    """Greedy orders ("u" unconstrained, "c" IoU-constrained) for make_dataset(n, seed) (images part[0] ..
+    part[1] - 1 of it, to keep one run short), scored, saved."""
     import time
 
     st = bench_setup(seed, n)
+    lo, hi = part or (0, n)
+    st = subset(st, lo, hi)
     prob = make_prob_fn(st["fwd"], st["x"], st["fill"], st["target"])
-    allow = {"u": None, "c": iou_allowance(st["masks"].sum(1))}
+    allow = {"u": None, "c": iou_allowance(st["masks"].sum(1)), "o": None}
     for v in variants:
         t0 = time.time()
-        orders, probs = greedy_orders(prob, st["masks"], allow[v], stop)
+        vstop = math.inf if v == "o" else stop  # o: one query per patch, i.e. black-fill occlusion's ranking
+        orders, probs = greedy_orders(prob, st["masks"], allow[v], vstop)
         sc = score_orders(st, orders)
-        tag = f"{v}_{seed}_{n}_{stop}"
+        tag = f"{v}_{seed}_{n}_{vstop}" + (f"_{lo}-{hi}" if part else "")
         np.savez(f"{out}/ob_{tag}.npz", orders=orders.numpy(), probs=probs.numpy(), target=st["target"].numpy(),
                  labels=np.asarray(st["labels"]), masks=st["masks"].numpy(), **sc)
         print(f"{tag}: " + "  ".join(f"{k} {sc[k].mean():.4f}" for k in KEYS)
@@ -205,7 +218,11 @@ def summarise(tags: Sequence[str], out: str) -> None:
     """Pool saved runs (tags 'SEED_N_STOP', pooled in order) and print each variant's means and the
     per-image mix of the two orders at mean IoU >= 0.70 (minimising deletion, then positive)."""
     d = {v: {k: np.concatenate([np.load(f"{out}/ob_{v}_{t}.npz")[k] for t in tags]) for k in KEYS} for v in "uc"}
-    for v, name in (("u", "unconstrained greedy"), ("c", "greedy, top-k IoU >= 0.70 per image")):
+    names = {"u": "unconstrained greedy", "c": "greedy, top-k IoU >= 0.70 per image", "o": "occlusion (one query)"}
+    occ = [f"{out}/ob_o_" + "_".join(t.split("_")[:2] + ["inf"] + t.split("_")[3:]) + ".npz" for t in tags]
+    if all(os.path.exists(f) for f in occ):
+        d["o"] = {k: np.concatenate([np.load(f)[k] for f in occ]) for k in KEYS}
+    for v, name in ((v, names[v]) for v in d):
         se = {k: d[v][k].std(ddof=1) / np.sqrt(len(d[v][k])) for k in KEYS}
         print(f"{name:38s} " + "  ".join(f"{k} {d[v][k].mean():.4f} ± {se[k]:.4f}" for k in KEYS)
               + f"  (n={len(d[v]['iou'])})")
@@ -297,9 +314,10 @@ def main(argv: Sequence[str]) -> None:
     torch.set_num_threads(1)
     out = os.environ.get("VA_OUT", "/tmp")
     if argv[0] == "greedy":
-        stop = float(argv[4]) if len(argv) > 4 else None
+        stop = None if len(argv) < 5 or argv[4] == "None" else float(argv[4])
+        part = tuple(int(v) for v in argv[5].split("-")) if len(argv) > 5 else None
         for s in argv[1].split(","):
-            run_greedy(int(s), int(argv[2]), argv[3].split(","), stop, out)
+            run_greedy(int(s), int(argv[2]), argv[3].split(","), stop, out, part)
     elif argv[0] == "summary":
         summarise(argv[1].split(","), out)
     elif argv[0] == "pointing":
