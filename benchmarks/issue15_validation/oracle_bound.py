@@ -5,6 +5,7 @@ them; they bound what a patch ranking can score on the benchmark's own metrics.
     python oracle_bound.py greedy SEEDS N VARIANTS [STOP [LO-HI]]  # e.g. greedy 777 200 u,c 0.01;
                                                             # greedy 12345 200 u None 0-100 (images 0-99)
     python oracle_bound.py summary TAGS                     # e.g. summary 12345_200_None_0-100,12345_200_None_100-200
+    python oracle_bound.py hybrid TAGS TAU [BASE]           # greedy picks until p < TAU, then BASE's order
     python oracle_bound.py pointing                         # G1: pointing hits on the 200 held-out images
 
 Greedy deletion order (per image, the benchmark's black fill, the target = the class predicted on the clean
@@ -136,6 +137,31 @@ def mix_for_iou(cost_a: np.ndarray, iou_a: np.ndarray, cost_b: np.ndarray, iou_b
     return switch ^ base_b, lp / B
 
 
+def picks_until(probs: torch.Tensor, tau: float) -> torch.Tensor:
+    """(B,) the number of greedy picks up to and including the first whose target probability (probs
+    (B, U + 1), probs[:, 0] clean) is below tau; U where none is."""
+    below = probs[:, 1:] < tau
+    return torch.where(below.any(1), below.float().argmax(1) + 1, torch.full((probs.shape[0],), below.shape[1]))
+
+
+def prefix_then(orders: torch.Tensor, probs: torch.Tensor, tau: float, scores: torch.Tensor) -> torch.Tensor:
+    """A mask-free hybrid order: each image's greedy picks up to and including the first step whose target
+    probability is below ``tau`` (all of them if none is), then the other units in ``scores``' relevance
+    order (ties by position). orders (B, U), probs (B, U + 1) from :func:`greedy_orders`; scores (B, U)."""
+    from attnroll.evaluate._common import relevance_order
+
+    B, U = orders.shape
+    r = picks_until(probs, tau)
+    rest = relevance_order(scores)
+    out = torch.empty_like(orders)
+    for b in range(B):
+        head = orders[b, : int(r[b])]
+        taken = torch.zeros(U, dtype=torch.bool)
+        taken[head] = True
+        out[b] = torch.cat([head, rest[b][~taken[rest[b]]]])
+    return out
+
+
 # ----------------------------------------------------------------------------------------- the model
 def make_prob_fn(fwd: Callable, x: torch.Tensor, fill: torch.Tensor, target: torch.Tensor,
                  grid: tuple[int, int] = (8, 8)) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
@@ -212,6 +238,39 @@ def run_greedy(seed: int, n: int, variants: Sequence[str], stop: float | None, o
         print(f"{tag}: " + "  ".join(f"{k} {sc[k].mean():.4f}" for k in KEYS)
               + f"  (images with IoU >= 0.70: {(sc['iou'] >= 0.7 - 1e-12).mean():.3f}; {time.time() - t0:.0f} s)",
               flush=True)
+
+
+def run_hybrid(tags: Sequence[str], tau: float, out: str, base: str = "rollout") -> None:
+    """The saved unconstrained greedy runs (tags 'SEED_N_STOP[_LO-HI]'), their picks until the target
+    probability is below tau, then ``base``'s map: scored with the benchmark's metrics, pooled, printed."""
+    from attnroll import explain
+
+    pooled: dict[str, list] = {k: [] for k in KEYS}
+    for t in tags:
+        f = np.load(f"{out}/ob_u_{t}.npz")
+        seed, n, lo, hi = _parse_tag(t)
+        st = subset(bench_setup(seed, n), lo, hi)
+        assert np.array_equal(f["target"], st["target"].numpy()), "the saved run is of other images"
+        with torch.enable_grad():
+            s = explain(st["lm"].model, st["x"], base, target=st["target"].tolist()).scores.detach().double()
+        orders = prefix_then(torch.as_tensor(f["orders"]), torch.as_tensor(f["probs"]), tau, s)
+        for k, v in score_orders(st, orders).items():
+            pooled[k].append(v)
+        r = picks_until(torch.as_tensor(f["probs"]), tau)
+        print(f"{t}: greedy picks kept: median {float(r.median()):.0f}, mean {float(r.float().mean()):.1f}, "
+              f"on the object {float(np.mean([st['masks'][b, orders[b, :r[b]]].float().mean() for b in range(len(r))])):.3f}",
+              flush=True)
+    sc = {k: np.concatenate(v) for k, v in pooled.items()}
+    print(f"greedy until p < {tau}, then {base}: "
+          + "  ".join(f"{k} {sc[k].mean():.4f} ± {sc[k].std(ddof=1) / np.sqrt(len(sc[k])):.4f}" for k in KEYS)
+          + f"  (n={len(sc['iou'])}; images with IoU >= 0.70: {(sc['iou'] >= 0.7 - 1e-12).mean():.3f})")
+
+
+def _parse_tag(t: str) -> tuple[int, int, int, int]:
+    """'SEED_N_STOP[_LO-HI]' -> seed, n, lo, hi."""
+    f = t.split("_")
+    lo, hi = (int(v) for v in f[3].split("-")) if len(f) > 3 else (0, int(f[1]))
+    return int(f[0]), int(f[1]), lo, hi
 
 
 def summarise(tags: Sequence[str], out: str) -> None:
@@ -320,6 +379,8 @@ def main(argv: Sequence[str]) -> None:
             run_greedy(int(s), int(argv[2]), argv[3].split(","), stop, out, part)
     elif argv[0] == "summary":
         summarise(argv[1].split(","), out)
+    elif argv[0] == "hybrid":
+        run_hybrid(argv[1].split(","), float(argv[2]), out, *argv[3:4])
     elif argv[0] == "pointing":
         report_pointing()
     else:

@@ -183,3 +183,20 @@ def test_mcnemar_exact_against_scipy():
         want = binomtest(b, b + c, 0.5).pvalue
         assert ob.mcnemar_exact(b, c) == pytest.approx(want, rel=1e-12)
     assert ob.mcnemar_exact(0, 0) == 1.0
+
+
+def test_prefix_then_keeps_the_greedy_picks_until_tau_then_follows_the_map():
+    g = torch.Generator().manual_seed(7)
+    B, U = 5, 7
+    orders = torch.stack([torch.randperm(U, generator=g) for _ in range(B)])
+    probs = torch.rand(B, U + 1, generator=g, dtype=torch.float64) * 0.5 + 0.4
+    probs[0, 3] = 0.01  # below tau after 3 picks
+    probs[1, 1] = 0.0  # after the first pick
+    probs[2, U] = 0.05  # only at the last step; images 3, 4 never
+    scores = torch.rand(B, U, generator=g, dtype=torch.float64)
+    scores[4] = 1.0  # a constant map: ties by position
+    got = ob.prefix_then(orders, probs, 0.1, scores)
+    for b, r in enumerate([3, 1, U, U, U]):  # naive reference
+        head = orders[b, :r].tolist()
+        ranked = sorted(range(U), key=lambda u: (-float(scores[b, u]), u))
+        assert got[b].tolist() == head + [u for u in ranked if u not in head]
