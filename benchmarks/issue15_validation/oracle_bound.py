@@ -16,9 +16,11 @@ exactly IoU >= 0.70 (IoU = I / (2m - I) >= 0.7  <=>  17 I >= 14 m); greedy among
 greedy on the rest. With STOP an image stops re-querying once its target probability is below STOP and takes
 the rest of its order from its last query (a one-shot ranking); the scores stay exact, the order is just a
 weaker oracle. Variant o stops after the first query: the patches ranked by the target probability with each
-removed alone, i.e. occlusion with the black fill (64 queries, no mask: a model-querying map). Per-image
+removed alone, i.e. occlusion with the black fill (64 queries, no mask: a model-querying map). Variant wW
+(e.g. w4) is mask-free: greedy among the first W remaining patches of rollout's order (rollout re-ordered
+locally by the model's answers, at most W queries a step, no STOP). Per-image
 scores go to $VA_OUT/ob_{variant}_{seed}_{n}_{stop}[_{lo}-{hi}].npz (orders, probabilities, and deletion,
-positive, iou, insertion per image; variant u = unconstrained, c = constrained, o = occlusion).
+positive, iou, insertion per image; variant u = unconstrained, c = constrained, o = occlusion, wW = windowed).
 """
 from __future__ import annotations
 
@@ -57,9 +59,18 @@ def _allowed(removed: torch.Tensor, in_mask: torch.Tensor, bg_used: torch.Tensor
     return ~removed & ~(closed[:, None] & ~in_mask)
 
 
+def in_window(removed: torch.Tensor, base_order: torch.Tensor, width: int) -> torch.Tensor:
+    """(B, U) bool: the first ``width`` units of ``base_order`` (B, U) that are not yet removed."""
+    left = (~removed).gather(1, base_order)
+    first = left & (left.long().cumsum(1) <= width)
+    out = torch.zeros_like(removed)
+    out.scatter_(1, base_order, first)
+    return out
+
+
 def greedy_orders(prob_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], in_mask: torch.Tensor,
-                  allow: torch.Tensor | None = None, stop: float | None = None,
-                  chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+                  allow: torch.Tensor | None = None, stop: float | None = None, chunk: int = 4096,
+                  window: tuple[torch.Tensor, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy deletion orders for B images of U units, batched over images and candidates.
 
     Args:
@@ -68,6 +79,8 @@ def greedy_orders(prob_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         in_mask: (B, U) bool, the object's units; m = in_mask.sum(1) is the top-k set's size.
         allow: (B,) long, the most background units among the first m (None: unconstrained).
         stop: freeze an image's candidate probabilities once its current probability is below this.
+        window: (base_order (B, U), width): pick only among the first ``width`` remaining units of a map's
+            order (mask-free: the map's order re-ordered locally by the model's answers).
     Returns:
         orders (B, U) long (first = removed first), probs (B, U + 1) float64: the target probability of the
         prefix removed after each step (probs[:, 0] = clean; exact for queried steps, the last query's
@@ -86,6 +99,8 @@ def greedy_orders(prob_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     rows = torch.arange(B)
     for t in range(U):
         ok = _allowed(removed, in_mask, bg_used, allow, m, t)
+        if window is not None:
+            ok &= in_window(removed, *window)
         ask = ok & ~frozen[:, None]
         ex, unit = ask.nonzero(as_tuple=True)
         for i in range(0, len(ex), chunk):
@@ -211,6 +226,15 @@ def score_orders(st: dict, orders: torch.Tensor, metrics: Sequence[str] = KEYS) 
 
 
 # ----------------------------------------------------------------------------------------- commands
+def rollout_order(st: dict) -> torch.Tensor:
+    """(B, 64) rollout's relevance order on the setup's images (ties by position, as every metric)."""
+    from attnroll import explain
+    from attnroll.evaluate._common import relevance_order
+
+    e = explain(st["lm"].model, st["x"], "rollout", target=st["target"].tolist())
+    return relevance_order(e.scores.detach().double())
+
+
 def subset(st: dict, lo: int, hi: int) -> dict:
     """The setup restricted to images lo .. hi - 1 (the model, fill and forward shared)."""
     return {k: (v[lo:hi] if k in ("x", "labels", "masks", "target", "pixel_masks") else v) for k, v in st.items()}
@@ -226,11 +250,12 @@ def run_greedy(seed: int, n: int, variants: Sequence[str], stop: float | None, o
     lo, hi = part or (0, n)
     st = subset(st, lo, hi)
     prob = make_prob_fn(st["fwd"], st["x"], st["fill"], st["target"])
-    allow = {"u": None, "c": iou_allowance(st["masks"].sum(1)), "o": None}
+    allow = {"u": None, "c": iou_allowance(st["masks"].sum(1))}
     for v in variants:
         t0 = time.time()
-        vstop = math.inf if v == "o" else stop  # o: one query per patch, i.e. black-fill occlusion's ranking
-        orders, probs = greedy_orders(prob, st["masks"], allow[v], vstop)
+        vstop = math.inf if v == "o" else None if v[0] == "w" else stop  # o: black-fill occlusion's ranking
+        window = (rollout_order(st), int(v[1:])) if v[0] == "w" else None
+        orders, probs = greedy_orders(prob, st["masks"], allow.get(v), vstop, window=window)
         sc = score_orders(st, orders)
         tag = f"{v}_{seed}_{n}_{vstop}" + (f"_{lo}-{hi}" if part else "")
         np.savez(f"{out}/ob_{tag}.npz", orders=orders.numpy(), probs=probs.numpy(), target=st["target"].numpy(),

@@ -38,13 +38,22 @@ def _feasible(order, in_mask, allow):
     return sum(1 for u in order[:m] if not in_mask[u]) <= allow
 
 
-def _brute_greedy(table, in_mask, allow):
+def _in_window(order, base, width):
+    """Every pick is among the first ``width`` not-yet-removed units of ``base`` (a naive loop)."""
+    for t, u in enumerate(order):
+        remaining = [v for v in base if v not in order[:t]]
+        if u not in remaining[:width]:
+            return False
+    return True
+
+
+def _brute_greedy(table, in_mask, allow, window=None):
     """The greedy order is the lexicographic minimum of the prefix-probability sequence over every allowed
     order (distinct probabilities): enumerate all U! orders."""
     U = len(in_mask)
     best = None
     for order in itertools.permutations(range(U)):
-        if not _feasible(order, in_mask, allow):
+        if not _feasible(order, in_mask, allow) or (window and not _in_window(order, *window)):
             continue
         bits = np.cumsum([2 ** u for u in order])
         seq = tuple(float(table[b]) for b in bits)
@@ -200,3 +209,18 @@ def test_prefix_then_keeps_the_greedy_picks_until_tau_then_follows_the_map():
         head = orders[b, :r].tolist()
         ranked = sorted(range(U), key=lambda u: (-float(scores[b, u]), u))
         assert got[b].tolist() == head + [u for u in ranked if u not in head]
+
+
+@pytest.mark.parametrize("width", [1, 2, 3])
+def test_windowed_greedy_matches_brute_force(width):
+    g = torch.Generator().manual_seed(11)
+    U, B = 6, 3
+    tables = torch.rand(B, 2 ** U, generator=g, dtype=torch.float64)
+    base = torch.stack([torch.randperm(U, generator=g) for _ in range(B)])
+    in_mask = torch.ones(B, U, dtype=torch.bool)
+    orders, _ = ob.greedy_orders(_table_prob(tables), in_mask, window=(base, width), chunk=4)
+    for b in range(B):
+        want = _brute_greedy(tables[b], in_mask[b], U, (base[b].tolist(), width))
+        assert orders[b].tolist() == want
+    if width == 1:  # a window of one is the map's own order
+        assert torch.equal(orders, base)
