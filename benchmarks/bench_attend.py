@@ -19,16 +19,21 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
-import torch
+# As bench_batch.py: OpenMP threads that wait passively (spinning ones make 2-thread runs erratic on a shared
+# machine), set before torch starts OpenMP.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import attnroll
-from attnroll.capture import recompute
-from attnroll.core import operators
+import torch  # noqa: E402
+
+import attnroll  # noqa: E402
+from attnroll.capture import recompute  # noqa: E402
+from attnroll.core import operators  # noqa: E402
 
 
 def load_ref(src: str):
@@ -143,7 +148,8 @@ def main() -> None:
     ap.add_argument("--vitb-repeat", type=int, default=4, help="rounds for ViT-B/16")
     ap.add_argument("--ref", default=None, help="another tree's src/ whose attend_mean runs beside this one's")
     args = ap.parse_args()
-    print(f"torch {torch.__version__}, attnroll from {Path(attnroll.__file__).parent}")
+    print(f"torch {torch.__version__}, attnroll from {Path(attnroll.__file__).parent}, "
+          f"OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}, load {os.getloadavg()}")
     for name in args.models.split(","):
         for threads in (int(t) for t in args.threads.split(",")):
             rep = args.repeat if name == "shapes" else args.vitb_repeat
