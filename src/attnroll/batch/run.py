@@ -162,16 +162,25 @@ def run_batch(
         out = Path(out)
         with store.locked(out):
             info = {**_manifest(key, lm, spec, engine, command, len(items)), "run": uuid.uuid4().hex}
-            todo = _resume(out, key, overwrite, items, {**info, "status": "running"})
+            todo, held = _resume(out, key, overwrite, items, {**info, "status": "running"})
             job = Job(names, resolved, fp, str(out.resolve()), png, target, run=info["run"])
             counter = _Counter(len(todo), progress)
             if engine == "local":
-                run_local(Worker(lm, job), todo, batch_size, counter)
+                known = _run_local(lm, job, todo, batch_size, counter, held)
             else:
-                run_ray(spec, job, todo, batch_size, counter, num_workers=num_workers, address=address,
-                        cpus_per_worker=cpus_per_worker, num_gpus=num_gpus, ray_start=ray_start)
-            result = _finish(out, info, len(items), len(items) - len(todo), len(todo), time.perf_counter() - t0)
-    return result
+                known = run_ray(spec, job, todo, batch_size, counter, num_workers=num_workers, address=address,
+                                cpus_per_worker=cpus_per_worker, num_gpus=num_gpus, ray_start=ray_start)
+            return _finish(out, info, len(items), len(items) - len(todo), len(todo), time.perf_counter() - t0, known)
+
+
+def _run_local(lm: Any, job: Job, todo: list[Item], batch_size: int, counter: "_Counter",
+               held: bool) -> tuple[list[str], list[str]] | None:
+    """The local engine's run; the ids it committed (rows, failures) when ``out`` held nothing before (then
+    they are all that ``out`` holds: ``_finish`` counts them instead of reading every shard back), else None."""
+    worker = Worker(lm, job)
+    worker.tally = None if held else ([], [])
+    run_local(worker, todo, batch_size, counter)
+    return worker.tally
 
 
 @contextlib.contextmanager
@@ -204,10 +213,10 @@ def _check_run_args(engine: Any, batch_size: Any, num_workers: Any, num_gpus: An
             None if target is None else _checks.check_int("target", target, low=0))
 
 
-def _resume(out: Path, key: dict, overwrite: bool, items: list[Item], manifest: dict) -> list[Item]:
-    """The items no committed shard holds, after checking (or, with ``overwrite``, clearing) what ``out``
-    holds, removing a killed run's temporary files and writing this run's ``manifest``; call with ``out``
-    locked. The manifest (with this run's id) is written *before* the shards are listed: a worker of a
+def _resume(out: Path, key: dict, overwrite: bool, items: list[Item], manifest: dict) -> tuple[list[Item], bool]:
+    """The items no committed shard holds and whether ``out`` holds any committed row or failure, after
+    checking (or, with ``overwrite``, clearing) what ``out`` holds, removing a killed run's temporary files
+    and writing this run's ``manifest``; call with ``out`` locked. The manifest (with this run's id) is written *before* the shards are listed: a worker of a
     killed run that is still alive (a Ray actor on a cluster) then finds another run's id and commits
     nothing more, so that no batch is both listed as missing and committed by it."""
     meta = store.read_manifest(out)
@@ -218,7 +227,7 @@ def _resume(out: Path, key: dict, overwrite: bool, items: list[Item], manifest: 
     store.write_manifest(out, manifest)
     store.remove_temporaries(out)
     done_rows, done_failed = store.committed_ids(out)
-    return [it for it in items if it.id not in done_rows and it.id not in done_failed]
+    return [it for it in items if it.id not in done_rows and it.id not in done_failed], bool(done_rows or done_failed)
 
 
 class _Counter:
@@ -294,9 +303,12 @@ def _manifest(key: dict, lm: Any, spec: ModelSpec, engine: str, command: str | N
             "counts": {"inputs": n}}
 
 
-def _finish(out: Path, info: dict, n: int, before: int, now: int, seconds: float) -> BatchResult:
-    """Count what is committed, write the final manifest, return the result."""
-    row_ids, failed_ids = store.committed_id_lists(out)
+def _finish(out: Path, info: dict, n: int, before: int, now: int, seconds: float,
+            known: tuple[list[str], list[str]] | None = None) -> BatchResult:
+    """Count what is committed, write the final manifest, return the result. ``known``: the ids of every
+    committed row (one per row) and failure when the run knows them all (a new output explained by the local
+    engine: its commits are all there is); else the committed shards are read."""
+    row_ids, failed_ids = store.committed_id_lists(out) if known is None else known
     done_rows, failed, rows = set(row_ids), set(failed_ids), len(row_ids)
     counts = {"inputs": n, "explained": len(done_rows - failed), "failed": len(failed), "rows": rows,
               "missing": n - len(done_rows | failed)}

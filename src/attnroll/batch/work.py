@@ -46,6 +46,10 @@ class Worker:
         self.job = job
         self.out = Path(job.out)
         self.device = _device_of(lm.model)
+        self._prepared: dict[str, Any] = {}  # method -> its Prepared explain (see _explainer)
+        #: (ids of the committed rows, one per row; ids of the committed failures), kept by :meth:`commit`
+        #: when set to two lists (the local engine on a new output counts it from them), else None
+        self.tally: tuple[list[str], list[str]] | None = None
 
     def __call__(self, items: list[Item]) -> dict[str, int]:
         """Explain, write and commit ``items``; returns {"inputs", "rows", "failures"} counts."""
@@ -76,6 +80,9 @@ class Worker:
         if self.job.run is not None:
             store.check_run(self.out, self.job.run)
         rows = store.commit_tables(self.out, tables, failures)
+        if self.tally is not None:
+            self.tally[0].extend(i for t in tables if t.num_rows for i in _ids(t))
+            self.tally[1].extend(f["id"] for f in failures)
         return {"inputs": len(items), "rows": rows, "failures": len({f["id"] for f in failures})}
 
     def explain(self, items: list[Item]) -> tuple[list[Any], list[dict]]:
@@ -154,16 +161,24 @@ class Worker:
     def _run(self, method: str, inputs: Any, target: Any, first: int) -> tuple[Any, torch.Tensor | None]:
         """One batched ``explain`` (the shared batching helper, one chunk) with the job's options; also the
         model's class scores of that pass. ``first``: the source index of the batch's first input."""
-        from ..methods import iter_explanations
-
-        batch = _batch_len(inputs)
-        opts = dict(self.job.options.get(method, {}))
+        explainer = self._explainer(method)
+        extra = {}
         if method == "random":  # a distinct seed per batch, so that batches do not repeat one map
-            opts["seed"] = int(opts.get("seed") or 0) + first
-        with first_logits(self.lm.model, batch) as got:
-            ((_, e),) = iter_explanations(self.lm.model, inputs, method, target=target, batch_size=batch,
-                                          tokenizer=self.lm.tokenizer, **opts)
+            extra["seed"] = int(explainer.options.get("seed") or 0) + first
+        with first_logits(self.lm.model, _batch_len(inputs)) as got:
+            with torch.set_grad_enabled(explainer.method.needs_grad):  # the others need no graph
+                e = explainer(inputs, target, **extra)
         return e, got.get("logits")
+
+    def _explainer(self, method: str) -> Any:
+        """``explain`` with the model, method and the job's options resolved once per run
+        (:class:`attnroll.methods.base.Prepared`), made on the first batch."""
+        from ..methods.base import Prepared
+
+        if method not in self._prepared:
+            self._prepared[method] = Prepared(self.lm.model, method, tokenizer=self.lm.tokenizer,
+                                              **self.job.options.get(method, {}))
+        return self._prepared[method]
 
     def _text_table(self, method: str, items: list[Item], target: Any) -> Any:
         tok = self.lm.tokenizer
@@ -209,6 +224,13 @@ class Worker:
             "tokens": same(None, B, "tokens") if e.tokens is None else tokens,
             "model": same(self.job.fingerprint, B, "model"),
         }, full, p, lengths)
+
+
+def _ids(rows: Any) -> list[str]:
+    """The ``id`` column of a row table (Arrow) or :class:`~attnroll.batch.store.PendingRows`."""
+    if isinstance(rows, store.PendingRows):
+        return list(rows.columns["id"])
+    return rows.column("id").to_pylist()
 
 
 def _stack(payloads: list[Any]) -> torch.Tensor | None:

@@ -16,9 +16,8 @@ from typing import Any
 import torch
 
 from .. import _checks
-from ..capture import CaptureError, model_facts
+from ..capture import CaptureError
 from .._checks import UnsupportedModelError
-from ..capture.hf import is_hf_model
 from ..capture.recompute import capture_kernels
 from ..core import operators
 from ..core.rollout import LayerPipeline, layer_range
@@ -35,7 +34,7 @@ def choose(ctx: Context, attention: Any, refusal: str | None) -> bool:
         _checks.check_choice("attention", attention, MODES)
     if attention == "dense":
         return False
-    facts = model_facts(ctx.model, anatomy=False) if is_hf_model(ctx.model) else None
+    facts = ctx.facts()
     supported = facts is not None and not facts.encoder_decoder
     dense_only = facts.dense_only if supported else ""
     if attention == "recompute":

@@ -17,6 +17,8 @@ from torch import nn
 from .. import _checks
 from .._modes import params_require_grad
 from ..capture import capture as _capture
+from ..capture import model_facts
+from ..capture.hf import is_hf_model
 from ..capture.outputs import main_logits
 from ..capture.record import AttentionRecord, Readout, StreamInfo, is_causal, last_real, resolve_readout
 from ..core import multimodal
@@ -24,7 +26,7 @@ from . import _option_checks
 from .explanation import Explanation
 
 __all__ = ["Explanation", "Explainer", "explain", "methods", "method_info", "check_options", "register", "Method",
-           "Context", "main_logits", "gather_rows", "rollout_rows", "source_rows", "prefix_default", "ROLLOUT_OPTIONS", "ROLLOUT_REFUSE"]
+           "Context", "Prepared", "main_logits", "gather_rows", "rollout_rows", "source_rows", "prefix_default", "ROLLOUT_OPTIONS", "ROLLOUT_REFUSE"]
 
 #: Options every method takes (besides its own): the output position to explain (row of the map, and the
 #: position of a token-level target), and the readout (which rows, with what weights; overrides the model's).
@@ -101,7 +103,8 @@ class Context:
     then :meth:`positions` and :meth:`build` to make the Explanation.
     """
 
-    def __init__(self, model: nn.Module, inputs: Any, target: Any, method: Method, options: dict, tokenizer: Any):
+    def __init__(self, model: nn.Module, inputs: Any, target: Any, method: Method, options: dict, tokenizer: Any,
+                 memo: dict | None = None):
         self.model = model
         self.inputs = inputs
         self.target = target
@@ -110,6 +113,15 @@ class Context:
         self.tokenizer = tokenizer
         self.rec: AttentionRecord | None = None
         self.target_desc: Any = None
+        self.memo = {} if memo is None else memo  # what Prepared keeps from call to call (see facts)
+
+    def facts(self) -> Any:
+        """``capture.model_facts(model, anatomy=False)`` for a transformers model, else None: how the model
+        is called and how its attention is computed (no forward pass). Remembered in ``memo``, which
+        :class:`Prepared` keeps for every call on its model."""
+        if "facts" not in self.memo:
+            self.memo["facts"] = model_facts(self.model, anatomy=False) if is_hf_model(self.model) else None
+        return self.memo["facts"]
 
     # -- capture ------------------------------------------------------------------------------------
     def record(self, fuse_heads: Any = None) -> AttentionRecord:
@@ -548,12 +560,35 @@ def explain(
             out of range or a callable returning the wrong shape.
         RuntimeError: a gradient method under ``torch.no_grad()`` / ``torch.inference_mode()``.
     """
-    m = _get(method)
-    opts = check_options(m, options)
-    if m.needs_grad:
-        require_grad_mode(m.name)
-    ctx = Context(model, inputs, target, m, opts, tokenizer)
-    return m.fn(ctx, **{k: v for k, v in opts.items() if k not in COMMON_OPTIONS})
+    return Prepared(model, method, tokenizer=tokenizer, **options)(inputs, target)
+
+
+class Prepared:
+    """``explain(model, inputs, method, target, tokenizer=tokenizer, **options)`` for many calls, with what
+    depends only on the model, the method and the options resolved once, at construction: the method's
+    registry entry, the options validated and completed with the defaults, and the facts a method reads of
+    the model without a forward pass (``Context.facts``: its family, how its attention is computed), which
+    are remembered from the first call. Each call then runs only the method itself (the forward, the
+    product, the Explanation), with the same result as ``explain``.
+
+    For a model that keeps its structure and attention implementation between calls (the batch engine's
+    own, loaded for the run); :func:`explain` makes a fresh one per call. ``overrides`` of a call are
+    validated again with the fixed options (e.g. the ``random`` control's per-batch seed)."""
+
+    def __init__(self, model: nn.Module, method: str = "rollout", *, tokenizer: Any = None, **options: Any):
+        self.model, self.tokenizer = model, tokenizer
+        self.method = _get(method)
+        self.given = dict(options)
+        self.options = check_options(self.method, self.given)
+        self.memo: dict[Any, Any] = {}  # the model facts of Context.facts, filled by the first call
+
+    def __call__(self, inputs: Any, target: Any = None, **overrides: Any) -> Explanation:
+        m = self.method
+        opts = check_options(m, {**self.given, **overrides}) if overrides else dict(self.options)
+        if m.needs_grad:
+            require_grad_mode(m.name)
+        ctx = Context(self.model, inputs, target, m, opts, self.tokenizer, memo=self.memo)
+        return m.fn(ctx, **{k: v for k, v in opts.items() if k not in COMMON_OPTIONS})
 
 
 class Explainer:
