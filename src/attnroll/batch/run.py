@@ -216,9 +216,10 @@ def _check_run_args(engine: Any, batch_size: Any, num_workers: Any, num_gpus: An
 def _resume(out: Path, key: dict, overwrite: bool, items: list[Item], manifest: dict) -> tuple[list[Item], bool]:
     """The items no committed shard holds and whether ``out`` holds any committed row or failure, after
     checking (or, with ``overwrite``, clearing) what ``out`` holds, removing a killed run's temporary files
-    and writing this run's ``manifest``; call with ``out`` locked. The manifest (with this run's id) is written *before* the shards are listed: a worker of a
-    killed run that is still alive (a Ray actor on a cluster) then finds another run's id and commits
-    nothing more, so that no batch is both listed as missing and committed by it."""
+    and writing this run's ``manifest``; call with ``out`` locked. The manifest (with this run's id) is
+    written *before* the shards are listed: a worker of a killed run that is still alive (a Ray actor on a
+    cluster) then finds another run's id and commits nothing more, so that no batch is both listed as
+    missing and committed by it."""
     meta = store.read_manifest(out)
     if overwrite and meta is not None:
         store.clear(out)
