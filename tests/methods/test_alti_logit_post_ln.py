@@ -92,11 +92,11 @@ def test_post_ln_alti_logit_equals_the_naive_computation(rule, layers):
 
 
 @pytest.mark.parametrize("rule", RULES)
-@pytest.mark.parametrize("kind", ["bert", "distilbert", "roberta"])
+@pytest.mark.parametrize("kind", ["bert", "distilbert", "roberta", "electra"])
 def test_post_ln_terms_add_up_to_the_models_logit(kind, rule):
     """Σ_l (per-layer logit updates) + the embedding's share + the bias terms + the MLP terms = the model's own
     target logit, float64, for every class (each term computed on its own, none as a remainder)."""
-    m, x = _post_ln_model(kind), R.inputs_for("bert", n=6)
+    m, x = R.build(kind), R.inputs_for("bert", n=6)
     with torch.no_grad():
         logits = m(**x).logits
     for c in range(3):
@@ -110,19 +110,6 @@ def test_post_ln_terms_add_up_to_the_models_logit(kind, rule):
             assert torch.all(ex["mlp_logit"] == 0)
         else:
             assert float(ex["mlp_logit"].abs().min()) > 1e-3  # a real term, not a zero placeholder
-
-
-def _post_ln_model(kind: str, seed: int = 0) -> torch.nn.Module:
-    eager = dict(attn_implementation="eager")
-    if kind == "bert":
-        return R.build("bert", seed=seed)
-    if kind == "distilbert":
-        cfg = T.DistilBertConfig(vocab_size=30, dim=8, n_layers=2, n_heads=2, hidden_dim=12,
-                                 max_position_embeddings=16, num_labels=3, **eager)
-        return R._randomise(T.DistilBertForSequenceClassification(cfg), seed)
-    cfg = T.RobertaConfig(vocab_size=30, hidden_size=8, num_hidden_layers=2, num_attention_heads=2,
-                          intermediate_size=12, max_position_embeddings=24, num_labels=3, pad_token_id=0, **eager)
-    return R._randomise(T.RobertaForSequenceClassification(cfg), seed)
 
 
 @pytest.mark.parametrize("rule", RULES)

@@ -27,12 +27,26 @@ def _randomise(model: torch.nn.Module, seed: int) -> torch.nn.Module:
 
 
 def build(kind: str, seed: int = 0, layers: int = 2) -> torch.nn.Module:
-    """A ``layers``-layer float64 random-weight model of ``kind`` (bert, vit, gpt2, llama)."""
+    """A ``layers``-layer float64 random-weight model of ``kind`` (bert, vit, gpt2, llama; the post-LN
+    classifiers distilbert, roberta, electra have no naive :func:`spec`)."""
     eager = dict(attn_implementation="eager")
     if kind == "bert":
         cfg = T.BertConfig(vocab_size=30, hidden_size=8, num_hidden_layers=layers, num_attention_heads=2,
                            intermediate_size=12, max_position_embeddings=16, num_labels=3, **eager)
         m = T.BertForSequenceClassification(cfg)
+    elif kind == "distilbert":  # head: pre_classifier + ReLU
+        cfg = T.DistilBertConfig(vocab_size=30, dim=8, n_layers=layers, n_heads=2, hidden_dim=12,
+                                 max_position_embeddings=16, num_labels=3, **eager)
+        m = T.DistilBertForSequenceClassification(cfg)
+    elif kind == "roberta":  # head: dense + tanh + out_proj on the first row
+        cfg = T.RobertaConfig(vocab_size=30, hidden_size=8, num_hidden_layers=layers, num_attention_heads=2,
+                              intermediate_size=12, max_position_embeddings=24, num_labels=3, pad_token_id=0, **eager)
+        m = T.RobertaForSequenceClassification(cfg)
+    elif kind == "electra":  # head: dense + GELU + out_proj; embeddings projected 6 -> 8
+        cfg = T.ElectraConfig(vocab_size=30, embedding_size=6, hidden_size=8, num_hidden_layers=layers,
+                              num_attention_heads=2, intermediate_size=12, max_position_embeddings=16, num_labels=3,
+                              **eager)
+        m = T.ElectraForSequenceClassification(cfg)
     elif kind == "vit":
         cfg = T.ViTConfig(image_size=16, patch_size=8, num_channels=3, hidden_size=8, num_hidden_layers=layers,
                           num_attention_heads=2, intermediate_size=12, num_labels=3, **eager)
