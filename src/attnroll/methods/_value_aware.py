@@ -16,7 +16,7 @@ from ..capture.layers import ModelAnatomy
 from ..capture.value_path import LayerStates, record_states, value_anatomy
 from ..capture.record import AttentionRecord
 from ..core.rollout import rollout as core_rollout
-from ..core.value_aware import Block, apply_norm, normalize_rows, value_outputs
+from ..core.value_aware import Block, alti_matrix, apply_norm, normalize_rows, value_outputs
 from .base import Context, register, rollout_rows
 
 #: Options every value-aware method takes.
@@ -81,6 +81,18 @@ def layers(rec: AttentionRecord, states: LayerStates, anat: ModelAnatomy, dt: to
         out.append(Layer(blk, x, rec.attentions[i].to(dt), value_outputs(xv, blk), attn,
                          states.outputs[i].to(dt), n1, n2))
     return out
+
+
+def alti_layer_matrix(lay: Layer) -> torch.Tensor:
+    """ALTI's contribution matrix (B, n, n) of one layer, rows not yet normalised (``alti`` and
+    ``alti_logit``): post-LN blocks T_i(x_j) = g1(z_{i←j}) against the actual LN1 output; pre-LN blocks
+    z_{i←j} against the stream after the attention sub-block."""
+    B, n, d = lay.x.shape
+    chunk = chunk_rows(B, n, d)
+    if lay.block.pre_norm:
+        return alti_matrix(lay.alpha, lay.F, lay.x, lay.n2, chunk=chunk)
+    y = apply_norm(lay.n1, lay.block.norm1)
+    return alti_matrix(lay.alpha, lay.F, lay.x, y, norm=(lay.block.norm1, lay.n1), chunk=chunk)
 
 
 def explain_matrices(ctx: Context, matrices: Callable[[list[Layer], LayerStates, ModelAnatomy, Any], list],

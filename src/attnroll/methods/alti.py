@@ -8,22 +8,11 @@ y_i = x_i + attention_i, the actual stream after the attention sub-block."""
 
 from __future__ import annotations
 
-from ..core.value_aware import alti_matrix, apply_norm
 from . import _value_aware as va
 
 
-def layer_matrix(lay: va.Layer):
-    """ALTI's contribution matrix (B, n, n) of one layer, rows not yet normalised (see module)."""
-    B, n, d = lay.x.shape
-    chunk = va.chunk_rows(B, n, d)
-    if lay.block.pre_norm:
-        return alti_matrix(lay.alpha, lay.F, lay.x, lay.n2, chunk=chunk)
-    y = apply_norm(lay.n1, lay.block.norm1)
-    return alti_matrix(lay.alpha, lay.F, lay.x, y, norm=(lay.block.norm1, lay.n1), chunk=chunk)
-
-
 def _matrices(layers, states, anat, mask):
-    return [layer_matrix(lay) for lay in layers]
+    return [va.alti_layer_matrix(lay) for lay in layers]
 
 
 va.register_rolled(

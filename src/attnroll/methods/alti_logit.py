@@ -25,7 +25,6 @@ from .. import _checks
 from ..core.logit_rollout import MLP_RULES, direct_logit, head_direction, head_linear, logit_rollout, post_ln_directions
 from ..core.value_aware import normalize_rows
 from . import _value_aware as va
-from .alti import layer_matrix
 from .base import Context, register
 
 
@@ -100,7 +99,7 @@ def alti_logit(ctx: Context, *, mlp, dtype):
         for i, lay in enumerate(layers):
             deltas.append(direct_logit(lay.alpha[ar, :, pos], lay.F, omegas[i]))
             if i < len(layers) - 1:  # the top layer's mixing is never read (its updates reach the head directly)
-                mixing.append(normalize_rows(layer_matrix(lay), mask))
+                mixing.append(normalize_rows(va.alti_layer_matrix(lay), mask))
         mixing.append(None)
         if mask is not None:
             deltas = [dl * mask.to(dt) for dl in deltas]
