@@ -163,3 +163,14 @@ def test_post_ln_refusals_name_the_reason():
     bare = R._randomise(T.BertModel(bert.config), 0)  # no classifier: nothing gives the target logit
     with pytest.raises(UnsupportedModelError, match="head"):
         attnroll.explain(bare, x, "alti_logit")
+
+
+@pytest.mark.parametrize("method", ["alti_logit", "decompx"])
+def test_a_readout_other_than_the_heads_row_is_refused_not_ignored(method):
+    bert, x = R.build("bert"), R.inputs_for("bert")
+    plain = attnroll.explain(bert, x, method, target=0)
+    for ro in ("mean", "last", 2):
+        with pytest.raises(ValueError, match=r"readout: .*row\(s\) \[0, 0\]"):
+            attnroll.explain(bert, x, method, target=0, readout=ro)
+    same = attnroll.explain(bert, x, method, target=0, readout="cls")  # the head's own row: accepted
+    torch.testing.assert_close(same.full_row, plain.full_row, atol=0, rtol=0)

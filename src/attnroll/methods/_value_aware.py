@@ -127,6 +127,19 @@ def logit_classes(ctx: Context, rec: AttentionRecord, method: str, reads: str) -
     return torch.tensor(ctx.target_desc, dtype=torch.long)
 
 
+def check_head_readout(ctx: Context, rec: AttentionRecord, pos: list[int], method: str) -> None:
+    """A ``readout=`` option must name the rows ``pos`` the model's head reads (one per example): methods that
+    decompose the head's logit cannot explain other rows. ValueError naming both otherwise (never ignored)."""
+    if ctx.options.get("readout") is None:
+        return
+    asked = ctx.readout(rec, "self").positions()
+    if asked != list(pos):
+        raise ValueError(
+            f"readout: {method} decomposes the logit the model's head computes from row(s) {list(pos)} (the "
+            f"head's readout), so readout={ctx.options['readout']!r} (row(s) {asked if asked is not None else 'pooled'}) "
+            "cannot be explained; leave readout unset, or use a rollout-type method for other rows")
+
+
 def chunk_rows(B: int, n: int, width: int, budget: int = 1 << 24) -> int:
     """Rows per chunk so that a (B, rows, n, width) intermediate holds about ``budget`` elements."""
     return max(1, budget // max(1, B * n * width))

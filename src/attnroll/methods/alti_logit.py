@@ -75,6 +75,7 @@ def alti_logit(ctx: Context, *, mlp, dtype):
     head = anat.head(dt)
     post, rule = _layout(ctx, anat, head, mlp)
     pos = torch.tensor(ctx.positions(rec, "self"), device=states.inputs[0].device)
+    va.check_head_readout(ctx, rec, pos.tolist(), "alti_logit")
     reads = "projects on one logit of the model's head (a classifier row)"
     classes = va.logit_classes(ctx, rec, "alti_logit", reads).to(pos.device)
     mask = ctx.mask(rec, "self")
