@@ -134,10 +134,11 @@ def check_head_readout(ctx: Context, rec: AttentionRecord, pos: list[int], metho
         return
     asked = ctx.readout(rec, "self").positions()
     if asked != list(pos):
+        rows = "pooled" if asked is None else asked
         raise ValueError(
             f"readout: {method} decomposes the logit the model's head computes from row(s) {list(pos)} (the "
-            f"head's readout), so readout={ctx.options['readout']!r} (row(s) {asked if asked is not None else 'pooled'}) "
-            "cannot be explained; leave readout unset, or use a rollout-type method for other rows")
+            f"head's readout), so readout={ctx.options['readout']!r} (row(s) {rows}) cannot be explained; "
+            "leave readout unset, or use a rollout-type method for other rows")
 
 
 def chunk_rows(B: int, n: int, width: int, budget: int = 1 << 24) -> int:

@@ -33,7 +33,7 @@ def _layout(ctx: Context, anat, head: dict, mlp) -> tuple[bool, str]:
     post-norm blocks, heads pooling rows, a pooler on a pre-norm stack, ``mlp="linearised"`` on a pre-norm stack."""
     name = type(ctx.model).__name__
     rule = None if mlp is None else _checks.check_choice("mlp", mlp, MLP_RULES)
-    pre = {layer.block(torch.float32).pre_norm for layer in anat.layers}
+    pre = {layer.pre_norm for layer in anat.layers}
     if len(pre) > 1:
         raise _checks.UnsupportedModelError(
             f"method 'alti_logit': {name} mixes pre-norm and post-LN blocks; the decomposition models one layout "
