@@ -72,6 +72,21 @@ def test_direct_logit_is_the_attention_updates_share_of_the_logit():
         assert e.target[b] == int(np.argmax(logits[b]))
 
 
+@pytest.mark.parametrize("kind", PRE)
+def test_the_terms_add_up_to_the_models_logit(kind):
+    """direct_logit + the embedding's share ω · x^0_r + the MLP updates' ω · MLP_l(r) + the biases (b_O, the final
+    norm's β, the classifier's bias) = the model's own target logit (llama: transformers' RMSNorm in float32)."""
+    m, x = R.build(kind), R.inputs_for(kind)
+    with torch.no_grad():
+        logits = (m(**x) if isinstance(x, dict) else m(x)).logits
+    logits = logits[:, -1] if logits.ndim == 3 else logits
+    e = attnroll.explain(m, x, "alti_logit", target=[2, 1])
+    X = e.extra
+    total = X["direct_logit"] + X["embedding_logit"] + X["bias_logit"] + X["mlp_logit"]
+    torch.testing.assert_close(total, logits[[0, 1], [2, 1]], atol=1e-6 if kind == "llama" else 1e-12, rtol=0)
+    assert float(X["mlp_logit"].abs().min()) > 1e-3 and e.options["mlp"] == "update"
+
+
 def test_alti_logit_is_class_specific_and_linear_in_the_classifier_row():
     m, x = R.build("vit"), R.inputs_for("vit")
     rows = [attnroll.explain(m, x, "alti_logit", target=c).full_row.double() for c in range(3)]

@@ -6,7 +6,8 @@ rolled-out mixing of the layers below, score_k = Σ_l Σ_j Δ^l_j (C_{l−1} ⋯
 
 * Pre-norm stacks (ViT, GPT-2, Llama): the updates reach the head on the residual stream, ω^l = ω the
   classifier row through the final norm (divisor frozen). The embeddings, the MLPs and every bias are not
-  attributed (the paper's direct logit updates).
+  attributed (the paper's direct logit updates); their terms are reported in ``extra`` and, with the
+  updates, add up to the target logit.
 * Post-LN stacks (BERT family, DistilBERT): every update passes each LN2(h + MLP(h)) above it. With the norms'
   divisors frozen and the MLP linearised per element (``mlp="linearised"``, the default there: θ = act(ζ)/ζ,
   DecompX's rule) or kept as an unattributed update of its own (``mlp="update"``), each block is affine in the
@@ -22,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from .. import _checks
-from ..core.logit_rollout import MLP_RULES, direct_logit, head_direction, head_linear, logit_rollout, post_ln_directions
+from ..core.logit_rollout import MLP_RULES, direct_logit, head_linear, logit_rollout, post_ln_directions
 from ..core.value_aware import normalize_rows
 from . import _value_aware as va
 from .base import Context, register
@@ -67,9 +68,9 @@ def _layout(ctx: Context, anat, head: dict, mlp) -> tuple[bool, str]:
 )
 def alti_logit(ctx: Context, *, mlp, dtype):
     """full_row[b, k] = Σ_l Σ_j Δ^l_j (C_{l−1} ⋯ C_0)_jk for the target logit. ``extra``: ``direct_logit``
-    (B,) = Σ_l Σ_j Δ^l_j and ``layer_logit`` (B, L) its per-layer parts; post-LN models also
-    ``embedding_logit`` ω^0 · x^0_r, ``bias_logit`` (every bias, β and the head's constant) and ``mlp_logit``
-    (the MLP updates, 0 with mlp="linearised"), the four adding up to the target logit."""
+    (B,) = Σ_l Σ_j Δ^l_j and ``layer_logit`` (B, L) its per-layer parts, ``embedding_logit`` ω^0 · x^0_r,
+    ``bias_logit`` (every bias and β outside the value vectors, and the head's constant) and ``mlp_logit``
+    (the MLP updates; 0 with mlp="linearised"): the four add up to the target logit."""
     rec, states, anat = va.record(ctx)
     dt = va.working_dtype(dtype, states.inputs[0])
     head = anat.head(dt)
@@ -85,17 +86,20 @@ def alti_logit(ctx: Context, *, mlp, dtype):
         layers = va.layers(rec, states, anat, dt)
         W, b = head["classifier"]
         top = states.outputs[-1].to(dt)[ar, pos]  # the vector the head reads
+        omega, const = head_linear(W[classes], None if b is None else b[classes], final_norm=head["final_norm"],
+                                   pooler=head["pooler"], actual=top)
         if post:
-            omega, const = head_linear(W[classes], None if b is None else b[classes], final_norm=head["final_norm"],
-                                       pooler=head["pooler"], actual=top)
             omegas, bias, mlp_terms = post_ln_directions(
                 omega, [lay.block for lay in layers], [lay.n1[ar, pos] for lay in layers],
                 [lay.n2[ar, pos] for lay in layers], mlp=rule)
-            extra["embedding_logit"] = (omegas[0] * layers[0].x[ar, pos]).sum(-1)
-            extra["bias_logit"] = bias.sum(-1) + const
-            extra["mlp_logit"] = mlp_terms.sum(-1)
-        else:
-            omegas = [head_direction(W[classes], head["final_norm"], top)] * len(layers)
+        else:  # the residual stream reaches the head: one direction; the MLP updates are the branches' outputs
+            omegas = [omega] * len(layers)
+            bias = torch.stack([torch.zeros_like(const) if lay.block.bo is None else (omega * lay.block.bo).sum(-1)
+                                for lay in layers], dim=1)
+            mlp_terms = torch.stack([(omega * (lay.out - lay.n2)[ar, pos]).sum(-1) for lay in layers], dim=1)
+        extra["embedding_logit"] = (omegas[0] * layers[0].x[ar, pos]).sum(-1)
+        extra["bias_logit"] = bias.sum(-1) + const
+        extra["mlp_logit"] = mlp_terms.sum(-1)
         deltas, mixing = [], []
         for i, lay in enumerate(layers):
             deltas.append(direct_logit(lay.alpha[ar, :, pos], lay.F, omegas[i]))
