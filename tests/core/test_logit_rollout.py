@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from attnroll.core.logit_rollout import head_direction, head_linear, logit_rollout, post_ln_directions
+from attnroll.core.logit_rollout import head_direction, head_linear, logit_rollout, layer_directions
 from attnroll.core.value_aware import Block, Mlp, Norm, apply_norm
 
 
@@ -64,7 +64,7 @@ def _frozen(v, norm, actual):
 
 @pytest.mark.parametrize("rule", ["linearised", "update"])
 @pytest.mark.parametrize("gated", [False, True])
-def test_post_ln_directions_are_the_gradients_of_the_frozen_stack(rule, gated):
+def test_layer_directions_are_the_gradients_of_the_frozen_stack(rule, gated):
     """A stack whose stream before block l is a^l = x^l + u_l + b_O^l (x^0 the embedding, u_l an attention
     update): ω^l = ∂y/∂a^l by autograd with σ, the activation slopes (or the gate) and, for "update", the
     MLP outputs held at their actual values; ω^0 · x^0 + Σ_l ω^l · u_l + the bias terms (b_O's included) +
@@ -113,11 +113,11 @@ def test_post_ln_directions_are_the_gradients_of_the_frozen_stack(rule, gated):
         yf.sum().backward()
     torch.testing.assert_close(yf.detach(), y, rtol=1e-10, atol=1e-10)  # frozen = actual at the actual point
     omega, const = head_linear(Wc[cls], bc[cls], final_norm=None, pooler=(Wp, bp, torch.tanh), actual=top)
-    dirs, bias, mlp_terms = post_ln_directions(omega, blocks, [s[0] for s in seen], [s[1] for s in seen], mlp=rule)
+    dirs, bias, mlp_terms = layer_directions(omega, blocks, [s[0] for s in seen], [s[1] for s in seen], mlp=rule)
     for l in range(L):
         torch.testing.assert_close(dirs[l], streams[l].grad, rtol=1e-10, atol=1e-12)
     total = (dirs[0] * x0).sum(-1) + sum((dirs[l] * updates[l]).sum(-1) for l in range(L))
     torch.testing.assert_close(total + bias.sum(-1) + mlp_terms.sum(-1) + const, y, rtol=1e-10, atol=1e-10)
     assert bool((mlp_terms == 0).all()) if rule == "linearised" else bool((mlp_terms.abs() > 1e-6).all())
     with pytest.raises(ValueError, match="mlp must be one of"):
-        post_ln_directions(omega, blocks, [s[0] for s in seen], [s[1] for s in seen], mlp="bypass")
+        layer_directions(omega, blocks, [s[0] for s in seen], [s[1] for s in seen], mlp="bypass")

@@ -20,18 +20,6 @@ RULES = ["linearised", "update"]
 
 
 # ----------------------------------------------------------------------------------------- naive reference
-def _ln_matrix(p, actual):
-    """G (d, d) with G v = the LayerNorm's share map of v at the actual vector: diag(γ) (I − 11ᵀ/d) / σ."""
-    g, _, eps, rms = p
-    d = len(actual)
-    assert not rms
-    return np.diag(g) @ (np.eye(d) - np.ones((d, d)) / d) / np.sqrt(np.var(actual) + eps)
-
-
-def _slopes(act, z):
-    return np.where(z != 0, act(z) / np.where(z != 0, z, 1), 0.0)
-
-
 def _naive_post_ln(S, xs, alphas, b, row, cls, rule):
     """(score (n,), per-layer Σ_j Δ^l_j (L,), embedding share, MLP terms) of example b for logit ``cls``."""
     hd = S["head"]
@@ -41,14 +29,14 @@ def _naive_post_ln(S, xs, alphas, b, row, cls, rule):
     # the head: ω^L = J_poolerᵀ w_c with the tanh linearised at its actual pre-activation
     Wp, bp = hd["pooler"]
     zp = Wp @ top + bp
-    omega_top = (np.diag(_slopes(np.tanh, zp)) @ Wp).T @ hd["W"][cls]
+    omega_top = (np.diag(np.tanh(zp) / zp) @ Wp).T @ hd["W"][cls]
     # each block's linear part P^l (d, d) at the row, and the direction on a^l = x^l + Attn_l by products
     P, G2s = [], []
     for l, L in enumerate(Ls):
         r1, _, h1, r2 = (f[row] for f in fwd[l])
-        G1, G2 = _ln_matrix(L["ln1"], r1), _ln_matrix(L["ln2"], r2)
+        G1, G2 = R.norm_matrix(L["ln1"], r1), R.norm_matrix(L["ln2"], r2)
         m = L["mlp"]
-        M = m["W2"] @ np.diag(_slopes(m["act"], m["W1"] @ h1 + m["b1"])) @ m["W1"]
+        M = m["W2"] @ np.diag(R.mlp_slopes(L, h1)) @ m["W1"]
         P.append(G2 @ ((np.eye(len(r1)) + M) if rule == "linearised" else np.eye(len(r1))) @ G1)
         G2s.append(G2)
     omegas, K = [None] * len(Ls), np.eye(len(top))
@@ -156,10 +144,6 @@ def test_post_ln_refusals_name_the_reason():
         attnroll.explain(bert, x, "alti_logit", target=lambda out: out.logits[:, 0])
     with pytest.raises(ValueError, match="end_layer"):
         attnroll.explain(bert, x, "alti_logit", end_layer=1)
-    vit = R.build("vit")
-    with pytest.raises(ValueError, match="post-LN stacks only"):
-        attnroll.explain(vit, R.inputs_for("vit"), "alti_logit", mlp="linearised")
-    assert attnroll.explain(vit, R.inputs_for("vit"), "alti_logit", mlp="update").options["mlp"] == "update"
     bare = R._randomise(T.BertModel(bert.config), 0)  # no classifier: nothing gives the target logit
     with pytest.raises(UnsupportedModelError, match="head"):
         attnroll.explain(bare, x, "alti_logit")

@@ -171,6 +171,26 @@ def ln(v, p, actual=None):
     return out + b if (b is not None and actual is None) else out
 
 
+def norm_matrix(p, actual):
+    """G (d, d) with G v = the norm's share map of v at the actual vector (β apart): diag(γ) (I − 11ᵀ/d) / σ
+    for a LayerNorm, diag(γ) / rms for an RMSNorm."""
+    g, _, eps, rms = p
+    d = len(actual)
+    if rms:
+        return np.diag(g) / math.sqrt(np.mean(actual ** 2) + eps)
+    return np.diag(g) @ (np.eye(d) - np.ones((d, d)) / d) / math.sqrt(np.var(actual) + eps)
+
+
+def mlp_slopes(L, u):
+    """The MLP's per-element coefficients at its actual input u: act(ζ)/ζ (0 at ζ = 0), or a gated MLP's gate
+    act(W_g u) held at its value."""
+    m = L["mlp"]
+    if "Wg" in m:
+        return m["act"](m["Wg"] @ u)
+    z = m["W1"] @ u + (0 if m["b1"] is None else m["b1"])
+    return np.where(z != 0, m["act"](z) / np.where(z != 0, z, 1), 0.0)
+
+
 def f_vec(L, h, xv):
     hd = L["heads"][h]
     v = hd["Wv"] @ xv + (0 if hd["bv"] is None else hd["bv"])

@@ -17,7 +17,7 @@ actual value and the MLP either linearised per element at its actual pre-activat
 DecompX; ``mlp="linearised"``) or kept as an update of its own (``mlp="update"``: MLP(h_r) enters LN2 as a
 term that is not attributed, as the paper treats MLP updates), each block is affine in a^l_r, so the logit is
 y = ω^0 · x^0_r + Σ_l ω^l · Attn_l(r) + Σ_l (bias and MLP terms of block l) + the head's constant, with one
-direction ω^l per layer carried down by the transposed linear parts (:func:`post_ln_directions`):
+direction ω^l per layer carried down by the transposed linear parts (:func:`layer_directions`):
 
     u = g2ᵀ ω^{l+1},   v = u + W1ᵀ (θ ⊙ W2ᵀ u)  (linearised; v = u for "update"),   ω^l = g1ᵀ v
 
@@ -34,7 +34,7 @@ import torch
 from .decompx import _linearised
 from .value_aware import Block, Norm, apply_norm, norm_scale
 
-__all__ = ["head_direction", "direct_logit", "logit_rollout", "head_linear", "post_ln_directions",
+__all__ = ["head_direction", "direct_logit", "logit_rollout", "head_linear", "layer_directions",
            "MLP_RULES"]
 
 #: How a post-LN block's MLP is treated (see module).
@@ -95,15 +95,22 @@ def head_linear(w: torch.Tensor, b: torch.Tensor | None, *, final_norm: Norm | N
     return w, c
 
 
-def post_ln_directions(omega: torch.Tensor, blocks: list[Block], n1: list[torch.Tensor], n2: list[torch.Tensor],
-                       *, mlp: str = "linearised") -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
-    """The per-layer directions of a post-LN stack (see module) for one readout row per example.
+def layer_directions(omega: torch.Tensor, blocks: list[Block], n1: list[torch.Tensor], n2: list[torch.Tensor],
+                     *, mlp: str) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """The per-layer directions of a stack (see module) for one readout row per example, each block by its
+    layout (``Block.pre_norm``).
 
-    ``omega`` (B, d) the direction on the top block's output (:func:`head_linear`); ``blocks`` the L post-LN
-    blocks; ``n1[l]`` / ``n2[l]`` (B, d) the readout row's actual inputs of block l's two norms. Returns
-    (ω^l (B, d) for l = 0 .. L − 1, the direction on a^l = x^l + Attn_l; the bias terms (B, L) of each block:
-    ω^{l+1}·β2 + u·b2 + (θ ⊙ W2ᵀu)·b1 + v·β1 + ω^l·b_O ("update": ω^{l+1}·β2 + u·β1 + ω^l·b_O); the MLP
-    updates' terms (B, L): u · MLP(h_r) for "update", 0 for "linearised")."""
+    ``omega`` (B, d) the direction on the top block's output (:func:`head_linear`); ``blocks`` the L blocks;
+    ``n1[l]`` / ``n2[l]`` (B, d) the readout row's actual inputs of block l's two norms. Returns (ω^l (B, d)
+    for l = 0 .. L − 1, the direction on the stream after block l's attention, a^l = x^l + Attn_l; the bias
+    terms (B, L) of each block; the MLP updates' terms (B, L), 0 for "linearised"):
+
+    * post-LN: u = g2ᵀ ω^{l+1}; linearised v = u + W1ᵀ(θ ⊙ W2ᵀu), bias ω^{l+1}·β2 + u·b2 + (θ ⊙ W2ᵀu)·b1 +
+      v·β1 + ω^l·b_O; "update" v = u, MLP term u · MLP(h_r), bias ω^{l+1}·β2 + u·β1 + ω^l·b_O; ω^l = g1ᵀ v;
+    * pre-norm (the stream a^l = n2[l] reaches the next block unchanged besides the MLP branch): linearised
+      ω^l = ω^{l+1} + g2ᵀ(W1ᵀ(θ ⊙ W2ᵀ ω^{l+1})), bias ω^{l+1}·b2 + (θ ⊙ W2ᵀω^{l+1})·b1 +
+      (W1ᵀ(θ ⊙ W2ᵀω^{l+1}))·β2 + ω^l·b_O; "update" ω^l = ω^{l+1}, MLP term ω^{l+1} · MLP(norm2(a^l)),
+      bias ω^l·b_O."""
     if mlp not in MLP_RULES:
         raise ValueError(f"mlp must be one of {MLP_RULES}, got {mlp!r}")
     B = omega.shape[0]
@@ -113,20 +120,30 @@ def post_ln_directions(omega: torch.Tensor, blocks: list[Block], n1: list[torch.
     mlp_terms = omega.new_zeros(B, L)
     for l in reversed(range(L)):
         blk, m = blocks[l], blocks[l].mlp
-        u = head_direction(omega, blk.norm2, n2[l])
-        h = apply_norm(n1[l], blk.norm1)
+        # the MLP reads h: norm2 of the stream (pre-norm) or norm1's output (post-LN); u the direction on its output
+        h = apply_norm(n2[l], blk.norm2) if blk.pre_norm else apply_norm(n1[l], blk.norm1)
+        u = omega if blk.pre_norm else head_direction(omega, blk.norm2, n2[l])
+        if not blk.pre_norm:
+            bias[:, l] = _dot(omega, blk.norm2.bias)
         zeta = h @ m.w1.T + (0 if m.b1 is None else m.b1)
         coef = _linearised(m.act, zeta) if m.wg is None else m.act(h @ m.wg.T + (0 if m.bg is None else m.bg))
-        bias[:, l] = _dot(omega, blk.norm2.bias)
         if mlp == "linearised":
             t = (u @ m.w2) * coef  # θ ⊙ W2ᵀ u, (B, f)
+            back = t @ m.w1  # the direction on the MLP's input h
             bias[:, l] += _dot(u, m.b2) + _dot(t, m.b1)
-            v = u + t @ m.w1
         else:
             inner = m.act(zeta) if m.wg is None else coef * zeta  # the MLP's actual hidden layer
             mlp_terms[:, l] = (u * (inner @ m.w2.T + (0 if m.b2 is None else m.b2))).sum(-1)
-            v = u
-        omega = head_direction(v, blk.norm1, n1[l])
-        bias[:, l] += _dot(v, blk.norm1.bias) + _dot(omega, blk.bo)
+            back = None
+        if blk.pre_norm:
+            if back is not None:
+                bias[:, l] += _dot(back, blk.norm2.bias)
+                omega = omega + head_direction(back, blk.norm2, n2[l])
+        else:
+            v = u if back is None else u + back
+            bias[:, l] += _dot(v, blk.norm1.bias)
+            omega = head_direction(v, blk.norm1, n1[l])
+        bias[:, l] += _dot(omega, blk.bo)
         dirs[l] = omega
     return dirs, bias, mlp_terms
+

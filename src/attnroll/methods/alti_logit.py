@@ -6,8 +6,9 @@ rolled-out mixing of the layers below, score_k = Σ_l Σ_j Δ^l_j (C_{l−1} ⋯
 
 * Pre-norm stacks (ViT, GPT-2, Llama): the updates reach the head on the residual stream, ω^l = ω the
   classifier row through the final norm (divisor frozen). The embeddings, the MLPs and every bias are not
-  attributed (the paper's direct logit updates); their terms are reported in ``extra`` and, with the
-  updates, add up to the target logit.
+  attributed (the paper's direct logit updates, ``mlp="update"``, the default there); their terms are
+  reported in ``extra`` and, with the updates, add up to the target logit. ``mlp="linearised"`` carries each
+  update through the MLP branches above it too (our variant, as below).
 * Post-LN stacks (BERT family, DistilBERT): every update passes each LN2(h + MLP(h)) above it. With the norms'
   divisors frozen and the MLP linearised per element (``mlp="linearised"``, the default there: θ = act(ζ)/ζ,
   DecompX's rule) or kept as an unattributed update of its own (``mlp="update"``), each block is affine in the
@@ -23,15 +24,16 @@ from __future__ import annotations
 import torch
 
 from .. import _checks
-from ..core.logit_rollout import MLP_RULES, direct_logit, head_linear, logit_rollout, post_ln_directions
+from ..core.logit_rollout import MLP_RULES, direct_logit, head_linear, layer_directions, logit_rollout
 from ..core.value_aware import normalize_rows
 from . import _value_aware as va
 from .base import Context, register
 
 
-def _layout(ctx: Context, anat, head: dict, mlp) -> tuple[bool, str]:
-    """(post-LN?, the MLP rule) after refusing what the decomposition does not model: a stack mixing pre- and
-    post-norm blocks, heads pooling rows, a pooler on a pre-norm stack, ``mlp="linearised"`` on a pre-norm stack."""
+def _rule(ctx: Context, anat, head: dict, mlp) -> str:
+    """The MLP rule: ``mlp``, else "update" on pre-norm stacks (the paper's direct updates) and
+    "linearised" on post-LN ones, after refusing what the decomposition does not model: a stack mixing pre-
+    and post-norm blocks, heads pooling rows, a pooler on a pre-norm stack."""
     name = type(ctx.model).__name__
     rule = None if mlp is None else _checks.check_choice("mlp", mlp, MLP_RULES)
     pre = {layer.pre_norm for layer in anat.layers}
@@ -47,13 +49,8 @@ def _layout(ctx: Context, anat, head: dict, mlp) -> tuple[bool, str]:
             raise _checks.UnsupportedModelError(
                 f"method 'alti_logit': {name} is pre-norm with a pooler between the final norm and the "
                 "classifier, which the pre-norm decomposition does not model; use 'decompx'")
-        if rule == "linearised":
-            raise ValueError(
-                f"mlp: alti_logit on the pre-norm {name} reads the attention updates' direct logit on the residual "
-                "stream (the MLP updates are their own, unattributed terms: mlp='update'); mlp='linearised' is "
-                "modelled for post-LN stacks only, got mlp='linearised'")
-        return False, "update"
-    return True, rule or "linearised"
+        return rule or "update"
+    return rule or "linearised"
 
 
 @register(
@@ -74,7 +71,7 @@ def alti_logit(ctx: Context, *, mlp, dtype):
     rec, states, anat = va.record(ctx)
     dt = va.working_dtype(dtype, states.inputs[0])
     head = anat.head(dt)
-    post, rule = _layout(ctx, anat, head, mlp)
+    rule = _rule(ctx, anat, head, mlp)
     pos = torch.tensor(ctx.positions(rec, "self"), device=states.inputs[0].device)
     va.check_head_readout(ctx, rec, pos.tolist(), "alti_logit")
     reads = "projects on one logit of the model's head (a classifier row)"
@@ -88,15 +85,9 @@ def alti_logit(ctx: Context, *, mlp, dtype):
         top = states.outputs[-1].to(dt)[ar, pos]  # the vector the head reads
         omega, const = head_linear(W[classes], None if b is None else b[classes], final_norm=head["final_norm"],
                                    pooler=head["pooler"], actual=top)
-        if post:
-            omegas, bias, mlp_terms = post_ln_directions(
-                omega, [lay.block for lay in layers], [lay.n1[ar, pos] for lay in layers],
-                [lay.n2[ar, pos] for lay in layers], mlp=rule)
-        else:  # the residual stream reaches the head: one direction; the MLP updates are the branches' outputs
-            omegas = [omega] * len(layers)
-            bias = torch.stack([torch.zeros_like(const) if lay.block.bo is None else (omega * lay.block.bo).sum(-1)
-                                for lay in layers], dim=1)
-            mlp_terms = torch.stack([(omega * (lay.out - lay.n2)[ar, pos]).sum(-1) for lay in layers], dim=1)
+        omegas, bias, mlp_terms = layer_directions(
+            omega, [lay.block for lay in layers], [lay.n1[ar, pos] for lay in layers],
+            [lay.n2[ar, pos] for lay in layers], mlp=rule)
         extra["embedding_logit"] = (omegas[0] * layers[0].x[ar, pos]).sum(-1)
         extra["bias_logit"] = bias.sum(-1) + const
         extra["mlp_logit"] = mlp_terms.sum(-1)
