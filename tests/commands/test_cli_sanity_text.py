@@ -29,7 +29,7 @@ def lm():
 
 
 def sanity(out, *args):
-    res = run("sanity", "--model", "minilm-evidence", "--methods", ",".join(METHODS), "--components", "value",
+    res = run("sanity", "--model", "minilm-evidence", "-m", ",".join(METHODS), "--components", "value",
               "--out", out, *args)
     assert res.exit_code == 0, res.output
     rows = list(csv.DictReader(io.StringIO((out / "sanity.csv").read_text())))

@@ -129,7 +129,7 @@ def _metrics_help() -> str:
 @click.option("--model", "model_spec", metavar="MODEL", default="shapes", show_default=True,
               help="shapes | shapes-marker | minilm-evidence (embedded; the last a text classifier) | a local "
                    "transformers image or text classifier folder.")
-@click.option("--methods", "method_list", default="rollout,flow,gae,grad_rollout,raw,integrated_gradients,random",
+@click.option("--methods", "-m", "method_list", default="rollout,flow,gae,grad_rollout,raw,integrated_gradients,random",
               show_default=True, help="Comma-separated methods to compare.")
 @click.option("--data", default="shapes", show_default=True,
               help="shapes | shapes-marker (generated, with object masks) | a folder of images (no masks: "

@@ -73,7 +73,7 @@ def _plot(ax: Any, comp: str, runs: list, names: list[str]) -> None:
 @click.option("--model", "model_spec", metavar="MODEL", default="shapes", show_default=True,
               help="shapes | shapes-marker | minilm-evidence (embedded; the last a text classifier) | a local "
                    "transformers image or text classifier folder.")
-@click.option("--methods", "method_list", default="rollout,flow,gae,grad_rollout,raw", show_default=True,
+@click.option("--methods", "-m", "method_list", default="rollout,flow,gae,grad_rollout,raw", show_default=True,
               help="Comma-separated methods.")
 @click.option("--components", default="all,qk,value,mlp", show_default=True,
               help="Which weights of each block are re-drawn: all, qk (queries and keys), value (value and "
