@@ -22,6 +22,7 @@ import torch
 import attnroll
 from attnroll._checks import UnsupportedModelError
 
+from ..capture.test_layer_anatomy import _pooled
 from . import value_aware_reference as R
 
 T = pytest.importorskip("transformers")
@@ -31,23 +32,16 @@ POOLED = ["dinov2", "dinov2_registers", "timm_avg_fc_norm", "timm_avg", "timm_to
 
 
 def _model(kind: str, dtype=F64):
-    """A tiny random float64 model with a pooling head, and two images."""
-    g = torch.Generator().manual_seed(5)
-    if kind.startswith("dinov2"):
-        regs = dict(num_register_tokens=2) if kind == "dinov2_registers" else {}
-        Config = T.Dinov2WithRegistersConfig if regs else T.Dinov2Config
-        Model = T.Dinov2WithRegistersForImageClassification if regs else T.Dinov2ForImageClassification
-        cfg = Config(image_size=16, patch_size=8, hidden_size=8, num_hidden_layers=2, num_attention_heads=2,
-                     mlp_ratio=2, num_labels=3, layerscale_value=0.5, attn_implementation="eager", **regs)
-        m, x = R._randomise(Model(cfg), 21), torch.randn(2, 3, 16, 16, generator=g, dtype=F64)
-    else:
-        opts = dict(global_pool="token" if kind == "timm_token_fc_norm" else "avg", fc_norm=kind != "timm_avg",
-                    reg_tokens=0 if kind == "timm_avg_no_prefix" else 1,
-                    class_token=kind != "timm_avg_no_prefix")
-        m = timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=3, depth=2, img_size=32,
-                              patch_size=16, embed_dim=16, num_heads=2, init_values=0.5, **opts)
-        m, x = R._randomise(m, 22), torch.randn(2, 3, 32, 32, generator=g, dtype=F64)
-    return m.to(dtype), x.to(dtype)
+    """A tiny random float64 model with a pooling head (layer scales, registers; the layer-anatomy tests'
+    models) and two images; "timm_avg_no_prefix": no class or register token, the mean of every row."""
+    if kind != "timm_avg_no_prefix":
+        m, x = _pooled(kind)
+        return m.to(dtype), x.to(dtype)
+    m = timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=3, depth=2, img_size=32,
+                          patch_size=16, embed_dim=16, num_heads=2, init_values=0.5, global_pool="avg",
+                          class_token=False)
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(5), dtype=F64)
+    return R._randomise(m, 22).to(dtype), x.to(dtype)
 
 
 def _parts(m):
