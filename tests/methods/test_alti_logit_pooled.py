@@ -7,7 +7,10 @@ never reads attnroll: the model's own modules run with forward hooks, and
   by exactly z_{ij} (the probabilities do not read the values; the layers below are untouched);
 * each read row's direction ω_r = ∂y/∂x^L_r by autograd through the model's own head modules with every
   norm's divisor detached (per row before pooling, of the pooled vector after);
-* Δ^l_j = Σ_r ω_r · z^l_{rj} (pre-norm, mlp="update": the update reaches the head unchanged), ALTI's
+* Δ^l_j = Σ_r ω^l_r · z^l_{rj}: ω^l_r = ω_r with mlp="update" (pre-norm: the update reaches the head
+  unchanged besides the MLP updates, not attributed); with mlp="linearised" ω_r carried down by
+  vector-Jacobian products through each MLP branch above l (the model's modules, norm2's divisor frozen,
+  the activation as θ = act(ζ)/ζ at the actual ζ); ALTI's
   pre-norm matrices from the same z (T_i(x_j) = z_ij + δ_ij x_j, y_i = x_i + Attn_i, c_ij = max(0, ‖y_i‖₁ −
   ‖y_i − T_i(x_j)‖₁), rows normalised), score = Σ_l Δ^l C_{l−1} ⋯ C_0.
 
@@ -99,8 +102,22 @@ def _head_logits(m, xL):
     return m.classifier(torch.cat([h[:, 0], h[:, start:].mean(1)], dim=-1))
 
 
-def _reference(m, x, classes):
-    """(score (B, n), per-layer Σ_j Δ^l_j (B, L), ω (B, n, d)) by the module docstring's computation."""
+def _mlp_branch(m, l, u, actual):
+    """Block l's MLP branch plus its skip, u + ls2(fc2(θ ⊙ fc1(norm2(u)))), by the model's own modules, with
+    norm2's divisor frozen and the activation linearised at the actual stream ``actual``: θ = act(ζ)/ζ."""
+    blk = _parts(m)[0][l]
+    mlp = blk.mlp
+    act = getattr(mlp, "act", None) or mlp.activation_fn
+    zeta = mlp.fc1(_frozen(blk.norm2, actual)).detach()
+    theta = torch.where(zeta == 0, torch.zeros_like(zeta), act(zeta) / zeta)
+    ls2 = blk.ls2 if hasattr(blk, "ls2") else blk.layer_scale2
+    return u + ls2(mlp.fc2(theta * mlp.fc1(_frozen(blk.norm2, u))))
+
+
+def _reference(m, x, classes, mlp="update"):
+    """(score (B, n), per-layer Σ_j Δ^l_j (B, L), ω (B, n, d)) by the module docstring's computation; with
+    mlp="linearised" each row's direction is carried down through the MLP branches above the layer by
+    vector-Jacobian products of :func:`_mlp_branch` (row-wise: each row through its own norm and MLP)."""
     xs, attn, xL, logits = _run(m, x)
     B, n, _ = xL.shape
     v = xL.clone().requires_grad_(True)
@@ -108,8 +125,18 @@ def _reference(m, x, classes):
         y = _head_logits(m, v)
         torch.testing.assert_close(y.detach(), logits, atol=1e-12, rtol=0)  # the reference head is the model's
         (omega,) = torch.autograd.grad(y[torch.arange(B), classes].sum(), v)
+    head_omega = omega
+    omegas = [omega] * len(xs)
+    if mlp == "linearised":
+        for l in reversed(range(len(xs))):
+            s_ = xs[l] + attn[l]  # the stream after block l's attention
+            u = s_.clone().requires_grad_(True)
+            with torch.enable_grad():
+                (omega,) = torch.autograd.grad(_mlp_branch(m, l, u, s_), u, grad_outputs=omega)
+            omegas[l] = omega
     score, per_layer, below = torch.zeros(B, n, dtype=F64), [], torch.eye(n, dtype=F64).expand(B, n, n)
     for l in range(len(xs)):
+        omega = omegas[l]
         base = _run(m, x, at=l, scale=torch.zeros(B, n))[1][l]
         z = torch.stack([_run(m, x, at=l, scale=torch.eye(n)[j].expand(B, n))[1][l] - base for j in range(n)],
                         dim=2)  # (B, i, j, d)
@@ -121,14 +148,15 @@ def _reference(m, x, classes):
         C = (yv.abs().sum(-1) - (yv - Tz).abs().sum(-1)).clamp(min=0)
         C = C / C.sum(-1, keepdim=True)
         below = torch.einsum("bij,bjk->bik", C, below)
-    return score, torch.stack(per_layer, 1), omega
+    return score, torch.stack(per_layer, 1), head_omega
 
 
 @pytest.mark.parametrize("kind", POOLED)
-def test_pooled_map_equals_the_hooked_model_computation(kind):
+@pytest.mark.parametrize("mlp", ["update", "linearised"])
+def test_pooled_map_equals_the_hooked_model_computation(kind, mlp):
     m, x = _model(kind)
-    e = attnroll.explain(m, x, "alti_logit", target=[2, 1], dtype=F64)
-    score, per_layer, omega = _reference(m, x, torch.tensor(e.target))
+    e = attnroll.explain(m, x, "alti_logit", target=[2, 1], dtype=F64, mlp=mlp)
+    score, per_layer, omega = _reference(m, x, torch.tensor(e.target), mlp)
     torch.testing.assert_close(e.full_row.double(), score, atol=1e-6, rtol=1e-6)  # scores are stored in float32
     torch.testing.assert_close(e.extra["layer_logit"], per_layer, atol=1e-10, rtol=1e-10)
     # the rows the head reads: DINOv2 every row but the registers, timm avg the patches, timm token the CLS row
