@@ -16,8 +16,16 @@ rolled-out mixing of the layers below, score_k = Σ_l Σ_j Δ^l_j (C_{l−1} ⋯
   same way) and classifier give ω^L. The per-layer updates, the embedding's share ω^0 · x^0_r, the bias terms
   and (``"update"``) the MLP terms add up to the target logit exactly (``extra``).
 
-Heads that pool rows (DINOv2, timm ``avg``) have no single readout row and are refused, as are a pooler on a
-pre-norm stack and a stack mixing both layouts."""
+* Heads that pool rows on pre-norm stacks (DINOv2's [CLS ; mean of the patch rows], timm ``global_pool='avg'``
+  with or without ``fc_norm``, timm's CLS row through ``fc_norm``; the layer anatomy's ``pool``): with every
+  norm's divisor frozen (each row's own, and the pooled vector's) the head is linear in the top stream,
+  y = Σ_r ω_r · x^L_r + c, so every read row r has its own direction ω_r (its pooling weight times its part
+  of the pooled direction, through its own norm), is carried down as a readout row of its own, and the
+  updates add up over the read rows: Δ^l_j = Σ_r ω^l_r · Σ_h α^h_rj f^h(x̃^l_j). The ``extra`` terms sum over
+  the read rows the same way and still add up to the target logit.
+
+Refused, with the reason: a pooled head on a post-LN stack (no such model is described by the anatomy) or
+on padded inputs (the pool weights are fixed), a pooler on a pre-norm stack, a stack mixing both layouts."""
 
 from __future__ import annotations
 
