@@ -217,10 +217,10 @@ def cascading_randomization(
     batch = batch_size_of(inputs)
     if batch == 0:
         raise ValueError("inputs hold no examples (B=0)")
-    units = _units(model, inputs, keep)
 
     work = copy.deepcopy(model).eval()
     anat, plan = _plan(work, component)
+    units = _units(model, inputs, keep)  # after the anatomy, whose refusal names the model's problem first
 
     original: dict[str, np.ndarray] = {}
     fixed = target
