@@ -151,6 +151,28 @@ def test_value_aware_layer0_map_sees_the_redraw_through_the_values_alone(shapes)
     assert r.correlations["norm"][4] < 0.95
 
 
+def test_image_correlations_count_every_patch(shapes, shapes_value):
+    """Images: each map's Spearman correlation is over all its patches (no unit is left out), as scipy gives
+    it on maps from a copy re-drawn step by step in the plan's order."""
+    stats = pytest.importorskip("scipy.stats")
+    model, x = shapes
+    with torch.no_grad():
+        pred = model(pixel_values=x).logits.argmax(-1).tolist()
+    work = copy.deepcopy(model).eval()
+    gen = torch.Generator().manual_seed(0)
+
+    def maps():
+        return {m: attnroll.explain(work, x, m, target=pred).scores.double().numpy() for m in ALL4}
+
+    first = maps()
+    for s, (_, targets) in enumerate(_plan(work, "value")[1]):
+        _reinitialise(targets, gen)
+        now = maps()
+        for m in ALL4:
+            want = [stats.spearmanr(first[m][i], now[m][i])[0] for i in range(x.shape[0])]
+            np.testing.assert_allclose(shapes_value.per_example[m][s], want, atol=1e-9, rtol=0, err_msg=(m, s))
+
+
 def test_seed_determinism_and_caller_model_untouched(shapes):
     model, x = shapes
     model.train()  # the caller's mode must survive (the copy runs in eval mode)

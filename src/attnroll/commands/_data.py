@@ -11,8 +11,8 @@ import click
 from ._output import Failure, one_line
 
 __all__ = ["IMAGE_SUFFIXES", "DATASETS", "TEXT_DATASETS", "expand_images", "read_image", "load", "input_options", "check_inputs",
-           "load_for", "load_eval_model", "load_image_model", "load_texts", "load_data", "load_files", "fill_tensor",
-           "check_data", "check_fill", "check_cmap"]
+           "load_for", "load_eval_model", "load_image_model", "load_texts", "load_text_data", "data_for", "load_data",
+           "load_files", "fill_tensor", "check_data", "check_fill", "check_cmap"]
 
 #: Image file suffixes the commands read (what pillow decodes).
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm")
@@ -127,19 +127,70 @@ def load_image_model(spec: str | None) -> Any:
     return lm
 
 
+#: Suffixes of JSON-lines files (one object with a "text" field per line), as ``attnroll batch`` reads them.
+JSONL_SUFFIXES = (".jsonl", ".ndjson")
+
+
 def load_texts(data: str, n: int) -> list[str]:
-    """``--data`` for a text classifier: a UTF-8 text file, one example per line (blank lines skipped)."""
+    """``--data`` for a text classifier: a UTF-8 text file, one example per line (blank lines skipped), or a
+    JSONL file (its "text" fields, read as ``attnroll batch`` reads them; pairs are refused)."""
     path = Path(data)
     if data in DATASETS + TEXT_DATASETS or not path.is_file():
-        raise click.UsageError(f"--data {data}: a text classifier needs a text file, one example per line")
-    try:
-        lines = [ln.strip() for ln in path.read_text(encoding="utf-8").splitlines()]
-    except (OSError, UnicodeDecodeError) as e:
-        raise Failure(f"cannot read {path}: {one_line(getattr(e, 'strerror', None) or e)}") from None
-    texts = [ln for ln in lines if ln][:n]
+        raise click.UsageError(f"--data {data}: a text classifier needs evidence (generated sentences), a text "
+                               "file (one example per line) or a JSONL file with a 'text' field per line")
+    if path.suffix.lower() in JSONL_SUFFIXES:
+        texts = _jsonl_texts(path)[:n]
+    else:
+        try:
+            lines = [ln.strip() for ln in path.read_text(encoding="utf-8").splitlines()]
+        except (OSError, UnicodeDecodeError) as e:
+            raise Failure(f"cannot read {path}: {one_line(getattr(e, 'strerror', None) or e)}") from None
+        texts = [ln for ln in lines if ln][:n]
     if not texts:
         raise Failure(f"{path}: no text in this file (one example per line)")
     return texts
+
+
+def _jsonl_texts(path: Path) -> list[str]:
+    """The non-blank "text" fields of a JSONL file (:func:`attnroll.batch.sources.list_items`); a pair is a
+    usage error (a classifier's evaluation here reads single texts)."""
+    from ..batch.sources import list_items
+
+    try:
+        items = list_items(path)
+    except ValueError as e:
+        raise Failure(one_line(str(e))) from None
+    paired = [it.id for it in items if it.pair is not None]
+    if paired:
+        raise click.UsageError(f"--data {path}: {paired[0]} has a 'pair'; give single texts here")
+    return [it.text.strip() for it in items if it.text.strip()]
+
+
+def data_for(model_spec: str | None, data: str) -> str:
+    """``--data`` after ``--model``: the embedded text classifier (minilm-evidence) reads its generated
+    sentences ("evidence") when ``--data`` was left at its default; generated sentences for an embedded image
+    model are a usage error."""
+    src = click.get_current_context().get_parameter_source("data")
+    if model_spec == "minilm-evidence" and src is click.core.ParameterSource.DEFAULT:
+        return "evidence"
+    if data in TEXT_DATASETS and model_spec in DATASETS:  # the embedded image models share the data's names
+        raise click.UsageError(f"--data {data}: generated sentences, for a text classifier (--model minilm-evidence)")
+    return data
+
+
+def load_text_data(lm: Any, data: str, n: int, seed: int) -> dict[str, Any]:
+    """``--data`` for a text classifier ``lm``: "evidence" (``n`` generated sentences of ``seed`` with their
+    labels and evidence-token masks) or a text / JSONL file (:func:`load_texts`; no labels, no masks).
+    Returns {"inputs": the tokenizer's dict, padded, with ``special_tokens_mask``; "labels"; "masks"}."""
+    if data in TEXT_DATASETS:
+        from ..models import evidence
+
+        ex = evidence.make_examples(n, seed)
+        enc, masks = evidence.encode(lm.tokenizer, ex)
+        return {"inputs": enc, "labels": ex.labels, "masks": masks}
+    texts = load_texts(data, n)
+    enc = lm.tokenizer(texts, padding=True, truncation=True, return_tensors="pt", return_special_tokens_mask=True)
+    return {"inputs": enc, "labels": None, "masks": None}
 
 
 def _generated(data: str, lm: Any, n: int, seed: int) -> dict[str, Any]:
@@ -168,6 +219,9 @@ def load_data(data: str, lm: Any, n: int, seed: int) -> dict[str, Any]:
     path = Path(data)
     if not path.exists():
         raise click.UsageError(f"--data {data}: neither a folder of images nor one of {', '.join(DATASETS)}")
+    if path.is_file() and path.suffix.lower() in (".txt", ".text") + JSONL_SUFFIXES:
+        raise click.UsageError(f"--data {data}: a text file, for a text classifier; {lm.name} takes images "
+                               "(a folder of images or one of " + ", ".join(DATASETS) + ")")
     return load_files(expand_images((path,))[:n], lm)
 
 

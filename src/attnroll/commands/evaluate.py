@@ -9,7 +9,8 @@ from typing import Any
 import click
 
 from ._args import method_options, methods_list
-from ._data import DATASETS, TEXT_DATASETS, check_data, check_fill, fill_tensor, load_data, load_eval_model, load_files, load_texts
+from ._data import (DATASETS, TEXT_DATASETS, check_data, check_fill, data_for, fill_tensor, load_data, load_eval_model,
+                    load_files, load_text_data)
 from ._group import cli
 from ._output import echo_written, figure_png, prepare_out, write
 
@@ -88,20 +89,13 @@ def _evaluate_text(lm: Any, data: str, n: int, seed: int, names: list[str], metr
                    batch_size: int) -> tuple[Any, dict]:
     """A text classifier on ``--data evidence`` (generated sentences with evidence tokens: AOPC and the
     rationale metrics) or on a text file (AOPC only). Returns (result, the meta data of evaluation.json)."""
-    if data in TEXT_DATASETS:
-        from ..models import evidence
-
-        ex = evidence.make_examples(n, seed)
-        enc, masks = evidence.encode(lm.tokenizer, ex)
-        result = _run_suite(lm.model, enc, names, labels=ex.labels, masks=masks, metrics=metrics,
-                            method_options=opts, batch_size=batch_size)
-        return result, {"model": lm.name, "data": data, "n": n, "seed": seed, "options": opts}
-    if _needs_masks(metrics):
+    generated = data in TEXT_DATASETS
+    if not generated and _needs_masks(metrics):
         raise _no_masks_error(metrics)
-    texts = load_texts(data, n)
-    enc = lm.tokenizer(texts, padding=True, truncation=True, return_tensors="pt", return_special_tokens_mask=True)
-    result = _run_suite(lm.model, enc, names, metrics=metrics, method_options=opts, batch_size=batch_size)
-    return result, {"model": lm.name, "data": data, "n": n, "options": opts}
+    d = load_text_data(lm, data, n, seed)
+    result = _run_suite(lm.model, d["inputs"], names, labels=d["labels"], masks=d["masks"], metrics=metrics,
+                        method_options=opts, batch_size=batch_size)
+    return result, {"model": lm.name, "data": data, "n": n, **({"seed": seed} if generated else {}), "options": opts}
 
 
 def _write_results(out: Path, result: Any, meta: dict) -> None:
@@ -135,7 +129,7 @@ def _metrics_help() -> str:
 @click.option("--model", "model_spec", metavar="MODEL", default="shapes", show_default=True,
               help="shapes | shapes-marker | minilm-evidence (embedded; the last a text classifier) | a local "
                    "transformers image or text classifier folder.")
-@click.option("--methods", "method_list", default="rollout,flow,gae,grad_rollout,raw,integrated_gradients,random",
+@click.option("--methods", "-m", "method_list", default="rollout,flow,gae,grad_rollout,raw,integrated_gradients,random",
               show_default=True, help="Comma-separated methods to compare.")
 @click.option("--data", default="shapes", show_default=True,
               help="shapes | shapes-marker (generated, with object masks) | a folder of images (no masks: "
@@ -174,10 +168,7 @@ def evaluate_cmd(model_spec, method_list, data, n, seed, metric_list, options, f
     metrics = _metric_names(metric_list)
     check_data(data)
     check_fill(fill)
-    text_default = model_spec == "minilm-evidence" and _is_default("data")
-    data = "evidence" if text_default else data
-    if data in TEXT_DATASETS and model_spec in DATASETS:  # the embedded image models share the data's names
-        raise click.UsageError(f"--data {data}: generated sentences, for a text classifier (--model minilm-evidence)")
+    data = data_for(model_spec, data)
     if data not in DATASETS + TEXT_DATASETS and _needs_masks(metrics):
         raise _no_masks_error(metrics)
     out = prepare_out(out)
@@ -199,12 +190,6 @@ def evaluate_cmd(model_spec, method_list, data, n, seed, metric_list, options, f
                         method_options=opts, fill=fill_value, steps=steps, batch_size=batch_size)
     meta = {"model": lm.name, "data": data, "n": n, "seed": seed, "fill": fill, "steps": steps, "options": opts}
     _write_results(out, result, meta)
-
-
-def _is_default(param: str) -> bool:
-    """Whether the command's option ``param`` was left at its default."""
-    src = click.get_current_context().get_parameter_source(param)
-    return src is click.core.ParameterSource.DEFAULT
 
 
 def _evaluate_batch(folder: Path, model_spec: str, method_list: str, n: int, metric_list: Any, options: Any,

@@ -67,13 +67,20 @@ def relevance_order(scores: torch.Tensor, descending: bool = True) -> torch.Tens
     return torch.sort(key, dim=1, stable=True).indices
 
 
-def spearman_rows(a: Any, b: Any) -> np.ndarray:
+def spearman_rows(a: Any, b: Any, units: Any = None) -> np.ndarray:
     """Spearman rank correlation between matching rows of two (B, units) arrays (average ranks for ties).
-    A row that is constant in either input gets NaN (correlation undefined)."""
+    A row that is constant in either input gets NaN (correlation undefined).
+
+    ``units``: None = every entry; a (B, units) bool array = row i correlates only the entries where
+    ``units[i]`` is True (padding of a text batch left out; the ranks are taken among those entries)."""
     from scipy.stats import rankdata
 
     a = np.asarray(a, dtype=np.float64)
     b = np.asarray(b, dtype=np.float64)
+    if units is not None:
+        u = np.asarray(units, dtype=bool)
+        return np.array([spearman_rows(a[i : i + 1, u[i]], b[i : i + 1, u[i]])[0] if u[i].sum() > 1 else np.nan
+                         for i in range(a.shape[0])], dtype=np.float64)
     ra, rb = rankdata(a, axis=1), rankdata(b, axis=1)
     ra -= ra.mean(axis=1, keepdims=True)
     rb -= rb.mean(axis=1, keepdims=True)

@@ -38,12 +38,9 @@ def rationale_inputs(scores: Any, evidence: Any, units: Any = None) -> tuple[tor
 
 def units_of(inp: MetricInputs) -> torch.Tensor:
     """(B, n) bool: the tokens of ``inp.inputs`` that count (attention mask 1, not special / not in ``keep``)."""
-    from .text import special_token_mask
+    from .text import text_units
 
-    enc = _checks.check_text_inputs(inp.inputs)
-    keep = inp.option("keep")
-    kept = special_token_mask(inp.model, enc) if keep is None else _checks.check_keep(keep, *enc["input_ids"].shape)
-    return (enc["attention_mask"].to(torch.bool) & ~kept.to(torch.bool)).cpu()
+    return text_units(inp.model, _checks.check_text_inputs(inp.inputs), inp.option("keep"))
 
 
 def rationale_values(inp: MetricInputs, scores: Any, metric: Any) -> MetricValues:

@@ -33,6 +33,13 @@ model's layer anatomy (``attnroll.capture.model_facts(model).anatomy``: the q / 
 MLP, the norms of each block; a fused q/k/v tensor contributes the rows of the chosen thirds), never from
 parameter names; a model whose anatomy is unknown is refused with the reason.
 
+Text: the correlation of each example is taken over its *units* only, the tokens the other text metrics
+count (:func:`attnroll.evaluate.text.text_units`): real tokens (attention mask 1) that are not special
+(the config's CLS / SEP / BOS / EOS / PAD ids, or ``special_tokens_mask`` when the tokenizer was asked for
+it; ``keep=`` overrides). Padding scores 0 in both maps; counted, it would tie a block of ranks in both and
+pull the correlation of a short sentence in a long batch towards 1. So a padded batch gives each sentence the
+same correlation as that sentence alone. Images (and other tensor inputs) use every unit of the map.
+
 The model is copied with ``copy.deepcopy`` (the caller's model is never changed; memory for a second copy is
 needed) and the copy is put in eval mode.
 """
@@ -172,6 +179,7 @@ def cascading_randomization(
     seed: int = 0,
     method_options: dict[str, dict] | None = None,
     batch_size: int = 64,
+    keep: Any = None,
 ) -> SanityResult:
     """Cascading model-parameter randomisation (Adebayo et al. 2018) of a copy of ``model``.
 
@@ -185,13 +193,17 @@ def cascading_randomization(
         seed: seed of the generator drawing the new parameters (same seed, same result).
         method_options: {method: {option: value}} passed to ``explain`` for that method.
         batch_size: examples per ``explain`` call.
+        keep: text only: a (B, n) bool mask of real tokens left out of the correlation (default: the special
+            tokens, as the text metrics; an all-False mask counts every real token). Padding is always left
+            out.
 
     Returns:
         a :class:`SanityResult` with steps ["classifier", "layer L-1", ..., "layer 0"].
 
     Raises:
         ValueError: unknown component or method, empty methods, method options a method does not take, a
-            model whose layer anatomy or head is unknown (the reason named).
+            model whose layer anatomy or head is unknown (the reason named), ``keep`` with inputs that are not
+            tokenised text, a text example with fewer than 2 units.
         TypeError: a model that is not an nn.Module, inputs that are neither a tensor nor a dict.
     """
     _checks.check_module("model", model)
@@ -208,11 +220,15 @@ def cascading_randomization(
 
     work = copy.deepcopy(model).eval()
     anat, plan = _plan(work, component)
+    units = _units(model, inputs, keep)  # after the anatomy, whose refusal names the model's problem first
 
     original: dict[str, np.ndarray] = {}
     fixed = target
     for m in methods:
         original[m], resolved = _maps(work, inputs, m, fixed, options.get(m, {}), batch_size)
+        if units is not None and original[m].shape != tuple(units.shape):
+            raise ValueError(f"method {m!r} scored {original[m].shape[1]} units per example, not the inputs' "
+                             f"{units.shape[1]} tokens; cascading randomisation on text needs maps over tokens")
         if fixed is None and resolved is not None:
             fixed = resolved  # the original model's predicted classes, for every later map
 
@@ -222,7 +238,7 @@ def cascading_randomization(
         _reinitialise(targets, gen)
         for m in methods:
             maps, _ = _maps(work, inputs, m, fixed, options.get(m, {}), batch_size)
-            per_example[m][s] = spearman_rows(original[m], maps)
+            per_example[m][s] = spearman_rows(original[m], maps, units)
     return SanityResult(
         methods=methods,
         steps=[name for name, _ in plan],
@@ -233,6 +249,24 @@ def cascading_randomization(
         head=anat.head_path,
         blocks=anat.path,
     )
+
+
+def _units(model: nn.Module, inputs: Any, keep: Any) -> np.ndarray | None:
+    """(B, n) bool: the tokens each text example is correlated over (see the module docs); None for inputs
+    that are not tokenised text (a tensor, a dict without ``input_ids``), whose maps count every unit."""
+    from .text import text_units
+
+    if not (hasattr(inputs, "keys") and "input_ids" in inputs.keys()):
+        if keep is not None:
+            raise ValueError(f"keep applies to tokenised text (a dict with input_ids), but inputs are "
+                             f"{_checks.describe(inputs)}")
+        return None
+    units = text_units(model, _checks.check_text_inputs(inputs), keep).numpy()
+    few = (units.sum(axis=1) < 2).nonzero()[0].tolist()
+    if few:
+        raise ValueError(f"examples {few[:10]} have fewer than 2 tokens that count (real, not special or kept); "
+                         "a rank correlation needs at least 2")
+    return units
 
 
 def _plan(work: nn.Module, component: str) -> tuple[Any, list[tuple[str, list[Target]]]]:

@@ -36,7 +36,7 @@ from ._common import chunks, logits_of, relevance_order
 from .perturbation import PerturbationResult, _result
 from .registry import MetricInputs, MetricValues, register_metric
 
-__all__ = ["comprehensiveness", "sufficiency", "repack", "special_token_mask", "ERASER_BINS"]
+__all__ = ["comprehensiveness", "sufficiency", "repack", "special_token_mask", "text_units", "ERASER_BINS"]
 
 #: ERASER's bins: the top 1%, 5%, 10%, 20% and 50% of tokens.
 ERASER_BINS = (0.01, 0.05, 0.1, 0.2, 0.5)
@@ -78,6 +78,14 @@ def special_token_mask(model: Any, inputs: dict[str, torch.Tensor]) -> torch.Ten
     if "special_tokens_mask" in inputs:
         special |= inputs["special_tokens_mask"].to(torch.bool)
     return special
+
+
+def text_units(model: Any, inputs: dict[str, torch.Tensor], keep: Any = None) -> torch.Tensor:
+    """(B, n) bool on the CPU: the *units* of tokenised text, the tokens a text metric counts -- real tokens
+    (attention mask 1) that are not kept (``keep``, a (B, n) mask; default :func:`special_token_mask`)."""
+    ids = inputs["input_ids"]
+    kept = special_token_mask(model, inputs) if keep is None else _checks.check_keep(keep, *ids.shape)
+    return (inputs["attention_mask"].to(torch.bool) & ~kept.to(device=ids.device, dtype=torch.bool)).cpu()
 
 
 def _facts(model: Any) -> Any:
