@@ -110,6 +110,10 @@ class Recorder:
     ``fuse_heads`` is set), detaches unless ``keep_grad``, and casts to ``dtype``.
     """
 
+    #: Whether the session's hooks record (a session kept open between passes, ``recompute.KeptCapture``,
+    #: lets the model run untouched in between); a plain session is active from enter to exit.
+    active = True
+
     def __init__(self, sites: Sequence[Site], *, fuse: Any, keep_grad: bool, dtype: torch.dtype | None):
         self.sites = list(sites)
         self.fuse = fuse
@@ -585,10 +589,14 @@ class Capture:
 
     # -- hooks on the model itself delimit passes
     def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if not self.recorder.active:
+            return
         self.recorder.reset()
         self._inputs = self.adapter.bound_inputs(bind_inputs(self.model, args, kwargs))
 
     def _post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if not self.recorder.active:
+            return
         if self.adapter.from_outputs:
             self._collect(output)
         self._finalize(output)
