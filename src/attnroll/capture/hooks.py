@@ -349,7 +349,7 @@ class Adapter:
             info.prefix, info.suffix = self.affixes(s, record, info)
             if info.kind == "image" and info.grid is None:
                 info.grid_reason = record.extra.get("grid_reason", "the patch grid is unknown for this model")
-            if s != "cross" and layers[0].shape[-2] == n:
+            if s != "cross" and layers[0].shape[-2] == n and not self.readout_after_layout(s, record):
                 spec, source = self.readout_spec(s, record, info, inputs)
                 if spec is None:
                     info.readout_reason = source
@@ -360,6 +360,11 @@ class Adapter:
                     )
             out[s] = info
         return out
+
+    def readout_after_layout(self, stream: str, record: AttentionRecord) -> bool:
+        """Whether this adapter's own ``stream_infos`` resolves the readout of ``stream`` after the base one
+        (once its token layout is known), so that the base leaves it to it."""
+        return False
 
     def stream_kind(self, stream: str, record: AttentionRecord, inputs: dict[str, Any]) -> str:
         """"image", "text", "audio" or "tokens" for a stream."""
