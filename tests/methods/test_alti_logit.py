@@ -1,6 +1,7 @@
 """``alti_logit`` against an independent naive computation from the weights (``value_aware_reference``:
 state_dict names, the model's own eager attention, loops over tokens and heads), on tiny float64 pre-norm
-models (ViT, GPT-2, Llama with RMSNorm and grouped KV); its refusals."""
+models (ViT, GPT-2, Llama with RMSNorm and grouped KV); its refusals. Post-LN encoders (BERT family):
+``test_alti_logit_post_ln.py``."""
 
 from __future__ import annotations
 
@@ -55,6 +56,54 @@ def test_alti_logit_equals_the_naive_computation(kind):
         assert abs(float(e.extra["direct_logit"][b]) - total) <= 1e-5 * max(1.0, abs(total))
 
 
+def _naive_linearised(S, xs, alphas, b, row, cls):
+    """(score (n,), per-layer Σ_j Δ^l_j) with mlp="linearised" on a pre-norm stack: the direction on the stream
+    after block l's attention is ω^l = (J_l ⋯ J_{L−1})ᵀ G_fᵀ w_c, J_k = I + W2 diag(θ) W1 G2 the Jacobian matrix
+    of block k's MLP branch plus its skip (slopes, gates and the norms' divisors at their actual values)."""
+    hd, Ls = S["head"], S["layers"]
+    fwd = [R.layer_forward(L, xs[l][b], alphas[l][b]) for l, L in enumerate(Ls)]
+    top = fwd[-1][1][row]
+    omega = R.norm_matrix(hd["final"], top).T @ hd["W"][cls]
+    omegas = [None] * len(Ls)
+    for l in reversed(range(len(Ls))):
+        s_ = fwd[l][0][row]  # the stream after the attention sub-block
+        m = Ls[l]["mlp"]
+        J = np.eye(len(s_)) + m["W2"] @ np.diag(R.mlp_slopes(Ls[l], R.ln(s_, Ls[l]["ln2"]))) @ m["W1"] \
+            @ R.norm_matrix(Ls[l]["ln2"], s_)
+        omega = J.T @ omega
+        omegas[l] = omega
+    Cs = [R.normalise(C) for C in R.matrices("alti", S, xs, alphas, b)]
+    n = xs[0].shape[1]
+    score, per_layer, below = np.zeros(n), [], np.eye(n)
+    for l, L in enumerate(Ls):
+        x, alpha = xs[l][b], alphas[l][b]
+        delta = np.array([omegas[l] @ sum(alpha[h, row, j] * R.f_vec(L, h, R.ln(x[j], L["ln1"]))
+                                          for h in range(len(L["heads"]))) for j in range(n)])
+        score += delta @ below
+        per_layer.append(delta.sum())
+        below = Cs[l] @ below
+    return score, np.array(per_layer)
+
+
+@pytest.mark.parametrize("kind", PRE)
+def test_linearised_mlp_on_pre_norm_stacks_equals_the_naive_jacobian_products(kind):
+    m, x = R.build(kind, layers=3), R.inputs_for(kind)
+    S = R.spec(m, kind)
+    xs, alphas, logits = R.model_states(m, x)
+    row = 0 if S["readout"] == "first" else xs[0].shape[1] - 1
+    e = attnroll.explain(m, x, "alti_logit", target=[2, 1], mlp="linearised")
+    logits = logits[:, -1] if logits.ndim == 3 else logits
+    tol = 1e-6 if kind == "llama" else 1e-9  # transformers' RMSNorm computes in float32
+    for b in range(2):
+        score, per_layer = _naive_linearised(S, xs, alphas, b, row, e.target[b])
+        np.testing.assert_allclose(e.full_row[b].double().numpy(), score, atol=1e-6, rtol=1e-6)
+        np.testing.assert_allclose(e.extra["layer_logit"][b].numpy(), per_layer, atol=tol, rtol=tol)
+    X = e.extra
+    assert bool((X["mlp_logit"] == 0).all()) and e.options["mlp"] == "linearised"
+    total = X["direct_logit"] + X["embedding_logit"] + X["bias_logit"]
+    torch.testing.assert_close(total, torch.as_tensor(logits)[[0, 1], [2, 1]], atol=10 * tol, rtol=0)
+
+
 def test_direct_logit_is_the_attention_updates_share_of_the_logit():
     """Σ_l (attention_l(r) − b_O) through the frozen final norm and the classifier row, from the model's own
     hidden states (no per-token split): what the scores of every token, CLS included, add up to."""
@@ -69,6 +118,21 @@ def test_direct_logit_is_the_attention_updates_share_of_the_logit():
         np.testing.assert_allclose(float(e.extra["direct_logit"][b]), want, rtol=1e-5)
         np.testing.assert_allclose(float(e.full_row[b].double().sum()), want, rtol=1e-5)
         assert e.target[b] == int(np.argmax(logits[b]))
+
+
+@pytest.mark.parametrize("kind", PRE)
+def test_the_terms_add_up_to_the_models_logit(kind):
+    """direct_logit + the embedding's share ω · x^0_r + the MLP updates' ω · MLP_l(r) + the biases (b_O, the final
+    norm's β, the classifier's bias) = the model's own target logit (llama: transformers' RMSNorm in float32)."""
+    m, x = R.build(kind), R.inputs_for(kind)
+    with torch.no_grad():
+        logits = (m(**x) if isinstance(x, dict) else m(x)).logits
+    logits = logits[:, -1] if logits.ndim == 3 else logits
+    e = attnroll.explain(m, x, "alti_logit", target=[2, 1])
+    X = e.extra
+    total = X["direct_logit"] + X["embedding_logit"] + X["bias_logit"] + X["mlp_logit"]
+    torch.testing.assert_close(total, logits[[0, 1], [2, 1]], atol=1e-6 if kind == "llama" else 1e-12, rtol=0)
+    assert float(X["mlp_logit"].abs().min()) > 1e-3 and e.options["mlp"] == "update"
 
 
 def test_alti_logit_is_class_specific_and_linear_in_the_classifier_row():
@@ -93,9 +157,6 @@ def test_padding_neither_gives_nor_receives():
 
 
 def test_refusals_name_the_reason():
-    bert = R.build("bert")
-    with pytest.raises(UnsupportedModelError, match="post-LN"):
-        attnroll.explain(bert, R.inputs_for("bert"), "alti_logit")
     cfg = T.Dinov2Config(image_size=16, patch_size=8, hidden_size=8, num_hidden_layers=2, num_attention_heads=2,
                          mlp_ratio=2, num_labels=3)
     dino = R._randomise(T.Dinov2ForImageClassification(cfg), 3)

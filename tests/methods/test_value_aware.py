@@ -92,6 +92,19 @@ def test_decompx_equals_the_naive_decomposition_and_adds_up_to_the_logit(kind, b
         assert abs(total - logit) <= 1e-5 * scale
 
 
+@pytest.mark.parametrize("bias", ["absdot", "separate"])
+@pytest.mark.parametrize("kind", ["distilbert", "roberta", "electra"])
+def test_decompx_adds_up_to_the_logit_through_other_post_ln_heads(kind, bias):
+    """DistilBERT's pre_classifier + ReLU, RoBERTa's dense + tanh, ELECTRA's dense + GELU (once read as tanh):
+    the token shares plus the bias share are the model's own logit."""
+    m, x = R.build(kind), R.inputs_for("bert", n=6)
+    with torch.no_grad():
+        logits = m(**x).logits
+    e = attnroll.explain(m, x, "decompx", target=1, bias=bias)
+    total = e.full_row.double().sum(-1) + e.extra["bias_share"].double()
+    torch.testing.assert_close(total, logits[:, 1], atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_the_two_bias_rules_give_different_shares_of_the_same_logit(kind):
     # the naive references of the two rules must differ on these models (else the default test proves nothing)

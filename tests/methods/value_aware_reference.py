@@ -27,12 +27,26 @@ def _randomise(model: torch.nn.Module, seed: int) -> torch.nn.Module:
 
 
 def build(kind: str, seed: int = 0, layers: int = 2) -> torch.nn.Module:
-    """A ``layers``-layer float64 random-weight model of ``kind`` (bert, vit, gpt2, llama)."""
+    """A ``layers``-layer float64 random-weight model of ``kind`` (bert, vit, gpt2, llama; the post-LN
+    classifiers distilbert, roberta, electra have no naive :func:`spec`)."""
     eager = dict(attn_implementation="eager")
     if kind == "bert":
         cfg = T.BertConfig(vocab_size=30, hidden_size=8, num_hidden_layers=layers, num_attention_heads=2,
                            intermediate_size=12, max_position_embeddings=16, num_labels=3, **eager)
         m = T.BertForSequenceClassification(cfg)
+    elif kind == "distilbert":  # head: pre_classifier + ReLU
+        cfg = T.DistilBertConfig(vocab_size=30, dim=8, n_layers=layers, n_heads=2, hidden_dim=12,
+                                 max_position_embeddings=16, num_labels=3, **eager)
+        m = T.DistilBertForSequenceClassification(cfg)
+    elif kind == "roberta":  # head: dense + tanh + out_proj on the first row
+        cfg = T.RobertaConfig(vocab_size=30, hidden_size=8, num_hidden_layers=layers, num_attention_heads=2,
+                              intermediate_size=12, max_position_embeddings=24, num_labels=3, pad_token_id=0, **eager)
+        m = T.RobertaForSequenceClassification(cfg)
+    elif kind == "electra":  # head: dense + GELU + out_proj; embeddings projected 6 -> 8
+        cfg = T.ElectraConfig(vocab_size=30, embedding_size=6, hidden_size=8, num_hidden_layers=layers,
+                              num_attention_heads=2, intermediate_size=12, max_position_embeddings=16, num_labels=3,
+                              **eager)
+        m = T.ElectraForSequenceClassification(cfg)
     elif kind == "vit":
         cfg = T.ViTConfig(image_size=16, patch_size=8, num_channels=3, hidden_size=8, num_hidden_layers=layers,
                           num_attention_heads=2, intermediate_size=12, num_labels=3, **eager)
@@ -155,6 +169,26 @@ def ln(v, p, actual=None):
     scale = math.sqrt(np.mean(a ** 2) + eps) if rms else math.sqrt(np.var(a) + eps)
     out = (v if rms else v - v.mean()) / scale * g
     return out + b if (b is not None and actual is None) else out
+
+
+def norm_matrix(p, actual):
+    """G (d, d) with G v = the norm's share map of v at the actual vector (β apart): diag(γ) (I − 11ᵀ/d) / σ
+    for a LayerNorm, diag(γ) / rms for an RMSNorm."""
+    g, _, eps, rms = p
+    d = len(actual)
+    if rms:
+        return np.diag(g) / math.sqrt(np.mean(actual ** 2) + eps)
+    return np.diag(g) @ (np.eye(d) - np.ones((d, d)) / d) / math.sqrt(np.var(actual) + eps)
+
+
+def mlp_slopes(L, u):
+    """The MLP's per-element coefficients at its actual input u: act(ζ)/ζ (0 at ζ = 0), or a gated MLP's gate
+    act(W_g u) held at its value."""
+    m = L["mlp"]
+    if "Wg" in m:
+        return m["act"](m["Wg"] @ u)
+    z = m["W1"] @ u + (0 if m["b1"] is None else m["b1"])
+    return np.where(z != 0, m["act"](z) / np.where(z != 0, z, 1), 0.0)
 
 
 def f_vec(L, h, xv):

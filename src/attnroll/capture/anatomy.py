@@ -568,7 +568,8 @@ def component_parameters(block: nn.Module, component: str) -> list[Target]:
 # ------------------------------------------------------------------------------------------- heads
 def _hf_head(model: nn.Module, layers: list[LayerAnatomy], family: str) -> dict[str, Any]:
     """Final norm, pooling, pooler and logit layer of the transformers heads attnroll knows (missing pieces
-    stay None): CLS + pooler (BERT family), pre_classifier + ReLU (DistilBERT), CLS after the final norm
+    stay None): CLS + pooler (BERT family; RoBERTa's dense + tanh, ELECTRA's dense + GELU), pre_classifier +
+    ReLU (DistilBERT), CLS after the final norm
     (ViT / DeiT), CLS ⊕ mean of the patch rows (DINOv2's classifier), the LM / score head at the explained
     position (decoders)."""
     d = layers[0].fc1.arrays()[0].shape[1]
@@ -580,7 +581,9 @@ def _hf_head(model: nn.Module, layers: list[LayerAnatomy], family: str) -> dict[
     head = next((getattr(model, n) for n in ("classifier", "lm_head", "score") if isinstance(
         getattr(model, n, None), nn.Module)), None)
     if family == "bert" and head is not None and hasattr(head, "out_proj") and hasattr(head, "dense"):
-        out["pooler"], head = (head.dense, torch.tanh), head.out_proj  # RoBERTa-style head on CLS
+        # RoBERTa-style head on CLS: dense, tanh (RoBERTa, inline) or the head's own activation (ELECTRA: GELU)
+        act = getattr(head, "activation", None)
+        out["pooler"], head = (head.dense, act if callable(act) else torch.tanh), head.out_proj
     elif family == "bert" and isinstance(getattr(base, "pooler", None), nn.Module):
         pooler = base.pooler
         if isinstance(getattr(pooler, "dense", None), nn.Linear) and callable(getattr(pooler, "activation", None)):

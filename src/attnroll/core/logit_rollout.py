@@ -1,5 +1,6 @@
 """Logit contributions of the attention updates, rolled out through per-layer mixing matrices: the maths of
-ALTI-Logit (Ferrando, Gállego, Tsiamas & Costa-jussà, ACL 2023) for pre-norm transformers. Pure tensors.
+ALTI-Logit (Ferrando, Gállego, Tsiamas & Costa-jussà, ACL 2023), for pre-norm and post-LN transformers. Pure
+tensors.
 
 On a pre-norm stack the readout row r's final vector is a sum of residual updates, x^L_r = x^0_r +
 Σ_l (attention_l(r) + mlp_l(r)); the head w_c · norm_f(x^L_r) + b_c, with the final norm's divisor frozen at
@@ -9,6 +10,19 @@ its actual value, is linear in each update. Token j's direct logit contribution 
 
 and it is carried to the input tokens by the mixing of the layers below, R^l = C_{l−1} ⋯ C_0 (R^0 = I):
 score_k = Σ_l Σ_j Δ^l_j R^l_jk.
+
+On a post-LN stack (BERT) no update reaches the head directly: block l maps the readout row's stream a^l_r =
+x^l_r + Attn_l(r) to x^{l+1}_r = LN2(h + MLP(h)) + ..., h = LN1(a^l_r). With every norm's divisor frozen at its
+actual value and the MLP either linearised per element at its actual pre-activation (θ = act(ζ)/ζ, as
+DecompX; ``mlp="linearised"``) or kept as an update of its own (``mlp="update"``: MLP(h_r) enters LN2 as a
+term that is not attributed, as the paper treats MLP updates), each block is affine in a^l_r, so the logit is
+y = ω^0 · x^0_r + Σ_l ω^l · Attn_l(r) + Σ_l (bias and MLP terms of block l) + the head's constant, with one
+direction ω^l per layer carried down by the transposed linear parts (:func:`layer_directions`):
+
+    u = g2ᵀ ω^{l+1},   v = u + W1ᵀ (θ ⊙ W2ᵀ u)  (linearised; v = u for "update"),   ω^l = g1ᵀ v
+
+where gᵀ(w) = (γ ⊙ w − mean(γ ⊙ w)) / σ is a LayerNorm's share map transposed (:func:`head_direction`).
+Δ^l_j = ω^l · Σ_h α^h_rj f^h(x^l_j) as above, now with ω^l per layer.
 """
 
 from __future__ import annotations
@@ -17,9 +31,14 @@ from typing import Sequence
 
 import torch
 
-from .value_aware import Norm, norm_scale
+from .decompx import _linearised
+from .value_aware import Block, Norm, apply_norm, norm_scale
 
-__all__ = ["head_direction", "direct_logit", "logit_rollout"]
+__all__ = ["head_direction", "direct_logit", "logit_rollout", "head_linear", "layer_directions",
+           "MLP_RULES"]
+
+#: How a post-LN block's MLP is treated (see module).
+MLP_RULES = ("linearised", "update")
 
 
 def head_direction(w: torch.Tensor, norm: Norm | None, actual: torch.Tensor) -> torch.Tensor:
@@ -49,3 +68,82 @@ def logit_rollout(deltas: Sequence[torch.Tensor], mixing: Sequence[torch.Tensor]
     for l in range(len(deltas) - 2, -1, -1):
         s = torch.einsum("bi,bij->bj", s, mixing[l]) + deltas[l]
     return s
+
+
+def _dot(a: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor | float:
+    """Row-wise a · b for a (B, d) and a vector b (d,) (0 when b is None)."""
+    return 0.0 if b is None else a @ b
+
+
+def head_linear(w: torch.Tensor, b: torch.Tensor | None, *, final_norm: Norm | None, pooler: tuple | None,
+                actual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ω (B, d), c (B,)) with the head's logit y = ω · x + c at the vector x = ``actual`` (B, d) it reads:
+    the final norm's divisor frozen (β into c), a pooler act(W x + b) linearised per element at its actual
+    pre-activation z (θ = act(z)/z, DecompX's rule; its bias into c), then the classifier row ``w`` (B, d_c)
+    and its bias ``b`` (B,) or None. Exact at ``actual`` by construction."""
+    c = torch.zeros(w.shape[0], dtype=w.dtype, device=w.device) if b is None else b.clone()
+    v = actual if final_norm is None else apply_norm(actual, final_norm)
+    if pooler is not None:
+        W, bp, act = pooler
+        z = v @ W.T + (0 if bp is None else bp)
+        w = w * _linearised(act, z)
+        c = c + _dot(w, bp)
+        w = w @ W
+    if final_norm is not None:
+        c = c + _dot(w, final_norm.bias)
+        w = head_direction(w, final_norm, actual)
+    return w, c
+
+
+def layer_directions(omega: torch.Tensor, blocks: list[Block], n1: list[torch.Tensor], n2: list[torch.Tensor],
+                     *, mlp: str) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """The per-layer directions of a stack (see module) for one readout row per example, each block by its
+    layout (``Block.pre_norm``).
+
+    ``omega`` (B, d) the direction on the top block's output (:func:`head_linear`); ``blocks`` the L blocks;
+    ``n1[l]`` / ``n2[l]`` (B, d) the readout row's actual inputs of block l's two norms. Returns (ω^l (B, d)
+    for l = 0 .. L − 1, the direction on the stream after block l's attention, a^l = x^l + Attn_l; the bias
+    terms (B, L) of each block; the MLP updates' terms (B, L), 0 for "linearised"):
+
+    * post-LN: u = g2ᵀ ω^{l+1}; linearised v = u + W1ᵀ(θ ⊙ W2ᵀu), bias ω^{l+1}·β2 + u·b2 + (θ ⊙ W2ᵀu)·b1 +
+      v·β1 + ω^l·b_O; "update" v = u, MLP term u · MLP(h_r), bias ω^{l+1}·β2 + u·β1 + ω^l·b_O; ω^l = g1ᵀ v;
+    * pre-norm (the stream a^l = n2[l] reaches the next block unchanged besides the MLP branch): linearised
+      ω^l = ω^{l+1} + g2ᵀ(W1ᵀ(θ ⊙ W2ᵀ ω^{l+1})), bias ω^{l+1}·b2 + (θ ⊙ W2ᵀω^{l+1})·b1 +
+      (W1ᵀ(θ ⊙ W2ᵀω^{l+1}))·β2 + ω^l·b_O; "update" ω^l = ω^{l+1}, MLP term ω^{l+1} · MLP(norm2(a^l)),
+      bias ω^l·b_O."""
+    if mlp not in MLP_RULES:
+        raise ValueError(f"mlp must be one of {MLP_RULES}, got {mlp!r}")
+    B = omega.shape[0]
+    L = len(blocks)
+    dirs: list[torch.Tensor] = [omega] * L
+    bias = omega.new_zeros(B, L)
+    mlp_terms = omega.new_zeros(B, L)
+    for l in reversed(range(L)):
+        blk, m = blocks[l], blocks[l].mlp
+        # the MLP reads h: norm2 of the stream (pre-norm) or norm1's output (post-LN); u the direction on its output
+        h = apply_norm(n2[l], blk.norm2) if blk.pre_norm else apply_norm(n1[l], blk.norm1)
+        u = omega if blk.pre_norm else head_direction(omega, blk.norm2, n2[l])
+        if not blk.pre_norm:
+            bias[:, l] = _dot(omega, blk.norm2.bias)
+        zeta = h @ m.w1.T + (0 if m.b1 is None else m.b1)
+        coef = _linearised(m.act, zeta) if m.wg is None else m.act(h @ m.wg.T + (0 if m.bg is None else m.bg))
+        if mlp == "linearised":
+            t = (u @ m.w2) * coef  # θ ⊙ W2ᵀ u, (B, f)
+            back = t @ m.w1  # the direction on the MLP's input h
+            bias[:, l] += _dot(u, m.b2) + _dot(t, m.b1)
+        else:
+            inner = m.act(zeta) if m.wg is None else coef * zeta  # the MLP's actual hidden layer
+            mlp_terms[:, l] = (u * (inner @ m.w2.T + (0 if m.b2 is None else m.b2))).sum(-1)
+            back = None
+        if blk.pre_norm:
+            if back is not None:
+                bias[:, l] += _dot(back, blk.norm2.bias)
+                omega = omega + head_direction(back, blk.norm2, n2[l])
+        else:
+            v = u if back is None else u + back
+            bias[:, l] += _dot(v, blk.norm1.bias)
+            omega = head_direction(v, blk.norm1, n1[l])
+        bias[:, l] += _dot(omega, blk.bo)
+        dirs[l] = omega
+    return dirs, bias, mlp_terms
+

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from .. import _checks
-from ..core import residual, sparsify
+from ..core import logit_rollout, residual, sparsify
 
 
 def _optional(rule: Callable[[str, Any], Any]) -> Callable[[str, Any], Any]:
@@ -63,6 +63,7 @@ RULES: dict[str, Callable[[str, Any], Any]] = {
     "transpose": _checks.check_bool,
     "dtype": lambda n, v: _checks.check_dtype(v),
     "clamp": lambda n, v: _checks.check_choice(n, v, ("per_head", "after_mean")),
+    "mlp": _optional(lambda n, v: _checks.check_choice(n, v, logit_rollout.MLP_RULES)),
     "n_steps": lambda n, v: _checks.check_int(n, v, low=1),
     "internal_batch_size": _optional(lambda n, v: _checks.check_int(n, v, low=1)),
     "max_tokens": lambda n, v: _checks.check_int(n, v, low=1),

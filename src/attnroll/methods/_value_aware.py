@@ -16,7 +16,7 @@ from ..capture.layers import ModelAnatomy
 from ..capture.value_path import LayerStates, record_states, value_anatomy
 from ..capture.record import AttentionRecord
 from ..core.rollout import rollout as core_rollout
-from ..core.value_aware import Block, apply_norm, normalize_rows, value_outputs
+from ..core.value_aware import Block, alti_matrix, apply_norm, normalize_rows, value_outputs
 from .base import Context, register, rollout_rows
 
 #: Options every value-aware method takes.
@@ -83,6 +83,18 @@ def layers(rec: AttentionRecord, states: LayerStates, anat: ModelAnatomy, dt: to
     return out
 
 
+def alti_layer_matrix(lay: Layer) -> torch.Tensor:
+    """ALTI's contribution matrix (B, n, n) of one layer, rows not yet normalised (``alti`` and
+    ``alti_logit``): post-LN blocks T_i(x_j) = g1(z_{i←j}) against the actual LN1 output; pre-LN blocks
+    z_{i←j} against the stream after the attention sub-block."""
+    B, n, d = lay.x.shape
+    chunk = chunk_rows(B, n, d)
+    if lay.block.pre_norm:
+        return alti_matrix(lay.alpha, lay.F, lay.x, lay.n2, chunk=chunk)
+    y = apply_norm(lay.n1, lay.block.norm1)
+    return alti_matrix(lay.alpha, lay.F, lay.x, y, norm=(lay.block.norm1, lay.n1), chunk=chunk)
+
+
 def explain_matrices(ctx: Context, matrices: Callable[[list[Layer], LayerStates, ModelAnatomy, Any], list],
                      *, start_layer: Any, end_layer: Any, return_layers: bool, dtype: Any):
     """Record, build one (B, n, n) contribution matrix per layer with ``matrices``, normalise its rows
@@ -113,6 +125,20 @@ def logit_classes(ctx: Context, rec: AttentionRecord, method: str, reads: str) -
     with torch.no_grad():
         ctx.target_scores(rec)
     return torch.tensor(ctx.target_desc, dtype=torch.long)
+
+
+def check_head_readout(ctx: Context, rec: AttentionRecord, pos: list[int], method: str) -> None:
+    """A ``readout=`` option must name the rows ``pos`` the model's head reads (one per example): methods that
+    decompose the head's logit cannot explain other rows. ValueError naming both otherwise (never ignored)."""
+    if ctx.options.get("readout") is None:
+        return
+    asked = ctx.readout(rec, "self").positions()
+    if asked != list(pos):
+        rows = "pooled" if asked is None else asked
+        raise ValueError(
+            f"readout: {method} decomposes the logit the model's head computes from row(s) {list(pos)} (the "
+            f"head's readout), so readout={ctx.options['readout']!r} (row(s) {rows}) cannot be explained; "
+            "leave readout unset, or use a rollout-type method for other rows")
 
 
 def chunk_rows(B: int, n: int, width: int, budget: int = 1 << 24) -> int:

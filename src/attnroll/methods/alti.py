@@ -8,21 +8,11 @@ y_i = x_i + attention_i, the actual stream after the attention sub-block."""
 
 from __future__ import annotations
 
-from ..core.value_aware import alti_matrix, apply_norm
 from . import _value_aware as va
 
 
 def _matrices(layers, states, anat, mask):
-    out = []
-    for lay in layers:
-        B, n, d = lay.x.shape
-        chunk = va.chunk_rows(B, n, d)
-        if lay.block.pre_norm:
-            out.append(alti_matrix(lay.alpha, lay.F, lay.x, lay.n2, chunk=chunk))
-        else:
-            y = apply_norm(lay.n1, lay.block.norm1)
-            out.append(alti_matrix(lay.alpha, lay.F, lay.x, y, norm=(lay.block.norm1, lay.n1), chunk=chunk))
-    return out
+    return [va.alti_layer_matrix(lay) for lay in layers]
 
 
 va.register_rolled(

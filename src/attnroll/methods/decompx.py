@@ -59,6 +59,7 @@ def shares(ctx: Context, bias: str, dtype, start_layer=0) -> tuple:
         dt = va.working_dtype(dtype, states.inputs[0])
         head = anat.head(dt)  # raises for a model without a head, before any work
         pos = ctx.positions(rec, "self")
+        va.check_head_readout(ctx, rec, pos, "decompx")
         mask = ctx.mask(rec, "self")
         _check_real(mask, pos)
         classes = _normal(va.logit_classes(ctx, rec, "decompx", "decomposes one logit of the model's head"))
