@@ -37,3 +37,11 @@ def test_mean_readout_leaves_a_float_mask_as_it_was():
     assert torch.allclose(ro.weights, torch.tensor([[0, 0.5, 0.5, 0], [0, 1 / 3, 1 / 3, 1 / 3]]))
     cls = resolve_readout("cls", batch=2, n=4, mask=mask)
     assert torch.equal(cls.weights, torch.tensor([[1.0, 0, 0, 0], [1, 0, 0, 0]])) and cls.positions() == [0, 0]
+
+
+def test_positions_of_inference_tensors_are_computed_each_time():
+    with torch.inference_mode():
+        ro = resolve_readout([1, 3], batch=2, n=4, mask=None)
+        assert ro.positions() == [1, 3]
+        ro.weights[0] = 0.25  # in place, still inside inference mode: no version counter to see it by
+        assert ro.positions() is None

@@ -49,13 +49,15 @@ class Readout:
     def positions(self) -> list[int] | None:
         """The one row per example when every example's weights are one-hot, else None. Remembered for the
         weights as they are (the same tensor at the same version: an in-place change or a new tensor
-        recomputes it), since an explanation asks several times."""
+        recomputes it), since an explanation asks several times; an inference tensor, which has no version,
+        is never remembered."""
         w = self.weights
+        version = None if w.is_inference() else w._version
         memo = getattr(self, "_positions", None)
-        if memo is None or memo[0] is not w or memo[1] != w._version:
+        if memo is None or memo[0] is not w or version is None or memo[1] != version:
             nz = (w != 0).sum(dim=-1)
             one = [int(i) for i in w.argmax(dim=-1).tolist()] if bool((nz == 1).all()) else None
-            memo = self._positions = (w, w._version, one)
+            memo = self._positions = (w, version, one)
         return None if memo[2] is None else list(memo[2])
 
     def rows(self) -> list[int]:
