@@ -218,3 +218,15 @@ def test_a_local_run_keeps_one_session_and_leaves_the_model_as_before(tmp_path, 
     assert snapshot(lm.model) == before and _interface() == iface
     x = torch.cat([pixel_input(p) for p in paths[:2]])
     _same_explanation(attnroll.explain(lm.model, x, "rollout"), attnroll.explain(copy.deepcopy(lm.model), x, "rollout"))
+
+
+def test_nothing_of_a_pass_stays_with_the_kept_session(shapes):
+    """After each pass the session holds no layer, input or record of it (the fused layers may alias the
+    thread's reused buffers, which only the call may read)."""
+    with KeptCapture(shapes, fuse_mean=True) as kept:
+        x = _pixels(3, 40)
+        rec = kept.capture(x)
+        s = kept.session
+        assert s.record is not rec and not s.record.operators
+        assert s.recorder.taken == {} and s.recorder.outputs == {} and s._inputs == {}
+        assert rec.operators["self"][0].shape[0] == 3

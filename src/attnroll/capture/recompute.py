@@ -486,15 +486,19 @@ class KeptCapture:
                 f"the config or attention implementation of {type(self.model).__name__} changed while a kept capture "
                 "session was open; capture with a fresh session (capture_kernels)")
         session.adapter.check_inputs(inputs)
-        session.record = _fresh_record(session)
+        record = session.record = _fresh_record(session)
         session.recorder.reset()
         session.recorder.active = True
         try:
             _one_pass(session, inputs, False)
         finally:
+            # Nothing of the pass stays with the session (as with a session per pass): the record, the kept
+            # layers (which may alias the thread's reused buffers, operators.kept_buffers) and the inputs.
             session.recorder.active = False
             session.recorder.reset()
-        return session.record
+            session.recorder.taken, session.recorder.outputs, session._inputs = {}, {}, {}
+            session.record = _fresh_record(session)
+        return record
 
 
 def _config_key(model: nn.Module) -> tuple:
