@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from attnroll.core.logit_rollout import head_direction, head_linear, logit_rollout, layer_directions
+from attnroll.core.logit_rollout import (direct_logit, head_direction, head_linear, layer_directions, logit_rollout,
+                                         pooled_head_linear)
 from attnroll.core.value_aware import Block, Mlp, Norm, apply_norm
 
 
@@ -121,3 +122,51 @@ def test_layer_directions_are_the_gradients_of_the_frozen_stack(rule, gated):
     assert bool((mlp_terms == 0).all()) if rule == "linearised" else bool((mlp_terms.abs() > 1e-6).all())
     with pytest.raises(ValueError, match="mlp must be one of"):
         layer_directions(omega, blocks, [s[0] for s in seen], [s[1] for s in seen], mlp="bypass")
+
+
+# ------------------------------------------------------------------------------------------- pooled heads
+@pytest.mark.parametrize("layout", ["cls_and_mean", "mean_then_fc_norm", "norm_then_mean"])
+def test_pooled_head_linear_is_the_gradient_of_the_frozen_pooled_head(layout):
+    """y = Σ_r ω_r · x_r + c at the actual rows, ω_r = ∂y/∂x_r by autograd through the pooled head written
+    here with every divisor frozen (each row's own before pooling, the pooled vector's after): DINOv2's
+    [row 0 ; mean of rows 2..] (a register at row 1), timm's mean of rows 1.. then fc_norm, or norm then mean."""
+    g = torch.Generator().manual_seed(3)
+    B, n, d = 2, 5, 4
+    x = _rand(g, B, n, d, scale=1.0)
+    norm = Norm(1 + _rand(g, d, scale=0.3), _rand(g, d), 1e-6)
+    parts = 2 if layout == "cls_and_mean" else 1
+    w, b = _rand(g, B, parts * d), _rand(g, B)
+    start = 2 if layout == "cls_and_mean" else 1
+    mean = torch.zeros(B, n, dtype=torch.float64)
+    mean[:, start:] = 1 / (n - start)
+    pools = [torch.eye(n, dtype=torch.float64)[0].expand(B, n), mean] if parts == 2 else [mean]
+    token_norm, final_norm = (None, norm) if layout == "mean_then_fc_norm" else (norm, None)
+    omega, c = pooled_head_linear(w, b, pools=pools, token_norm=token_norm, final_norm=final_norm, pooler=None,
+                                  actual=x)
+
+    def head(v):
+        h = v if token_norm is None else _frozen(v, norm, x)
+        pooled = torch.cat([h[:, 0], h[:, start:].mean(1)], -1) if parts == 2 else h[:, start:].mean(1)
+        if final_norm is not None:
+            pooled = _frozen(pooled, norm, x[:, start:].mean(1))
+        return (w * pooled).sum(-1) + b
+
+    v = x.clone().requires_grad_(True)
+    y = head(v)
+    (grad,) = torch.autograd.grad(y.sum(), v)
+    torch.testing.assert_close(omega, grad, atol=1e-12, rtol=0)
+    torch.testing.assert_close((omega * x).sum((1, 2)) + c, y.detach(), atol=1e-12, rtol=0)
+    assert bool((omega[:, 1:start] == 0).all())  # rows no part reads have no direction
+
+
+def test_direct_logit_sums_the_read_rows_updates():
+    g = torch.Generator().manual_seed(4)
+    B, H, R, n, d = 2, 3, 2, 5, 4
+    alpha, F, omega = _rand(g, B, H, R, n), _rand(g, B, n, H, d), _rand(g, B, R, d)
+    want = torch.zeros(B, n, dtype=torch.float64)
+    for r in range(R):
+        for h in range(H):
+            want += alpha[:, h, r] * (F[:, :, h] * omega[:, r, None]).sum(-1)
+    torch.testing.assert_close(direct_logit(alpha, F, omega), want, atol=1e-12, rtol=0)
+    torch.testing.assert_close(direct_logit(alpha[:, :, 0], F, omega[:, 0]),  # one readout row
+                               direct_logit(alpha[:, :, :1], F, omega[:, :1]), atol=1e-12, rtol=0)

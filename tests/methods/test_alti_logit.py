@@ -10,7 +10,6 @@ import pytest
 import torch
 
 import attnroll
-from attnroll._checks import UnsupportedModelError
 
 from . import value_aware_reference as R
 
@@ -157,11 +156,7 @@ def test_padding_neither_gives_nor_receives():
 
 
 def test_refusals_name_the_reason():
-    cfg = T.Dinov2Config(image_size=16, patch_size=8, hidden_size=8, num_hidden_layers=2, num_attention_heads=2,
-                         mlp_ratio=2, num_labels=3)
-    dino = R._randomise(T.Dinov2ForImageClassification(cfg), 3)
-    with pytest.raises(UnsupportedModelError, match="pools rows"):
-        attnroll.explain(dino, torch.randn(2, 3, 16, 16, dtype=torch.float64), "alti_logit")
+    """(Heads that pool rows: ``test_alti_logit_pooled.py``.)"""
     vit, x = R.build("vit"), R.inputs_for("vit")
     with pytest.raises(ValueError, match="not a callable"):
         attnroll.explain(vit, x, "alti_logit", target=lambda out: out.logits[:, 0])

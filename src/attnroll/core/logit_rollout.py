@@ -23,6 +23,13 @@ direction ω^l per layer carried down by the transposed linear parts (:func:`lay
 
 where gᵀ(w) = (γ ⊙ w − mean(γ ⊙ w)) / σ is a LayerNorm's share map transposed (:func:`head_direction`).
 Δ^l_j = ω^l · Σ_h α^h_rj f^h(x^l_j) as above, now with ω^l per layer.
+
+A head that pools rows (DINOv2's [CLS ; mean of the patch rows], timm's mean of the patch rows with or
+without fc_norm) is still linear in the top stream once every norm's divisor is frozen (each row's own, and
+the pooled vector's): y = Σ_r ω_r · x^L_r + c, each read row r with its own direction
+ω_r = g_rᵀ(Σ_g p_g[r] ω_g) (:func:`pooled_head_linear`; p_g the pooling part's row weights, ω_g its share of
+the pooled direction). Every read row is then carried down as above (:func:`layer_directions` per row) and
+its attention updates add up: Δ^l_j = Σ_r ω^l_r · Σ_h α^h_rj f^h(x̃^l_j) (:func:`direct_logit`).
 """
 
 from __future__ import annotations
@@ -34,17 +41,17 @@ import torch
 from .decompx import _linearised
 from .value_aware import Block, Norm, apply_norm, norm_scale
 
-__all__ = ["head_direction", "direct_logit", "logit_rollout", "head_linear", "layer_directions",
-           "MLP_RULES"]
+__all__ = ["head_direction", "direct_logit", "logit_rollout", "head_linear", "pooled_head_linear",
+           "layer_directions", "MLP_RULES"]
 
 #: How a post-LN block's MLP is treated (see module).
 MLP_RULES = ("linearised", "update")
 
 
 def head_direction(w: torch.Tensor, norm: Norm | None, actual: torch.Tensor) -> torch.Tensor:
-    """ω (B, d) with w_c · g(v) = ω · v for every v, where g is the final norm's share map with the divisor
-    of the actual read vector (β excluded). ``w`` (B, d) the target class's classifier row per example;
-    ``actual`` (B, d) the vector the norm actually reads; ``norm`` None = no final norm (ω = w)."""
+    """ω (..., d) with w_c · g(v) = ω · v for every v, where g is the final norm's share map with the divisor
+    of the actual read vector (β excluded). ``w`` (..., d) the target class's classifier row per example (or
+    per read row); ``actual`` (..., d) the vector(s) the norm actually reads; ``norm`` None = no final norm (ω = w)."""
     if norm is None:
         return w
     wg = w if norm.weight is None else w * norm.weight
@@ -54,9 +61,13 @@ def head_direction(w: torch.Tensor, norm: Norm | None, actual: torch.Tensor) -> 
 
 
 def direct_logit(alpha_row: torch.Tensor, F: torch.Tensor, omega: torch.Tensor) -> torch.Tensor:
-    """Δ_j = Σ_h α^h_rj (f^h_j · ω) (B, n) for one layer: ``alpha_row`` (B, H, n) the readout row's attention,
-    ``F`` (B, n, H, d) the value-output vectors f^h(x̃_j) (b_O excluded), ``omega`` (B, d)."""
-    return torch.einsum("bhj,bjhd,bd->bj", alpha_row, F, omega)
+    """Δ_j = Σ_r Σ_h α^h_rj (f^h_j · ω_r) (B, n) for one layer: ``F`` (B, n, H, d) the value-output vectors
+    f^h(x̃_j) (b_O excluded); one readout row, ``alpha_row`` (B, H, n) its attention and ``omega`` (B, d), or
+    the R rows a pooled head reads, ``alpha_row`` (B, H, R, n) and ``omega`` (B, R, d) each row's direction."""
+    if omega.ndim == 2:
+        alpha_row, omega = alpha_row.unsqueeze(2), omega.unsqueeze(1)
+    # f^h_j · ω_r first ((B, H, R, n), the size of the rows' attention), then weighted by α and summed
+    return (alpha_row * torch.einsum("bjhd,brd->bhrj", F, omega)).sum((1, 2))
 
 
 def logit_rollout(deltas: Sequence[torch.Tensor], mixing: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -71,7 +82,7 @@ def logit_rollout(deltas: Sequence[torch.Tensor], mixing: Sequence[torch.Tensor]
 
 
 def _dot(a: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor | float:
-    """Row-wise a · b for a (B, d) and a vector b (d,) (0 when b is None)."""
+    """Row-wise a · b for a (..., d) and a vector b (d,) (0 when b is None)."""
     return 0.0 if b is None else a @ b
 
 
@@ -93,6 +104,26 @@ def head_linear(w: torch.Tensor, b: torch.Tensor | None, *, final_norm: Norm | N
         c = c + _dot(w, final_norm.bias)
         w = head_direction(w, final_norm, actual)
     return w, c
+
+
+def pooled_head_linear(w: torch.Tensor, b: torch.Tensor | None, *, pools: Sequence[torch.Tensor],
+                       token_norm: Norm | None, final_norm: Norm | None, pooler: tuple | None,
+                       actual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ω (B, n, d), c (B,)) with the logit y = Σ_r ω_r · x_r + c at the rows x = ``actual`` (B, n, d) of the
+    top stream, for a head that pools rows: each row through ``token_norm`` (its own divisor frozen), the G
+    parts v_g = Σ_r p_g[r] norm(x_r) (``pools``: G row weights (B, n)) concatenated, then :func:`head_linear`
+    (``final_norm`` on the pooled vector, e.g. timm's fc_norm, its divisor frozen at the pooled vector's; the
+    pooler; the classifier row ``w`` (B, G·d), bias ``b``). Row r's direction is the transposed norm map of
+    Σ_g p_g[r] ω_g, ω_g the pooled direction's part g; the token norm's β joins c. Exact at ``actual``."""
+    h = actual if token_norm is None else apply_norm(actual, token_norm)
+    v = torch.cat([torch.einsum("bn,bnd->bd", p, h) for p in pools], dim=-1)
+    omega, c = head_linear(w, b, final_norm=final_norm, pooler=pooler, actual=v)
+    d = actual.shape[-1]
+    rows = sum(p.unsqueeze(-1) * omega[:, None, g * d:(g + 1) * d] for g, p in enumerate(pools))
+    if token_norm is None:
+        return rows, c
+    c = c + _dot(rows, token_norm.bias).sum(-1)
+    return head_direction(rows, token_norm, actual), c
 
 
 def layer_directions(omega: torch.Tensor, blocks: list[Block], n1: list[torch.Tensor], n2: list[torch.Tensor],
