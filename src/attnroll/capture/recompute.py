@@ -471,8 +471,7 @@ class KeptCapture:
 
     def __exit__(self, *exc: Any) -> bool:
         session, self.session = self.session, None
-        if session is not None:
-            session.recorder.active = True  # (a pass a submodule left open is finalised, as a session's exit does)
+        if session is not None:  # (no pass is pending: each capture resets the recorder after it)
             session.__exit__(*exc)
         return False
 
