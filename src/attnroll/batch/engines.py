@@ -63,10 +63,11 @@ def read_ahead(load: Callable[[Any], Any], batches: Iterable[Any], depth: int = 
 def run_local(worker: Worker, todo: list[Item], batch_size: int, progress: Callable[[dict], None]) -> None:
     """Explain ``todo`` in this process, ``batch_size`` inputs per commit: a reader thread reads and
     preprocesses the next batches, this thread explains, a writer thread commits the previous batch's shard
-    (at most one shard waits; an input counts as done once its shard is committed)."""
+    (at most one shard waits; an input counts as done once its shard is committed). The capture sessions stay
+    open for the run (``Worker.kept_sessions``)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    with heap_frozen(), ThreadPoolExecutor(max_workers=1, thread_name_prefix="attnroll-write") as writer:
+    with heap_frozen(), worker.kept_sessions(), ThreadPoolExecutor(max_workers=1, thread_name_prefix="attnroll-write") as writer:
         pending = None
         for loaded in read_ahead(worker.load, chunks(todo, batch_size)):
             computed = worker.compute(loaded)

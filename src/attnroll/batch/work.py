@@ -50,6 +50,19 @@ class Worker:
         #: (ids of the committed rows, one per row; ids of the committed failures), kept by :meth:`commit`
         #: when set to two lists (the local engine on a new output counts it from them), else None
         self.tally: tuple[list[str], list[str]] | None = None
+        self._keep: contextlib.ExitStack | None = None  # inside kept_sessions(): where the sessions are held
+
+    @contextlib.contextmanager
+    def kept_sessions(self) -> Iterator["Worker"]:
+        """Within the block, each method's prepared explain keeps its capture session open from its first batch
+        to the end of the block (``methods.base.Prepared.keep``), closed also when the block raises: the
+        local engine's run, whose batches come one at a time on this thread."""
+        with contextlib.ExitStack() as stack:
+            self._keep = stack
+            try:
+                yield self
+            finally:
+                self._keep = None
 
     def __call__(self, items: list[Item]) -> dict[str, int]:
         """Explain, write and commit ``items``; returns {"inputs", "rows", "failures"} counts."""
@@ -178,7 +191,10 @@ class Worker:
         if method not in self._prepared:
             self._prepared[method] = Prepared(self.lm.model, method, tokenizer=self.lm.tokenizer,
                                               **self.job.options.get(method, {}))
-        return self._prepared[method]
+        prepared = self._prepared[method]
+        if self._keep is not None and "keep" not in prepared.memo:
+            self._keep.enter_context(prepared.keep())
+        return prepared
 
     def _text_table(self, method: str, items: list[Item], target: Any) -> Any:
         tok = self.lm.tokenizer

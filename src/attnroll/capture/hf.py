@@ -368,12 +368,17 @@ class HFAdapter(Adapter):
             if lay is not None:
                 info.kind, info.prefix, info.suffix, info.grid = "image", lay["prefix"], lay["suffix"], lay["grid"]
                 info.grid_reason = lay["reason"]
-                # The readout again, now that prefix and suffix are known.
+                # The readout, now that prefix and suffix are known (the base left it: readout_after_layout).
                 spec, source = self.readout_spec(s, record, info, inputs)
                 B, n = record.streams[s][0].shape[0], record.streams[s][0].shape[-1]
                 info.readout = None if spec is None else resolve_readout(
                     spec, batch=B, n=n, mask=info.mask, prefix=info.prefix, suffix=info.suffix, source=source)
+                if spec is None:
+                    info.readout_reason = source
         return infos
+
+    def readout_after_layout(self, stream: str, record: AttentionRecord) -> bool:
+        return record.extra.get(f"{stream}_layout") is not None
 
 
 def pool_heads(model: nn.Module) -> list[tuple[str, nn.Module]]:

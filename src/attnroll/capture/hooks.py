@@ -110,6 +110,10 @@ class Recorder:
     ``fuse_heads`` is set), detaches unless ``keep_grad``, and casts to ``dtype``.
     """
 
+    #: Whether the session's hooks record (a session kept open between passes, ``recompute.KeptCapture``,
+    #: lets the model run untouched in between); a plain session is active from enter to exit.
+    active = True
+
     def __init__(self, sites: Sequence[Site], *, fuse: Any, keep_grad: bool, dtype: torch.dtype | None):
         self.sites = list(sites)
         self.fuse = fuse
@@ -345,7 +349,7 @@ class Adapter:
             info.prefix, info.suffix = self.affixes(s, record, info)
             if info.kind == "image" and info.grid is None:
                 info.grid_reason = record.extra.get("grid_reason", "the patch grid is unknown for this model")
-            if s != "cross" and layers[0].shape[-2] == n:
+            if s != "cross" and layers[0].shape[-2] == n and not self.readout_after_layout(s, record):
                 spec, source = self.readout_spec(s, record, info, inputs)
                 if spec is None:
                     info.readout_reason = source
@@ -356,6 +360,11 @@ class Adapter:
                     )
             out[s] = info
         return out
+
+    def readout_after_layout(self, stream: str, record: AttentionRecord) -> bool:
+        """Whether this adapter's own ``stream_infos`` resolves the readout of ``stream`` after the base one
+        (once its token layout is known), so that the base leaves it to it."""
+        return False
 
     def stream_kind(self, stream: str, record: AttentionRecord, inputs: dict[str, Any]) -> str:
         """"image", "text", "audio" or "tokens" for a stream."""
@@ -585,10 +594,14 @@ class Capture:
 
     # -- hooks on the model itself delimit passes
     def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if not self.recorder.active:
+            return
         self.recorder.reset()
         self._inputs = self.adapter.bound_inputs(bind_inputs(self.model, args, kwargs))
 
     def _post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if not self.recorder.active:
+            return
         if self.adapter.from_outputs:
             self._collect(output)
         self._finalize(output)

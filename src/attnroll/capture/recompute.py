@@ -49,6 +49,9 @@ class KernelRecorder:
     output and the head mean come from one computation of the probabilities (``attend_mean``), the top
     layer's included."""
 
+    #: Whether the kernel wrapper records (see ``hooks.Recorder.active``; False while a kept session waits).
+    active = True
+
     def __init__(self, sites: list[Site], keep_grad: bool, fuse_mean: bool = False):
         self.sites = sites
         self.keep_grad = keep_grad
@@ -192,8 +195,11 @@ class KernelAdapter(Adapter):
         original_item = AttentionInterface.__getitem__
 
         def wrap(kernel: Callable, impl: str) -> Callable:
-            # get_interface looks the kernel up through __getitem__: wrap once.
-            return kernel if getattr(kernel, "_attnroll_wrapper", False) else self._wrapper(kernel, impl, recorder)
+            # get_interface looks the kernel up through __getitem__: wrap once. Another session's wrapper (a
+            # kept session waiting under this one) is wrapped like any kernel, and a chain that holds this
+            # session's wrapper anywhere (the sessions' lookups call each other) is not wrapped again.
+            mine = recorder in getattr(kernel, "_attnroll_wrappers", ())
+            return kernel if mine else self._wrapper(kernel, impl, recorder)
 
         def get_interface(iface: Any, attn_implementation: str, default: Callable) -> Callable:
             return wrap(original(iface, attn_implementation, default), attn_implementation)
@@ -216,16 +222,18 @@ class KernelAdapter(Adapter):
         self.inner.install_pool_hooks(stack, self.pools)
 
     def _wrapper(self, kernel: Callable, impl: str, recorder: KernelRecorder) -> Callable:
-        sig = _signature(kernel)
+        # Over another session's wrapper, the arguments are read by the model's kernel's own signature.
+        base = getattr(kernel, "_attnroll_kernel", kernel)
+        sig = _signature(base)
 
         def call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-            site = self.site_of.get(id(module))
+            site = self.site_of.get(id(module)) if recorder.active else None
             if site is None:
                 return kernel(module, *args, **kwargs)
             bound = sig.bind(module, *args, **kwargs) if sig is not None else None
             arguments = _arguments(bound, args, kwargs)
             layer = kernel_inputs(module, impl, arguments, recorder.keep_grad)
-            if recorder.fuses(site, layer, computed=True) and own_attention_applies(kernel, layer, arguments):
+            if recorder.fuses(site, layer, computed=True) and own_attention_applies(base, layer, arguments):
                 out, fused = attend_mean(layer, arguments["value"])  # the probabilities computed once
                 recorder.store(site, fused, out)
                 return out, None
@@ -239,7 +247,9 @@ class KernelAdapter(Adapter):
             recorder.store(site, layer, o)
             return out
 
-        call._attnroll_wrapper = True  # type: ignore[attr-defined]
+        call._attnroll_kernel = base  # type: ignore[attr-defined]
+        #: the recorders of every session's wrapper in this chain, this one's included
+        call._attnroll_wrappers = (*getattr(kernel, "_attnroll_wrappers", ()), recorder)  # type: ignore[attr-defined]
         return call
 
 
@@ -412,16 +422,92 @@ def capture_kernels(model: nn.Module, inputs: Any, *, keep_grad: bool = False, t
     runs with autograd and ``extra["kernel_outputs"][stream]`` holds each kernel's output (B, n, H, d_v),
     still in the graph, for dy/dO. With ``fuse_mean`` (head-mean rules only; not with ``keep_grad``) small
     layers below each stream's top one are kept as :class:`~attnroll.core.operators.FusedLayer`."""
-    from .hooks import run_forward
-
     modules = submodules(model)
     _checks.check_model_device(model, modules)
     session = KernelCapture(model, keep_grad=keep_grad, tokenizer=tokenizer, fuse_mean=fuse_mean, modules=modules)
     session.adapter.check_inputs(inputs)
     with session as record:
-        with torch.enable_grad() if keep_grad else torch.no_grad():
-            run_forward(model, inputs, session.adapter.input_hint)
-    if session.passes == 0:
-        raise _checks.CaptureError("the forward pass finished without the model's own forward returning")
+        _one_pass(session, inputs, keep_grad)
     return record
+
+
+def _one_pass(session: KernelCapture, inputs: Any, keep_grad: bool) -> None:
+    """Run the model once on ``inputs`` under the open ``session``; CaptureError when its own forward never
+    returned (so no record was filled)."""
+    from .hooks import run_forward
+
+    before = session.passes
+    with torch.enable_grad() if keep_grad else torch.no_grad():
+        run_forward(session.model, inputs, session.adapter.input_hint)
+    if session.passes == before:
+        raise _checks.CaptureError("the forward pass finished without the model's own forward returning")
+
+
+class KeptCapture:
+    """``capture_kernels(model, inputs, tokenizer=, fuse_mean=)`` for many forward passes of one model with one
+    session: the adapter, its kernel wrapper and hooks and eval mode are set up on enter and undone on exit
+    (also when the block raises), not once per pass. Between :meth:`capture` calls the session waits
+    (``KernelRecorder.active`` False): the model, and any other capture of it, run as if it were not there.
+    Each pass gives a fresh AttentionRecord, the same as ``capture_kernels`` would (no gradients).
+
+    For a model whose modules, config and attention implementation stay as they were at enter (the batch
+    engine's own, loaded for the run); ``capture`` refuses a model whose config or attention implementation
+    changed. Not thread-safe: one pass at a time."""
+
+    def __init__(self, model: nn.Module, *, tokenizer: Any = None, fuse_mean: bool = False):
+        self.model, self.tokenizer, self.fuse_mean = model, tokenizer, fuse_mean
+        self.session: KernelCapture | None = None
+        self._key: tuple = ()
+
+    def __enter__(self) -> "KeptCapture":
+        modules = submodules(self.model)
+        _checks.check_model_device(self.model, modules)
+        session = KernelCapture(self.model, keep_grad=False, tokenizer=self.tokenizer, fuse_mean=self.fuse_mean,
+                                modules=modules)
+        session.__enter__()
+        session.recorder.active = False
+        self.session, self._key = session, _config_key(self.model)
+        return self
+
+    def __exit__(self, *exc: Any) -> bool:
+        session, self.session = self.session, None
+        if session is not None:  # (no pass is pending: each capture resets the recorder after it)
+            session.__exit__(*exc)
+        return False
+
+    def capture(self, inputs: Any) -> Any:
+        """One forward pass of the model on ``inputs``: its AttentionRecord, as ``capture_kernels`` returns."""
+        session = self.session
+        if session is None:
+            raise RuntimeError("KeptCapture.capture: the session is not open (use it inside its with block)")
+        if _config_key(self.model) != self._key:
+            raise _checks.CaptureError(
+                f"the config or attention implementation of {type(self.model).__name__} changed while a kept capture "
+                "session was open; capture with a fresh session (capture_kernels)")
+        session.adapter.check_inputs(inputs)
+        record = session.record = _fresh_record(session)
+        session.recorder.reset()
+        session.recorder.active = True
+        try:
+            _one_pass(session, inputs, False)
+        finally:
+            # Nothing of the pass stays with the session (as with a session per pass): the record, the kept
+            # layers (which may alias the thread's reused buffers, operators.kept_buffers) and the inputs.
+            session.recorder.active = False
+            session.recorder.reset()
+            session.recorder.taken, session.recorder.outputs, session._inputs = {}, {}, {}
+            session.record = _fresh_record(session)
+        return record
+
+
+def _config_key(model: nn.Module) -> tuple:
+    config = getattr(model, "config", None)
+    return id(config), getattr(config, "_attn_implementation", None)
+
+
+def _fresh_record(session: KernelCapture) -> Any:
+    """An empty record for the session's next pass (what ``KernelCapture.__init__`` starts with)."""
+    from .record import AttentionRecord
+
+    return AttentionRecord(fused=None, keep_grad=False, family=session.adapter.family)
 

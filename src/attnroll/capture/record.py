@@ -47,12 +47,18 @@ class Readout:
     source: str = "default"
 
     def positions(self) -> list[int] | None:
-        """The one row per example when every example's weights are one-hot, else None."""
+        """The one row per example when every example's weights are one-hot, else None. Remembered for the
+        weights as they are (the same tensor at the same version: an in-place change or a new tensor
+        recomputes it), since an explanation asks several times; an inference tensor, which has no version,
+        is never remembered."""
         w = self.weights
-        nz = (w != 0).sum(dim=-1)
-        if bool((nz == 1).all()):
-            return [int(i) for i in w.argmax(dim=-1).tolist()]
-        return None
+        version = None if w.is_inference() else w._version
+        memo = getattr(self, "_positions", None)
+        if memo is None or memo[0] is not w or version is None or memo[1] != version:
+            nz = (w != 0).sum(dim=-1)
+            one = [int(i) for i in w.argmax(dim=-1).tolist()] if bool((nz == 1).all()) else None
+            memo = self._positions = (w, version, one)
+        return None if memo[2] is None else list(memo[2])
 
     def rows(self) -> list[int]:
         """Sorted union over the batch of the rows with non-zero weight."""
@@ -84,13 +90,16 @@ def resolve_readout(
 
     if isinstance(spec, Readout):
         return spec
-    real = torch.ones(batch, n) if mask is None else mask.detach().to("cpu", torch.float32).reshape(batch, n)
+
+    def real() -> torch.Tensor:  # (B, n) 1 = real token; built only for the readouts that weight by it
+        return torch.ones(batch, n) if mask is None else mask.detach().to("cpu", torch.float32).reshape(batch, n)
+
     if isinstance(spec, tuple) and len(spec) == 2 and spec[0] == "attention_pool":
-        return Readout("attention_pool", _check_weights(spec[1], batch, n, real), source)
+        return Readout("attention_pool", _check_weights(spec[1], batch, n, real()), source)
     if isinstance(spec, str):
         _checks.check_choice("readout", spec, ("cls", "mean", "last", "eot"))
         if spec == "mean":
-            w = real.clone()
+            w = real().clone()
             w[:, :prefix] = 0
             if suffix:
                 w[:, n - suffix:] = 0
@@ -108,7 +117,7 @@ def resolve_readout(
     if isinstance(spec, (torch.Tensor,)) or type(spec).__module__ == "numpy" or (
         isinstance(spec, (list, tuple)) and spec and isinstance(spec[0], float)
     ):
-        return Readout("weights", _check_weights(spec, batch, n, real), source)
+        return Readout("weights", _check_weights(spec, batch, n, real()), source)
     pos = _checks.check_positions(spec, batch, n)
     return Readout("position", _one_hot(pos, n), source)
 

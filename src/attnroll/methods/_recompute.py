@@ -18,7 +18,7 @@ import torch
 from .. import _checks
 from ..capture import CaptureError
 from .._checks import UnsupportedModelError
-from ..capture.recompute import capture_kernels
+from ..capture.recompute import KeptCapture, capture_kernels
 from ..core import operators
 from ..core.rollout import LayerPipeline, layer_range
 from .._modes import params_require_grad
@@ -65,12 +65,27 @@ def record(ctx: Context, attention: Any, fuse_mean: bool = False) -> Any:
     the interface (the caller then takes the dense route). ``fuse_mean``: the rule is the head mean of the
     probabilities, so small layers may be fused during the forward (``capture_kernels``)."""
     try:
-        ctx.rec = capture_kernels(ctx.model, ctx.inputs, tokenizer=ctx.tokenizer, fuse_mean=fuse_mean)
+        kept = kept_capture(ctx, fuse_mean)
+        ctx.rec = (kept.capture(ctx.inputs) if kept is not None else
+                   capture_kernels(ctx.model, ctx.inputs, tokenizer=ctx.tokenizer, fuse_mean=fuse_mean))
     except (CaptureError, UnsupportedModelError):  # no kernel to record (e.g. attention read from outputs)
         if attention == "recompute":
             raise
         return None
     return ctx.rec
+
+
+def kept_capture(ctx: Context, fuse_mean: bool) -> KeptCapture | None:
+    """The capture session kept open for the calls of a :class:`~attnroll.methods.base.Prepared` explain
+    (``Prepared.keep``: ``ctx.memo["keep"]``, the block's ExitStack; ``ctx.memo["kept"]``, its sessions), opened
+    on its first call; None outside such a block (each call then opens its own)."""
+    stack = ctx.memo.get("keep")
+    if stack is None:
+        return None
+    kept = ctx.memo["kept"]
+    if fuse_mean not in kept:
+        kept[fuse_mean] = stack.enter_context(KeptCapture(ctx.model, tokenizer=ctx.tokenizer, fuse_mean=fuse_mean))
+    return kept[fuse_mean]
 
 
 def grad_record(ctx: Context, attention: Any, stream: str | None) -> Any:

@@ -8,8 +8,9 @@ attention gradients) and calls the method. Methods are each one file in this pac
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -581,6 +582,21 @@ class Prepared:
         self.given = dict(options)
         self.options = check_options(self.method, self.given)
         self.memo: dict[Any, Any] = {}  # the model facts of Context.facts, filled by the first call
+
+    @contextlib.contextmanager
+    def keep(self) -> Iterator["Prepared"]:
+        """Within the block, the calls share one capture session (the recompute route's: its adapter, kernel
+        wrapper, hooks and eval mode set up on the first call instead of on each), closed at the end of the
+        block, also when it raises; the model is then as before. Results are those of fresh sessions. For the
+        batch engine's own model (see the class docstring); one call at a time."""
+        if "keep" in self.memo:
+            raise RuntimeError("Prepared.keep: already inside a keep() block of this explain")
+        with contextlib.ExitStack() as stack:
+            self.memo["keep"], self.memo["kept"] = stack, {}  # the sessions, opened by their first call
+            try:
+                yield self
+            finally:
+                del self.memo["keep"], self.memo["kept"]
 
     def __call__(self, inputs: Any, target: Any = None, **overrides: Any) -> Explanation:
         m = self.method
