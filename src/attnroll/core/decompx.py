@@ -34,7 +34,7 @@ import torch
 from .value_aware import Block, Mlp, Norm, apply_norm, norm_scale, norm_share
 
 __all__ = ["initial_shares", "absdot_weights", "add_bias", "norm_shares", "norm_linear_shares", "mlp_shares",
-           "block_shares", "head_shares", "pool_shares", "separate_bias_shares"]
+           "block_shares", "head_shares", "pool_shares", "separate_bias_shares", "linearised"]
 
 _BIAS_MODES = ("absdot", "separate")
 
@@ -94,7 +94,7 @@ def norm_shares(S: torch.Tensor, norm: Norm, bias: str = "absdot") -> torch.Tens
     return _add_bias_(norm_share(S, scale, norm), norm.bias, bias)
 
 
-def _linearised(act: Callable, pre: torch.Tensor) -> torch.Tensor:
+def linearised(act: Callable, pre: torch.Tensor) -> torch.Tensor:
     """θ = act(ζ) / ζ elementwise (0 where ζ = 0, where any θ gives the same product)."""
     nz = pre != 0
     return torch.where(nz, act(pre) / torch.where(nz, pre, torch.ones_like(pre)), torch.zeros_like(pre))
@@ -143,7 +143,7 @@ def mlp_shares(U: torch.Tensor, mlp: Mlp, bias: str = "absdot", norm: Norm | Non
     if mlp.wg is not None:
         coef = mlp.act(h @ mlp.wg.T + (0 if mlp.bg is None else mlp.bg))
     else:
-        coef = _linearised(mlp.act, pre)
+        coef = linearised(mlp.act, pre)
     w1f = _folded(mlp.w1, norm)
     P = U @ w1f.T
     P.mul_((coef if scale is None else coef / scale).unsqueeze(-2))
@@ -230,7 +230,7 @@ def head_shares(S: torch.Tensor, *, final_norm: Norm | None, pooler: tuple | Non
     if pooler is not None:
         W, b, act = pooler
         Z = add_bias(X @ W.T, b, bias)
-        X = Z * _linearised(act, Z.sum(-2)).unsqueeze(-2)
+        X = Z * linearised(act, Z.sum(-2)).unsqueeze(-2)
     W, b = classifier
     X = X.squeeze(1)
     if classes is not None and b is None:
@@ -268,7 +268,7 @@ def _frozen_mlp(u: torch.Tensor, mlp: Mlp) -> torch.Tensor:
         g = u @ mlp.wg.T
         coef = mlp.act(g if mlp.bg is None else g + mlp.bg).detach()
     else:
-        coef = _linearised(mlp.act, z).detach()
+        coef = linearised(mlp.act, z).detach()
     out = (coef * z) @ mlp.w2.T
     return out if mlp.b2 is None else out + mlp.b2
 
@@ -318,7 +318,7 @@ def separate_bias_shares(x0: torch.Tensor, alphas: list[torch.Tensor], blocks: l
         if pooler is not None:
             W, b, act = pooler
             z = v @ W.T + (0 if b is None else b)
-            v = _linearised(act, z).detach() * z
+            v = linearised(act, z).detach() * z
         W, b = classifier
         y = (v * W[classes]).sum(-1) + (0 if b is None else b[classes])
         (g,) = torch.autograd.grad(y.sum(), x)

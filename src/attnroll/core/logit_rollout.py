@@ -38,7 +38,7 @@ from typing import Sequence
 
 import torch
 
-from .decompx import _linearised
+from .decompx import linearised
 from .value_aware import Block, Norm, apply_norm, norm_scale
 
 __all__ = ["head_direction", "direct_logit", "logit_rollout", "head_linear", "pooled_head_linear",
@@ -97,7 +97,7 @@ def head_linear(w: torch.Tensor, b: torch.Tensor | None, *, final_norm: Norm | N
     if pooler is not None:
         W, bp, act = pooler
         z = v @ W.T + (0 if bp is None else bp)
-        w = w * _linearised(act, z)
+        w = w * linearised(act, z)
         c = c + _dot(w, bp)
         w = w @ W
     if final_norm is not None:
@@ -157,7 +157,7 @@ def layer_directions(omega: torch.Tensor, blocks: list[Block], n1: list[torch.Te
         if not blk.pre_norm:
             bias[:, l] = _dot(omega, blk.norm2.bias)
         zeta = h @ m.w1.T + (0 if m.b1 is None else m.b1)
-        coef = _linearised(m.act, zeta) if m.wg is None else m.act(h @ m.wg.T + (0 if m.bg is None else m.bg))
+        coef = linearised(m.act, zeta) if m.wg is None else m.act(h @ m.wg.T + (0 if m.bg is None else m.bg))
         if mlp == "linearised":
             t = (u @ m.w2) * coef  # θ ⊙ W2ᵀ u, (B, f)
             back = t @ m.w1  # the direction on the MLP's input h

@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 
 from .. import _checks
-from ..core.logit_rollout import (MLP_RULES, direct_logit, head_linear, layer_directions, logit_rollout,
+from ..core.logit_rollout import (direct_logit, head_linear, layer_directions, logit_rollout,
                                   pooled_head_linear)
 from ..core.value_aware import normalize_rows
 from . import _value_aware as va
@@ -44,7 +44,7 @@ def _rule(ctx: Context, anat, head: dict, mlp) -> str:
     "linearised" on post-LN ones, after refusing what the decomposition does not model: a stack mixing pre-
     and post-norm blocks, a pooler on a pre-norm stack, a head pooling rows on a post-LN stack."""
     name = type(ctx.model).__name__
-    rule = None if mlp is None else _checks.check_choice("mlp", mlp, MLP_RULES)
+    rule = mlp  # checked with the options (methods/_option_checks)
     pre = {layer.pre_norm for layer in anat.layers}
     if len(pre) > 1:
         raise _checks.UnsupportedModelError(
