@@ -1,7 +1,7 @@
 """Session 9: AttnLRP (lxt 2.1) on the 200 held-out shapes images, scored with `attnroll evaluate`'s own metrics
 and paired per image against attnroll's methods. A MEASUREMENT: nothing is selected here.
 
-    LXT_PATH=/work/pkgs-lrp VA_OUT=/tmp/lrp python attnlrp_paired.py      # ~5 min on 2 cores
+    LXT_PATH=/work/pkgs-lrp VA_OUT=/tmp/lrp python attnlrp_paired.py      # ~4 min on 2 cores
 
 BENCHMARK ONLY. lxt is not a dependency of attnroll and is never imported by the package or its tests (LRP is
 patented per lxt's README, free only for personal and scientific use, so nothing of it ships). Install it
@@ -243,11 +243,12 @@ def check_scoring_path(st: dict, lib_rollout: dict[str, np.ndarray]) -> None:
 
 
 def fmt(k: str, v: float) -> str:
-    return f"{100 * v:.1f}" if k in ("positive", "negative") else f"{v:.3f}"
+    """The table's format: positive / negative are already percentages (x100), one decimal."""
+    return f"{v:.1f}" if k in ("positive", "negative") else f"{v:.3f}"
 
 
 def table(lrp: dict[str, np.ndarray], lib: dict[str, dict[str, np.ndarray]]) -> None:
-    print("\npaired against attnlrp (difference = method - attnlrp; positive/negative x100; SE over images)")
+    print("\npaired against attnlrp (difference = method - attnlrp; positive/negative in %; SE over images)")
     for k in KEYS:
         print(f"\n{k} ({'lower' if k in LOWER else 'higher'} is better)")
         for label in lib:
@@ -303,6 +304,12 @@ def main() -> None:
         print(f"{name:16s} " + "  ".join(f"{k} {fmt(k, np.nanmean(v))}" for k, v in lrp[name].items()), flush=True)
     lib, secs = run_library(st)
     check_scoring_path(st, lib["rollout"])
+    from attnroll.evaluate.suite import explain_scores
+
+    dx, _ = explain_scores(lm.model, st["x"], "decompx", target=st["target"].tolist(), batch_size=64)
+    same = bool((dx.argsort(1, descending=True) == maps["cp_lrp"].argsort(1, descending=True)).all())
+    print(f"cp_lrp vs attnroll's decompx (default) map: max |diff| {(maps['cp_lrp'] - dx.double()).abs().max():.2e} "
+          f"(largest |score| {dx.abs().max():.2f}); same patch order on every image: {same}")
     for label in lib:
         print(f"{label:24s} " + "  ".join(f"{k} {fmt(k, np.nanmean(v))}" for k, v in lib[label].items())
               + f"  ({secs[label]:.2f} s)")
