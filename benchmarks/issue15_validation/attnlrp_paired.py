@@ -164,7 +164,7 @@ def lxt_rule_maps(rules: Any, patches: Any) -> dict[str, dict]:
 def token_relevance(p: Any, x: torch.Tensor, target: torch.Tensor, chunk: int = 50) -> dict[str, torch.Tensor]:
     """One backward from the target logit through ``p`` (a patched copy): per image the relevance at the
     embeddings' output (B, 65), at the patch projection's output (B, 64), the logits (B, C) and the target logit
-    (B,), float64."""
+    (B,), in the copy's dtype (float64 from patch_vit)."""
     out = {k: [] for k in ("emb", "proj", "logits", "y")}
     for lo in range(0, x.shape[0], chunk):
         store = {}
@@ -256,6 +256,11 @@ def table(lrp: dict[str, np.ndarray], lib: dict[str, dict[str, np.ndarray]]) -> 
             line = (f"  {label:24s} {fmt(k, r['cand'])} ± {fmt(k, r['cand_se'])}  attnlrp {fmt(k, r['ref'])} ± "
                     f"{fmt(k, r['ref_se'])}  diff {'+' if r['diff'] >= 0 else '-'}{fmt(k, abs(r['diff']))} ± "
                     f"{fmt(k, r['diff_se'])} ({r['diff'] / r['diff_se']:+.1f} SE, n={r['n']})")
+            a, b = lrp[k], lib[label][k]
+            ok = np.isfinite(a) & np.isfinite(b)
+            better = (b[ok] < a[ok]) if k in LOWER else (b[ok] > a[ok])
+            worse = (b[ok] > a[ok]) if k in LOWER else (b[ok] < a[ok])
+            line += f"  images method better {int(better.sum())}, worse {int(worse.sum())}"
             if k == "pointing":
                 b, c, p = mcnemar(lrp[k], lib[label][k])
                 line += f"  McNemar: method only {b}, attnlrp only {c}, p={p:.3g}"
@@ -294,6 +299,11 @@ def main() -> None:
         if variant == "attnlrp":
             maps["attnlrp@proj"] = R["proj"]
             maps["|attnlrp|"] = R["emb"][:, 1:].abs()
+    p32 = patch_vit(lm.model, **lxt_rule_maps(rules, patches)["attnlrp"]).float()
+    m32 = token_relevance(p32, st["x"], st["target"])["emb"][:, 1:]
+    same = bool((m32.argsort(1, descending=True) == maps["attnlrp"].argsort(1, descending=True)).all())
+    print(f"attnlrp in a float32 copy: max |diff| {(m32 - maps['attnlrp']).abs().max():.2e}; same patch order on "
+          f"every image: {same}")
     d = (maps["attnlrp"].double() - maps["attnlrp@proj"].double()).abs().max()
     print(f"\nattnlrp at embeddings vs at the projection: max |diff| {d:.3g} (the position embeddings' share)")
 
