@@ -24,6 +24,20 @@ pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
 OLD, NEW = b"old complete content\n", b"x" * 10_000
 
 
+@pytest.fixture(autouse=True, scope="module")
+def python_sigint():
+    """Python's own SIGINT handler for these tests, whatever the runner inherited: a test suite started in the
+    background by a non-interactive shell (``nohup … &``) begins with SIGINT ignored, so no KeyboardInterrupt
+    would ever arrive."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # in the child, before exec: Python then installs its handler
+
+
 def leftovers(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir() if p.name.endswith(".tmp"))
 
@@ -146,7 +160,8 @@ CHILD = textwrap.dedent("""
 def test_a_library_process_killed_mid_write_leaves_nothing(tmp_path, sig):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     child = subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path / "c.bin")], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, env=env)
+                             stderr=subprocess.PIPE, env=env,
+                             preexec_fn=_default_sigint)
     assert child.stdout.readline().strip() == b"HALF"
     assert len(leftovers(tmp_path)) == 1  # the write is under way
     child.send_signal(sig)
