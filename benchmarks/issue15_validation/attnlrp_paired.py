@@ -94,7 +94,7 @@ def mcnemar(ref_hits: np.ndarray, cand_hits: np.ndarray) -> tuple[int, int, floa
 
     r, c_ = np.asarray(ref_hits), np.asarray(cand_hits)
     if r.shape != c_.shape or not np.isin(r, (0, 1)).all() or not np.isin(c_, (0, 1)).all():
-        raise ValueError("mcnemar: ref_hits and cand_hits must be 0/1 arrays of one shape")
+        raise ValueError("mcnemar: ref_hits and cand_hits must be 0/1 arrays of one shape (each hit 0 or 1)")
     r, c_ = r.astype(bool), c_.astype(bool)
     b, c = int((c_ & ~r).sum()), int((r & ~c_).sum())
     p = 1.0 if b + c == 0 else float(binomtest(b, b + c, 0.5).pvalue)

@@ -117,24 +117,27 @@ def mean_se(v: np.ndarray) -> tuple[float, float]:
     return float(v.mean()), float(v.std(ddof=1) / math.sqrt(v.size))
 
 
+def _stats() -> Any:
+    """attnlrp_paired.py's paired statistics (one implementation for both session-9 scripts; it imports lxt
+    only when its own run asks for it)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("attnlrp_paired", Path(__file__).with_name("attnlrp_paired.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def paired(c: np.ndarray, r: np.ndarray) -> tuple[float, float, int]:
     """Paired difference c − r: mean, its standard error (ddof = 1) and the number of images where both exist."""
-    diff = np.asarray(c, dtype=np.float64) - np.asarray(r, dtype=np.float64)
-    diff = diff[np.isfinite(diff)]
-    return float(diff.mean()), float(diff.std(ddof=1) / math.sqrt(diff.size)), int(diff.size)
+    s = _stats().paired(r, c)
+    return s["diff"], s["diff_se"], s["n"]
 
 
 def mcnemar(hc: np.ndarray, hr: np.ndarray) -> tuple[int, int, float]:
     """Exact McNemar test on 0/1 hits: (gained b = images c hits and r misses, lost c, two-sided p from
     scipy.stats.binomtest(b, b + c, 0.5); p = 1 with no discordant image)."""
-    from scipy.stats import binomtest
-
-    hc, hr = np.asarray(hc), np.asarray(hr)
-    if not (np.isin(hc, (0, 1)).all() and np.isin(hr, (0, 1)).all()):
-        raise ValueError("mcnemar: hits must be 0 or 1")
-    hc, hr = hc.astype(bool), hr.astype(bool)
-    b, c = int((hc & ~hr).sum()), int((~hc & hr).sum())
-    return b, c, (1.0 if b + c == 0 else float(binomtest(b, b + c, 0.5).pvalue))
+    return _stats().mcnemar(hr, hc)
 
 
 def verdict(cand: dict[str, np.ndarray], ref: dict[str, np.ndarray]) -> tuple[bool, dict[str, dict[str, Any]]]:
