@@ -92,7 +92,7 @@ def test_a_killed_runs_surviving_worker_commits_nothing_once_a_rerun_started(tmp
 
     src, out = tmp_path / "shapes", tmp_path / "o"
     write_shapes(src, 12)
-    run_batch(src, out, batch_size=4)
+    run_batch(src, out, batch_size=4, shard_size=4)  # three shards
     meta = read_manifest(out)
     names, opts = resolve_methods(["rollout"], None)
     orphan = Worker(ModelSpec().load(), Job(names, opts, meta["key"]["model"], str(out), run=meta["run"]))

@@ -57,7 +57,7 @@ def test_an_old_zstd_output_reads_back_and_resumes(source, tmp_path):
             raise KeyboardInterrupt("killed after the first batch")
 
     with pytest.raises(KeyboardInterrupt):
-        run_batch(source, old, methods=["rollout", "raw"], batch_size=4, progress=stop)
+        run_batch(source, old, methods=["rollout", "raw"], batch_size=4, shard_size=4, progress=stop)
     _rewrite_as_zstd(old)
     assert _codecs(old, store.ROWS) == {"ZSTD"}
     partial = read_batch(old)
@@ -65,8 +65,10 @@ def test_an_old_zstd_output_reads_back_and_resumes(source, tmp_path):
     assert_same_rows(partial, want[want["id"].isin(set(partial["id"]))])  # the old shards read back
 
     again = run_batch(source, old, methods=["rollout", "raw"], batch_size=4)
-    assert again.done_before == len(set(partial["id"])) + 1 == 4  # the first batch: 3 rows + broken.png's failure
-    assert again.explained == 6
+    # the first two batches: the first shard, then the batch explained before Ctrl-C (committed as it stopped):
+    # 7 inputs with rows and broken.png's failure
+    assert again.done_before == len(set(partial["id"])) + 1 == 8
+    assert again.explained == 2
     assert _codecs(old, store.ROWS) == {"ZSTD", "SNAPPY"}  # old shards kept, new ones beside them
     assert_same_rows(read_batch(old), want)
     assert again.rows == len(want) and again.failed == 1

@@ -113,7 +113,7 @@ def test_a_new_outputs_counts_from_its_commits_equal_the_shards_and_a_resumed_on
     out = tmp_path / "out"
     reads, read = [], store.committed_id_lists  # called by the resume's listing, and by _finish to count
     monkeypatch.setattr(store, "committed_id_lists", lambda o: reads.append(o) or read(o))
-    first = run_batch(src, out, methods=["rollout", "raw"], batch_size=3, loaded=lm)
+    first = run_batch(src, out, methods=["rollout", "raw"], batch_size=3, shard_size=3, loaded=lm)  # 3 shards
     counts = read_manifest(out)["counts"]
     assert reads == [out] and {k: counts[k] for k in ("explained", "failed", "rows")} == _shard_counts(out)
     assert (first.explained, first.failed, first.rows, counts["missing"]) == (8, 1, 14, 0)  # (8 inputs handled)

@@ -200,7 +200,7 @@ def test_kill_9_mid_run_then_rerun_gives_every_input_once(shapes_dir, tmp_path):
     out = tmp_path / "o"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
     cmd = [sys.executable, "-m", "attnroll.commands", "batch", str(shapes_dir), "--out", str(out), "-m", "rollout,gae",
-           "--batch-size", "1"]  # the real `attnroll batch`, one input per commit
+           "--batch-size", "1", "--shard-size", "1"]  # the real `attnroll batch`, one input per commit
     proc = subprocess.Popen(cmd, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.time() + 300  # generous: the machine may be shared

@@ -172,6 +172,8 @@ def test_target_flags_and_num_gpus_usage_errors(folder, tmp_path):
     assert "needs engine='ray'" in one_line_error(run("batch", folder, "--out", tmp_path / "x", "--num-gpus", "0.5"), 2)
     assert "cpus_per_worker=2 sizes Ray actors" in one_line_error(
         run("batch", folder, "--out", tmp_path / "x", "--cpus-per-worker", "2"), 2)
+    assert "shard_size=8 sizes the local engine's shards" in one_line_error(
+        run("batch", folder, "--out", tmp_path / "x", "--engine", "ray", "--shard-size", "8"), 2)
     assert "applies to a Parquet / CSV table" in one_line_error(
         run("batch", folder, "--out", tmp_path / "x", "--target-column", "y"), 2)
     assert not (tmp_path / "x").exists()

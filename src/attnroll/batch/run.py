@@ -103,6 +103,7 @@ def run_batch(
     loaded: Any = None,
     engine: str = "local",
     batch_size: int = 16,
+    shard_size: int | None = None,
     num_workers: int = 1,
     address: str | None = None,
     png: bool = False,
@@ -127,7 +128,10 @@ def run_batch(
         model / weights: as ``attnroll explain --model / --weights`` (None = the embedded model); ``loaded``:
             that model already loaded (``attnroll.models.load_model``), so that it is not loaded again here.
         engine: "local" (this process) or "ray" (Ray Data actors; ``num_workers`` of them; ``address`` joins
-            a running cluster). batch_size: inputs per ``explain`` call and per committed shard.
+            a running cluster). batch_size: inputs per ``explain`` call. shard_size: the local engine's inputs
+            per committed shard at most (whole batches, at least one; None = 256), a shard also committed once
+            its first batch is a second old (a crash loses at most about a second of work); each Ray actor
+            commits each batch it explains.
         png: also write overlays to ``out/png/`` (images). overwrite: discard an existing output of a
             different run instead of refusing. progress: called with (inputs finished, inputs to do).
         target: the class index to explain for every input (None = each input's predicted class);
@@ -151,6 +155,7 @@ def run_batch(
     t0 = time.perf_counter()
     engine, batch_size, num_workers, num_gpus, cpus_per_worker, target = _check_run_args(
         engine, batch_size, num_workers, num_gpus, cpus_per_worker, target)
+    shard_size = check_shard_size(shard_size, engine)
     with _ray_runtime(engine, address, num_workers, cpus_per_worker, ray_start) as ray_start:
         items = list_items(source, column, target_column)
         names, resolved = resolve_methods(methods, options)
@@ -166,20 +171,20 @@ def run_batch(
             job = Job(names, resolved, fp, str(out.resolve()), png, target, run=info["run"])
             counter = _Counter(len(todo), progress)
             if engine == "local":
-                known = _run_local(lm, job, todo, batch_size, counter, held)
+                known = _run_local(lm, job, todo, batch_size, shard_size, counter, held)
             else:
                 known = run_ray(spec, job, todo, batch_size, counter, num_workers=num_workers, address=address,
                                 cpus_per_worker=cpus_per_worker, num_gpus=num_gpus, ray_start=ray_start)
             return _finish(out, info, len(items), len(items) - len(todo), len(todo), time.perf_counter() - t0, known)
 
 
-def _run_local(lm: Any, job: Job, todo: list[Item], batch_size: int, counter: "_Counter",
+def _run_local(lm: Any, job: Job, todo: list[Item], batch_size: int, shard_size: int | None, counter: "_Counter",
                held: bool) -> tuple[list[str], list[str]] | None:
     """The local engine's run; the ids it committed (rows, failures) when ``out`` held nothing before (then
     they are all that ``out`` holds: ``_finish`` counts them instead of reading every shard back), else None."""
     worker = Worker(lm, job)
     worker.tally = None if held else ([], [])
-    run_local(worker, todo, batch_size, counter)
+    run_local(worker, todo, batch_size, counter, shard_size)
     return worker.tally
 
 
@@ -247,6 +252,17 @@ def _needs_grad(names: list[str]) -> dict[str, bool]:
     from ..methods import method_info
 
     return {m: bool(method_info(m).needs_grad) for m in names}
+
+
+def check_shard_size(shard_size: Any, engine: str) -> int | None:
+    """Inputs per shard of the local engine: None (the default) or an int >= 1; only for the local engine."""
+    if shard_size is None:
+        return None
+    value = _checks.check_int("shard_size", shard_size, low=1)
+    if engine != "local":
+        raise ValueError(f"shard_size={shard_size!r} sizes the local engine's shards; with engine='ray' each actor "
+                         "commits each batch it explains: set batch_size instead")
+    return value
 
 
 def check_num_gpus(num_gpus: Any, engine: str) -> float:

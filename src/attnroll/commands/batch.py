@@ -73,7 +73,10 @@ class _Bar:
 @click.option("--num-workers", default=1, show_default=True, type=click.IntRange(1),
               help="Ray actors, each holding one copy of the model.")
 @click.option("--batch-size", default=16, show_default=True, type=click.IntRange(1),
-              help="Inputs per forward pass and per committed shard.")
+              help="Inputs per forward pass (and per shard with --engine ray).")
+@click.option("--shard-size", type=click.IntRange(1), metavar="N",
+              help="Inputs per committed shard at most, whole batches [default: 256; a shard is also committed "
+              "once its first batch is a second old]; --engine local.")
 @click.option("--address", metavar="ADDR", help="Join this Ray cluster (e.g. auto, or ray://head:10001).")
 @click.option("--png", is_flag=True, help="Also write overlays to DIR/png/<id>.<method>.png (images).")
 @click.option("--column", metavar="C[,PAIR]", help="The column of paths or texts of a Parquet / CSV source "
@@ -88,7 +91,7 @@ class _Bar:
               help="CPUs (torch threads) per Ray actor [default: 1 with --address, else this machine's CPUs "
               "shared between the actors]; --engine ray.")
 @click.option("--overwrite", is_flag=True, help="Discard DIR's results when they come from different settings.")
-def batch_cmd(source, out, method_list, options, model_spec, weights, engine, num_workers, batch_size, address, png,
+def batch_cmd(source, out, method_list, options, model_spec, weights, engine, num_workers, batch_size, shard_size, address, png,
               column, target, target_column, num_gpus, cpus_per_worker, overwrite) -> int:
     """Explain every input of SOURCE with each method and write a Parquet dataset to --out: one row per
     (input, method) under DIR/rows/, unreadable inputs with the reason under DIR/failures/, and
@@ -109,7 +112,7 @@ def batch_cmd(source, out, method_list, options, model_spec, weights, engine, nu
     from ..batch import BatchMismatchError, list_items, run_batch
     from ..batch.engines import begin_ray, check_ray
 
-    from ..batch.run import check_cpus_per_worker, check_num_gpus
+    from ..batch.run import check_cpus_per_worker, check_num_gpus, check_shard_size
 
     names = methods_list(method_list)
     opts = method_options(options, names)
@@ -117,6 +120,7 @@ def batch_cmd(source, out, method_list, options, model_spec, weights, engine, nu
         raise click.UsageError("--target and --target-column: give one (a class for every input, or one per input)")
     try:
         check_num_gpus(num_gpus, engine)
+        check_shard_size(shard_size, engine)
         check_cpus_per_worker(cpus_per_worker, engine)
         items = list_items(source, column, target_column)
     except ValueError as e:
@@ -141,7 +145,7 @@ def batch_cmd(source, out, method_list, options, model_spec, weights, engine, nu
         command = shlex.join(["attnroll", *argv[argv.index("batch"):]]) if "batch" in argv else None
         with bar if bar is not None else _null():
             result = run_batch(source, out, methods=names, options=opts, model=model_spec, weights=weights,
-                               loaded=lm, engine=engine, batch_size=batch_size, num_workers=num_workers,
+                               loaded=lm, engine=engine, batch_size=batch_size, shard_size=shard_size, num_workers=num_workers,
                                address=address, png=png, column=column, target=target,
                                target_column=target_column, num_gpus=num_gpus,
                                cpus_per_worker=cpus_per_worker, overwrite=overwrite,
