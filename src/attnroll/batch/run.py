@@ -256,12 +256,17 @@ def _needs_grad(names: list[str]) -> dict[str, bool]:
 
 def check_shard_size(shard_size: Any, engine: str) -> int | None:
     """Inputs per shard of the local engine: None (the default) or an int >= 1; only for the local engine."""
-    if shard_size is None:
+    return _engine_int("shard_size", shard_size, engine, "local", "sizes the local engine's shards; with "
+                       "engine='ray' each actor commits each batch it explains: set batch_size instead")
+
+
+def _engine_int(name: str, value: Any, engine: str, needs: str, why: str) -> int | None:
+    """An option of one engine only: None, or an int >= 1 refused (``why``) with any other engine."""
+    if value is None:
         return None
-    value = _checks.check_int("shard_size", shard_size, low=1)
-    if engine != "local":
-        raise ValueError(f"shard_size={shard_size!r} sizes the local engine's shards; with engine='ray' each actor "
-                         "commits each batch it explains: set batch_size instead")
+    value = _checks.check_int(name, value, low=1)
+    if engine != needs:
+        raise ValueError(f"{name}={value!r} {why}")
     return value
 
 
@@ -279,13 +284,8 @@ def check_num_gpus(num_gpus: Any, engine: str) -> float:
 
 def check_cpus_per_worker(cpus: Any, engine: str) -> int | None:
     """CPUs per Ray actor: None (the default) or an int >= 1; only for Ray."""
-    if cpus is None:
-        return None
-    cpus = _checks.check_int("cpus_per_worker", cpus, low=1)
-    if engine != "ray":
-        raise ValueError(f"cpus_per_worker={cpus!r} sizes Ray actors; it needs engine='ray' (the local engine uses "
-                         "torch's threads: torch.set_num_threads)")
-    return cpus
+    return _engine_int("cpus_per_worker", cpus, engine, "ray", "sizes Ray actors; it needs engine='ray' (the local "
+                       "engine uses torch's threads: torch.set_num_threads)")
 
 
 def _check_model_fits(lm: Any, items: list[Item], names: list[str], class_target: bool = False) -> None:
