@@ -121,17 +121,14 @@ def run_batch(
 
     Args:
         source: an image folder (recursive), a text file (a tab separates a pair), a JSONL file (``text``,
-            ``pair``, ``id``) or a Parquet / CSV table (``column``: its column of paths or texts, or
-            "text,pair").
+            ``pair``, ``id``) or a Parquet / CSV table (``column``: its column of paths or texts, or "text,pair").
         out: the output folder (created); see :mod:`attnroll.batch.store` for its layout.
         methods: method names; options: {method: {key: value}}.
         model / weights: as ``attnroll explain --model / --weights`` (None = the embedded model); ``loaded``:
             that model already loaded (``attnroll.models.load_model``), so that it is not loaded again here.
         engine: "local" (this process) or "ray" (Ray Data actors; ``num_workers`` of them; ``address`` joins
-            a running cluster). batch_size: inputs per ``explain`` call. shard_size: the local engine's inputs
-            per committed shard at most (whole batches, at least one; None = 256), a shard also committed once
-            its first batch is a second old (a crash loses at most about a second of work); each Ray actor
-            commits each batch it explains.
+            a running cluster). batch_size: inputs per ``explain`` call (and per shard on Ray); shard_size: the
+            local engine's inputs per shard at most (whole batches; None = 256; committed a second after its first).
         png: also write overlays to ``out/png/`` (images). overwrite: discard an existing output of a
             different run instead of refusing. progress: called with (inputs finished, inputs to do).
         target: the class index to explain for every input (None = each input's predicted class);
@@ -153,9 +150,8 @@ def run_batch(
             different run; ImportError: ``engine="ray"`` without Ray; RuntimeError: ``out`` is being written.
     """
     t0 = time.perf_counter()
-    engine, batch_size, num_workers, num_gpus, cpus_per_worker, target = _check_run_args(
-        engine, batch_size, num_workers, num_gpus, cpus_per_worker, target)
-    shard_size = check_shard_size(shard_size, engine)
+    engine, batch_size, num_workers, num_gpus, cpus_per_worker, target, shard_size = _check_run_args(
+        engine, batch_size, num_workers, num_gpus, cpus_per_worker, target, shard_size)
     with _ray_runtime(engine, address, num_workers, cpus_per_worker, ray_start) as ray_start:
         items = list_items(source, column, target_column)
         names, resolved = resolve_methods(methods, options)
@@ -205,7 +201,7 @@ def _ray_runtime(engine: str, address: str | None, num_workers: int, cpus_per_wo
 
 
 def _check_run_args(engine: Any, batch_size: Any, num_workers: Any, num_gpus: Any, cpus_per_worker: Any,
-                    target: Any) -> tuple:
+                    target: Any, shard_size: Any = None) -> tuple:
     """run_batch's scalar arguments, checked (and Ray importable for ``engine="ray"``), in that order."""
     engine = _checks.check_choice("engine", engine, ENGINES)
     if engine == "ray":
@@ -215,7 +211,8 @@ def _check_run_args(engine: Any, batch_size: Any, num_workers: Any, num_gpus: An
     return (engine, _checks.check_int("batch_size", batch_size, low=1),
             _checks.check_int("num_workers", num_workers, low=1), check_num_gpus(num_gpus, engine),
             check_cpus_per_worker(cpus_per_worker, engine),
-            None if target is None else _checks.check_int("target", target, low=0))
+            None if target is None else _checks.check_int("target", target, low=0),
+            check_shard_size(shard_size, engine))
 
 
 def _resume(out: Path, key: dict, overwrite: bool, items: list[Item], manifest: dict) -> tuple[list[Item], bool]:
