@@ -76,6 +76,23 @@ def test_a_shard_is_committed_once_its_first_batch_is_old_enough():
     assert [len(c) for c in w.commits] == [20]
 
 
+@pytest.mark.parametrize("seconds_per_batch, sizes", [(2.0, [3] * 6 + [2]), (0.3, [12, 8])])
+def test_the_clock_starts_with_the_shards_first_batch(monkeypatch, seconds_per_batch, sizes):
+    """A batch slower than the time limit is committed at once (not held until the next one is explained);
+    faster batches are grouped until their explaining took the limit (0.3 s each: 4 batches reach 1.2 s)."""
+    clock = [100.0]
+    monkeypatch.setattr(engines.time, "monotonic", lambda: clock[0])
+
+    class Slow(FakeWorker):
+        def compute(self, items):
+            clock[0] += seconds_per_batch
+            return super().compute(items)
+
+    w = Slow()
+    _run(w, 20, 3, shard_size=300, shard_seconds=1.0)
+    assert [len(c) for c in w.commits] == sizes
+
+
 def test_ctrl_c_commits_what_was_explained_then_stops():
     w = FakeWorker(stop_at=5)  # batches 0-4 explained, Ctrl-C while explaining batch 5
     with pytest.raises(KeyboardInterrupt):

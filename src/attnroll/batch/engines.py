@@ -66,8 +66,8 @@ def read_ahead(load: Callable[[Any], Any], batches: Iterable[Any], depth: int = 
 #: on the shapes ViT (batches of 32, BENCHMARKS.md, issue 14, session 10): 1.2-1.4 ms per batch committed alone,
 #: 0.3-0.5 ms per batch in shards of 8 batches. Larger shards also suit Parquet readers (fewer, larger files).
 SHARD_INPUTS = 256
-#: ... and a shard is committed once its first batch has waited this many seconds, whatever its size: a crash
-#: or ``kill -9`` loses at most about this much work (a slow model commits about once a second).
+#: ... and a shard is committed once explaining its batches took this many seconds, whatever its size: a crash
+#: or ``kill -9`` loses at most about this much work, or one batch of a model slower than that.
 SHARD_SECONDS = 1.0
 
 
@@ -77,7 +77,7 @@ def run_local(worker: Worker, todo: list[Item], batch_size: int, progress: Calla
     preprocesses the next batches, this thread explains, a writer thread commits the previous shard (at most
     one shard waits; an input counts as done once its shard is committed). A shard holds the whole batches
     explained since the last one, up to ``shard_size`` inputs (None: :data:`SHARD_INPUTS`; at least one
-    batch), committed earlier once its first batch is ``shard_seconds`` old. Ctrl-C commits what was explained
+    batch), committed earlier once its batches took ``shard_seconds`` to explain. Ctrl-C commits what was explained
     before it stops. The capture sessions stay open for the run (``Worker.kept_sessions``)."""
     from concurrent.futures import ThreadPoolExecutor
 
@@ -86,8 +86,9 @@ def run_local(worker: Worker, todo: list[Item], batch_size: int, progress: Calla
         pending, group, since = None, [], 0.0
         try:
             for loaded in read_ahead(worker.load, chunks(todo, batch_size)):
+                # the clock starts with the shard's first batch, so that a slow batch is committed at once
+                since = since if group else time.monotonic()
                 group.append(worker.compute(loaded))
-                since = since or time.monotonic()
                 if len(group) >= per_shard or time.monotonic() - since >= shard_seconds:
                     if pending is not None:
                         progress(pending.result())

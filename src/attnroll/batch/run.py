@@ -128,7 +128,7 @@ def run_batch(
             that model already loaded (``attnroll.models.load_model``), so that it is not loaded again here.
         engine: "local" (this process) or "ray" (Ray Data actors; ``num_workers`` of them; ``address`` joins
             a running cluster). batch_size: inputs per ``explain`` call (and per shard on Ray); shard_size: the
-            local engine's inputs per shard at most (whole batches; None = 256; committed a second after its first).
+            local engine's inputs per shard at most (whole batches; None = 256; sooner after a second's work).
         png: also write overlays to ``out/png/`` (images). overwrite: discard an existing output of a
             different run instead of refusing. progress: called with (inputs finished, inputs to do).
         target: the class index to explain for every input (None = each input's predicted class);

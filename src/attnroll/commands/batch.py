@@ -76,7 +76,7 @@ class _Bar:
               help="Inputs per forward pass (and per shard with --engine ray).")
 @click.option("--shard-size", type=click.IntRange(1), metavar="N",
               help="Inputs per committed shard at most, whole batches [default: 256; a shard is also committed "
-              "once its first batch is a second old]; --engine local.")
+              "once its batches took a second]; --engine local.")
 @click.option("--address", metavar="ADDR", help="Join this Ray cluster (e.g. auto, or ray://head:10001).")
 @click.option("--png", is_flag=True, help="Also write overlays to DIR/png/<id>.<method>.png (images).")
 @click.option("--column", metavar="C[,PAIR]", help="The column of paths or texts of a Parquet / CSV source "
