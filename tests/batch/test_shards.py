@@ -1,5 +1,5 @@
-"""The local engine's shards: whole batches grouped up to ``shard_size`` inputs, committed early once the first
-batch is ``shard_seconds`` old, what was explained committed on Ctrl-C; the rows do not depend on the shard
+"""The local engine's shards: whole batches grouped up to ``shard_size`` inputs, committed early once explaining
+them took ``shard_seconds``, what was explained committed on Ctrl-C; the rows do not depend on the shard
 size; ``shard_size`` is checked and refused with the Ray engine."""
 
 from __future__ import annotations
@@ -67,9 +67,9 @@ def test_shards_hold_whole_batches_up_to_the_shard_size_in_source_order(n, batch
     assert [d["inputs"] for d in done] == sizes  # progress counts each shard once it is committed
 
 
-def test_a_shard_is_committed_once_its_first_batch_is_old_enough():
+def test_a_shard_is_committed_once_its_batches_took_the_time_limit():
     w = FakeWorker()
-    _run(w, 20, 3, shard_size=300, shard_seconds=0.0)  # every batch is "old" at once: one shard per batch
+    _run(w, 20, 3, shard_size=300, shard_seconds=0.0)  # every batch reaches the limit: one shard per batch
     assert [len(c) for c in w.commits] == [3] * 6 + [2]
     w = FakeWorker()
     _run(w, 20, 3, shard_size=300, shard_seconds=3600.0)

@@ -84,26 +84,29 @@ def run_local(worker: Worker, todo: list[Item], batch_size: int, progress: Calla
     per_shard = max(1, (SHARD_INPUTS if shard_size is None else shard_size) // batch_size)
     with heap_frozen(), worker.kept_sessions(), ThreadPoolExecutor(max_workers=1, thread_name_prefix="attnroll-write") as writer:
         pending, group, since = None, [], 0.0
+
+        def commit(shard: list[tuple]) -> None:  # after the previous shard: at most one waits
+            nonlocal pending
+            if pending is not None:
+                progress(pending.result())
+            pending = writer.submit(worker.commit, merged(shard))
+
         try:
             for loaded in read_ahead(worker.load, chunks(todo, batch_size)):
                 # the clock starts with the shard's first batch, so that a slow batch is committed at once
                 since = since if group else time.monotonic()
                 group.append(worker.compute(loaded))
                 if len(group) >= per_shard or time.monotonic() - since >= shard_seconds:
-                    if pending is not None:
-                        progress(pending.result())
-                    pending, group, since = writer.submit(worker.commit, merged(group)), [], 0.0
+                    commit(group)
+                    group = []
         except KeyboardInterrupt:
             if group:  # what was explained is kept: the rerun does not explain it again
                 writer.submit(worker.commit, merged(group)).result()
             raise
         if group:
-            if pending is not None:
-                progress(pending.result())
-            pending = writer.submit(worker.commit, merged(group))
+            commit(group)
         if pending is not None:
             progress(pending.result())
-
 
 def merged(computed: list[tuple]) -> tuple:
     """One shard's :meth:`Worker.compute` result from consecutive batches' results (in source order)."""
