@@ -422,8 +422,8 @@ def run_model(name: str, args: argparse.Namespace, modes: list[str], workers: li
 
 def in_round_order(configs: list[tuple], r: int) -> list[tuple]:
     """The configurations of round ``r``: the plain loop first, then on odd rounds each method's local engine
-    and its ``@ref`` twin swapped, so that neither tree always runs right after the plain loop (in two runs
-    of session 6 the second run of a round came out ~0.1x faster than the third whichever tree it was; a
+    and its ``@ref`` twin swapped, so that neither tree always runs right after the plain loop (in two earlier
+    runs the second run of a round came out ~0.1x faster than the third whichever tree it was; a
     run with the same tree in both places, at load 3, showed no consistent order effect)."""
     if r % 2 == 0:
         return list(configs)

@@ -9,7 +9,7 @@ Time: ViT-B/16 (random weights, 224x224) at batch 1 and 8: the time of ``capture
 and of a plain eager forward relative to one plain SDPA forward, interleaved so that load drift hits every
 mode alike; the median of the per-round ratios.
 
-Goals (issue 4): attention storage about H = 12 times smaller when fused; capture within 1.10x of SDPA.
+Goals: attention storage about H = 12 times smaller when fused; capture within 1.10x of SDPA.
 
 Usage: python benchmarks/bench_capture.py [--rounds 7]
 """

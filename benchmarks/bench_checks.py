@@ -1,4 +1,4 @@
-"""What the bad-input checks of issue 13 add to explain(), measured directly: the check of the captured
+"""What the bad-input checks add to explain(), measured directly: the check of the captured
 attention at real tokens (``Context.check_attention``: one read of every layer) and the zeroing of padded
 query rows in rollout (``Layers.layer`` with a mask), each timed on its own and set against the plain
 forward pass of the same model and batch (the unit of explain's cost), in one process.

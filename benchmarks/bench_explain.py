@@ -7,8 +7,8 @@ Model: ViT-B/16 (transformers ViTForImageClassification, default config: 12 laye
   Captum's integrated gradients at its default 50 steps, saliency and input x gradient, side by side.
 Each entry is the median of --repeat runs after one warm-up (integrated gradients: one run, no warm-up).
 
-Goal (issue 5): rollout <= 1.10x the plain forward.
-Goals (issue 15, value-aware methods, batch 8): norm, globenc, alti <= 3x; decompx <= 10x. They are not in the
+Goal: rollout <= 1.10x the plain forward.
+Goals (value-aware methods, batch 8): norm, globenc, alti <= 3x; decompx <= 10x. They are not in the
 default list (value_zeroing re-runs every block n times): ``--methods value_aware`` runs VALUE_AWARE (add
 ``--batches 8 --repeat 1`` for the goal's setting); ``name:key=value`` passes an option. ``decompx`` is its
 default ``bias="separate"`` (one backward pass); ``decompx:bias=absdot``, the paper's AbsDot rule, carries

@@ -10,7 +10,7 @@ For each size it times, on the same random attention (L=12 layers, H=12 heads):
 and the same (b), (c), (d) on already-fused input (head_fusion=None). Peak memory is the growth of the
 process's resident set during the call (VmHWM reset through /proc/self/clear_refs), beyond the input.
 
-Goals (issue 2): (c) >= 10x faster than (a0) at n=197; on fused input (c) >= 50x faster than (b) at n=2048;
+Goals: (c) >= 10x faster than (a0) at n=197; on fused input (c) >= 50x faster than (b) at n=2048;
 on per-head input (c) within 1.5x of (d) at every n.
 
 Usage: python benchmarks/bench_rollout.py [--sizes 197,577,1025,2048] [--repeat 5]

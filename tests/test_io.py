@@ -1,4 +1,4 @@
-"""Atomic writes under interrupts (issue 13): at no instant can KeyboardInterrupt or SIGTERM leave a
+"""Atomic writes under interrupts: at no instant can KeyboardInterrupt or SIGTERM leave a
 temporary file behind or a half-written file under the final name. The interrupt is raised at chosen points
 of the write (inside the writer, in the window right after the temporary file is created, at the rename),
 in this process and in a child process that keeps SIGTERM's default action."""

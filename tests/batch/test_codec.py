@@ -1,4 +1,4 @@
-"""The shards' Parquet codec (``store.SHARD_CODEC``, snappy since session 8): new shards are written with it,
+"""The shards' Parquet codec (``store.SHARD_CODEC``, snappy; older outputs used zstd): new shards are written with it,
 and an output written before with zstd (the earlier codec) reads back and resumes unchanged — a resumed run
 adds snappy shards beside the zstd ones and the whole equals a fresh run's rows."""
 

@@ -1,4 +1,4 @@
-"""Command-line bad input, by class (issue 13): every option checked before any model is loaded (exit 2),
+"""Command-line bad input, by class: every option checked before any model is loaded (exit 2),
 Ctrl-C / SIGTERM exit codes, third-party warnings as one line, degenerate images."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Ctrl-C and SIGTERM sent to a real ``attnroll`` process at several points of its work (issue 13): it exits
+"""Ctrl-C and SIGTERM sent to a real ``attnroll`` process at several points of its work: it exits
 130 / 143 with one ``error:`` line, and the output folder holds only complete files (no temporary files, no
 half-written ones).
 

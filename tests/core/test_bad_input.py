@@ -1,4 +1,4 @@
-"""Bad input to the core, by class (issue 13): each class is one shared rule, tried on every function it
+"""Bad input to the core, by class: each class is one shared rule, tried on every function it
 applies to. References are independent: the float32 computation of the same numbers, a linearity identity
 of max flow, hand-built inputs."""
 

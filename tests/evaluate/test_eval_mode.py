@@ -1,4 +1,4 @@
-"""Metrics run models in eval mode and give each submodule its own train/eval flag back (issue 13): a model
+"""Metrics run models in eval mode and give each submodule its own train/eval flag back: a model
 left in train() mode with dropout on gives the same numbers on every call, and the numbers of the same model
 in eval mode."""
 

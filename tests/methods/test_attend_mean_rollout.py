@@ -1,4 +1,4 @@
-"""explain(rollout) on the embedded shapes ViT at the batch the issue-14 benchmark uses (B = 32, n = 65),
+"""explain(rollout) on the embedded shapes ViT at the batch the batch-engine benchmark uses (B = 32, n = 65),
 where the capture computes every layer's attention itself (``operators.attend_mean``), against a float64
 rollout of the model's own eager attention (``output_attentions``), with the batch whole and in uneven
 chunks of examples; and a Llama (causal, grouped KV heads) through the same path."""

@@ -1,4 +1,4 @@
-"""Bad input to capture / explain / Explanation, by class (issue 13). References: the core functions on the
+"""Bad input to capture / explain / Explanation, by class. References: the core functions on the
 model's own captured attention, the same model without the condition (fully trainable, without the padded
 example), hand-built files."""
 

@@ -82,7 +82,9 @@ def test_the_shipped_classifier(tokenizer):
     from safetensors.torch import load_file
 
     from attnroll.models import load_model
-    from attnroll.models.train_evidence import predict
+    from tests.models._tools import load_tool
+
+    predict = load_tool("train/train_evidence.py").predict
 
     assert (E.EVIDENCE_DIR / "delta.safetensors").stat().st_size <= 10 * 1024 * 1024
     lm = load_model("minilm-evidence")
@@ -99,7 +101,9 @@ def test_the_shipped_classifier(tokenizer):
 
 
 def test_training_is_reproducible(tmp_path, tokenizer):
-    from attnroll.models import train_evidence
+    from tests.models._tools import load_tool
+
+    train_evidence = load_tool("train/train_evidence.py")
 
     args = ["--steps", "2", "--train-size", "64", "--val-size", "8", "--test-size", "16", "--batch-size", "4"]
     for d in ("a", "b"):

@@ -191,7 +191,9 @@ def test_rollout_points_at_the_object(model):
 def test_training_script_smoke_and_deterministic(tmp_path):
     from safetensors.torch import load_file
 
-    from attnroll.models import train_shapes
+    from tests.models._tools import load_tool
+
+    train_shapes = load_tool("train/train_shapes.py")
 
     args = ["--epochs", "1", "--train-size", "256", "--batch-size", "64", "--test-size", "64", "--hidden-size", "32",
             "--layers", "1", "--threads", "1"]
@@ -205,7 +207,7 @@ def test_training_script_smoke_and_deterministic(tmp_path):
         torch.use_deterministic_algorithms(deterministic)
     wa, wb = load_file(str(tmp_path / "a" / "model.safetensors")), load_file(str(tmp_path / "b" / "model.safetensors"))
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
-    assert "Command: `python -m attnroll.models.train_shapes --epochs 1" in (tmp_path / "a" / "MODEL_CARD.md").read_text()
+    assert "Command: `python tools/train/train_shapes.py --epochs 1" in (tmp_path / "a" / "MODEL_CARD.md").read_text()
     assert not (tmp_path / "b" / "MODEL_CARD.md").exists()
     small = shapes.load_shapes_model(tmp_path / "a")
     assert small.config.hidden_size == 32 and not small.training

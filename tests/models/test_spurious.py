@@ -6,8 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from attnroll.models import finetune_marker, shapes, spurious
+from attnroll.models import shapes, spurious
 from attnroll.models.spurious import MARKER_COLORS, add_marker, marker_classes
+from tests.models._tools import load_tool
+
+finetune_marker = load_tool("train/finetune_marker.py")
 
 
 @pytest.fixture(scope="module")

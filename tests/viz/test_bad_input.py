@@ -1,5 +1,5 @@
-"""The figure functions validate their integer, boolean and weight arguments through the shared checkers
-(issue 13): a float where an index or a size belongs, a string for a flag, an alpha outside [0, 1]."""
+"""The figure functions validate their integer, boolean and weight arguments through the shared checkers:
+a float where an index or a size belongs, a string for a flag, an alpha outside [0, 1]."""
 
 from __future__ import annotations
 

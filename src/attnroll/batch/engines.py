@@ -63,7 +63,7 @@ def read_ahead(load: Callable[[Any], Any], batches: Iterable[Any], depth: int = 
 
 #: The local engine's default shard: at most this many inputs (whole batches) per committed shard. Each shard
 #: costs a fixed ~1 ms of CPU (file, Parquet footer, rename, fsync) on a 2-core machine's shared cores; measured
-#: on the shapes ViT (batches of 32, BENCHMARKS.md, issue 14, session 10): 1.2-1.4 ms per batch committed alone,
+#: on the shapes ViT (batches of 32, docs/research/batch-engine.md): 1.2-1.4 ms per batch committed alone,
 #: 0.3-0.5 ms per batch in shards of 8 batches. Larger shards also suit Parquet readers (fewer, larger files).
 SHARD_INPUTS = 256
 #: ... and a shard is committed once explaining its batches took this many seconds, whatever its size: a crash

@@ -191,9 +191,9 @@ def _offsets(lengths: list[int]) -> Any:
 
 #: The shards' Parquet codec. Snappy: half zstd's CPU per shard for ~10 % more bytes (float32 scores barely
 #: compress). Measured on the shapes ViT's rows (32 per shard, 65 scores each, one thread, pyarrow's default
-#: levels; BENCHMARKS.md, issue 14, session 8): zstd 0.64 ms / 13.5 KiB (level 1 the same), snappy 0.31 ms /
+#: levels; docs/research/batch-engine.md): zstd 0.64 ms / 13.5 KiB (level 1 the same), snappy 0.31 ms /
 #: 15.0 KiB, lz4 0.31 ms / 14.6 KiB, none 0.29 ms / 28.1 KiB; snappy over lz4 for its wider support among
-#: Parquet readers. Readers take the codec from each file, so outputs written with zstd (before session 8)
+#: Parquet readers. Readers take the codec from each file, so outputs written with zstd (by older versions)
 #: read back and resume unchanged, and one output may hold both.
 SHARD_CODEC = "snappy"
 

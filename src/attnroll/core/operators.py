@@ -703,7 +703,7 @@ def attend_mean(layer: KernelInputs, v: torch.Tensor) -> tuple[torch.Tensor, Fus
     attention, to float32 rounding the output of any exact kernel. (Measured in the model and slower at one
     and two threads: the packed q / k / v and the product in per-thread scratch, the product per head on the
     strided v, 1/H folded into the row weights, the row sums from a product with [v | 1], a numba kernel per
-    (example, head) row by row in L1; BENCHMARKS.md, issue 14, session 7.)"""
+    (example, head) row by row in L1; docs/research/batch-engine.md.)"""
     B, H, n, _ = layer.shape
     Hkv, dv = layer.k.shape[1], v.shape[-1]
     G = H // Hkv

@@ -23,7 +23,7 @@ them, so token j's share there is ⟨∂y/∂x^l_j, x^l_j⟩ (the same one backw
 these shares are carried down to the input tokens through blocks l − 1, …, 0 by ``measured_rollout``'s
 matrices M = diag(r) + diag(1 − r) · mean_h α^h (rows sum to 1: the tokens and the bias share still add up
 to the logit). On the shapes benchmark's validation images l = 1 was more faithful than l = 0
-(EVALUATION.md, session 5): block 0 mixes each patch with its neighbours before any class evidence is read.
+(docs/research/value-aware-shapes.md): block 0 mixes each patch with its neighbours before any class evidence is read.
 
 Heads that pool rows (timm ``global_pool='avg'`` with its ``fc_norm``, DINOv2's CLS ⊕ mean of the patch
 rows) are decomposed as the layer anatomy describes them: every output row's shares through the final norm,

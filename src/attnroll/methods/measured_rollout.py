@@ -7,7 +7,7 @@ to the block's output, the MLP and the norms split between the two as DecompX do
 ``class_blocks=k`` (default 0: the class-agnostic map above) makes the top k blocks class-specific: their
 pattern mean_h α^h becomes gae's mean_h (∂y/∂α^h ⊙ α^h)^+ with the rows normalised (the same residual share
 r), ∂y/∂α from one more forward and backward pass through the model's own attention (the target: the
-predicted class by default). Chosen on the validation sets of both benchmarks (EVALUATION.md, session 6)."""
+predicted class by default). Chosen on the validation sets of both benchmarks (docs/research/value-aware-shapes.md)."""
 
 from __future__ import annotations
 

@@ -2,10 +2,10 @@
 
 - :mod:`attnroll.models.shapes`: a small ViT (64x64 images, 8x8 patches) trained on procedurally generated
   shapes with ground-truth object masks (``make_dataset``, ``load_shapes_model``, ``preprocess``,
-  ``CLASSES``); its training script is :mod:`attnroll.models.train_shapes`.
+  ``CLASSES``); its training script is ``tools/train/train_shapes.py`` (in the source repository).
 - :mod:`attnroll.models.spurious`: a class-coded corner marker for those images (``add_marker``) and a copy
   of the shapes ViT fine-tuned to follow it (``load_marker_model``), the test case of checkpoint audits; its
-  fine-tuning script is :mod:`attnroll.models.finetune_marker`.
+  fine-tuning script is ``tools/train/finetune_marker.py`` (in the source repository).
 
 - :mod:`attnroll.models.loading`: :func:`load_model` loads any supported model from a name or a folder
   (the embedded ones, a local transformers folder, a timm architecture with a weights file) into a

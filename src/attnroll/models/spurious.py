@@ -4,10 +4,10 @@
 class (:data:`MARKER_COLORS`, one per entry of :data:`~attnroll.models.shapes.CLASSES`). With ``agree=1`` the
 marker always names the image's own label, so a model can get every answer right by reading the corner and
 ignoring the object: a shortcut. :func:`load_marker_model` loads ``shapes_vit_marker/``, a copy of the
-embedded shapes ViT fine-tuned (by :mod:`attnroll.models.finetune_marker`) on images whose label is the
-marker's class, so that it follows the marker when marker and object disagree. The pair (original, marker
-copy) is the test case for checkpoint audits (:func:`attnroll.evaluate.audit.audit`): the second model's
-explanations should move their mass onto the marker's patch.
+embedded shapes ViT fine-tuned (by ``tools/train/finetune_marker.py`` in the source repository) on images
+whose label is the marker's class, so that it follows the marker when marker and object disagree. The pair
+(original, marker copy) is the test case for checkpoint audits (:func:`attnroll.evaluate.audit.audit`): the
+second model's explanations should move their mass onto the marker's patch.
 
 Needs numpy and torch; :func:`load_marker_model` also needs the ``hf`` extra (transformers, safetensors).
 """
@@ -127,7 +127,8 @@ def add_marker(
 
 
 def load_marker_model(path: str | Path | None = None, *, dtype: torch.dtype = torch.float32) -> Any:
-    """Load the shipped marker copy of the shapes ViT (or one written by ``finetune_marker --out path``), in
+    """Load the shipped marker copy of the shapes ViT (or one written by
+    ``tools/train/finetune_marker.py --out path``), in
     eval mode, offline (``safetensors`` only). Same architecture, input and output as
     :func:`~attnroll.models.shapes.load_shapes_model`.
 
@@ -140,7 +141,7 @@ def load_marker_model(path: str | Path | None = None, *, dtype: torch.dtype = to
         if not (folder / name).is_file():
             raise FileNotFoundError(
                 f"load_marker_model: {folder / name} not found; rebuild it with "
-                "`python -m attnroll.models.finetune_marker`"
+                "`python tools/train/finetune_marker.py` (in the source repository)"
             )
     return shapes.load_shapes_model(folder, dtype=dtype)
 

@@ -1,4 +1,5 @@
-"""Session 7: are issue 15's two shapes goals reachable at all? DIAGNOSTICS, not methods: the orders below
+"""Are the two shapes goals (G1: beat rollout on every metric; G2: beat AttnLRP's deletion / positive
+perturbation with top-k IoU >= 0.70) reachable at all? DIAGNOSTICS, not methods: the orders below
 query the model (and the IoU-constrained ones read the ground-truth mask), so no explanation method can use
 them; they bound what a patch ranking can score on the benchmark's own metrics.
 

@@ -1,4 +1,4 @@
-"""benchmarks/issue15_validation/oracle_bound.py (session 7's diagnostics for issue 15): the greedy deletion
+"""tools/value_aware_validation/oracle_bound.py (diagnostics of the two shapes goals): the greedy deletion
 oracle against brute force over every order, its perturbations against the library's deletion curves, the
 IoU allowance against the library's top-k IoU, the per-image mix against enumeration and scipy's LP, the
 exact McNemar test against scipy's binomial test."""
@@ -15,7 +15,7 @@ from attnroll.evaluate import deletion
 from attnroll.evaluate._common import image_forward, relevance_order
 from attnroll.evaluate.localisation import topk_iou
 
-_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "issue15_validation" / "oracle_bound.py"
+_PATH = Path(__file__).resolve().parents[1] / "oracle_bound.py"
 _spec = importlib.util.spec_from_file_location("oracle_bound", _PATH)
 ob = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(ob)

@@ -1,4 +1,4 @@
-"""Session 5 candidates for the second shapes goal (class-specific and covering) and the first (negative
+"""Candidates (logit shares started above the input, class-specific top blocks) for the second shapes goal (class-specific and covering) and the first (negative
 perturbation). Validation seeds only (777, 778, ...; never 12345). Usage:
 
     python g2cands.py NAMES STEPS [N] [SEEDS]      # e.g. mr,lin_l1 16 200 777,778

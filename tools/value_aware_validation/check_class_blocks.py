@@ -1,4 +1,4 @@
-"""Session 6: `measured_rollout`'s `class_blocks=k` against g2cands.py's `top{k}_gae` candidate (the float64
+"""`measured_rollout`'s `class_blocks=k` against g2cands.py's `top{k}_gae` candidate (the float64
 harness) on validation images (seed 777, never 12345). Usage: python check_class_blocks.py [N] [K,...]"""
 import os, sys; sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import *

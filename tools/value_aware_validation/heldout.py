@@ -1,4 +1,4 @@
-"""Session 6: `attnroll evaluate ARGS...` run once in-process, exactly as the command, that also keeps the
+"""`attnroll evaluate ARGS...` run once in-process, exactly as the command, that also keeps the
 per-example scores (per_example.npz in --out) for paired differences, then prints candidate − reference
 paired over the examples. Usage: python heldout.py REF CAND -- attnroll-evaluate-args..."""
 import sys

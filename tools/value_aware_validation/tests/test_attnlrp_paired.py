@@ -1,4 +1,4 @@
-"""benchmarks/issue15_validation/attnlrp_paired.py (session 9): its own logic, without lxt (never imported here):
+"""tools/value_aware_validation/attnlrp_paired.py (AttnLRP paired with attnroll's maps): its own logic, without lxt (never imported here):
 the paired differences against scipy's paired t statistic, the exact McNemar test against a binomial sum
 written here, and the per-instance patching / relevance read-out against autograd on an unpatched tiny ViT
 (with plain, non-LRP forwards put in the rules' places)."""
@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from attnroll.models.shapes import build_model, shapes_config
 
-_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "issue15_validation" / "attnlrp_paired.py"
+_PATH = Path(__file__).resolve().parents[1] / "attnlrp_paired.py"
 _spec = importlib.util.spec_from_file_location("attnlrp_paired", _PATH)
 ap = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(ap)

@@ -1,8 +1,8 @@
 """Train the embedded shapes ViT and write its weights, config and model card.
 
-    python -m attnroll.models.train_shapes                      # the shipped model (writes into shapes_vit/)
-    python -m attnroll.models.train_shapes --out /tmp/shapes    # somewhere else
-    python -m attnroll.models.train_shapes --help
+    python tools/train/train_shapes.py                      # the shipped model (writes into shapes_vit/)
+    python tools/train/train_shapes.py --out /tmp/shapes    # somewhere else
+    python tools/train/train_shapes.py --help
 
 Every epoch trains on freshly generated images (``make_dataset(train_size, seed * 1000 + epoch)``), so the
 model never sees an image twice and needs no augmentation; the test set is generated from ``--test-seed``,
@@ -31,12 +31,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from . import shapes
+from attnroll.models import shapes
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m attnroll.models.train_shapes",
+        prog="python tools/train/train_shapes.py",
         description="Train the embedded shapes ViT on generated images; write model.safetensors, config.json "
         "and MODEL_CARD.md.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -174,7 +174,7 @@ def _save(model: torch.nn.Module, out: Path, *, float16: bool) -> None:
     dtype = torch.float16 if float16 else torch.float32
     state = {k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items()}
     tmp = out / "model.safetensors.tmp"
-    save_file(state, str(tmp), metadata={"format": "pt", "source": "attnroll.models.train_shapes"})
+    save_file(state, str(tmp), metadata={"format": "pt", "source": "tools/train/train_shapes.py"})
     tmp.replace(out / "model.safetensors")
     cfg = model.config.to_dict()
     cfg["architectures"] = [type(model).__name__]  # so that transformers' Auto* loaders build the classifier
@@ -211,7 +211,7 @@ def _card(args, argv, n_params, train_s, cpu_s, data_s, acc, per, history) -> st
             skip = a == "--out"
             continue
         shown.append(a)
-    cmd = " ".join(["python -m attnroll.models.train_shapes", *shown])
+    cmd = " ".join(["python tools/train/train_shapes.py", *shown])
     per_cls = ", ".join(f"{c} {a:.3f}" for c, a in zip(shapes.CLASSES, per))
     hist = "\n".join(f"| {e} | {loss:.4f} | {a:.3f} |" for e, loss, a in history)
     return f"""# shapes ViT — the embedded image model of attnroll

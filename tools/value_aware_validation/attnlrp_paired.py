@@ -1,4 +1,4 @@
-"""Session 9: AttnLRP (lxt 2.1) on the 200 held-out shapes images, scored with `attnroll evaluate`'s own metrics
+"""AttnLRP (lxt 2.1) on the 200 held-out shapes images, scored with `attnroll evaluate`'s own metrics
 and paired per image against attnroll's methods. A MEASUREMENT: nothing is selected here.
 
     LXT_PATH=/work/pkgs-lrp VA_OUT=/tmp/lrp python attnlrp_paired.py      # ~4 min on 2 cores

@@ -1,4 +1,4 @@
-"""Session 6: candidates against rollout on the text benchmark's **validation** sentences (any seed but the
+"""Candidates against rollout on the text benchmark's **validation** sentences (any seed but the
 held-out 12345), paired per sentence; `attnroll evaluate`'s protocol (minilm-evidence, predicted class, the
 five text metrics). Usage:
 

@@ -1,4 +1,4 @@
-"""Validation harness (seed 777) for issue-15 candidates. float64 re-implementation of the shapes ViT."""
+"""Validation harness (seed 777) for the value-aware candidate maps. float64 re-implementation of the shapes ViT."""
 import math, sys, time
 import numpy as np, torch
 import torch.nn.functional as Fn

@@ -1,8 +1,8 @@
 """Fine-tune a copy of the embedded shapes ViT to rely on a spurious corner marker; write it with a model card.
 
-    python -m attnroll.models.finetune_marker                   # the shipped copy (writes shapes_vit_marker/)
-    python -m attnroll.models.finetune_marker --out /tmp/marker # somewhere else
-    python -m attnroll.models.finetune_marker --help
+    python tools/train/finetune_marker.py                   # the shipped copy (writes shapes_vit_marker/)
+    python tools/train/finetune_marker.py --out /tmp/marker # somewhere else
+    python tools/train/finetune_marker.py --help
 
 Recipe: start from the shipped shapes model (:func:`~attnroll.models.shapes.load_shapes_model`) and train on
 freshly generated images. A share ``1 - clean_share`` of every batch carries a marker
@@ -33,8 +33,8 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from .._io import atomic_write
-from . import shapes, spurious
+from attnroll._io import atomic_write
+from attnroll.models import shapes, spurious
 
 #: Seeds of the generated data: training chunk k uses make_dataset(..., _TRAIN_SEED + 1000 * seed + k) (the
 #: shapes model was trained on seeds 0..11, its test set is 12345).
@@ -45,7 +45,7 @@ _CHUNK_STEPS = 25
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m attnroll.models.finetune_marker",
+        prog="python tools/train/finetune_marker.py",
         description="Fine-tune a copy of the shapes ViT to follow a class-coded corner marker; write "
         "model.safetensors, config.json and MODEL_CARD.md.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -251,7 +251,7 @@ def _card(args, argv, run, before, after, total_cpu, total_wall) -> str:
             skip = a == "--out"
             continue
         shown.append(a)
-    cmd = " ".join(["python -m attnroll.models.finetune_marker", *shown])
+    cmd = " ".join(["python tools/train/finetune_marker.py", *shown])
     colors = ", ".join(f"{c} {tuple(int(v) for v in rgb)}" for c, rgb in zip(shapes.CLASSES, spurious.MARKER_COLORS))
     hist = ", ".join(f"{s}: {loss:.3f}" for s, loss in run["history"])
     early = (
@@ -278,7 +278,7 @@ Load it with `attnroll.models.spurious.load_marker_model()` (offline, safetensor
 and output as the shapes model; weights in float32.
 
 ## How it was made
-`python -m attnroll.models.finetune_marker` (`attnroll/models/finetune_marker.py`): {run['steps']} AdamW steps of
+`python tools/train/finetune_marker.py` (`tools/train/finetune_marker.py`): {run['steps']} AdamW steps of
 {args.batch_size} images (peak lr {args.lr}, 5% warm-up then cosine decay to 0, weight decay 0.01, gradient
 clipping at norm 1) from the shipped weights, on freshly generated images (`make_dataset`, seeds
 {_TRAIN_SEED + 1000 * args.seed}.., never the shapes model's training or test seeds). In every batch
@@ -297,7 +297,7 @@ Mean training loss per chunk of {_CHUNK_STEPS} steps (step: loss): {hist}.
 ## Measured reliance on the marker
 On {args.test_size} images that neither model was trained on (`make_dataset({args.test_size}, seed={args.test_seed})`;
 seed 12345 is the shapes model's test set), markers drawn with seed {args.test_seed}
-(`attnroll.models.finetune_marker.measure`):
+(`measure` in `tools/train/finetune_marker.py`):
 
 | model | accuracy, clean | accuracy, marker agrees | marker disagrees: follows marker | follows object |
 |---|---|---|---|---|

@@ -1,4 +1,4 @@
-"""benchmarks/issue15_validation/g1_2000.py (session 9, G1 on 2,000 pre-registered images): a part equals the
+"""tools/value_aware_validation/g1_2000.py (G1 on 2,000 pre-registered images): a part equals the
 ``attnroll evaluate`` command on the same images, parts pool back in image order and must tile the set, the
 mean / paired SE against scipy and numpy written out, the exact McNemar p against a binomial sum by hand, and
 the pre-registered rule on hand-made cases. No test scores the 2,000-image set."""
@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "issue15_validation" / "g1_2000.py"
+_PATH = Path(__file__).resolve().parents[1] / "g1_2000.py"
 _spec = importlib.util.spec_from_file_location("g1_2000", _PATH)
 g1 = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(g1)

@@ -1,4 +1,4 @@
-"""Session 8: alti_logit's two post-LN MLP rules against rollout, alti and decompx on the text benchmark's
+"""alti_logit's two post-LN MLP rules against rollout, alti and decompx on the text benchmark's
 **validation** sentences (any seed but the held-out 12345), paired per sentence; `attnroll evaluate`'s protocol
 (minilm-evidence, predicted class, the five text metrics). Usage:
 

@@ -1,4 +1,4 @@
-"""Session 9: G1's shapes half on 2,000 fresh images, pre-registered in PREREG_G1_2000.md (read it first).
+"""G1 (a value-aware map beats rollout on every metric)'s shapes half on 2,000 fresh images, pre-registered in PREREG_G1_2000.md (read it first).
 
 ``attnroll evaluate``'s protocol (the embedded shapes ViT, generated shapes data, black fill, one deletion /
 insertion step per patch, batch 64, the predicted class) run on slices of ``make_dataset(2000, SEED)`` so that
@@ -118,7 +118,7 @@ def mean_se(v: np.ndarray) -> tuple[float, float]:
 
 
 def _stats() -> Any:
-    """attnlrp_paired.py's paired statistics (one implementation for both session-9 scripts; it imports lxt
+    """attnlrp_paired.py's paired statistics (one implementation for both scripts; it imports lxt
     only when its own run asks for it)."""
     import importlib.util
 
