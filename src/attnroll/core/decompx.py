@@ -126,7 +126,7 @@ def norm_linear_shares(U: torch.Tensor, norm: Norm, w: torch.Tensor, bias: str =
     scale = norm_scale(U.sum(-2), norm)  # (B, r, 1)
     out = (U @ _folded(w, norm).T).div_(scale.unsqueeze(-1))
     wb = _beta_weights(U, norm, scale, bias)
-    return out if wb is None else out.addcmul_(wb.unsqueeze(-1), w @ norm.bias)
+    return out if wb is None or norm.bias is None else out.addcmul_(wb.unsqueeze(-1), w @ norm.bias)
 
 
 def mlp_shares(U: torch.Tensor, mlp: Mlp, bias: str = "absdot", norm: Norm | None = None) -> torch.Tensor:
@@ -149,14 +149,14 @@ def mlp_shares(U: torch.Tensor, mlp: Mlp, bias: str = "absdot", norm: Norm | Non
     P.mul_((coef if scale is None else coef / scale).unsqueeze(-2))
     Y = P @ mlp.w2.T
     del P
-    wb = _beta_weights(U, norm, scale, bias)
-    c = None if wb is None else mlp.w1 @ norm.bias  # β's image under fc1 (f,)
-    if wb is not None:
+    wb = None if norm is None or scale is None else _beta_weights(U, norm, scale, bias)
+    c = None if wb is None or norm is None or norm.bias is None else mlp.w1 @ norm.bias  # β's image under fc1 (f,)
+    if wb is not None and c is not None:
         Y.addcmul_(wb.unsqueeze(-1), ((c * coef) @ mlp.w2.T).unsqueeze(-2))
     if mlp.b1 is not None:  # b1 · ζ_k = u_k · (W1fᵀ b1) / σ + w^β_k (c · b1), without the wide tensor
         dots = _bias_dots(U, w1f.T @ mlp.b1, bias)
         dots = dots if scale is None else dots / scale
-        w = absdot_weights(dots if wb is None else dots + wb * (c @ mlp.b1), bias)
+        w = absdot_weights(dots if wb is None or c is None else dots + wb * (c @ mlp.b1), bias)
         Y.addcmul_(w.unsqueeze(-1), ((mlp.b1 * coef) @ mlp.w2.T).unsqueeze(-2))
     return _add_bias_(Y, mlp.b2, bias)
 

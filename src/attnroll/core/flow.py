@@ -131,9 +131,9 @@ class _RowSolver:
         # The largest power of two that keeps every floored capacity within int32.
         self.scale = 2.0 ** math.floor(math.log2(_INT32_MAX / top)) if top > 0 else 1.0
         self.ints = [np.floor(r * self.scale).astype(np.int64) for r in real]
-        self.sub = [None] + [self._base_mask(l, k_base) for l in range(2, L + 1)]
-        self._shared: tuple[np.ndarray, ...] | None = None  # the subgraph's internal edges, rebuilt on growth
-        self._shared_full: tuple[np.ndarray, ...] | None = None  # the whole graph's, built on first need
+        self.sub: list[Any] = [None] + [self._base_mask(l, k_base) for l in range(2, L + 1)]
+        self._shared: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # the subgraph's internal edges, rebuilt on growth
+        self._shared_full: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # the whole graph's, built on first need
         self._cols: list[tuple[np.ndarray, np.ndarray]] | None = None  # per layer: missing edges by column
         #: Counters for benchmarks: solver calls, inputs solved on the subgraph / whole graph, cuts measured,
         #: edges generated.

@@ -119,10 +119,13 @@ def pooled_head_linear(w: torch.Tensor, b: torch.Tensor | None, *, pools: Sequen
     v = torch.cat([torch.einsum("bn,bnd->bd", p, h) for p in pools], dim=-1)
     omega, c = head_linear(w, b, final_norm=final_norm, pooler=pooler, actual=v)
     d = actual.shape[-1]
-    rows = sum(p.unsqueeze(-1) * omega[:, None, g * d:(g + 1) * d] for g, p in enumerate(pools))
+    rows = torch.zeros_like(actual)
+    for g, p in enumerate(pools):
+        rows = rows + p.unsqueeze(-1) * omega[:, None, g * d:(g + 1) * d]
     if token_norm is None:
         return rows, c
-    c = c + _dot(rows, token_norm.bias).sum(-1)
+    if token_norm.bias is not None:  # an RMSNorm has no β
+        c = c + (rows @ token_norm.bias).sum(-1)
     return head_direction(rows, token_norm, actual), c
 
 

@@ -244,9 +244,11 @@ def fused_probs(how: Any) -> BlockRule:
     def rule(layer: KernelInputs, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
         return fusion.fuse_tensor(probs_block(layer, q0, q1, k0, k1), how)
 
-    rule.stochastic = True  # type: ignore[attr-defined]  (rows of softmax probabilities: rollout checks sums)
+    # rows of softmax probabilities: rollout checks sums
+    rule.stochastic = True  # type: ignore[attr-defined]
     if isinstance(how, str) and how == "mean":
-        rule.heads = probs_block  # type: ignore[attr-defined]  (r·mean_h(A) = mean_h(r·A): see apply_layer)
+        # r·mean_h(A) = mean_h(r·A): see apply_layer
+        rule.heads = probs_block  # type: ignore[attr-defined]
     return rule
 
 
@@ -256,6 +258,8 @@ def weighted_probs(clamp: str = "per_head") -> BlockRule:
 
     def rule(layer: KernelInputs, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
         a = probs_block(layer, q0, q1, k0, k1)
+        if layer.v is None or layer.grad_out is None:
+            raise ValueError("weighted_probs needs the kernel's v and grad_out (a gradient capture)")
         B, H = a.shape[:2]
         Hkv = layer.v.shape[1]
         go = layer.grad_out[:, :, q0:q1].to(torch.float32).reshape(B, Hkv, H // Hkv, q1 - q0, -1)

@@ -229,7 +229,7 @@ def parse_rows(rows: Any, n: int) -> list[int] | None:
     """None, an int, or a non-empty sequence of token indices (negative = from the end)."""
     if rows is None:
         return None
-    if isinstance(rows, (list, tuple, range, torch.Tensor, np.ndarray)) and getattr(rows, "ndim", 1) and len(rows) == 0:
+    if isinstance(rows, (list, tuple, range, torch.Tensor, np.ndarray)) and getattr(rows, "ndim", 1) != 0 and len(rows) == 0:
         raise ValueError("rows is empty: give at least one output token index, or rows=None for all rows")
     return _checks.check_indices("rows", rows, n)
 
@@ -289,7 +289,8 @@ class LayerPipeline:
                 protect_prefix=self.protect_prefix,
                 mask=mask,
             )
-            P = sparsify.restrict(P, keep)
+            if keep is not None:
+                P = sparsify.restrict(P, keep)
         return P
 
     def totals(self, P: torch.Tensor) -> torch.Tensor | None:
@@ -363,6 +364,7 @@ def _streamed_contract(V: torch.Tensor, layers: Layers, i: int, how: Any) -> tor
             u = wv[..., r0:r1].expand(B, V.shape[1], h1 - h0, r1 - r0).reshape(B, V.shape[1], -1)
             part = u @ blk.reshape(B, -1, n)  # sums over the heads of the block and its rows
             acc = part if acc is None else acc.add_(part)
+    assert acc is not None  # H ≥ 1 and n ≥ 1: at least one block
     return acc / H if w is None else acc
 
 
