@@ -35,8 +35,9 @@ from .. import _checks
 from ..core.logit_rollout import (direct_logit, head_linear, layer_directions, logit_rollout,
                                   pooled_head_linear)
 from ..core.value_aware import normalize_rows
-from . import _value_aware as va
-from .base import Context, register
+from ..explain import value_aware as va
+from ..explain.context import Context
+from ..explain.registry import register
 
 
 def _rule(ctx: Context, anat, head: dict, mlp) -> str:
