@@ -21,7 +21,7 @@ import torch
 
 import attnroll
 from attnroll.core import rollout as core_rollout
-from attnroll.methods import base
+from attnroll.explain import Context, method_info
 
 
 def median_time(fn, repeat: int) -> float:
@@ -52,7 +52,7 @@ def main() -> None:
         x = {"pixel_values": torch.randn(B, 3, 224, 224)}
         with torch.no_grad():
             fwd = median_time(lambda: vit(**x), max(3, args.repeat // 4))
-        ctx = base.Context(vit, x, None, base.method_info("raw"), {}, None)
+        ctx = Context(vit, x, None, method_info("raw"), {}, None)
         for label, fuse in (("per-head (raw, gae)", None), ("head-fused (rollout)", "mean")):
             rec = attnroll.capture(vit, x, fuse_heads=fuse)
             t = median_time(lambda: ctx.check_attention(rec), args.repeat)

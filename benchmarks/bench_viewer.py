@@ -26,7 +26,7 @@ import time
 import torch
 
 from attnroll import viz
-from attnroll.methods.explanation import Explanation
+from attnroll.explain.explanation import Explanation
 
 SWITCH = ("var t=performance.now(),m=document.getElementById('ar-method');m.value='gae';"
           "m.dispatchEvent(new Event('change'));var r=document.getElementById('ar-layer');r.value='6';"

@@ -1,6 +1,7 @@
 """The package's shape, checked by parsing its source (no import of the code under test): no import cycle
 between modules, no private name imported across subpackages, ``core/`` importing nothing else from the
-package but the leaf validation module."""
+package but the leaf validation module, the explain path layered core < capture < explain < methods, and
+``methods/`` holding method files only."""
 
 from __future__ import annotations
 
@@ -11,6 +12,22 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 PKG = SRC / "attnroll"
+
+
+#: Imports upward that run only when called, never at import time, as (importing module, imported module).
+#: The method registry imports the method files (``attnroll.methods``, which import the registry to register
+#: themselves) at the first question asked of it, so that every method is registered however the package was
+#: imported. They are left out of the import graph; ``test_call_time_imports_stay_inside_functions`` holds
+#: them inside function bodies.
+CALL_TIME_IMPORTS = {("attnroll.explain.registry", "attnroll.methods")}
+
+#: The explain path: the other subpackages each of these may import (besides the shared internals
+#: ``attnroll._*``). The explain machinery sits below the method files, which import it to register themselves.
+LAYER_IMPORTS = {
+    "capture": {"core"},
+    "explain": {"core", "capture", "viz"},  # viz: Explanation.overlay / to_html draw through it, at call time
+    "methods": {"core", "capture", "explain"},
+}
 
 
 def module_names() -> dict[str, Path]:
@@ -37,18 +54,19 @@ def imports_of(mod: str, path: Path, known: set[str]) -> list[tuple[str, str | N
     ``from a.b import c`` is (a.b.c, None) when a.b.c is a module, else (a.b, "c")."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
     is_pkg = path.name == "__init__.py"
-    out: list[tuple[str, str | None]] = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            out.extend((a.name, None) for a in node.names if a.name.split(".")[0] == "attnroll")
-        elif isinstance(node, ast.ImportFrom):
-            base = _base(mod, is_pkg, node)
-            if base.split(".")[0] != "attnroll":
-                continue
-            for a in node.names:
-                sub = f"{base}.{a.name}"
-                out.append((sub, None) if sub in known else (base, a.name))
-    return out
+    return [imp for node in ast.walk(tree) for imp in node_imports(mod, is_pkg, node, known)]
+
+
+def node_imports(mod: str, is_pkg: bool, node: ast.AST, known: set[str]) -> list[tuple[str, str | None]]:
+    """The package imports of one AST node (none unless it is an import statement), as in ``imports_of``."""
+    if isinstance(node, ast.Import):
+        return [(a.name, None) for a in node.names if a.name.split(".")[0] == "attnroll"]
+    if not isinstance(node, ast.ImportFrom):
+        return []
+    base = _base(mod, is_pkg, node)
+    if base.split(".")[0] != "attnroll":
+        return []
+    return [(f"{base}.{a.name}", None) if f"{base}.{a.name}" in known else (base, a.name) for a in node.names]
 
 
 def graph() -> dict[str, set[str]]:
@@ -59,7 +77,7 @@ def graph() -> dict[str, set[str]]:
         for target, _ in imports_of(m, f, known):
             while target not in known and "." in target:
                 target = target.rsplit(".", 1)[0]
-            if target in known and target != m:
+            if target in known and target != m and (m, target) not in CALL_TIME_IMPORTS:
                 g[m].add(target)
         if f.name == "__init__.py" and "iter_modules" in f.read_text(encoding="utf-8"):
             # a package that imports its public modules by discovery (methods/, commands/)
@@ -103,7 +121,7 @@ def cycles(g: dict[str, set[str]]) -> list[list[str]]:
 
 
 def subpackage(mod: str) -> str:
-    """The first component under attnroll: 'methods' for attnroll.methods.base, '_checks' for attnroll._checks."""
+    """The first component under attnroll: 'methods' for attnroll.methods.rollout, '_checks' for attnroll._checks."""
     parts = mod.split(".")
     return parts[1] if len(parts) > 1 else ""
 
@@ -164,14 +182,54 @@ def test_core_imports_only_core_and_checks():
 
 
 def test_method_files_import_no_other_method_file():
-    infrastructure = {"attnroll.methods", "attnroll.methods.base", "attnroll.methods.explanation",
-                      "attnroll.methods.batches", "attnroll.methods._recompute", "attnroll.methods.context",
-                      "attnroll.methods._value_aware"}  # shared wiring of the value-aware methods, registers none
     g = graph()
     for m, deps in g.items():
-        if m.startswith("attnroll.methods.") and m not in infrastructure:
-            others = {d for d in deps if d.startswith("attnroll.methods") and d not in infrastructure}
+        if m.startswith("attnroll.methods."):
+            others = {d for d in deps if d.startswith("attnroll.methods")}
             assert not others, (m, others)
+
+
+def test_methods_holds_method_files_only():
+    """Every module of methods/ registers a method (``@register(...)``, or ``value_aware.register_rolled``);
+    the machinery lives in explain/."""
+    for f in (PKG / "methods").glob("*.py"):
+        if f.name == "__init__.py":
+            continue
+        calls = {n.func.id if isinstance(n.func, ast.Name) else getattr(n.func, "attr", "")
+                 for n in ast.walk(ast.parse(f.read_text(encoding="utf-8"))) if isinstance(n, ast.Call)}
+        assert calls & {"register", "register_rolled"}, f"{f.name} registers no method: move it to explain/"
+
+
+def test_the_explain_path_imports_only_the_layers_below():
+    g = graph()
+    seen = set()
+    for m, deps in g.items():
+        layer = subpackage(m)
+        if layer not in LAYER_IMPORTS:
+            continue
+        seen.add(layer)
+        other = {subpackage(d) for d in deps} - {layer} - LAYER_IMPORTS[layer]
+        assert {o for o in other if not o.startswith("_")} == set(), (m, sorted(deps))
+    assert seen == set(LAYER_IMPORTS)
+
+
+def call_time_only(mod: str, target: str) -> tuple[int, int]:
+    """(imports of module ``target`` inside function bodies, imports of it anywhere) in module ``mod``."""
+    mods = module_names()
+    path, known = mods[mod], set(mods)
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    in_functions = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                    for n in ast.walk(f)}
+    hits = [node for node in ast.walk(tree)
+            if any(t == target for t, _ in node_imports(mod, path.name == "__init__.py", node, known))]
+    return sum(id(n) in in_functions for n in hits), len(hits)
+
+
+def test_call_time_imports_stay_inside_functions():
+    for mod, target in sorted(CALL_TIME_IMPORTS):
+        inner, anywhere = call_time_only(mod, target)
+        assert anywhere >= 1, f"{mod} no longer imports {target}: drop it from CALL_TIME_IMPORTS"
+        assert inner == anywhere, f"{mod} imports {target} outside a function: an import cycle at import time"
 
 
 def io_uses(path: Path) -> list[str]:

@@ -30,7 +30,7 @@ def test_no_public_name_shadows_a_module():
 
 def test_callable_modules_are_their_functions():
     from attnroll.capture import record
-    from attnroll.methods.base import methods as methods_fn
+    from attnroll.explain.registry import methods as methods_fn
 
     assert attnroll.methods() == methods_fn() and "rollout" in attnroll.methods()
     torch.manual_seed(0)

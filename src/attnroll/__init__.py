@@ -19,11 +19,12 @@ from .capture import AttentionRecord
 # --- explain (issue 5) ---
 # `methods` is the subpackage, callable as methods(): the registered names (see attnroll._callable)
 from . import methods
-from .methods import Explainer, Explanation, explain
+from . import explain  # the subpackage, callable as explain(model, inputs, ...) (see attnroll._callable)
+from .explain import Explainer, Explanation
 # --- end explain ---
 
 # --- long prompts (issue 16): context attribution for decoders ---
-from .methods.context import ContextAttribution, context_attribution
+from .explain.context_attribution import ContextAttribution, context_attribution
 # --- end long prompts ---
 
 # --- evaluate (issue 7): the subpackage, as attnroll.evaluate.deletion(...), attnroll.evaluate.audit(...) ---

@@ -1,4 +1,4 @@
-"""The capture session kept open for a run (``capture.recompute.KeptCapture``, ``methods.base.Prepared.keep``,
+"""The capture session kept open for a run (``capture.recompute.KeptCapture``, ``explain.explainer.Prepared.keep``,
 ``batch.work.Worker.kept_sessions``): results equal to fresh sessions batch after batch (batches of different
 sizes, padded text), equal to a float64 rollout of the model's own eager attention; between calls the model
 runs untouched and other captures of it (gae, raw, a nested explain) work as without it; on exit, also after an
@@ -16,7 +16,7 @@ pytest.importorskip("transformers")
 import attnroll  # noqa: E402
 from attnroll.capture import CaptureError  # noqa: E402
 from attnroll.capture.recompute import KeptCapture, capture_kernels  # noqa: E402
-from attnroll.methods.base import Prepared  # noqa: E402
+from attnroll.explain.explainer import Prepared  # noqa: E402
 
 from ..capture import models  # noqa: E402
 from ..capture.helpers import snapshot  # noqa: E402

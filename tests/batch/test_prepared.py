@@ -1,4 +1,4 @@
-"""The batch engine's per-run work: ``methods.base.Prepared`` (explain with the method, options and model facts
+"""The batch engine's per-run work: ``explain.explainer.Prepared`` (explain with the method, options and model facts
 resolved once) against a fresh ``explain`` on the same inputs, call after call; a batch whose explain fails
 for one input through it (that input fails alone, the others equal ``explain`` alone); the final counts of a
 new output taken from its commits against the shards read back; the start-up objects frozen only for the
@@ -21,7 +21,7 @@ from attnroll.batch.engines import heap_frozen  # noqa: E402
 from attnroll.batch.sources import list_items  # noqa: E402
 from attnroll.batch.work import Job, Worker  # noqa: E402
 from attnroll.capture import model_facts  # noqa: E402
-from attnroll.methods.base import Prepared  # noqa: E402
+from attnroll.explain.explainer import Prepared  # noqa: E402
 
 from .helpers import pixel_input, write_shapes  # noqa: E402
 

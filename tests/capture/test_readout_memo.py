@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from attnroll.capture.record import Readout, resolve_readout
+from attnroll.capture.readout import Readout, resolve_readout
 
 
 def _naive_positions(w: torch.Tensor):

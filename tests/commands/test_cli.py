@@ -16,7 +16,7 @@ from PIL import Image  # noqa: E402
 
 import attnroll  # noqa: E402
 from attnroll.commands import cli  # noqa: E402
-from attnroll.methods.explanation import Explanation  # noqa: E402
+from attnroll.explain.explanation import Explanation  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ pytest.importorskip("transformers")
 from PIL import Image  # noqa: E402
 
 import attnroll  # noqa: E402
-from attnroll.methods.explanation import Explanation  # noqa: E402
+from attnroll.explain.explanation import Explanation  # noqa: E402
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
 

@@ -17,7 +17,7 @@ from attnroll.evaluate.localisation import (
     pointing_game,
     topk_iou,
 )
-from attnroll.methods.explanation import Explanation
+from attnroll.explain.explanation import Explanation
 
 
 def t(rows):

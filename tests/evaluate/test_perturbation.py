@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from attnroll.evaluate import perturbation as P
-from attnroll.methods.explanation import Explanation
+from attnroll.explain.explanation import Explanation
 
 
 H = W = 8

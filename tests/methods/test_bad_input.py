@@ -15,7 +15,7 @@ from torch import nn
 import attnroll
 from attnroll import viz
 from attnroll.methods import method_info
-from attnroll.methods.explanation import Explanation
+from attnroll.explain.explanation import Explanation
 
 from .models import inputs_for, model
 

@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("matplotlib")
 from attnroll import viz  # noqa: E402
-from attnroll.methods.explanation import Explanation  # noqa: E402
+from attnroll.explain.explanation import Explanation  # noqa: E402
 
 
 def expl(B=2, h=2, w=2, L=2):

@@ -13,7 +13,7 @@ from hypothesis.extra.numpy import arrays
 
 from attnroll import viz
 from attnroll.methods import explain_targets
-from attnroll.methods.explanation import Explanation
+from attnroll.explain.explanation import Explanation
 from attnroll.viz.viewer import decode_rows, read_payload
 from attnroll.viz.viewer.quant import encode_rows, error_bound, max_error
 

@@ -14,7 +14,7 @@ T = pytest.importorskip("transformers")
 import attnroll  # noqa: E402
 from attnroll import viz  # noqa: E402
 from attnroll.methods import explain_targets  # noqa: E402
-from attnroll.methods.explanation import Explanation  # noqa: E402
+from attnroll.explain.explanation import Explanation  # noqa: E402
 
 from . import browser  # noqa: E402
 from ..methods import models as M  # noqa: E402

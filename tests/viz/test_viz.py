@@ -13,7 +13,7 @@ T = pytest.importorskip("transformers")
 
 import attnroll  # noqa: E402
 from attnroll import viz  # noqa: E402
-from attnroll.methods.explanation import Explanation  # noqa: E402
+from attnroll.explain.explanation import Explanation  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -67,7 +67,7 @@ def row_explanation(row: Any) -> Any:
     import numpy as np
     import torch
 
-    from ..methods.explanation import Explanation
+    from ..explain.explanation import Explanation
 
     get = row.get if hasattr(row, "get") else row.__getitem__
     scores = torch.tensor(np.asarray(get("scores"), dtype=np.float32))[None]

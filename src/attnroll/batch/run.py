@@ -71,7 +71,7 @@ def run_key(source: Any, column: str | None, fingerprint: str, names: list[str],
             target: int | None = None, target_column: str | None = None) -> dict:
     """What must match for a rerun to add to an existing output (JSON-comparable). The target settings are
     part of it only when given, so that outputs of earlier versions (predicted class) still resume."""
-    from ..methods.explanation import jsonable
+    from ..explain.explanation import jsonable
 
     key = {"source": str(Path(source).resolve()), "column": column, "model": fingerprint, "methods": names,
            "options": json.loads(json.dumps(jsonable(options), sort_keys=True))}

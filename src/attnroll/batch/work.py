@@ -55,7 +55,7 @@ class Worker:
     @contextlib.contextmanager
     def kept_sessions(self) -> Iterator["Worker"]:
         """Within the block, each method's prepared explain keeps its capture session open from its first batch
-        to the end of the block (``methods.base.Prepared.keep``), closed also when the block raises: the
+        to the end of the block (``explain.explainer.Prepared.keep``), closed also when the block raises: the
         local engine's run, whose batches come one at a time on this thread."""
         with contextlib.ExitStack() as stack:
             self._keep = stack
@@ -185,8 +185,8 @@ class Worker:
 
     def _explainer(self, method: str) -> Any:
         """``explain`` with the model, method and the job's options resolved once per run
-        (:class:`attnroll.methods.base.Prepared`), made on the first batch."""
-        from ..methods.base import Prepared
+        (:class:`attnroll.explain.explainer.Prepared`), made on the first batch."""
+        from ..explain.explainer import Prepared
 
         if method not in self._prepared:
             self._prepared[method] = Prepared(self.lm.model, method, tokenizer=self.lm.tokenizer,
@@ -218,7 +218,7 @@ class Worker:
         """The rows of one Explanation (store.row_schema), every value computed here, the Arrow table built
         when the batch is committed (``store.PendingRows``: in the local engine's writer thread, while the
         model runs the next batch)."""
-        from ..methods.explanation import jsonable
+        from ..explain.explanation import jsonable
 
         B, p = len(items), int(e.prefix)
         full = e.full_row.detach().to("cpu", torch.float32).numpy()
@@ -338,7 +338,7 @@ def _batch_len(inputs: Any) -> int:
 def first_logits(model: torch.nn.Module, batch: int) -> Iterator[dict]:
     """Keep the class scores (batch, C) of the model's first forward pass with ``batch`` examples (the one
     ``explain`` captures), so that the prediction costs no second pass."""
-    from ..methods.base import main_logits
+    from ..capture.outputs import main_logits
 
     got: dict[str, torch.Tensor] = {}
 
@@ -357,7 +357,7 @@ def first_logits(model: torch.nn.Module, batch: int) -> Iterator[dict]:
 
 def has_class_scores(lm: Any) -> bool:
     """Whether a text model outputs class scores (B, C) (else it is a bare encoder: sentence embeddings)."""
-    from ..methods.base import main_logits
+    from ..capture.outputs import main_logits
 
     probe = lm.tokenizer(["a"], return_tensors="pt")
     with torch.no_grad():

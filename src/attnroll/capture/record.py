@@ -1,165 +1,29 @@
 """AttentionRecord: what one forward pass's attention looked like, plus the token metadata methods need.
 
 The contract between adapters and everything downstream (methods, evaluation, the command line) is made of
-three dataclasses defined here: :class:`StreamInfo` (per stream: mask, prefix, suffix, grid, tokens,
-causal, readout, input key), :class:`Readout` (which output rows the prediction reads, with what weights)
-and :class:`ModelFacts` (per model, without a forward pass: how it is called, its embedding layer, its
-special tokens). Only adapters fill them; nothing downstream reads a config or a parameter name.
+dataclasses: :class:`StreamInfo` (per stream: mask, prefix, suffix, grid, tokens, causal, readout, input
+key), :class:`Readout` (which output rows the prediction reads, with what weights; it and the readout policy
+live in :mod:`attnroll.capture.readout`) and :class:`ModelFacts` (per model, without a forward pass: how it
+is called, its embedding layer, its special tokens). Only adapters fill them; nothing downstream reads a
+config or a parameter name.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
-#: Readout kinds an adapter may declare or ``readout=`` may ask for (besides an int position or weights).
-READOUT_KINDS = ("cls", "mean", "last", "eot", "position", "weights", "attention_pool")
+# The readout (which rows a prediction reads) is one module; adapters import these from here as before.
+from .readout import READOUT_KINDS, Readout, is_causal, last_real, resolve_readout  # noqa: F401
 
 #: Conventional stream names. Single-stream models use "self"; encoder-decoders "encoder", "decoder" and
 #: "cross"; dual-tower models (CLIP) "vision" and "text"; vision-language models (LLaVA, PaliGemma) "vision"
 #: (the vision tower) and "language" (the language model, whose sequence holds the image tokens as well as
 #: the text: not "text", which is a text-only tower).
 STREAM_NAMES = ("self", "encoder", "decoder", "cross", "vision", "text", "language")
-
-
-@dataclass
-class Readout:
-    """The output rows a prediction reads: ``weights`` (B, n), one non-negative row per example summing to 1.
-
-    The explained map is ``weights[b] @ R[b]`` for a rollout matrix R (B, n, n) — a single row for a
-    one-hot readout (CLS, last token, end-of-text), the mean of the real tokens' rows for mean pooling.
-
-    Attributes:
-        kind: "cls" (the first token), "mean" (mean over the real tokens after the prefix and before the
-            suffix), "last" (last real token), "eot" (the end-of-text token a text tower pools),
-            "position" (explicit indices), "weights" (a given vector), "attention_pool" (the weights of an
-            attention-pooling head's own attention).
-        weights: (B, n) float32.
-        source: where the adapter learned it ("default", "sentence-transformers 1_Pooling/config.json",
-            "config.use_mean_pooling", "timm global_pool='avg'", "readout= option", ...).
-    """
-
-    kind: str
-    weights: torch.Tensor
-    source: str = "default"
-
-    def positions(self) -> list[int] | None:
-        """The one row per example when every example's weights are one-hot, else None. Remembered for the
-        weights as they are (the same tensor at the same version: an in-place change or a new tensor
-        recomputes it), since an explanation asks several times; an inference tensor, which has no version,
-        is never remembered."""
-        w = self.weights
-        version = None if w.is_inference() else w._version
-        memo = getattr(self, "_positions", None)
-        if memo is None or memo[0] is not w or version is None or memo[1] != version:
-            nz = (w != 0).sum(dim=-1)
-            one = [int(i) for i in w.argmax(dim=-1).tolist()] if bool((nz == 1).all()) else None
-            memo = self._positions = (w, version, one)
-        return None if memo[2] is None else list(memo[2])
-
-    def rows(self) -> list[int]:
-        """Sorted union over the batch of the rows with non-zero weight."""
-        return sorted({int(i) for i in (self.weights != 0).any(dim=0).nonzero().flatten().tolist()})
-
-    def describe(self) -> dict[str, Any]:
-        """A JSON-able summary (kind, source, positions when one-hot)."""
-        return {"kind": self.kind, "source": self.source, "positions": self.positions()}
-
-
-def resolve_readout(
-    spec: Any,
-    *,
-    batch: int,
-    n: int,
-    mask: torch.Tensor | None,
-    prefix: int = 0,
-    suffix: int = 0,
-    source: str = "default",
-    eot: Sequence[int] | None = None,
-) -> Readout:
-    """Turn a readout spec into :class:`Readout` weights (B, n).
-
-    ``spec``: "cls" | "mean" | "last" | "eot" (needs ``eot`` positions) | an int position | a list of one
-    position per example | a weight vector (n,) or (B, n) (non-negative, normalised to sum 1 per row) |
-    a :class:`Readout` (returned as is) | ("attention_pool", weights) for an attention-pooling head's own
-    attention weights. Padded tokens (``mask`` 0) never get weight."""
-    from .. import _checks
-
-    if isinstance(spec, Readout):
-        return spec
-
-    def real() -> torch.Tensor:  # (B, n) 1 = real token; built only for the readouts that weight by it
-        return torch.ones(batch, n) if mask is None else mask.detach().to("cpu", torch.float32).reshape(batch, n)
-
-    if isinstance(spec, tuple) and len(spec) == 2 and spec[0] == "attention_pool":
-        return Readout("attention_pool", _check_weights(spec[1], batch, n, real()), source)
-    if isinstance(spec, str):
-        _checks.check_choice("readout", spec, ("cls", "mean", "last", "eot"))
-        if spec == "mean":
-            w = real().clone()
-            w[:, :prefix] = 0
-            if suffix:
-                w[:, n - suffix:] = 0
-            empty = (w.sum(dim=-1) == 0).nonzero().flatten().tolist()
-            if empty:
-                raise ValueError(f"readout='mean': examples {empty} have no real token after the prefix")
-            return Readout("mean", w / w.sum(dim=-1, keepdim=True), source)
-        if spec == "cls":
-            return Readout("cls", _one_hot([0] * batch, n), source)
-        if spec == "last":
-            return Readout("last", _one_hot(last_real(mask, batch, n), n), source)
-        if eot is None:
-            raise ValueError("readout='eot' is for text towers that pool an end-of-text token (CLIP); this stream has none")
-        return Readout("eot", _one_hot(list(eot), n), source)
-    if isinstance(spec, (torch.Tensor,)) or type(spec).__module__ == "numpy" or (
-        isinstance(spec, (list, tuple)) and spec and isinstance(spec[0], float)
-    ):
-        return Readout("weights", _check_weights(spec, batch, n, real()), source)
-    pos = _checks.check_positions(spec, batch, n)
-    return Readout("position", _one_hot(pos, n), source)
-
-
-def _one_hot(positions: Sequence[int], n: int) -> torch.Tensor:
-    w = torch.zeros(len(positions), n)
-    w[torch.arange(len(positions)), torch.tensor(list(positions), dtype=torch.long)] = 1.0
-    return w
-
-
-def _check_weights(spec: Any, batch: int, n: int, real: torch.Tensor) -> torch.Tensor:
-    w = torch.as_tensor(spec).detach().to("cpu", torch.float32)
-    if w.ndim == 1:
-        w = w.expand(batch, -1)
-    if w.shape != (batch, n):
-        raise ValueError(
-            f"readout weights must have shape ({n},) or ({batch}, {n}) (one weight per token), got {tuple(w.shape)}"
-        )
-    if not bool(torch.isfinite(w).all()) or bool((w < 0).any()):
-        raise ValueError("readout weights must be finite and non-negative")
-    w = w * real
-    sums = w.sum(dim=-1, keepdim=True)
-    if bool((sums == 0).any()):
-        raise ValueError("readout weights must put some weight on a real (unpadded) token of every example")
-    return w / sums
-
-
-def last_real(mask: torch.Tensor | None, B: int, n: int) -> list[int]:
-    """Index of the last real token per example (n − 1 without a mask)."""
-    if mask is None:
-        return [n - 1] * B
-    idx = torch.arange(n, device=mask.device).expand(B, n)
-    last = torch.where(mask.bool(), idx, torch.full_like(idx, -1)).amax(dim=-1)
-    return [int(v) if v >= 0 else n - 1 for v in last.tolist()]
-
-
-def is_causal(layer: torch.Tensor) -> bool:
-    """Whether attention (B, [H,] n, n) never looks ahead (every entry above the diagonal is exactly 0)."""
-    n = layer.shape[-1]
-    if n < 2 or layer.shape[-2] != n or layer.is_meta:  # meta: the shape-only stand-in of a matrix-free record
-        return False
-    return bool(torch.triu(layer.detach(), diagonal=1).abs().amax() == 0)
 
 
 @dataclass

@@ -46,7 +46,7 @@ def top_units(expl: Any, k: int, skip: Any = ()) -> str:
 
 def json_record(expl: Any, source: str, lm: Any) -> dict:
     """Example 0 of an Explanation as the JSON record ``--format json`` writes."""
-    from ..methods.explanation import jsonable
+    from ..explain.explanation import jsonable
 
     rec = {
         "input": source,
@@ -188,7 +188,7 @@ def _prompt_text(text: str) -> str:
 def _context_attribution(lm: Any, prompt: str, generate: int, method: str, opts: dict, unit: str,
                          segments: tuple[str, ...], out: Path, top: int) -> list[Path]:
     """``--generate N``: generate the answer, print it and the prompt's units ranked by share; write JSON."""
-    from ..methods.context import context_attribution
+    from ..explain.context_attribution import context_attribution
 
     try:
         ca = context_attribution(lm.model, lm.tokenizer, prompt, generate=generate, unit=unit,

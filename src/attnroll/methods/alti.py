@@ -8,7 +8,7 @@ y_i = x_i + attention_i, the actual stream after the attention sub-block."""
 
 from __future__ import annotations
 
-from . import _value_aware as va
+from ..explain import value_aware as va
 
 
 def _matrices(layers, states, anat, mask):

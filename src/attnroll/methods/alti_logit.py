@@ -35,8 +35,9 @@ from .. import _checks
 from ..core.logit_rollout import (direct_logit, head_linear, layer_directions, logit_rollout,
                                   pooled_head_linear)
 from ..core.value_aware import normalize_rows
-from . import _value_aware as va
-from .base import Context, register
+from ..explain import value_aware as va
+from ..explain.context import Context
+from ..explain.registry import register
 
 
 def _rule(ctx: Context, anat, head: dict, mlp) -> str:
@@ -44,7 +45,7 @@ def _rule(ctx: Context, anat, head: dict, mlp) -> str:
     "linearised" on post-LN ones, after refusing what the decomposition does not model: a stack mixing pre-
     and post-norm blocks, a pooler on a pre-norm stack, a head pooling rows on a post-LN stack."""
     name = type(ctx.model).__name__
-    rule = mlp  # checked with the options (methods/_option_checks)
+    rule = mlp  # checked with the options (explain/options)
     pre = {layer.pre_norm for layer in anat.layers}
     if len(pre) > 1:
         raise _checks.UnsupportedModelError(

@@ -8,7 +8,9 @@ from __future__ import annotations
 import torch
 
 from .. import _checks
-from .base import Context, combine_rows, register
+from ..explain.context import Context
+from ..explain.registry import register
+from ..explain.rows import combine_rows
 
 
 @register(

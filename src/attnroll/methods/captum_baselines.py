@@ -17,7 +17,8 @@ from .. import _checks
 from .._modes import eval_mode
 from ..capture import model_facts
 from ..capture.outputs import main_logits
-from .base import Context, register
+from ..explain.context import Context
+from ..explain.registry import register
 
 
 def _captum():

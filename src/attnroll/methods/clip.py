@@ -16,7 +16,10 @@ import torch
 from ..capture import model_facts
 from ..core.rollout import rollout as core_rollout
 from ..core.gradients import gradient_weighted
-from .base import Context, combine_rows, register, require_grad_mode, resolve_target
+from ..explain.context import Context
+from ..explain.registry import register
+from ..explain.rows import combine_rows
+from ..explain.target_scores import require_grad_mode, resolve_target
 
 
 def _pairs(inputs, facts):

@@ -37,8 +37,9 @@ from .. import _checks
 from ..core.decompx import block_shares, head_shares, initial_shares, pool_shares, separate_bias_shares
 from ..core.residual_share import measured_matrix
 from ..core.value_aware import normalize_rows
-from . import _value_aware as va
-from .base import Context, register
+from ..explain import value_aware as va
+from ..explain.context import Context
+from ..explain.registry import register
 
 
 def shares(ctx: Context, bias: str, dtype, start_layer=0) -> tuple:

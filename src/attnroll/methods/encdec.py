@@ -33,7 +33,9 @@ from .. import _checks
 from ..core.encdec import encdec_gae_compose, encdec_rollout_compose
 from ..core.gradients import gradient_weighted
 from ..core.rollout import rollout as core_rollout
-from .base import Context, combine_rows, register
+from ..explain.context import Context
+from ..explain.registry import register
+from ..explain.rows import combine_rows
 
 
 def _streams(ctx: Context, rec) -> None:

@@ -4,7 +4,9 @@ token through the layered attention graph (``attnroll.attention_flow``)."""
 from __future__ import annotations
 
 from .._system import attention_flow
-from .base import Context, combine_rows, prefix_default, register
+from ..explain.context import Context
+from ..explain.registry import register
+from ..explain.rows import combine_rows, prefix_default
 
 #: Above this many tokens flow costs minutes per example; explain refuses unless max_tokens is raised.
 MAX_TOKENS = 1024

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 from ..core.operators import weighted_probs
 from ..core.rollout import rollout as core_rollout
-from . import _recompute
+from ..explain import matrix_free
 from ..core.gradients import gradient_weighted
-from .base import Context, register, rollout_rows, source_rows
+from ..explain.context import Context
+from ..explain.registry import register
+from ..explain.rows import rollout_rows, source_rows
 
 
 @register(
@@ -30,8 +32,8 @@ from .base import Context, register, rollout_rows, source_rows
 )
 def gae(ctx: Context, *, start_layer, end_layer, return_layers, stream, attention):
     """full_row[b] = row position_b of (I + Ā_end−1)···(I + Ā_start)."""
-    if _recompute.choose(ctx, attention, None):
-        out = _recompute.explain_rows(
+    if matrix_free.choose(ctx, attention, None):
+        out = matrix_free.explain_rows(
             ctx, attention, lambda rec: weighted_probs("per_head"), grad=True, stream_opt=stream, alpha=0.5,
             residual_mode="add", start_layer=start_layer, end_layer=end_layer, return_layers=return_layers,
         )

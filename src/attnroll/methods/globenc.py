@@ -9,7 +9,7 @@ at the last layer (with the statistics of the final stream)."""
 from __future__ import annotations
 
 from ..core.value_aware import norm_matrix
-from . import _value_aware as va
+from ..explain import value_aware as va
 
 
 def _matrices(layers, states, anat, mask):

@@ -11,8 +11,10 @@ from ..core.gradients import gradient_weighted
 from .. import _checks
 from ..core.operators import weighted_probs
 from ..core.rollout import rollout as core_rollout
-from . import _recompute
-from .base import Context, prefix_default, register, rollout_rows, source_rows
+from ..explain import matrix_free
+from ..explain.context import Context
+from ..explain.registry import register
+from ..explain.rows import prefix_default, rollout_rows, source_rows
 
 
 _OPTIONS = {
@@ -37,8 +39,8 @@ def grad_rollout(ctx: Context, *, clamp, stream, return_layers, protect_prefix, 
     """full_row[b] = row position_b of rollout(W), W_l = mean_h((dy/dA_l ⊙ A_l)^+), residual_mode "renorm"
     by default ((W + I) / row sums at alpha = 0.5)."""
     _checks.check_choice("clamp", clamp, ("per_head", "after_mean"))
-    if _recompute.choose(ctx, attention, _recompute.sparsity_refusal(opts)):
-        out = _recompute.explain_rows(
+    if matrix_free.choose(ctx, attention, matrix_free.sparsity_refusal(opts)):
+        out = matrix_free.explain_rows(
             ctx, attention, lambda rec: weighted_probs(clamp), grad=True, stream_opt=stream,
             protect_prefix=protect_prefix, alpha=opts["alpha"], residual_mode=opts["residual_mode"],
             start_layer=opts["start_layer"], end_layer=opts["end_layer"], return_layers=return_layers,

@@ -17,8 +17,9 @@ import torch
 
 from .. import _checks
 from ..core.residual_share import class_pattern, measured_matrix
-from . import _value_aware as va
-from .base import Context, register
+from ..explain import value_aware as va
+from ..explain.context import Context
+from ..explain.registry import register
 
 
 def _top_gradients(ctx: Context, k: int) -> list[torch.Tensor]:

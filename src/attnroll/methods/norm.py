@@ -7,8 +7,9 @@ import torch
 
 from .. import _checks
 from ..core.value_aware import mask_pairs, norm_matrix
-from . import _value_aware as va
-from .base import Context, register
+from ..explain import value_aware as va
+from ..explain.context import Context
+from ..explain.registry import register
 
 
 @register(

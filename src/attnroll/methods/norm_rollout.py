@@ -5,7 +5,7 @@ residual share is measured instead of fixed at ½; multiplied over the layers wi
 from __future__ import annotations
 
 from ..core.value_aware import norm_matrix
-from . import _value_aware as va
+from ..explain import value_aware as va
 
 
 def _matrices(layers, states, anat, mask):

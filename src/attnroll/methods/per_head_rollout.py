@@ -4,7 +4,9 @@ over heads for ``scores``; each head's row is kept in ``extra["heads"]`` (B, H, 
 from __future__ import annotations
 
 from ..core.rollout import per_head_rollout as core_per_head
-from .base import ROLLOUT_OPTIONS, ROLLOUT_REFUSE, Context, prefix_default, register, rollout_rows
+from ..explain.context import Context
+from ..explain.registry import register
+from ..explain.rows import ROLLOUT_OPTIONS, ROLLOUT_REFUSE, prefix_default, rollout_rows
 
 
 @register(

@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 
 from .. import _checks
-from .base import Context, register
+from ..explain.context import Context
+from ..explain.registry import register
 
 
 @register(

@@ -11,8 +11,10 @@ from .. import _checks
 from ..core.fusion import fuse_tensor, head_weights
 from ..core.operators import attention_rows
 from ..core.stages import stage_row
-from . import _recompute
-from .base import Context, combine_rows, register
+from ..explain import matrix_free
+from ..explain.context import Context
+from ..explain.registry import register
+from ..explain.rows import combine_rows
 
 
 @register(
@@ -29,11 +31,11 @@ def raw(ctx: Context, *, layer: int, head_fusion, stream, return_layers: bool, a
     token); ``return_layers`` gives that row for every layer (L, B, n). ``attention``: None / "recompute"
     recompute those rows from the kernel's queries and keys; "dense" captures the matrices."""
     _checks.check_bool("return_layers", return_layers)
-    if _recompute.choose(ctx, attention, None):
-        rec = _recompute.record(ctx, attention)
+    if matrix_free.choose(ctx, attention, None):
+        rec = matrix_free.record(ctx, attention)
         if rec is not None:
             s = ctx.stream(rec)
-            return _raw_rows(ctx, rec, s, _recompute.layers_of(rec, s), attention_rows, layer, head_fusion,
+            return _raw_rows(ctx, rec, s, matrix_free.layers_of(rec, s), attention_rows, layer, head_fusion,
                              return_layers, "recompute")
     rec = ctx.record()
     s = ctx.stream(rec)

@@ -6,8 +6,10 @@ from __future__ import annotations
 from .. import _checks
 from ..core.operators import fused_probs
 from ..core.rollout import rollout as core_rollout
-from . import _recompute
-from .base import ROLLOUT_OPTIONS, ROLLOUT_REFUSE, Context, prefix_default, register, rollout_rows, source_rows
+from ..explain import matrix_free
+from ..explain.context import Context
+from ..explain.registry import register
+from ..explain.rows import ROLLOUT_OPTIONS, ROLLOUT_REFUSE, prefix_default, rollout_rows, source_rows
 
 @register(
     "rollout",
@@ -23,9 +25,9 @@ def rollout(ctx: Context, *, stream, return_layers, protect_prefix, attention, *
     ``attention``: None picks the matrix-free route when it can, "recompute" insists, "dense" captures
     the n×n matrices (eager)."""
     opts["head_fusion"] = _checks.check_head_fusion("head_fusion", opts["head_fusion"], allow_none=False)
-    if _recompute.choose(ctx, attention, _recompute.sparsity_refusal(opts)):
+    if matrix_free.choose(ctx, attention, matrix_free.sparsity_refusal(opts)):
         how = opts["head_fusion"]
-        out = _recompute.explain_rows(
+        out = matrix_free.explain_rows(
             ctx, attention, lambda rec: fused_probs(how), grad=False, stream_opt=stream, protect_prefix=protect_prefix,
             alpha=opts["alpha"], residual_mode=opts["residual_mode"], start_layer=opts["start_layer"],
             end_layer=opts["end_layer"], return_layers=return_layers, head_fusion=how, dtype=opts["dtype"],

@@ -9,7 +9,7 @@ zeroed tokens of a chunk in one batch."""
 from __future__ import annotations
 
 from ..core.value_aware import value_zeroing_matrix
-from . import _value_aware as va
+from ..explain import value_aware as va
 
 
 def _matrices(layers, states, anat, mask):

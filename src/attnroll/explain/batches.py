@@ -18,7 +18,8 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 
 from .. import _checks
-from .base import explain, method_info
+from .explainer import explain
+from .registry import method_info
 from .explanation import Explanation
 
 __all__ = ["BatchScores", "batch_size_of", "take_rows", "iter_explanations", "explain_batches", "explain_targets"]

@@ -25,8 +25,10 @@ from ..capture.recompute import capture_kernels
 from ..core import operators
 from ..core import segments as seg
 from ..core.residual import residual_coefficients
-from . import _recompute
-from .base import Context, method_info
+from .._callable import make_callable as _make_callable
+from . import matrix_free
+from .context import Context
+from .registry import method_info
 
 METHODS = ("rollout", "gae", "grad_rollout")
 
@@ -168,17 +170,17 @@ def _relevance(model, tokenizer, ids, rows, answer_ids, method, options) -> torc
             return logp[:, torch.arange(len(rows)), tok].sum(dim=-1)
 
         ctx = Context(model, inputs, target, method_info(method), {}, tokenizer)
-        rec = _recompute.grad_record(ctx, "recompute", None)
+        rec = matrix_free.grad_record(ctx, "recompute", None)
         rule = operators.weighted_probs(options.get("clamp", "per_head"))
         mode = "add" if method == "gae" else options.get("residual_mode", "renorm")
         alpha = 0.5 if method == "gae" else options.get("alpha", 0.5)
-    layers = _recompute.layers_of(rec, "self" if "self" in rec.operators else rec.stream_names()[0])
+    layers = matrix_free.layers_of(rec, "self" if "self" in rec.operators else rec.stream_names()[0])
     a, c = residual_coefficients(alpha, mode)
     from ..core.rollout import layer_range
 
     start, end = layer_range(len(layers), options.get("start_layer", 0), options.get("end_layer"))
     if method == "rollout":  # the same refusal of non-stochastic rows (attention sinks) as explain's rollout
-        _recompute.check_stochastic(layers, start, end, options.get("head_fusion", "mean"), None)
+        matrix_free.check_stochastic(layers, start, end, options.get("head_fusion", "mean"), None)
     E = torch.zeros(1, len(rows), ids.shape[1], dtype=torch.float32, device=layers[0].q.device)
     E[0, torch.arange(len(rows)), torch.tensor(rows)] = 1.0
     R = operators.rollout_rows(layers, E, rule, a=a, c=c, renorm=mode == "renorm", start=start, end=end)
@@ -203,3 +205,6 @@ def _units(prompt, offsets, scores, unit, given) -> list[dict]:
     if any(o < 0 for o in owner):
         units.append({"text": "(other)", "span": None, "score": float(other), "share": share(float(other))})
     return units
+
+
+_make_callable(__name__)  # attnroll._callable: the module is callable as its function of the same name

@@ -22,7 +22,9 @@ from ..capture.recompute import KeptCapture, capture_kernels
 from ..core import operators
 from ..core.rollout import LayerPipeline, layer_range
 from .._modes import params_require_grad
-from .base import Context, prefix_default, require_grad_mode
+from .context import Context
+from .rows import prefix_default
+from .target_scores import require_grad_mode
 
 MODES = ("dense", "recompute")
 
@@ -76,7 +78,7 @@ def record(ctx: Context, attention: Any, fuse_mean: bool = False) -> Any:
 
 
 def kept_capture(ctx: Context, fuse_mean: bool) -> KeptCapture | None:
-    """The capture session kept open for the calls of a :class:`~attnroll.methods.base.Prepared` explain
+    """The capture session kept open for the calls of a :class:`~attnroll.explain.explainer.Prepared` explain
     (``Prepared.keep``: ``ctx.memo["keep"]``, the block's ExitStack; ``ctx.memo["kept"]``, its sessions), opened
     on its first call; None outside such a block (each call then opens its own)."""
     stack = ctx.memo.get("keep")

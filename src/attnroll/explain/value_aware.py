@@ -17,7 +17,9 @@ from ..capture.value_path import LayerStates, record_states, value_anatomy
 from ..capture.record import AttentionRecord
 from ..core.rollout import rollout as core_rollout
 from ..core.value_aware import Block, alti_matrix, apply_norm, normalize_rows, value_outputs
-from .base import Context, register, rollout_rows
+from .context import Context
+from .registry import register
+from .rows import rollout_rows
 
 #: Options every value-aware method takes.
 COMMON = {"dtype": None}

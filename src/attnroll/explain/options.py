@@ -1,5 +1,7 @@
-"""Model-free checks of method option *values*: each option name (shared by every method that takes it)
-has one rule, applied by ``check_options`` before any model runs, so that ``explain(..., alpha="abc")``
+"""A method's options, checked before any model runs: :func:`check_options` (names: the method's own options
+and the common ones, an option of another method refused naming the methods that take it) and the
+model-free checks of option *values*: each option name (shared by every method that takes it) has one
+rule, applied by ``check_options`` before any model runs, so that ``explain(..., alpha="abc")``
 and ``attnroll explain -o alpha=abc`` fail at once, naming the option, not after a forward pass. Rules
 that need the model (``top_k`` <= n, ``start_layer`` < L, a stream's name) are checked again where the
 record is known."""
@@ -13,6 +15,13 @@ import torch
 
 from .. import _checks
 from ..core import logit_rollout, residual, sparsify
+from .registry import Method, method_info, registered
+
+__all__ = ["COMMON_OPTIONS", "check_options", "check_values", "RULES"]
+
+#: Options every method takes (besides its own): the output position to explain (row of the map, and the
+#: position of a token-level target), and the readout (which rows, with what weights; overrides the model's).
+COMMON_OPTIONS = {"position": None, "readout": None}
 
 
 def _optional(rule: Callable[[str, Any], Any]) -> Callable[[str, Any], Any]:
@@ -86,3 +95,23 @@ def check_values(method: str, options: dict[str, Any]) -> None:
             rule(name, value)
         except (TypeError, ValueError) as e:
             raise type(e)(f"method {method!r}: {e}") from None
+
+
+def check_options(method: str | Method, options: dict) -> dict:
+    """Validate ``options`` for ``method`` (a name or its registry entry) and return them completed with the
+    defaults. ValueError for an unknown method, an option it does not take (naming the methods that do) or
+    an option it refuses (saying why)."""
+    m = method if isinstance(method, Method) else method_info(method)
+    allowed = {**COMMON_OPTIONS, **m.options}
+    for k in options:
+        if k in allowed:
+            continue
+        if k in m.refuse:
+            raise ValueError(f"option {k}= makes no sense for method {m.name!r}: {m.refuse[k]}")
+        takers = [n for n, other in registered().items() if k in other.options]
+        hint = f" Methods that take {k}=: {', '.join(takers)}." if takers else ""
+        raise ValueError(
+            f"method {m.name!r} has no option {k!r}. Its options: {', '.join(sorted(allowed))}.{hint}"
+        )
+    check_values(m.name, options)  # values too, before any model runs
+    return {**allowed, **options}
