@@ -24,7 +24,7 @@ from torch import nn
 from .. import _checks
 from .hf_vision import embeddings_of, input_size, mae_restore, patch_layout
 from .hf_public import accepts_output_attentions, ask_for_attentions, eager_forwards, output_streams, validate_layers
-from .hooks import SUPPORTED_FAMILIES, Adapter, Recorder, Site, make_sites, stream_names
+from .hooks import Adapter, Recorder, Site, make_sites, stream_names, supported_families
 from .record import AttentionRecord, ModelFacts, config_token_id, config_token_ids, resolve_readout
 from .st_pooling import pooling_of_folder
 
@@ -151,7 +151,7 @@ class HFAdapter(Adapter):
                 "model would be merged into one stream and the image tokens could not be mapped back to the patch "
                 "grid. attnroll composes LLaVA and PaliGemma only (capture/vlm.py); explain the vision tower "
                 "(model.vision_tower / model.model.vision_tower) or the language model on its own. "
-                f"Supported: {SUPPORTED_FAMILIES}"
+                f"Supported: {supported_families()}"
             )
         found: list[tuple[str, nn.Module, str, int]] = []
 
@@ -194,7 +194,7 @@ class HFAdapter(Adapter):
                 raise _checks.UnsupportedModelError(
                     f"{type(model).__name__} neither declares which of its modules output attention weights "
                     "(transformers' output recorders) nor takes output_attentions=, so attnroll cannot find them. "
-                    f"Supported: {SUPPORTED_FAMILIES}"
+                    f"Supported: {supported_families()}"
                 )
             # The public path: the model's own output_attentions=True on the eager path.
             self.from_outputs = True
@@ -408,7 +408,7 @@ def _refuse_windowed(model: nn.Module, model_type: str) -> None:
             f"{type(model).__name__} ({model_type}) computes attention inside local, shifted windows of "
             "patches that merge between stages, so there is no global token-to-token attention matrix to "
             "roll out; attnroll refuses rather than invent one. Use a global-attention model or "
-            f"modules=/to_probs= if you have your own composition. Supported: {SUPPORTED_FAMILIES}"
+            f"modules=/to_probs= if you have your own composition. Supported: {supported_families()}"
         )
 
 
