@@ -56,20 +56,23 @@ def test_the_readme_family_table_is_the_registry_s():
 def test_a_registry_row_the_readme_lacks_is_found():
     readme = readme_rows(README.read_text(encoding="utf-8"))
     rows = registry.table_rows()
+    before = set(disagreements(readme, rows))
     changed = replace(registry.TIMM.models[1], readout="another readout")
     edited = [changed.row() if r == registry.TIMM.models[1].row() else r for r in rows]
-    assert disagreements(readme, edited) == [f"README only: {registry.TIMM.models[1].row()}",
-                                             f"registry only: {changed.row()}"]
+    assert set(disagreements(readme, edited)) - before == {f"README only: {registry.TIMM.models[1].row()}",
+                                                           f"registry only: {changed.row()}"}
     fewer = [r.replace("ALBERT (one layer shared by all), ", "") for r in rows]
-    assert disagreements(readme, fewer) == ["refused, README only: ALBERT (one layer shared by all)"]
+    assert set(disagreements(readme, fewer)) - before == {"refused, README only: ALBERT (one layer shared by all)"}
 
 
 def test_families_and_block_kinds_are_tried_in_this_order():
-    assert [f.name for f in registry.FAMILIES] == ["sentence-transformers", "swin", "transformers", "cait", "timm",
-                                                   "torch"]
-    assert [k.name for k in registry.block_kinds()] == [
-        "data2vec-vision", "beit", "wav2vec2", "t5", "bart", "clip", "bert", "distilbert", "vit", "gpt2", "llama",
-        "timm-eva", "timm", "torch"]
+    """The order the dispatch and the layer anatomy have always used (a family added later may go anywhere;
+    these keep their order among themselves)."""
+    families = ["sentence-transformers", "swin", "transformers", "cait", "timm", "torch"]
+    assert [f.name for f in registry.FAMILIES if f.name in families] == families
+    kinds = ["data2vec-vision", "beit", "wav2vec2", "t5", "bart", "clip", "bert", "distilbert", "vit", "gpt2", "llama",
+             "timm-eva", "timm", "torch"]
+    assert [k.name for k in registry.block_kinds() if k.name in kinds] == kinds
 
 
 def test_a_model_two_families_detect_gets_the_first_one_s_adapter_and_the_next_one_s_facts():
