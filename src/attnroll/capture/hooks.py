@@ -47,7 +47,7 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Site:
     """One attention module whose probabilities make one layer of one stream."""
 

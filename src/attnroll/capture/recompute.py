@@ -17,7 +17,8 @@ autograd notes the row log-sum-exp that fused kernels compute and SDPA drops, so
 later be recomputed without normalising them again (small layers are recomputed whole and need none). Both
 interface methods are restored on exit, also when the forward raises. Nothing n×n is kept beyond what the
 model itself builds (a padding mask, when it makes one). The transformers adapter's module walks are done
-once per model structure (``kernel_adapter``).
+once per model structure (``kernel_adapter``). The interface patch and the other private transformers names
+are :mod:`attnroll.capture.transformers_private`'s.
 """
 
 from __future__ import annotations

@@ -24,8 +24,8 @@ import torch
 from torch import nn
 
 from .. import _checks
-from .hooks import Adapter, Recorder, Site, make_sites, set_attr_temporarily, supported_families
 from .anatomy_parts import BlockKind, block_scale, fused, norms, proj, real_module
+from .hooks import Adapter, Recorder, Site, make_sites, set_attr_temporarily, supported_families
 from .layers import LayerAnatomy, Proj
 from .record import AttentionRecord, ModelFacts
 
