@@ -1,4 +1,4 @@
-"""The layer-anatomy builders added for the sanity check's regression: transformers BEiT and
+"""The layer-anatomy builders of transformers BEiT and
 Data2Vec-Vision (block-level λ scales), CLIP / SigLIP encoder layers (vision and causal text), wav2vec2 /
 HuBERT encoder layers (post-norm and stable-layer-norm, told apart by a probe).
 

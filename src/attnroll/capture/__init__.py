@@ -8,8 +8,9 @@
         logits = model(**inputs).logits
     rec.attentions  # list of L tensors (B, H, n, n)
 
-Adapters (one per model family) live in ``hf.py``, ``timm.py``, ``torch_mha.py``; the generic
-``modules=`` / ``to_probs=`` path and the session machinery in ``hooks.py``.
+Adapters (one per model family) live in ``hf.py``, ``timm.py``, ``torch_mha.py``, ...; the family registry
+(``registry.py``) says which one a model gets; the generic ``modules=`` / ``to_probs=`` path and the session
+machinery are in ``hooks.py``.
 """
 
 from __future__ import annotations
@@ -21,15 +22,10 @@ from torch import nn
 
 from .. import _checks
 from .._callable import make_callable as _make_callable
-from .hf import HFAdapter, is_hf_model
-from .hooks import SUPPORTED_FAMILIES, Adapter, Capture, ModulesAdapter, run_forward
-from .sentence_transformers import is_sentence_transformer, make_adapter
-from .cait import CaitAdapter, is_cait
-from .swin import is_swin, make_adapter as make_swin_adapter
+from . import registry
+from .hooks import Adapter, Capture, ModulesAdapter, run_forward
 from .record import AttentionRecord, ModelFacts, Readout, StreamInfo, config_token_ids
-from .timm import TimmAdapter, is_timm_model
-from .torch_mha import MHAAdapter, has_mha
-from .vlm import vlm_adapter, vlm_facts
+from .registry import SUPPORTED_FAMILIES
 
 __all__ = [
     "capture", "model_facts", "AttentionRecord", "StreamInfo", "Readout", "ModelFacts", "Capture", "CaptureError",
@@ -164,14 +160,9 @@ def model_facts(model: nn.Module, *, anatomy: bool = True) -> ModelFacts:
 
 
 def _family_facts(model: nn.Module) -> ModelFacts:
-    from .hf import hf_facts
-
-    if is_sentence_transformer(model):
-        return make_adapter(model).facts()
-    if is_hf_model(model):
-        return vlm_facts(model) or hf_facts(model)
-    if is_timm_model(model):
-        return ModelFacts(family="timm", input_key="x", keyword_call=False)
+    facts = registry.facts_for(model)  # the first family (registry order) with facts of its own
+    if facts is not None:
+        return facts
     try:
         facts = _select_adapter(model, None, None).facts()
     except _checks.UnsupportedModelError:
@@ -184,22 +175,13 @@ def _family_facts(model: nn.Module) -> ModelFacts:
 def _select_adapter(model: nn.Module, modules: Any, to_probs: Callable | None) -> Adapter:
     if modules is not None:
         return ModulesAdapter(model, modules, to_probs)
-    if is_sentence_transformer(model):
-        return make_adapter(model)
-    if (is_hf_model(model) or is_timm_model(model)) and is_swin(model):
-        return make_swin_adapter(model)
-    if is_hf_model(model):
-        return vlm_adapter(model) or HFAdapter(model)
-    if is_timm_model(model) and is_cait(model):
-        return CaitAdapter(model)
-    if is_timm_model(model):
-        return TimmAdapter(model)
-    if has_mha(model):
-        return MHAAdapter(model)
-    raise _checks.UnsupportedModelError(
-        f"attnroll.capture does not know where the attention of {type(model).__name__} is. "
-        f"Supported: {SUPPORTED_FAMILIES}"
-    )
+    adapter = registry.adapter_for(model)  # the first family (registry order) that detects the model
+    if adapter is None:
+        raise _checks.UnsupportedModelError(
+            f"attnroll.capture does not know where the attention of {type(model).__name__} is. "
+            f"Supported: {SUPPORTED_FAMILIES}"
+        )
+    return adapter
 
 
 _make_callable(__name__)  # attnroll._callable: the module is callable as its function of the same name

@@ -14,7 +14,6 @@ exactly afterwards.
 from __future__ import annotations
 
 import sys
-import warnings
 from contextlib import ExitStack
 from typing import Any
 
@@ -24,35 +23,12 @@ from torch import nn
 from .. import _checks
 from .hf_vision import embeddings_of, input_size, mae_restore, patch_layout
 from .hf_public import accepts_output_attentions, ask_for_attentions, eager_forwards, output_streams, validate_layers
-from .hooks import SUPPORTED_FAMILIES, Adapter, Recorder, Site, make_sites, stream_names
+from .hooks import Adapter, Recorder, Site, make_sites, stream_names, supported_families
 from .record import AttentionRecord, ModelFacts, config_token_id, config_token_ids, resolve_readout
 from .st_pooling import pooling_of_folder
-
-#: The transformers major versions the adapter works with: [5, 6). It reads ``_can_record_outputs`` /
-#: ``OutputRecorder`` declarations, which every model class has only from 5.0 on, and switches the attention
-#: implementation through 5.x's config API. pyproject.toml's ``hf`` / ``text`` extras declare the same range.
-TRANSFORMERS_RANGE = ((5, 0), (6, 0))
-
-
-def check_transformers_version(version: str) -> None:
-    """UnsupportedModelError for a transformers version below the range (the adapter cannot find the
-    attention there); a RuntimeWarning above it (not tested: it may work)."""
-    parts = []
-    for p in version.split(".")[:2]:
-        digits = "".join(ch for ch in p if ch.isdigit()) if p[:1].isdigit() else ""
-        parts.append(int(digits) if digits else 0)
-    v = tuple((parts + [0, 0])[:2])
-    lo, hi = TRANSFORMERS_RANGE
-    want = f"transformers>={lo[0]}.{lo[1]},<{hi[0]}"
-    if v < lo:
-        raise _checks.UnsupportedModelError(
-            f"attnroll's transformers adapter needs {want}; transformers {version} is installed "
-            "(its model classes do not declare their attention outputs): pip install 'attnroll[hf]'"
-        )
-    if v >= hi:
-        warnings.warn(f"attnroll's transformers adapter is tested with {want}; transformers {version} is newer "
-                      "and may have moved where attention lives", RuntimeWarning, stacklevel=3)
-
+from .transformers_private import TRANSFORMERS_RANGE  # noqa: F401  (importable from here, as before)
+from .transformers_private import (PrivateChanged, all_configs, check_transformers_version, declared_outputs,
+                                   force_eager, recorder_specs)
 
 #: Text towers that pool their end-of-text token (the first EOS; the argmax id for the original configs).
 _EOT_POOLING = ("clip", "clip_text_model", "owlvit", "owlvit_text_model", "x_clip", "groupvit", "clipseg")
@@ -79,47 +55,14 @@ def is_hf_model(model: nn.Module) -> bool:
     return isinstance(model, PreTrainedModel)
 
 
-class PrivateChanged(Exception):
-    """transformers' private output-recorder declaration has a shape this attnroll does not know."""
-
-
-def _declared(pm: nn.Module) -> dict:
-    """The class's output-recorder declaration (transformers 5.x, private): the registry of newer
-    releases, else the class attribute."""
-    try:
-        from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
-
-        raw = _CAN_RECORD_REGISTRY.get(pm)
-    except (ImportError, AttributeError, TypeError):
-        raw = None
-    raw = raw or getattr(pm, "_can_record_outputs", None) or {}
-    if not isinstance(raw, dict):
-        raise PrivateChanged(f"_can_record_outputs is a {type(raw).__name__}, not a dict")
-    return raw
+#: The class's output-recorder declaration (transformers_private.declared_outputs), looked up here at call time.
+_declared = declared_outputs
 
 
 def _specs(pm: nn.Module) -> list[tuple[str, type | None, str | None, int, str | None]]:
     """(key, target class, class-name suffix, output index, layer name) for the attention outputs a
     transformers model class declares. Raises PrivateChanged when the declaration's shape is unknown."""
-    raw = _declared(pm)
-    out = []
-    for key in ("attentions", "cross_attentions"):
-        if key not in raw:
-            continue
-        val = raw[key]
-        for spec in val if isinstance(val, list) else [val]:
-            if hasattr(spec, "target_class"):  # transformers' OutputRecorder
-                try:
-                    out.append((key, spec.target_class, spec.class_name, int(spec.index), spec.layer_name))
-                except (AttributeError, TypeError, ValueError) as e:
-                    raise PrivateChanged(f"OutputRecorder fields changed ({e})") from None
-            elif isinstance(spec, str):
-                out.append((key, None, spec, 1, None))
-            elif isinstance(spec, type):
-                out.append((key, spec, None, 1, None))
-            else:
-                raise PrivateChanged(f"unknown recorder entry {type(spec).__name__}")
-    return out
+    return recorder_specs(_declared(pm))
 
 
 class HFAdapter(Adapter):
@@ -151,7 +94,7 @@ class HFAdapter(Adapter):
                 "model would be merged into one stream and the image tokens could not be mapped back to the patch "
                 "grid. attnroll composes LLaVA and PaliGemma only (capture/vlm.py); explain the vision tower "
                 "(model.vision_tower / model.model.vision_tower) or the language model on its own. "
-                f"Supported: {SUPPORTED_FAMILIES}"
+                f"Supported: {supported_families()}"
             )
         found: list[tuple[str, nn.Module, str, int]] = []
 
@@ -194,7 +137,7 @@ class HFAdapter(Adapter):
                 raise _checks.UnsupportedModelError(
                     f"{type(model).__name__} neither declares which of its modules output attention weights "
                     "(transformers' output recorders) nor takes output_attentions=, so attnroll cannot find them. "
-                    f"Supported: {SUPPORTED_FAMILIES}"
+                    f"Supported: {supported_families()}"
                 )
             # The public path: the model's own output_attentions=True on the eager path.
             self.from_outputs = True
@@ -204,8 +147,8 @@ class HFAdapter(Adapter):
         return self._sites
 
     def install(self, stack: ExitStack, recorder: Recorder, sites: list[Site]) -> None:
-        for config in _all_configs(self.model):
-            _force_eager(stack, config)
+        for config in all_configs(self.model):
+            force_eager(stack, config)
         if self.from_outputs:
             eager_forwards(stack, self.model)
             ask_for_attentions(stack, self.model)
@@ -408,7 +351,7 @@ def _refuse_windowed(model: nn.Module, model_type: str) -> None:
             f"{type(model).__name__} ({model_type}) computes attention inside local, shifted windows of "
             "patches that merge between stages, so there is no global token-to-token attention matrix to "
             "roll out; attnroll refuses rather than invent one. Use a global-attention model or "
-            f"modules=/to_probs= if you have your own composition. Supported: {SUPPORTED_FAMILIES}"
+            f"modules=/to_probs= if you have your own composition. Supported: {supported_families()}"
         )
 
 
@@ -460,40 +403,3 @@ def _eot_positions(config: Any, ids: torch.Tensor) -> list[int]:
     if eos == 2 or eos is None:
         return ids.argmax(dim=-1).tolist()
     return (ids == eos).int().argmax(dim=-1).tolist()
-
-
-def _all_configs(model: nn.Module) -> list[Any]:
-    """Every distinct config object reachable from the model's submodules and their sub-configs."""
-    from transformers import PretrainedConfig
-
-    seen: dict[int, Any] = {}
-    todo = [m.config for m in model.modules() if isinstance(getattr(m, "config", None), PretrainedConfig)]
-    while todo:
-        c = todo.pop()
-        if id(c) in seen:
-            continue
-        seen[id(c)] = c
-        for key in getattr(c, "sub_configs", None) or {}:
-            sub = getattr(c, key, None)
-            if isinstance(sub, PretrainedConfig):
-                todo.append(sub)
-    return list(seen.values())
-
-
-def _force_eager(stack: ExitStack, config: Any) -> None:
-    """Set one config's attention implementation to "eager" and register restoring its exact value.
-
-    The internal attribute is written, not the ``_attn_implementation`` setter, because the setter
-    recurses into sub-configs; each sub-config is handled (and restored) on its own."""
-    attr = "_attn_implementation_internal" if "_attn_implementation_internal" in config.__dict__ else "_attn_implementation"
-    missing = object()
-    old = config.__dict__.get(attr, missing)
-
-    def restore() -> None:
-        if old is missing:
-            config.__dict__.pop(attr, None)
-        else:
-            config.__dict__[attr] = old
-
-    stack.callback(restore)
-    config.__dict__[attr] = "eager"

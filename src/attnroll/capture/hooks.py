@@ -25,20 +25,29 @@ from .._modes import eval_mode
 from ..core.fusion import fuse_tensor
 from .record import AttentionRecord, ModelFacts, StreamInfo, is_causal, resolve_readout
 
-SUPPORTED_FAMILIES = (
-    "Hugging Face transformers: ViT, DeiT (incl. distilled ...WithTeacher), BEiT, DINOv2 (with registers), YOLOS, "
-    "ViTMAE, AST, BERT-likes, GPT-2, Llama-family decoders, CLIP (vision and text towers), T5, BART, Marian, "
-    "VisionEncoderDecoder, LLaVA and PaliGemma (vision and language streams) (and other transformers models that declare attention outputs), plus families without "
-    "a declaration through output_attentions=True (DeBERTa, MPNet, BLOOM, Falcon, GPT-Neo, RoFormer, XLM, ...); "
-    "sentence-transformers SentenceTransformer objects; timm VisionTransformer models (vit_*, deit_* incl. "
-    "distilled, register-token variants, parallel blocks, attention pooling), EVA / EVA02 / RoPE ViTs, BEiT, "
-    "relpos ViT, NaFlexViT; models built from torch.nn.MultiheadAttention (nn.TransformerEncoder, "
-    "nn.TransformerDecoder, nn.Transformer). Any other model: pass modules=[...] (modules, their names, or a "
-    "regular expression over module names) and to_probs=f(module, args, output) -> (B, H, n, n) probabilities."
-)
+#: The "Supported: ..." text of the unsupported-model messages. The family registry (``registry.py``, which
+#: generates it from its entries) hands it over when ``attnroll.capture`` is imported; the adapters sit below
+#: the registry that names them, so they read it here, at the time they raise.
+_SUPPORTED = {"text": "the families of attnroll.capture.registry.FAMILIES, or modules=[...] with to_probs="}
 
 
-@dataclass
+def supported_families() -> str:
+    """The supported families, as the unsupported-model messages list them (the family registry's text)."""
+    return _SUPPORTED["text"]
+
+
+def set_supported_families(text: str) -> None:
+    """Called once by the family registry with the text it generates from its entries."""
+    _SUPPORTED["text"] = text
+
+
+def __getattr__(name: str) -> Any:
+    if name == "SUPPORTED_FAMILIES":  # the name of the text before the registry generated it
+        return supported_families()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+@dataclass(kw_only=True)
 class Site:
     """One attention module whose probabilities make one layer of one stream."""
 
@@ -583,7 +592,7 @@ class Capture:
         self._recorder_args = dict(fuse=fuse, keep_grad=keep_grad, dtype=dtype)
         if not self.site_list and not adapter.from_outputs:
             raise _checks.UnsupportedModelError(
-                f"found no attention module in {type(model).__name__}. Supported: {SUPPORTED_FAMILIES}"
+                f"found no attention module in {type(model).__name__}. Supported: {supported_families()}"
             )
         self.recorder = Recorder(self.site_list, fuse=fuse, keep_grad=keep_grad, dtype=dtype)
         self.fuse_label = None if fuse is None else (fuse if isinstance(fuse, str) else "weights")

@@ -7,10 +7,11 @@ or after the residual sums (post-norm), every other normalisation module of the 
 optional gate, the activation, fc2) and layer scales. Per model (:class:`ModelAnatomy`): the layers in
 order and the head (final norm, pooling of the output rows, pooler, the logit layer).
 
-No family knowledge lives here: the family builders in :mod:`attnroll.capture.anatomy` fill these
-dataclasses; downstream code (the value-aware methods, the sanity check) reads weights only through them,
-as plain arrays (:meth:`LayerAnatomy.block`, :meth:`ModelAnatomy.head`) or as the parameter tensors a
-component is made of (:meth:`LayerAnatomy.targets`).
+No family knowledge lives here: each family's builders (beside its adapter; the family registry
+:mod:`attnroll.capture.registry` lists them) fill these dataclasses, by keyword only. Downstream code (the
+value-aware methods, the sanity check) reads weights only through them, as plain arrays
+(:meth:`LayerAnatomy.block`, :meth:`ModelAnatomy.head`) or as the parameter tensors a component is made of
+(:meth:`LayerAnatomy.targets`).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ Target = tuple[str, nn.Parameter, Any]
 RESET = "reset"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Proj:
     """One projection y = x Wᵀ + b, read from parameters of ``module``.
 
@@ -91,7 +92,7 @@ class Proj:
         return x @ w.T if b is None else x @ w.T + b
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LayerAnatomy:
     """One transformer block.
 
@@ -202,20 +203,21 @@ def _join(a: Any, b: Any, p: torch.Tensor) -> Any:
     return None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ModelAnatomy:
     """The blocks in order and the head.
 
-    ``family``: the builder that described it ("bert", "distilbert", "vit", "gpt2", "llama", "timm",
-    "torch"); ``path``: the path of the block stack; ``final_norm``: the norm applied to the vector the
-    logit layer reads (pre-norm models' final norm; timm's ``fc_norm`` after pooling); ``token_norm``: a
-    norm applied to every output row before pooling (a pooled head's final norm), else None; ``pool``: how
-    the head reads the output rows, a tuple of parts concatenated along the features, each ("row", None)
-    (the explained row: CLS or the decoder's position) or ("mean", start) (the mean of rows start ..
-    n − 1); ``pooler`` (Linear, activation) (BERT); ``classifier`` the Linear producing the logits, or None;
-    ``readout`` "first" (CLS) or "last" (decoders); ``head_path`` / ``head_module`` the module sanity's
-    head step re-draws ("" / None when none); ``value_aware``: "" when the value-aware methods support
-    the family, else why not; ``head_reason``: why the logit layer cannot be decomposed ("" otherwise)."""
+    ``family``: the block kind that described it (a :class:`~attnroll.capture.anatomy_parts.BlockKind`'s
+    name: "bert", "distilbert", "vit", "gpt2", "llama", "timm", "torch", ...); ``path``: the path of the
+    block stack; ``final_norm``: the norm applied to the vector the logit layer reads (pre-norm models'
+    final norm; timm's ``fc_norm`` after pooling); ``token_norm``: a norm applied to every output row
+    before pooling (a pooled head's final norm), else None; ``pool``: how the head reads the output rows, a
+    tuple of parts concatenated along the features, each ("row", None) (the explained row: CLS or the
+    decoder's position) or ("mean", start) (the mean of rows start .. n − 1); ``pooler`` (Linear,
+    activation) (BERT); ``classifier`` the Linear producing the logits, or None; ``readout`` "first" (CLS)
+    or "last" (decoders); ``head_path`` / ``head_module`` the module sanity's head step re-draws ("" / None
+    when none); ``value_aware``: "" when the value-aware methods support the family, else why not;
+    ``head_reason``: why the logit layer cannot be decomposed ("" otherwise)."""
 
     family: str
     path: str
@@ -298,7 +300,7 @@ class ModelAnatomy:
 # ------------------------------------------------------------------------------------------- arrays
 def linear_params(mod: nn.Module, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(W (out, in), b (out,) or None) of an ``nn.Linear`` or a transformers ``Conv1D`` (stored (in, out))."""
-    return Proj(mod, "", in_out=type(mod).__name__ == "Conv1D").arrays(dtype)
+    return Proj(module=mod, path="", in_out=type(mod).__name__ == "Conv1D").arrays(dtype)
 
 
 def norm_params(mod: nn.Module, dtype: torch.dtype | None = None) -> Norm:

@@ -17,7 +17,8 @@ autograd notes the row log-sum-exp that fused kernels compute and SDPA drops, so
 later be recomputed without normalising them again (small layers are recomputed whole and need none). Both
 interface methods are restored on exit, also when the forward raises. Nothing n×n is kept beyond what the
 model itself builds (a padding mask, when it makes one). The transformers adapter's module walks are done
-once per model structure (``kernel_adapter``).
+once per model structure (``kernel_adapter``). The interface patch and the other private transformers names
+are :mod:`attnroll.capture.transformers_private`'s.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from .._modes import submodules
 from ..core.operators import FusedLayer, KernelInputs, attend_mean, fusable, mean_probs, whole_size
 from .hf import HFAdapter, pool_heads
 from .hooks import Adapter, Capture, Site
+from .transformers_private import attn_implementation, sdpa_kernel, wrap_attention_interface
 
 
 class KernelRecorder:
@@ -143,8 +145,7 @@ _ADAPTERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def _structure_key(model: nn.Module, modules: list[nn.Module]) -> tuple:
     config = getattr(model, "config", None)
-    return (tuple(map(id, modules)), id(config), getattr(config, "model_type", None),
-            getattr(config, "_attn_implementation", None))
+    return (tuple(map(id, modules)), id(config), getattr(config, "model_type", None), attn_implementation(config))
 
 
 def kernel_adapter(model: nn.Module, modules: list[nn.Module] | None = None) -> "KernelAdapter":
@@ -188,37 +189,15 @@ class KernelAdapter(Adapter):
         return self.inner.input_hint(inputs)
 
     def install(self, stack: ExitStack, recorder: Any, sites: list[Site]) -> None:
-        from transformers.modeling_utils import AttentionInterface
-
-        original = AttentionInterface.__dict__["get_interface"]
-        own_item = AttentionInterface.__dict__.get("__getitem__")  # None: inherited (GeneralInterface's)
-        original_item = AttentionInterface.__getitem__
-
         def wrap(kernel: Callable, impl: str) -> Callable:
-            # get_interface looks the kernel up through __getitem__: wrap once. Another session's wrapper (a
-            # kept session waiting under this one) is wrapped like any kernel, and a chain that holds this
-            # session's wrapper anywhere (the sessions' lookups call each other) is not wrapped again.
+            # The lookup (get_interface, or ALL_ATTENTION_FUNCTIONS[impl]) runs through __getitem__: wrap once.
+            # Another session's wrapper (a kept session waiting under this one) is wrapped like any kernel, and
+            # a chain that holds this session's wrapper anywhere (the sessions' lookups call each other) is not
+            # wrapped again.
             mine = recorder in getattr(kernel, "_attnroll_wrappers", ())
             return kernel if mine else self._wrapper(kernel, impl, recorder)
 
-        def get_interface(iface: Any, attn_implementation: str, default: Callable) -> Callable:
-            return wrap(original(iface, attn_implementation, default), attn_implementation)
-
-        def getitem(iface: Any, key: str) -> Callable:
-            # Some modules index ALL_ATTENTION_FUNCTIONS[impl] directly instead of calling get_interface.
-            return wrap(original_item(iface, key), key)
-
-        def restore() -> None:
-            AttentionInterface.get_interface = original
-            if own_item is None:
-                if "__getitem__" in AttentionInterface.__dict__:
-                    del AttentionInterface.__getitem__
-            else:
-                AttentionInterface.__getitem__ = own_item
-
-        stack.callback(restore)
-        AttentionInterface.get_interface = get_interface
-        AttentionInterface.__getitem__ = getitem
+        wrap_attention_interface(stack, wrap)
         self.inner.install_pool_hooks(stack, self.pools)
 
     def _wrapper(self, kernel: Callable, impl: str, recorder: KernelRecorder) -> Callable:
@@ -260,11 +239,9 @@ def own_attention_applies(kernel: Callable, layer: KernelInputs, a: dict[str, An
     does not apply without a mask) or a mask, bias, softcapping or sinks (``fusable``), where what that kernel
     computes is softmax(scaling·q·kᵀ, causal or not)·v exactly. (Where the fused kernel is fast, on
     accelerators, it keeps running and the probabilities are computed after it.)"""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     q, k, v = a["query"], a["key"], a["value"]
     tensors = (q, k, v)
-    return (kernel is sdpa_attention_forward and q.device.type == "cpu" and layer.window is None and not float(a.get("dropout") or 0.0)
+    return (kernel is sdpa_kernel() and q.device.type == "cpu" and layer.window is None and not float(a.get("dropout") or 0.0)
             and all(t.dtype == torch.float32 and not t.requires_grad for t in tensors)
             and v.ndim == 4 and v.shape[:3] == k.shape[:3] and not a.get("output_attentions"))
 
@@ -502,7 +479,7 @@ class KeptCapture:
 
 def _config_key(model: nn.Module) -> tuple:
     config = getattr(model, "config", None)
-    return id(config), getattr(config, "_attn_implementation", None)
+    return id(config), attn_implementation(config)
 
 
 def _fresh_record(session: KernelCapture) -> Any:

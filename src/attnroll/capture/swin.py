@@ -32,9 +32,10 @@ from torch import nn
 
 from .. import _checks
 from ..core.stages import merge_2x2
-from .hf import SWIN_TYPES, _all_configs, _force_eager, check_transformers_version, hf_facts
+from .hf import SWIN_TYPES, hf_facts
 from .hooks import Adapter, Recorder, Site, make_sites, set_attr_temporarily
 from .record import AttentionRecord, ModelFacts, StreamInfo, resolve_readout
+from .transformers_private import all_configs, check_transformers_version, force_eager
 
 #: transformers model types whose blocks are Swin window-attention layers this adapter reads.
 HF_TYPES = SWIN_TYPES
@@ -257,8 +258,8 @@ class SwinHFAdapter(_SwinAdapter):
         return hf_window_ids(block, H, W)
 
     def install(self, stack: ExitStack, recorder: Recorder, sites: list[Site]) -> None:
-        for config in _all_configs(self.model):
-            _force_eager(stack, config)
+        for config in all_configs(self.model):
+            force_eager(stack, config)
         super().install(stack, recorder, sites)
 
     def readout_spec(self, stream: str, record: AttentionRecord, info: Any, inputs: dict[str, Any]) -> tuple[Any, str]:

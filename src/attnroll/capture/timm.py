@@ -8,6 +8,10 @@ recent torch), and then never calls ``attn_drop`` — the module every hook-base
 duration of the capture each attention module's ``fused_attn`` is set to False (restored afterwards), and
 the *output* of ``attn_drop`` is recorded: the softmax probabilities exactly as multiplied with the values
 (identical to the softmax in eval mode), which is also the tensor gradients flow through.
+
+The layer anatomy of timm blocks is read here too (:data:`BLOCKS`): the ViT blocks (fused ``attn.qkv``,
+``ls1`` / ``ls2``) and the EVA / EVA02 / BEiT blocks (fused ``attn.qkv`` with separate ``q_bias`` /
+``v_bias``, or ``attn.{q,k,v}_proj``; plain, SwiGLU or packed-GLU MLP; ``gamma_1`` / ``gamma_2``): pre-norm.
 """
 
 from __future__ import annotations
@@ -20,7 +24,9 @@ import torch
 from torch import nn
 
 from .. import _checks
-from .hooks import SUPPORTED_FAMILIES, Adapter, Recorder, Site, make_sites, set_attr_temporarily
+from .anatomy_parts import BlockKind, block_scale, fused, norms, proj, real_module
+from .hooks import Adapter, Recorder, Site, make_sites, set_attr_temporarily, supported_families
+from .layers import LayerAnatomy, Proj
 from .record import AttentionRecord, ModelFacts
 
 
@@ -40,7 +46,7 @@ class TimmAdapter(Adapter):
                 f"timm model {name}: Swin computes attention inside shifted local windows, so there is no global "
                 "token-to-token matrix to roll out; attnroll scatters the windows into stage matrices for timm "
                 f"SwinTransformer and SwinTransformerV2 (swin_*, swinv2_*), not for {name}. Supported: "
-                f"{SUPPORTED_FAMILIES}"
+                f"{supported_families()}"
             )
         self.attn_modules = [
             (n, m)
@@ -51,7 +57,7 @@ class TimmAdapter(Adapter):
         if not self.attn_modules:
             raise _checks.UnsupportedModelError(
                 f"timm model {name} has no attention module with a switchable fused path (fused_attn + attn_drop), "
-                f"so attnroll cannot read its probabilities. Supported: {SUPPORTED_FAMILIES}"
+                f"so attnroll cannot read its probabilities. Supported: {supported_families()}"
             )
         from timm.models.vision_transformer import VisionTransformer
 
@@ -166,3 +172,108 @@ class TimmAdapter(Adapter):
             record.grid = grid  # type: ignore[assignment]
         else:
             record.extra["grid_reason"] = f"{n} tokens, but {record.prefix} prefix + {grid[0]}x{grid[1]} patches"
+
+
+# ------------------------------------------------------------------------------------------- layer anatomy
+def _timm(i: int, path: str, m: nn.Module) -> LayerAnatomy:
+    """timm ``VisionTransformer`` blocks (fused ``attn.qkv``: q, k, v thirds of the rows; ``attn.proj``,
+    ``ls1`` / ``ls2``, optional ``attn.q_norm`` / ``k_norm``): pre-norm."""
+    att = m.attn
+    q, k, v = fused(m, "attn.qkv", att.qkv.in_features)
+    heads = int(att.num_heads)
+    return LayerAnatomy(
+        index=i, module=m, path=path, attention=att, q=q, k=k, v=v, o=proj(m, "attn.proj"), heads=heads,
+        kv_heads=heads, pre_norm=True, norm1=m.norm1, norm2=m.norm2,
+        norms=norms(m, ("norm1", "norm2", "attn.q_norm", "attn.k_norm", "attn.norm", "mlp.norm")),
+        fc1=proj(m, "mlp.fc1"), act=m.mlp.act, fc2=proj(m, "mlp.fc2"), ls1=real_module(m.ls1),
+        ls2=real_module(m.ls2),
+    )
+
+
+def _eva_qkv(m: nn.Module) -> tuple[Proj, Proj, Proj]:
+    """q, k, v of a timm EVA / BEiT attention: separate ``attn.{q,k,v}_proj``, or a fused ``attn.qkv`` (row
+    thirds) whose biases are ``attn.q_bias`` / ``attn.v_bias`` beside a zero key bias buffer."""
+    att = m.attn
+    if getattr(att, "qkv", None) is None:
+        return tuple(proj(m, f"attn.{n}_proj") for n in "qkv")  # type: ignore
+    d = att.proj.in_features
+    if getattr(att, "q_bias", None) is None:
+        return fused(m, "attn.qkv", d)
+    if getattr(att, "k_bias", None) is not None and bool(att.k_bias.detach().ne(0).any()):
+        raise ValueError("attn.k_bias is not zero")
+    sep = dict(bias_module=att, bias_path="attn")
+    return (proj(m, "attn.qkv", rows=slice(0, d), bias="q_bias", **sep),
+            proj(m, "attn.qkv", rows=slice(d, 2 * d), bias=None),
+            proj(m, "attn.qkv", rows=slice(2 * d, 3 * d), bias="v_bias", **sep))
+
+
+def _eva_mlp(m: nn.Module) -> tuple[Proj, Proj | None]:
+    """(fc1, gate or None) of a timm ``Mlp``, ``SwiGLU`` (``fc1_x``, ``fc1_g``) or ``GluMlp`` (one fused fc1,
+    its halves the value and the gate; ``gate_last``: the gate is the second half)."""
+    mlp = m.mlp
+    if hasattr(mlp, "fc1_g"):
+        return proj(m, "mlp.fc1_x"), proj(m, "mlp.fc1_g")
+    if hasattr(mlp, "gate_last"):
+        if getattr(mlp, "chunk_dim", -1) != -1:
+            raise ValueError("a convolutional GluMlp")
+        h = mlp.fc1.out_features // 2
+        first, second = (proj(m, "mlp.fc1", rows=slice(j * h, (j + 1) * h)) for j in range(2))
+        return (first, second) if mlp.gate_last else (second, first)
+    return proj(m, "mlp.fc1"), None
+
+
+def _timm_eva(i: int, path: str, m: nn.Module) -> LayerAnatomy:
+    """timm EVA / EVA02 (``EvaBlock``) and timm BEiT blocks: pre-norm, rotary or relative-position attention (it
+    shapes the attention probabilities only), fused or separate q / k / v, plain / SwiGLU / packed-GLU MLP,
+    block-level ``gamma_1`` / ``gamma_2`` layer scales."""
+    fc1, gate = _eva_mlp(m)
+    q, k, v = _eva_qkv(m)
+    heads = int(m.attn.num_heads)
+    return LayerAnatomy(
+        index=i, module=m, path=path, attention=m.attn, q=q, k=k, v=v, o=proj(m, "attn.proj"), heads=heads,
+        kv_heads=heads, pre_norm=True, norm1=m.norm1, norm2=m.norm2,
+        norms=norms(m, ("norm1", "norm2", "attn.q_norm", "attn.k_norm", "attn.norm", "mlp.norm")),
+        fc1=fc1, act=m.mlp.act, fc2=proj(m, "mlp.fc2"), gate=gate, ls1=block_scale(m, "gamma_1"),
+        ls2=block_scale(m, "gamma_2"),
+    )
+
+
+def _is_timm_eva(m: nn.Module) -> bool:
+    return type(m).__module__.startswith("timm.") and hasattr(m, "gamma_1") and hasattr(m, "norm2") and hasattr(
+        getattr(m, "attn", None), "proj") and hasattr(getattr(m, "mlp", None), "fc2")
+
+
+def _is_timm_block(m: nn.Module) -> bool:
+    return type(m).__module__.startswith("timm.") and hasattr(getattr(m, "attn", None), "qkv") and hasattr(
+        m, "ls1") and hasattr(getattr(m, "mlp", None), "fc1")
+
+
+def timm_head(model: nn.Module, layers: list[LayerAnatomy]) -> tuple[dict[str, Any], str]:
+    """timm VisionTransformer heads: ``global_pool='token'`` (the CLS row) and ``'avg'`` (the mean of the rows
+    after the prefix, or of all rows with ``pool_include_prefix``), with ``norm`` before and ``fc_norm`` after
+    the pooling. Returns (fields, why decompx cannot read the head or "")."""
+    out: dict[str, Any] = {"readout": "first"}
+    head = getattr(model, "head", None)
+    pool = getattr(model, "global_pool", "token")
+    if getattr(model, "attn_pool", None) is not None or pool not in ("token", "avg"):
+        return out, f"timm head with global_pool={pool!r}{' and an attention pool' if pool == 'map' else ''}"
+    if not isinstance(head, nn.Linear):
+        return out, ""
+    norm, fc_norm = real_module(getattr(model, "norm", None)), real_module(getattr(model, "fc_norm", None))
+    if pool == "token" and fc_norm is None:
+        out.update(final_norm=norm, classifier=head)
+        return out, ""
+    start = 0 if getattr(model, "pool_include_prefix", False) else int(getattr(model, "num_prefix_tokens", 1))
+    part = ("row", 0) if pool == "token" else ("mean", start)
+    out.update(token_norm=norm, final_norm=fc_norm, classifier=head, pool=(part,))
+    return out, ""
+
+
+#: The timm block kinds in the order they are tried (EVA's ``gamma_1`` blocks before the plain ViT blocks).
+BLOCKS = (
+    BlockKind(name="timm-eva", matches=_is_timm_eva, build=_timm_eva, parts="gamma_1 + attn.proj + mlp.fc2 (timm EVA)",
+              label="EVA / EVA02, BEiT", value_aware="EVA (pre-LN)",
+              head_not_read="EVA / BEiT pooling and norms, not checked"),
+    BlockKind(name="timm", matches=_is_timm_block, build=_timm, parts="attn.qkv + ls1 + mlp.fc1 (timm)",
+              label="VisionTransformer", value_aware="VisionTransformer (pre-LN)", head=timm_head),
+)

@@ -12,6 +12,8 @@ With ``keep_grad=True`` the weights torch returns are a reshaped *view* of the m
 values, so a gradient never reaches them. In that mode the wrapper computes the attention itself from the
 module's parameters (same maths: softmax(q kᵀ/√d + masks) v, then the output projection) so that the
 recorded (B, H, L, S) tensor is the one the output depends on.
+
+The layer anatomy of ``nn.TransformerEncoderLayer`` blocks is read here too (:data:`BLOCKS`).
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from .anatomy_parts import BlockKind, fused, norms, proj
 from .hooks import Adapter, Recorder, Site, make_sites, set_attr_temporarily, stream_names
+from .layers import LayerAnatomy, Proj
 from .record import AttentionRecord
 
 
@@ -162,3 +166,41 @@ def _attention_in_graph(
     if unbatched:
         return out.squeeze(1), used
     return (out.transpose(0, 1) if m.batch_first else out), used
+
+
+# ------------------------------------------------------------------------------------------- layer anatomy
+def _encoder_layer(i: int, path: str, m: nn.Module) -> LayerAnatomy:
+    """``nn.TransformerEncoderLayer`` (fused ``self_attn.in_proj_weight`` or separate q / k / v weights,
+    ``out_proj``, ``linear1`` / ``linear2``, ``norm1`` / ``norm2``, ``norm_first``)."""
+    att = m.self_attn
+    d = att.embed_dim
+    if att._qkv_same_embed_dim:
+        q, k, v = fused(m, "self_attn", d, weight="in_proj_weight",
+                        bias="in_proj_bias" if att.in_proj_bias is not None else None)
+    else:
+        b = "in_proj_bias" if att.in_proj_bias is not None else None
+        q, k, v = (Proj(module=att, path="self_attn", weight=f"{n}_proj_weight", bias=b,
+                        rows=slice(j * d, (j + 1) * d)) for j, n in enumerate("qkv"))
+    heads = int(att.num_heads)
+    return LayerAnatomy(
+        index=i, module=m, path=path, attention=att, q=q, k=k, v=v, o=proj(m, "self_attn.out_proj"), heads=heads,
+        kv_heads=heads, pre_norm=bool(m.norm_first), norm1=m.norm1, norm2=m.norm2,
+        norms=norms(m, ("norm1", "norm2")), fc1=proj(m, "linear1"), act=m.activation, fc2=proj(m, "linear2"),
+    )
+
+
+def _is_encoder_layer(m: nn.Module) -> bool:
+    return isinstance(getattr(m, "self_attn", None), nn.MultiheadAttention) and hasattr(m, "linear1")
+
+
+def _no_head(model: nn.Module, layers: list[LayerAnatomy]) -> tuple[dict[str, Any], str]:
+    return {}, ""
+
+
+#: The torch block kind: its head is the caller's own module (nothing read).
+BLOCKS = (
+    BlockKind(name="torch", matches=_is_encoder_layer, build=_encoder_layer,
+              parts="self_attn (nn.MultiheadAttention) + linear1 (torch)", label="nn.TransformerEncoderLayer",
+              refused="torch nn.TransformerEncoderLayer blocks: the value-aware methods do not record their states",
+              head=_no_head),
+)

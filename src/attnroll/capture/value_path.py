@@ -25,7 +25,7 @@ __all__ = ["LayerAnatomy", "ModelAnatomy", "LayerStates", "anatomy", "record_sta
            "linear_params", "norm_params", "anatomy_or_reason", "value_anatomy"]
 
 
-@dataclass
+@dataclass(kw_only=True)
 class LayerStates:
     """What one forward pass computed, per layer l (each (B, n, d), detached): ``inputs`` the block's input
     hidden states, ``norm1_in`` / ``norm2_in`` the vectors entering its two norms, ``outputs`` its output;

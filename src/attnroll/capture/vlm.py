@@ -177,8 +177,8 @@ class VLMAdapter(HFAdapter):
             return (f"{where.shape[0]} image tokens in input_ids for {n_images} image(s) of {per_image} tokens "
                     "each: the image tokens do not match the vision tokens one to one")
         k = torch.arange(where.shape[0])
-        return StreamLink("vision", where[:, 0].cpu(), where[:, 1].cpu(), k // per_image, first + k % per_image,
-                          layers)
+        return StreamLink(source="vision", example=where[:, 0].cpu(), position=where[:, 1].cpu(), item=k // per_image,
+                          token=first + k % per_image, source_layers=layers)
 
     def metadata(self, record: AttentionRecord, inputs: dict[str, Any]) -> None:
         super().metadata(record, inputs)
