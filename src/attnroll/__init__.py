@@ -7,7 +7,7 @@ as always; ``__all__`` and ``dir(attnroll)`` list every public name.
 """
 
 import importlib as _importlib
-import pkgutil as _pkgutil
+import importlib.util as _importlib_util
 from typing import TYPE_CHECKING as _TYPE_CHECKING
 
 __version__ = "0.1.0"
@@ -58,10 +58,6 @@ if _TYPE_CHECKING:  # what type checkers and editors see; at run time __getattr_
     from .methods.context import ContextAttribution, context_attribution
 
 
-def _submodules() -> set[str]:
-    return {m.name for m in _pkgutil.iter_modules(__path__)}
-
-
 def __getattr__(name: str) -> object:
     """The public name ``name`` (or the submodule ``attnroll.<name>``), imported on first use and kept."""
     if name in _LAZY:
@@ -69,7 +65,7 @@ def __getattr__(name: str) -> object:
         value = _importlib.import_module(f".{name}" if where is None else where, __name__)
         if where is not None:
             value = getattr(value, name)
-    elif not name.startswith("__") and name in _submodules():
+    elif not name.startswith("__") and _importlib_util.find_spec(f"{__name__}.{name}") is not None:
         value = _importlib.import_module(f".{name}", __name__)
     else:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -78,4 +74,4 @@ def __getattr__(name: str) -> object:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__) | {m for m in _submodules() if not m.startswith("_")})
+    return sorted(set(globals()) | set(__all__))
