@@ -2,7 +2,7 @@
 
 Every public function validates through these helpers so that a user sees the same kind of message
 everywhere: the argument's name, what was received, and what was expected. This module imports nothing
-from the rest of the package (``core/`` may import it).
+from the rest of the package but the dependency-free :mod:`._messages` (``core/`` may import it).
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ from typing import Any, Sequence
 
 import numpy as np
 import torch
+
+from ._messages import one_line  # noqa: F401 - re-exported: the package imports it from here
 
 #: Tolerance on row sums for inputs that must be row-stochastic (float32 / float64 input); lower-precision
 #: input gets a wider one, see ``stochastic_atol``.
@@ -32,11 +34,6 @@ def stochastic_atol(dtype: torch.dtype) -> float:
 
 class UnsupportedModelError(TypeError):
     """Raised when no capture adapter knows the model; the message lists the supported families."""
-
-
-def one_line(msg: Any) -> str:
-    """``msg`` as text with every run of whitespace (newlines included) collapsed to one space."""
-    return " ".join(str(msg).split())
 
 
 def describe(x: Any) -> str:

@@ -7,8 +7,9 @@ import sys
 
 
 def main() -> None:
-    # Signals first: the imports below take seconds, and an interrupt during them is still one line and the
-    # conventional exit code (130 for Ctrl-C, 143 for SIGTERM), not a traceback.
+    # Signals first: an interrupt during the imports below (click and the commands' declarations; torch loads
+    # later, inside the command that needs it) is still one line and the conventional exit code (130 for
+    # Ctrl-C, 143 for SIGTERM), not a traceback.
     from ._io import Terminated, terminate_raises
 
     terminate_raises()

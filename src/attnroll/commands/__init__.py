@@ -24,7 +24,9 @@ Every module of this package whose name does not start with ``_`` is imported wh
 alphabetical order; click lists commands by name anyway), and its ``@cli.command`` decorators register it.
 Nothing else is edited. Conventions: usage errors raise ``click.UsageError`` (exit 2), other failures
 :class:`~._output.Failure` or any exception (exit 1, one line); every file is written with
-:func:`~._output.write` (atomic) after all inputs were checked.
+:func:`~._output.write` (atomic) after all inputs were checked. A command module's top level imports only
+click and this package's helpers; torch, the models, methods and pictures are imported inside the command
+function, so that ``--help`` and usage errors need no torch (``tests/test_imports.py`` checks).
 
 Exit codes: 0 success, 2 usage error, 1 failure, 3 ``attnroll audit --fail-if-flagged`` flagged a shift,
 3 ``attnroll batch`` completed with some inputs in its failures table, 130 interrupted (Ctrl-C), 143 terminated

@@ -13,7 +13,7 @@ from typing import Any
 
 import click
 
-from .._checks import one_line
+from .._messages import one_line
 from .._io import held_signals
 
 __all__ = ["Failure", "one_line", "prepare_out", "write", "save_npz", "figure_png", "png_bytes", "progress",

@@ -111,15 +111,23 @@ def _write_results(out: Path, result: Any, meta: dict) -> None:
     echo_written(written)
 
 
+#: The registered metrics of each input kind as (without masks, with masks), in table order, written out so
+#: that ``attnroll evaluate --help`` imports no torch; the command validates --metrics against the registry
+#: itself, and a test checks this list against ``attnroll.evaluate.metric_names``.
+HELP_METRICS = {
+    "image": (("deletion", "insertion", "positive", "negative"), ("pointing", "mass", "iou")),
+    "text": (("comprehensiveness", "sufficiency"), ("evidence_mass", "evidence_pointing", "evidence_f1")),
+}
+
+
 def _metrics_help() -> str:
-    """The --metrics help, from the metric registry: the metrics of each input kind, masks-only ones apart."""
-    from ..evaluate import metric_names
+    """The --metrics help: the metrics of each input kind, masks-only ones apart."""
 
     def listing(kind: str) -> str:
-        return ", ".join(metric_names(kind, masks=False))
+        return ", ".join(HELP_METRICS[kind][0])
 
     def masked(kind: str) -> str:
-        return ", ".join(metric_names(kind, masks=True))
+        return ", ".join(HELP_METRICS[kind][1])
 
     return (f"Comma-separated subset of {listing('image')} (images) or {listing('text')} (text), with object "
             f"masks {masked('image')}, with evidence tokens {masked('text')} [default: all that apply].")
