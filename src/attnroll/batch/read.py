@@ -15,11 +15,11 @@ def _frame(out: Path, which: str, schema: Any) -> Any:
     try:
         import pandas as pd
         import pyarrow as pa
-        import pyarrow.parquet as pq
+        import pyarrow.parquet  # noqa: F401 - what read_shard needs, with the message above
     except ImportError:
         raise ImportError("read_batch needs pandas and pyarrow: pip install 'attnroll[batch]'") from None
     files = store.shard_files(out, which)
-    table = pa.concat_tables([pq.read_table(f, schema=schema) for f in files]) if files else schema.empty_table()
+    table = pa.concat_tables([store.read_shard(f, schema=schema) for f in files]) if files else schema.empty_table()
     df = table.to_pandas()
     return df if df.empty else df.sort_values(["index"], kind="stable").reset_index(drop=True)
 
