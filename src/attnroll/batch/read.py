@@ -43,6 +43,18 @@ def read_batch(path: str | os.PathLike, *, method: str | None = None) -> Any:
     return df
 
 
+def recorded_sources(path: str | os.PathLike) -> dict[str, str]:
+    """{id: source} over the rows of a batch output: each input's image path (or text) as the run recorded
+    it (reads the ``id`` and ``source`` columns only)."""
+    out = Path(path)
+    read_manifest(out)
+    found: dict[str, str] = {}
+    for f in store.shard_files(out, store.ROWS):
+        t = store.read_shard(f, ["id", "source"])
+        found.update(zip(t.column("id").to_pylist(), t.column("source").to_pylist()))
+    return found
+
+
 def read_failures(path: str | os.PathLike) -> Any:
     """The failures table of a batch output: index, id, source, method (None = the input could not be
     read), reason."""
