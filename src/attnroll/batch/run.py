@@ -198,20 +198,15 @@ def run_batch(
     engine, batch_size, num_workers, num_gpus, cpus_per_worker, target, shard_size = _check_run_args(
         engine, batch_size, num_workers, num_gpus, cpus_per_worker, target, shard_size)
     with _ray_runtime(engine, address, num_workers, cpus_per_worker, ray_start) as ray_start:
-        items = list_items(source, column, target_column, exclude=[out])
-        names, resolved = resolve_methods(methods, options)
+        items, names, resolved, sfp = _inputs(source, column, target_column, out, methods, options, png)
         spec = ModelSpec(model, None if weights is None else os.fspath(weights), items[0].kind)
         lm = spec.load() if loaded is None else loaded
         _check_model_fits(lm, items, names, target is not None or target_column is not None)
         fp = model_fingerprint(lm.model)
         key = run_key(source, column, fp, names, resolved, target, target_column)
         out = Path(out)
-        if png:
-            check_overlay_names(items, names)
-        sfp = source_fingerprint(source, items)
         with store.locked(out):
-            info = {**_manifest(key, lm, spec, engine, command, len(items)), "run": uuid.uuid4().hex,
-                    "source_fingerprint": sfp}
+            info = {**_manifest(key, lm, spec, engine, command, len(items), sfp), "run": uuid.uuid4().hex}
             todo, held = _resume(out, key, overwrite, items, {**info, "status": "running"}, sfp)
             job = Job(names, resolved, fp, str(out.resolve()), png, target, run=info["run"],
                       shard_meta=store.shard_meta(key, sfp))
@@ -222,6 +217,17 @@ def run_batch(
                 known = run_ray(spec, job, todo, batch_size, counter, num_workers=num_workers, address=address,
                                 cpus_per_worker=cpus_per_worker, num_gpus=num_gpus, ray_start=ray_start)
             return _finish(out, info, items, todo, time.perf_counter() - t0, known)
+
+
+def _inputs(source: Any, column: str | None, target_column: str | None, out: Any, methods: Any, options: Any,
+            png: bool) -> tuple[list[Item], list[str], dict, str]:
+    """The source's items (the output folder left out of an image folder), the method names and their
+    resolved options, and the source's fingerprint; with ``png`` the overlay names are checked distinct."""
+    items = list_items(source, column, target_column, exclude=[out])
+    names, resolved = resolve_methods(methods, options)
+    if png:
+        check_overlay_names(items, names)
+    return items, names, resolved, source_fingerprint(source, items)
 
 
 def _run_local(lm: Any, job: Job, todo: list[Item], batch_size: int, shard_size: int | None, counter: "_Counter",
@@ -374,7 +380,8 @@ def _check_model_fits(lm: Any, items: list[Item], names: list[str], class_target
                              "every text a pair (explained for the cosine similarity of the two sentences)")
 
 
-def _manifest(key: dict, lm: Any, spec: ModelSpec, engine: str, command: str | None, n: int) -> dict:
+def _manifest(key: dict, lm: Any, spec: ModelSpec, engine: str, command: str | None, n: int,
+              source_fp: str | None = None) -> dict:
     from importlib import metadata
 
     import torch
@@ -386,7 +393,7 @@ def _manifest(key: dict, lm: Any, spec: ModelSpec, engine: str, command: str | N
             versions[mod] = getattr(m, "__version__", "?")
     return {"key": key, "model_name": lm.name, "model_spec": {"name": spec.name, "weights": spec.weights},
             "kind": spec.kind, "engine": engine, "command": command, "versions": versions,
-            "counts": {"inputs": n}}
+            "counts": {"inputs": n}, "source_fingerprint": source_fp}
 
 
 def _finish(out: Path, info: dict, items: list[Item], todo: list[Item], seconds: float,
