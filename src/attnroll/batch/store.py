@@ -4,7 +4,7 @@
 DIR/manifest.json             the command, versions, model fingerprint, methods, options, counts
 DIR/rows/part-*.parquet       the explanations: one row per (input, method)      (ROW_SCHEMA)
 DIR/failures/part-*.parquet   inputs that could not be explained, with the reason (FAILURE_SCHEMA)
-DIR/png/<id>.<method>.png     overlays (with --png)
+DIR/png/<name>.<method>.png   overlays (with --png), named by work.overlay_name (a safe file name)
 DIR/.lock                     held (flock) while a run writes; released by the OS even after kill -9
 ```
 Each batch of inputs is committed by two atomic renames (its rows, then its failures; a temporary file in
@@ -323,9 +323,9 @@ def _read_shards(files: list[Path]) -> list[Shard]:
 
 
 def remove_temporaries(out: Path) -> int:
-    """Delete the temporary files a killed run left in the shard folders; returns how many."""
+    """Delete the temporary files a killed run left in the shard and overlay folders; returns how many."""
     n = 0
-    for which in (ROWS, FAILURES):
+    for which in (ROWS, FAILURES, "png"):
         folder = Path(out) / which
         if folder.is_dir():
             for f in folder.glob(".*.tmp"):

@@ -246,7 +246,8 @@ def explain_cmd(images, text, pair, model_spec, weights, method, options, target
     and format into --out and print each input's top units.
 
     \b
-    Files: <image stem>.<method>.png|html|json|npz; for text <first words>.<method>.html|json|npz.
+    Files: <image stem>.<method>.png|html|json|npz; for text <first words>.<method>.html|json|npz (a stem
+    that is not a plain lower-case file name gets ~ and a short hash).
     Examples:
       attnroll explain photos/ --model ./vit-base-local -m gae --format png,json
       attnroll explain cat.jpg --model vit_small_patch16_224 --weights vit_s.safetensors
