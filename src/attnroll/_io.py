@@ -64,16 +64,26 @@ def held_signals() -> Iterator[None]:
         yield
         return
     pending: list[int] = []
-    old = {s: signal.getsignal(s) for s in _SIGNALS}
-    for s in _SIGNALS:
-        signal.signal(s, lambda signum, frame: pending.append(signum))
+    old: dict[int, Any] = {}
     try:
+        for s in _SIGNALS:
+            old[s] = signal.getsignal(s)
+            signal.signal(s, lambda signum, frame: pending.append(signum))
         yield
     finally:
-        for s, handler in old.items():
-            signal.signal(s, handler)
+        _restore(list(old.items()))
         if pending:
             _deliver(pending[0], old[pending[0]])
+
+
+def _restore(handlers: list[tuple[int, Any]]) -> None:
+    """Put each (signal, handler) back; a signal acted on as soon as its own handler is back (an interrupt
+    raised) does not leave the others' handlers replaced."""
+    if handlers:
+        try:
+            signal.signal(*handlers[0])
+        finally:
+            _restore(handlers[1:])
 
 
 def _deliver(signum: int, handler: Any) -> None:
@@ -92,18 +102,24 @@ def atomic_write(path: str | os.PathLike, write: Callable[[Any], None] | bytes |
     ``write`` is the content (bytes or str) or a function ``write(fileobj)`` filling an open binary file.
     The data go to ``.<name>.<random>.tmp`` in the same folder, which is renamed over ``path`` only when
     everything was written; on any error or interrupt (KeyboardInterrupt, SIGTERM) the temporary file is
-    removed and the exception re-raised — at no instant is an interrupt able to leave it behind: signals
-    are held from before the temporary file is created until its clean-up is armed. Returns the path
-    written.
+    closed and removed and the exception re-raised — at no instant is an interrupt able to leave it (or its
+    descriptor) behind: signals are held from before the temporary file is created until it is open as a
+    file object that the clean-up knows, and a second interrupt arriving while the clean-up runs does not
+    stop it (:func:`_discard`). Returns the path written.
     """
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
-    tmp = None
+    tmp, f = None, None
     with _sigterm_raises() as temporary:
         try:
             with held_signals():  # a signal held here is delivered at the end of the block, with `tmp` known
                 fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=folder)
-            with os.fdopen(fd, "wb") as f:
+                try:
+                    f = os.fdopen(fd, "wb")
+                except BaseException:
+                    os.close(fd)
+                    raise
+            with f:
                 if callable(write):
                     write(f)
                 elif isinstance(write, str):
@@ -113,15 +129,40 @@ def atomic_write(path: str | os.PathLike, write: Callable[[Any], None] | bytes |
             os.chmod(tmp, 0o644)
             os.replace(tmp, path)
         except BaseException as exc:
-            with held_signals():  # no second interrupt while cleaning up
-                if tmp is not None and os.path.exists(tmp):
-                    os.unlink(tmp)
+            _discard(f, tmp, exc)
             if temporary and isinstance(exc, Terminated):
                 # The process had SIGTERM's default action: die by the signal, as it would have.
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
                 os.kill(os.getpid(), signal.SIGTERM)
             raise
     return path
+
+
+#: How many interrupts :func:`_discard` outlasts before it gives up on the temporary file.
+_DISCARD_TRIES = 20
+
+
+def _discard(f: Any, tmp: str | None, exc: BaseException) -> None:
+    """Close ``f`` and remove ``tmp`` after ``exc`` stopped a write. An interrupt (KeyboardInterrupt,
+    :class:`Terminated`) arriving meanwhile — before the signals are held, or delivered as they are released
+    — does not stop the clean-up: it is retried, and the interrupt re-raised once the file is gone (from
+    ``exc``, which it supersedes unless ``exc`` was itself an interrupt)."""
+    late: BaseException | None = None
+    for _ in range(_DISCARD_TRIES):
+        try:
+            with held_signals():  # no second interrupt while cleaning up
+                if f is not None and not f.closed:
+                    with contextlib.suppress(OSError):
+                        f.close()
+                if tmp is not None and os.path.lexists(tmp):
+                    os.unlink(tmp)
+            break
+        except (KeyboardInterrupt, Terminated) as e:
+            late = late or e
+        except OSError:
+            break  # the folder went away or became read-only: nothing more to do; `exc` says what happened
+    if late is not None and not isinstance(exc, (KeyboardInterrupt, Terminated)):
+        raise late from exc
 
 
 # ------------------------------------------------------------------------------------------- readers

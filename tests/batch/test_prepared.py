@@ -111,12 +111,12 @@ def test_a_new_outputs_counts_from_its_commits_equal_the_shards_and_a_resumed_on
     write_shapes(src, 7, seed=8)
     (src / "broken.png").write_bytes(b"not a png")
     out = tmp_path / "out"
-    reads, read = [], store.committed_id_lists  # called by the resume's listing, and by _finish to count
-    monkeypatch.setattr(store, "committed_id_lists", lambda o: reads.append(o) or read(o))
+    reads, read = [], store.scan  # called by the resume's listing, and by _finish to count
+    monkeypatch.setattr(store, "scan", lambda o: reads.append(o) or read(o))
     first = run_batch(src, out, methods=["rollout", "raw"], batch_size=3, shard_size=3, loaded=lm)  # 3 shards
     counts = read_manifest(out)["counts"]
     assert reads == [out] and {k: counts[k] for k in ("explained", "failed", "rows")} == _shard_counts(out)
-    assert (first.explained, first.failed, first.rows, counts["missing"]) == (8, 1, 14, 0)  # (8 inputs handled)
+    assert (first.explained, first.failed, first.rows, counts["missing"]) == (7, 1, 14, 0)  # (8 inputs handled)
     lost = sorted((out / "rows").glob("*.parquet"))[1]
     lost.unlink()  # the rerun explains only that shard's inputs, and counts the whole output from the shards
     again = run_batch(src, out, methods=["rollout", "raw"], batch_size=3, loaded=lm)

@@ -12,7 +12,7 @@ pytest.importorskip("click")
 pytest.importorskip("pyarrow")
 from PIL import Image  # noqa: E402
 
-from attnroll.batch import read_batch, read_failures, row_explanation  # noqa: E402
+from attnroll.batch import overlay_name, read_batch, read_failures, row_explanation  # noqa: E402
 
 from ..batch.helpers import write_shapes  # noqa: E402
 from .test_cli import one_line_error, run  # noqa: E402
@@ -31,11 +31,12 @@ def test_summary_failures_exit_code_and_resume(folder, tmp_path):
     res = run("batch", folder, "--out", out, "-m", "rollout,raw", "--batch-size", "4")
     assert res.exit_code == 3, res.output  # completed, one input failed
     line = res.stdout.strip().splitlines()[-1]
-    assert line.startswith("7 inputs: 7 explained now") and "1 failed, 12 rows" in line
+    assert line.startswith("7 inputs: 6 explained now, 1 failed in ") and "; 12 rows in" in line
     assert list(read_failures(out)["id"]) == ["deeper/corrupt.jpg"]
     assert sorted(set(read_batch(out)["method"])) == ["raw", "rollout"]
     again = run("batch", folder, "--out", out, "-m", "rollout,raw", "--batch-size", "4")
-    assert again.exit_code == 3 and "(7 done before): 0 explained now" in again.stdout
+    assert again.exit_code == 3 and "(7 done before): 0 explained now, 0 failed in " in again.stdout
+    assert "; 1 failed in all; 12 rows" in again.stdout
     assert len(read_batch(out)) == 12
 
 
@@ -56,7 +57,7 @@ def test_png_overlays_are_each_rows_map_over_its_image(folder, tmp_path):
     df = read_batch(out)
     assert len(df) == 6
     for _, row in df.iterrows():
-        png = out / "png" / f"{row['id']}.gae.png"
+        png = out / "png" / overlay_name(row["id"], "gae")
         want = viz.overlay(row_explanation(row), Image.open(folder / row["id"]).convert("RGB"))
         assert np.array_equal(np.asarray(Image.open(png)), np.asarray(want))
 

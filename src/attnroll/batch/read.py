@@ -15,11 +15,11 @@ def _frame(out: Path, which: str, schema: Any) -> Any:
     try:
         import pandas as pd
         import pyarrow as pa
-        import pyarrow.parquet as pq
+        import pyarrow.parquet  # noqa: F401 - what read_shard needs, with the message above
     except ImportError:
         raise ImportError("read_batch needs pandas and pyarrow: pip install 'attnroll[batch]'") from None
     files = store.shard_files(out, which)
-    table = pa.concat_tables([pq.read_table(f, schema=schema) for f in files]) if files else schema.empty_table()
+    table = pa.concat_tables([store.read_shard(f, schema=schema) for f in files]) if files else schema.empty_table()
     df = table.to_pandas()
     return df if df.empty else df.sort_values(["index"], kind="stable").reset_index(drop=True)
 
@@ -41,6 +41,18 @@ def read_batch(path: str | os.PathLike, *, method: str | None = None) -> Any:
             raise ValueError(f"method={method!r} is not in {out} (it holds {sorted(set(df['method']))})")
         df = df[df["method"] == method].reset_index(drop=True)
     return df
+
+
+def recorded_sources(path: str | os.PathLike) -> dict[str, str]:
+    """{id: source} over the rows of a batch output: each input's image path (or text) as the run recorded
+    it (reads the ``id`` and ``source`` columns only)."""
+    out = Path(path)
+    read_manifest(out)
+    found: dict[str, str] = {}
+    for f in store.shard_files(out, store.ROWS):
+        t = store.read_shard(f, ["id", "source"])
+        found.update(zip(t.column("id").to_pylist(), t.column("source").to_pylist()))
+    return found
 
 
 def read_failures(path: str | os.PathLike) -> Any:

@@ -22,8 +22,8 @@ from .. import _checks
 from . import store
 from .engines import ModelSpec, RayStart, begin_ray, run_local, run_ray
 from .fingerprint import model_fingerprint
-from .sources import Item, list_items
-from .work import Job, Worker, has_class_scores
+from .sources import Item, list_items, source_fingerprint
+from .work import Job, Worker, has_class_scores, overlay_name
 
 ENGINES = ("local", "ray")
 
@@ -34,9 +34,11 @@ class BatchMismatchError(ValueError):
 
 @dataclass
 class BatchResult:
-    """What a run did: ``inputs`` in the source, ``done_before`` already committed by earlier runs,
-    ``explained`` now, ``failed`` (all runs) inputs in the failures table, ``rows`` in total, ``seconds``
-    of this run and its throughput ``rate`` (inputs explained now per second)."""
+    """What a run did: ``inputs`` in the source, ``done_before`` already committed (explained or failed) by
+    earlier runs, ``explained`` now (inputs of this run with their rows and no failure), ``failed`` (all
+    runs) inputs in the failures table, ``rows`` in total, ``seconds`` of this run and its throughput
+    ``rate`` (inputs explained now per second); ``failed_now``: the inputs of this run that failed (for every
+    method or some); ``missing``: inputs that no shard holds (0 after a completed run)."""
 
     out: str
     inputs: int
@@ -45,16 +47,23 @@ class BatchResult:
     failed: int
     rows: int
     seconds: float
+    failed_now: int = 0
+    missing: int = 0
 
     @property
     def rate(self) -> float:
         return self.explained / self.seconds if self.seconds > 0 else 0.0
 
     def summary(self) -> str:
-        """One line: items, failures, throughput."""
+        """One line: inputs, what this run explained and what failed, throughput, the output's totals."""
         resumed = f" ({self.done_before} done before)" if self.done_before else ""
-        return (f"{self.inputs} inputs{resumed}: {self.explained} explained now in {self.seconds:.1f} s "
-                f"({self.rate:.1f}/s), {self.failed} failed, {self.rows} rows in {self.out}")
+        line = (f"{self.inputs} inputs{resumed}: {self.explained} explained now, {self.failed_now} failed in "
+                f"{self.seconds:.1f} s ({self.rate:.1f}/s)")
+        if self.failed != self.failed_now:
+            line += f"; {self.failed} failed in all"
+        if self.missing:
+            line += f"; {self.missing} missing (rerun to complete)"
+        return f"{line}; {self.rows} rows in {self.out}"
 
 
 def resolve_methods(methods: Sequence[str] | str, options: dict | None) -> tuple[list[str], dict[str, dict]]:
@@ -80,16 +89,52 @@ def run_key(source: Any, column: str | None, fingerprint: str, names: list[str],
     return key
 
 
+#: How to proceed when an output cannot be resumed.
+_PROCEED = "rerun with the same settings to complete it, or pass --overwrite (overwrite=True) to start over"
+
+
+def _key_diff(old: dict, key: dict) -> str:
+    """What differs between two run keys ("" when nothing)."""
+    diff = [k for k in sorted(set(key) | set(old)) if old.get(k) != key.get(k)]
+    return "; ".join(f"{k}: {json.dumps(old.get(k))} before, {json.dumps(key.get(k))} now" for k in diff)
+
+
 def check_resumable(meta: dict | None, key: dict, out: Path) -> None:
     """Refuse to mix: the stored key must equal ``key``; the message says what differs and how to proceed."""
     if meta is None:
         return
-    old = meta.get("key", {})
-    diff = [k for k in sorted(set(key) | set(old)) if old.get(k) != key.get(k)]
-    if diff:
-        what = "; ".join(f"{k}: {json.dumps(old.get(k))} before, {json.dumps(key.get(k))} now" for k in diff)
-        raise BatchMismatchError(f"{out} holds results of a different run ({what}); rerun with the same "
-                                 "settings to complete it, or pass --overwrite (overwrite=True) to start over")
+    what = _key_diff(meta.get("key", {}), key)
+    if what:
+        raise BatchMismatchError(f"{out} holds results of a different run ({what}); {_PROCEED}")
+
+
+def check_shards(shards: list[store.Shard], key: dict, source_fp: str, items: list[Item], out: Path,
+                 manifest: bool) -> None:
+    """Refuse to add to shards that another run made, or that a changed source made: each shard's own record
+    (:func:`store.shard_meta`) must name this run's key and source fingerprint, and every input it holds
+    must be at the same position in the source now. A shard of an earlier version (no record) is trusted
+    only under a ``manifest`` that matched the key. BatchMismatchError says which shard and why."""
+    where = {it.id: it.index for it in items}
+    for s in shards:
+        for i, index in s.entries:
+            if where.get(i) != index:
+                now = "is no longer in it" if i not in where else f"is now at position {where[i]}"
+                raise BatchMismatchError(f"the source changed since {out} was made: input {i!r} of {s.path} was at "
+                                         f"position {index} and {now}; pass --overwrite (overwrite=True) to start "
+                                         "over, or write to another output folder")
+        if s.meta is None:
+            if not manifest:
+                raise BatchMismatchError(f"{out} has no {store.MANIFEST} and its shard {s.path.name} does not record "
+                                         "what made it (an earlier version); restore the manifest to resume, or "
+                                         "pass --overwrite (overwrite=True) to start over")
+            continue
+        what = _key_diff(s.meta.get("key", {}), key)
+        if what:
+            raise BatchMismatchError(f"{s.path} holds results of a different run ({what}); {_PROCEED}")
+        if s.meta.get("source_fingerprint") != source_fp:
+            raise BatchMismatchError(f"the source changed since {s.path} was made (inputs added, removed, renamed "
+                                     "or edited); pass --overwrite (overwrite=True) to start over, or write to "
+                                     "another output folder")
 
 
 def run_batch(
@@ -153,8 +198,7 @@ def run_batch(
     engine, batch_size, num_workers, num_gpus, cpus_per_worker, target, shard_size = _check_run_args(
         engine, batch_size, num_workers, num_gpus, cpus_per_worker, target, shard_size)
     with _ray_runtime(engine, address, num_workers, cpus_per_worker, ray_start) as ray_start:
-        items = list_items(source, column, target_column)
-        names, resolved = resolve_methods(methods, options)
+        items, names, resolved, sfp = _inputs(source, column, target_column, out, methods, options, png)
         spec = ModelSpec(model, None if weights is None else os.fspath(weights), items[0].kind)
         lm = spec.load() if loaded is None else loaded
         _check_model_fits(lm, items, names, target is not None or target_column is not None)
@@ -162,16 +206,28 @@ def run_batch(
         key = run_key(source, column, fp, names, resolved, target, target_column)
         out = Path(out)
         with store.locked(out):
-            info = {**_manifest(key, lm, spec, engine, command, len(items)), "run": uuid.uuid4().hex}
-            todo, held = _resume(out, key, overwrite, items, {**info, "status": "running"})
-            job = Job(names, resolved, fp, str(out.resolve()), png, target, run=info["run"])
+            info = {**_manifest(key, lm, spec, engine, command, len(items), sfp), "run": uuid.uuid4().hex}
+            todo, held = _resume(out, key, overwrite, items, {**info, "status": "running"}, sfp)
+            job = Job(names, resolved, fp, str(out.resolve()), png, target, run=info["run"],
+                      shard_meta=store.shard_meta(key, sfp))
             counter = _Counter(len(todo), progress)
             if engine == "local":
                 known = _run_local(lm, job, todo, batch_size, shard_size, counter, held)
             else:
                 known = run_ray(spec, job, todo, batch_size, counter, num_workers=num_workers, address=address,
                                 cpus_per_worker=cpus_per_worker, num_gpus=num_gpus, ray_start=ray_start)
-            return _finish(out, info, len(items), len(items) - len(todo), len(todo), time.perf_counter() - t0, known)
+            return _finish(out, info, items, todo, time.perf_counter() - t0, known)
+
+
+def _inputs(source: Any, column: str | None, target_column: str | None, out: Any, methods: Any, options: Any,
+            png: bool) -> tuple[list[Item], list[str], dict, str]:
+    """The source's items (the output folder left out of an image folder), the method names and their
+    resolved options, and the source's fingerprint; with ``png`` the overlay names are checked distinct."""
+    items = list_items(source, column, target_column, exclude=[out])
+    names, resolved = resolve_methods(methods, options)
+    if png:
+        check_overlay_names(items, names)
+    return items, names, resolved, source_fingerprint(source, items)
 
 
 def _run_local(lm: Any, job: Job, todo: list[Item], batch_size: int, shard_size: int | None, counter: "_Counter",
@@ -215,22 +271,44 @@ def _check_run_args(engine: Any, batch_size: Any, num_workers: Any, num_gpus: An
             check_shard_size(shard_size, engine))
 
 
-def _resume(out: Path, key: dict, overwrite: bool, items: list[Item], manifest: dict) -> tuple[list[Item], bool]:
+def _resume(out: Path, key: dict, overwrite: bool, items: list[Item], manifest: dict,
+            source_fp: str) -> tuple[list[Item], bool]:
     """The items no committed shard holds and whether ``out`` holds any committed row or failure, after
-    checking (or, with ``overwrite``, clearing) what ``out`` holds, removing a killed run's temporary files
-    and writing this run's ``manifest``; call with ``out`` locked. The manifest (with this run's id) is
-    written *before* the shards are listed: a worker of a killed run that is still alive (a Ray actor on a
-    cluster) then finds another run's id and commits nothing more, so that no batch is both listed as
-    missing and committed by it."""
+    checking (or, with ``overwrite``, clearing) what ``out`` holds — the manifest's key, then each shard's
+    own record (:func:`check_shards`) — removing a killed run's temporary files and writing this run's
+    ``manifest``; call with ``out`` locked. The manifest (with this run's id) is written *before* the
+    shards are listed: a worker of a killed run that is still alive (a Ray actor on a cluster) then finds
+    another run's id and commits nothing more, so that no batch is both listed as missing and committed by
+    it. A refusal puts the previous manifest back (or removes this run's, when there was none)."""
     meta = store.read_manifest(out)
-    if overwrite and meta is not None:
-        store.clear(out)
+    if overwrite and (meta is not None or any(store.shard_files(out, w) for w in (store.ROWS, store.FAILURES))):
+        store.clear(out)  # (a folder that is no batch output is left as it is)
         meta = None
     check_resumable(meta, key, out)
     store.write_manifest(out, manifest)
     store.remove_temporaries(out)
-    done_rows, done_failed = store.committed_ids(out)
-    return [it for it in items if it.id not in done_rows and it.id not in done_failed], bool(done_rows or done_failed)
+    try:
+        rows, failures = store.scan(out)
+        check_shards(rows + failures, key, source_fp, items, out, manifest=meta is not None)
+    except BaseException:
+        if meta is None:
+            (out / store.MANIFEST).unlink(missing_ok=True)
+        else:
+            store.write_manifest(out, {k: v for k, v in meta.items() if k != "format"})
+        raise
+    done = {i for s in rows + failures for i, _ in s.entries}
+    return [it for it in items if it.id not in done], bool(done)
+
+
+def check_overlay_names(items: list[Item], methods: list[str]) -> None:
+    """Two inputs must not share an overlay file (:func:`~attnroll.batch.work.overlay_name`), also on a
+    case-insensitive disk; only a hash collision could make them, and it is refused, not overwritten."""
+    seen: dict[str, str] = {}
+    for it in items:
+        name = overlay_name(it.id, methods[0]).lower()
+        if seen.setdefault(name, it.id) != it.id:
+            raise ValueError(f"inputs {seen[name]!r} and {it.id!r} would write the same overlay file {name!r}; "
+                             "rename one of them")
 
 
 class _Counter:
@@ -302,7 +380,8 @@ def _check_model_fits(lm: Any, items: list[Item], names: list[str], class_target
                              "every text a pair (explained for the cosine similarity of the two sentences)")
 
 
-def _manifest(key: dict, lm: Any, spec: ModelSpec, engine: str, command: str | None, n: int) -> dict:
+def _manifest(key: dict, lm: Any, spec: ModelSpec, engine: str, command: str | None, n: int,
+              source_fp: str | None = None) -> dict:
     from importlib import metadata
 
     import torch
@@ -314,20 +393,25 @@ def _manifest(key: dict, lm: Any, spec: ModelSpec, engine: str, command: str | N
             versions[mod] = getattr(m, "__version__", "?")
     return {"key": key, "model_name": lm.name, "model_spec": {"name": spec.name, "weights": spec.weights},
             "kind": spec.kind, "engine": engine, "command": command, "versions": versions,
-            "counts": {"inputs": n}}
+            "counts": {"inputs": n}, "source_fingerprint": source_fp}
 
 
-def _finish(out: Path, info: dict, n: int, before: int, now: int, seconds: float,
+def _finish(out: Path, info: dict, items: list[Item], todo: list[Item], seconds: float,
             known: tuple[list[str], list[str]] | None = None) -> BatchResult:
     """Count what is committed, write the final manifest, return the result. ``known``: the ids of every
     committed row (one per row) and failure when the run knows them all (a new output explained by the local
-    engine: its commits are all there is); else the committed shards are read."""
+    engine: its commits are all there is); else the committed shards are read. Counts are of the source's
+    inputs: explained = with rows and no failure, failed = with a failure (for one method or all)."""
     row_ids, failed_ids = store.committed_id_lists(out) if known is None else known
-    done_rows, failed, rows = set(row_ids), set(failed_ids), len(row_ids)
+    listed = {it.id for it in items}
+    done_rows, failed, rows = set(row_ids) & listed, set(failed_ids) & listed, len(row_ids)
+    n, now = len(items), {it.id for it in todo}
     counts = {"inputs": n, "explained": len(done_rows - failed), "failed": len(failed), "rows": rows,
               "missing": n - len(done_rows | failed)}
+    explained_now, failed_now = len((done_rows - failed) & now), len(failed & now)
     status = "complete" if counts["missing"] == 0 else "incomplete"
     store.write_manifest(out, {**info, "status": status, "counts": counts, "last_run": {
-        "seconds": round(seconds, 3), "explained": now, "done_before": before,
-        "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}})
-    return BatchResult(str(out), n, before, now, len(failed), rows, seconds)
+        "seconds": round(seconds, 3), "explained": explained_now, "failed": failed_now,
+        "done_before": n - len(todo), "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}})
+    return BatchResult(str(out), n, n - len(todo), explained_now, len(failed), rows, seconds, failed_now,
+                       counts["missing"])

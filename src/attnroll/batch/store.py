@@ -4,7 +4,7 @@
 DIR/manifest.json             the command, versions, model fingerprint, methods, options, counts
 DIR/rows/part-*.parquet       the explanations: one row per (input, method)      (ROW_SCHEMA)
 DIR/failures/part-*.parquet   inputs that could not be explained, with the reason (FAILURE_SCHEMA)
-DIR/png/<id>.<method>.png     overlays (with --png)
+DIR/png/<name>.<method>.png   overlays (with --png), named by work.overlay_name (a safe file name)
 DIR/.lock                     held (flock) while a run writes; released by the OS even after kill -9
 ```
 Each batch of inputs is committed by two atomic renames (its rows, then its failures; a temporary file in
@@ -214,20 +214,34 @@ def write_arrow(path: Path, table: Any) -> Path:
     return path
 
 
-def commit_tables(out: Path, tables: list[Any], failures: list[dict]) -> int:
+#: The key of a shard's Parquet metadata that says what made it (:func:`shard_meta`).
+SHARD_META = b"attnroll.batch"
+
+
+def shard_meta(key: dict, source_fingerprint: str) -> str:
+    """What every shard of a run carries in its Parquet metadata (JSON): the run's key (source, column,
+    model fingerprint, methods, options, target) and the fingerprint of the source's listing, so that a
+    rerun can check each shard on its own, manifest or not."""
+    return json.dumps({"format": FORMAT, "key": key, "source_fingerprint": source_fingerprint}, sort_keys=True)
+
+
+def commit_tables(out: Path, tables: list[Any], failures: list[dict], meta: str | None = None) -> int:
     """Commit one batch: its row tables (Arrow tables or :class:`PendingRows`, as one shard) and its failures,
-    each shard named after the batch's first input; returns the number of rows written."""
+    each shard named after the batch's first input and carrying ``meta`` (:func:`shard_meta`) in its Parquet
+    metadata; returns the number of rows written."""
     pa = _pa()
     tables = [as_table(t) for t in tables if t.num_rows]
     if not tables and not failures:
         return 0
     firsts = [min(t.column("index").to_pylist()) for t in tables] + [f["index"] for f in failures]
     name = shard_name(min(firsts))
+    extra = None if meta is None else {SHARD_META: meta.encode("utf-8")}
     rows = pa.concat_tables(tables) if tables else None
     if rows is not None:
-        write_arrow(out / ROWS / name, rows)
+        write_arrow(out / ROWS / name, rows if extra is None else rows.replace_schema_metadata(extra))
     if failures:
-        write_table(out / FAILURES / name, failures, failure_schema())
+        schema = failure_schema()
+        write_table(out / FAILURES / name, failures, schema if extra is None else schema.with_metadata(extra))
     return 0 if rows is None else rows.num_rows
 
 
@@ -235,6 +249,27 @@ def shard_files(out: Path, which: str) -> list[Path]:
     """The committed shards of ``rows`` or ``failures``, sorted by name (source order)."""
     folder = Path(out) / which
     return sorted(folder.glob("part-*.parquet")) if folder.is_dir() else []
+
+
+@dataclass
+class Shard:
+    """One committed shard as a rerun sees it: its file, what made it (:func:`shard_meta`, decoded; None for
+    a shard of an earlier version, which carries none), and its (id, index) per row."""
+
+    path: Path
+    meta: dict | None
+    entries: list[tuple[str, int]]
+
+
+def scan(out: Path) -> tuple[list[Shard], list[Shard]]:
+    """The committed row shards and failure shards of ``out``, in name order (source order), each read for
+    its metadata and its ``id`` and ``index`` columns only; a damaged shard raises ValueError naming it and
+    saying what to do."""
+    found = []
+    for which in (ROWS, FAILURES):
+        files = shard_files(out, which)
+        found.append(_read_shards(files) if files else [])  # (a new output imports no pyarrow here)
+    return found[0], found[1]
 
 
 def committed_ids(out: Path) -> tuple[set[str], set[str]]:
@@ -245,31 +280,52 @@ def committed_ids(out: Path) -> tuple[set[str], set[str]]:
 
 def committed_id_lists(out: Path) -> tuple[list[str], list[str]]:
     """The ``id`` column of every committed row shard (one entry per row) and failure shard."""
-    found = []
-    for which in (ROWS, FAILURES):
-        files = shard_files(out, which)
-        found.append(_id_column(files) if files else [])  # (a new output imports no pyarrow here)
-    return found[0], found[1]
+    rows, failures = scan(out)
+    return [i for s in rows for i, _ in s.entries], [i for s in failures for i, _ in s.entries]
 
 
-def _id_column(files: list[Path]) -> list[str]:
-    """The ``id`` values of the shards ``files`` in order, read by a few threads file by file
+def damaged(path: Path, why: str) -> ValueError:
+    """The error for a shard that cannot be read: which file, why, and what to do."""
+    return ValueError(f"{path} is not a readable batch shard ({why}); it was damaged or not written by attnroll "
+                      "batch: delete it (a rerun explains its inputs again) or rerun with --overwrite to start over")
+
+
+def read_shard(path: Path, columns: list[str] | None = None, schema: Any = None) -> Any:
+    """One shard as an Arrow table (``columns`` only); a damaged file raises :func:`damaged`'s error."""
+    import pyarrow.parquet as pq
+
+    try:
+        if schema is not None:
+            return pq.read_table(path, schema=schema)
+        return pq.ParquetFile(path).read(columns=columns, use_threads=False)
+    except (OSError, ValueError, KeyError, TypeError) as e:  # pyarrow's ArrowInvalid is a ValueError
+        if isinstance(e, (FileNotFoundError, PermissionError)):
+            raise
+        raise damaged(path, f"{type(e).__name__}: {str(e)[:200]}") from None
+
+
+def _read_shards(files: list[Path]) -> list[Shard]:
+    """:class:`Shard` of each of ``files``, in order, read by a few threads file by file
     (``pq.ParquetFile``: ``pq.ParquetDataset`` imports pyarrow.dataset, and with it pandas, ~0.3 s)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    import pyarrow.parquet as pq
-
-    def ids(f: Path) -> list[str]:
-        return pq.ParquetFile(f).read(columns=["id"], use_threads=False).column("id").to_pylist()
+    def one(f: Path) -> Shard:
+        t = read_shard(f, ["id", "index"])
+        raw = (t.schema.metadata or {}).get(SHARD_META)
+        try:
+            meta = None if raw is None else json.loads(raw)
+        except ValueError:
+            raise damaged(f, "its attnroll metadata is not JSON") from None
+        return Shard(f, meta, list(zip(t.column("id").to_pylist(), t.column("index").to_pylist())))
 
     with ThreadPoolExecutor(max_workers=min(8, len(files))) as pool:
-        return [i for part in pool.map(ids, files) for i in part]
+        return list(pool.map(one, files))
 
 
 def remove_temporaries(out: Path) -> int:
-    """Delete the temporary files a killed run left in the shard folders; returns how many."""
+    """Delete the temporary files a killed run left in the shard and overlay folders; returns how many."""
     n = 0
-    for which in (ROWS, FAILURES):
+    for which in (ROWS, FAILURES, "png"):
         folder = Path(out) / which
         if folder.is_dir():
             for f in folder.glob(".*.tmp"):

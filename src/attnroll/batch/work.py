@@ -18,6 +18,7 @@ import torch
 
 from . import store
 from .._checks import one_line
+from .._names import inside, safe_name
 from ..targets import similarity_to
 from .sources import Item
 
@@ -27,7 +28,8 @@ class Job:
     """What every batch of a run shares: methods (in order), each one's resolved options, the model's
     fingerprint, the output folder, whether to write overlays and the class to explain (``target``: None =
     each input's own target, else the predicted class). ``run``: the run's id in the manifest; a batch is
-    committed only while the manifest still names this run (None: no check). Picklable (sent to Ray actors)."""
+    committed only while the manifest still names this run (None: no check). ``shard_meta``: the JSON each
+    shard carries (:func:`attnroll.batch.store.shard_meta`). Picklable (sent to Ray actors)."""
 
     methods: list[str]
     options: dict[str, dict[str, Any]]
@@ -36,6 +38,7 @@ class Job:
     png: bool = False
     target: int | None = None
     run: str | None = None
+    shard_meta: str | None = None  # what each shard carries: store.shard_meta (None: nothing)
 
 
 class Worker:
@@ -92,7 +95,7 @@ class Worker:
         items, tables, failures = computed
         if self.job.run is not None:
             store.check_run(self.out, self.job.run)
-        rows = store.commit_tables(self.out, tables, failures)
+        rows = store.commit_tables(self.out, tables, failures, self.job.shard_meta)
         if self.tally is not None:
             self.tally[0].extend(i for t in tables if t.num_rows for i in _ids(t))
             self.tally[1].extend(f["id"] for f in failures)
@@ -319,13 +322,20 @@ def read_image(path: str) -> Any:
         raise _Bad(str(e)) from None
 
 
+def overlay_name(item_id: str, method: str) -> str:
+    """The file name of an input's overlay in ``DIR/png/``: ``<safe id>.<method>.png``, where the safe id is
+    the id itself when it is a plain lower-case file name, else its readable part and a hash
+    (:func:`attnroll._names.safe_name`): never a folder, never outside ``DIR/png``, one file per id."""
+    return f"{safe_name(item_id)}.{safe_name(method)}.png"
+
+
 def write_overlay(out: Path, item_id: str, method: str, e: Any, b: int, img: Any) -> None:
-    """``out/png/<id>.<method>.png``: the map of example ``b`` over its image (written atomically)."""
+    """``out/png/<overlay_name>``: the map of example ``b`` over its image (written atomically)."""
     from ..viz import overlay, save_image
 
-    path = out / "png" / f"{item_id}.{method}.png"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_image(overlay(e, img, b), path)
+    folder = out / "png"
+    folder.mkdir(exist_ok=True)
+    save_image(overlay(e, img, b), inside(folder, overlay_name(item_id, method)))
 
 
 def _batch_len(inputs: Any) -> int:

@@ -86,7 +86,18 @@ def batch_maps(wanted: list[tuple[Path, str]], n: int | None, what: str) -> tupl
         except ValueError as e:
             raise Failure(f"{what}: cannot read the texts of {wanted[0][0]} again: {one_line(e)}") from None
         return [items[i] for i in keep], out
-    return [per[0][0] / i for i in keep], out
+    from ..batch.read import recorded_sources
+
+    recorded = recorded_sources(wanted[0][0])
+    return [_image_path(recorded.get(i), per[0][0], i) for i in keep], out
+
+
+def _image_path(recorded: str | None, source: Path, item_id: str) -> Path:
+    """An input's image file: the path its batch recorded (absolute since paths are recorded so); for an
+    output of an earlier version (a path relative to where that run ran) an image folder's ``source/id``."""
+    if recorded is not None and (Path(recorded).is_absolute() or not source.is_dir()):
+        return Path(recorded)
+    return source / item_id
 
 
 def _take(e: Any, rows: list[int]) -> Any:

@@ -16,8 +16,8 @@ import click
 from .._messages import one_line
 from .._io import held_signals
 
-__all__ = ["Failure", "one_line", "prepare_out", "write", "save_npz", "figure_png", "png_bytes", "progress",
-           "echo_written"]
+__all__ = ["Failure", "one_line", "prepare_out", "output_file", "write", "save_npz", "figure_png", "png_bytes",
+           "progress", "echo_written"]
 
 
 class Failure(click.ClickException):
@@ -40,6 +40,17 @@ def prepare_out(out: Path) -> Path:
     except OSError as e:
         raise Failure(f"cannot write to output folder {out}: {e.strerror or e}") from None
     return out
+
+
+def output_file(out: Path, name: str) -> Path:
+    """``out / name`` for a file about to be written, checked to stay in ``out`` (``name`` one plain
+    component: make names from data with :func:`attnroll._names.safe_name`); a one-line failure otherwise."""
+    from .._names import UnsafePathError, inside
+
+    try:
+        return inside(out, name)
+    except UnsafePathError as e:
+        raise Failure(one_line(e)) from None
 
 
 def write(path: Path, content: Any) -> Path:

@@ -122,7 +122,7 @@ def batch_cmd(source, out, method_list, options, model_spec, weights, engine, nu
         check_num_gpus(num_gpus, engine)
         check_shard_size(shard_size, engine)
         check_cpus_per_worker(cpus_per_worker, engine)
-        items = list_items(source, column, target_column)
+        items = list_items(source, column, target_column, exclude=[out])
     except ValueError as e:
         raise click.UsageError(one_line(e)) from None
     if png and items[0].kind != "image":

@@ -15,8 +15,9 @@ import click
 from ._args import method_and_options, parse_target
 from ._data import check_cmap, check_inputs, expand_images, input_options, load_for, read_image
 from ._group import cli
-from ._output import Failure, one_line, png_bytes, prepare_out, progress, save_npz, write
+from ._output import Failure, one_line, output_file, png_bytes, prepare_out, progress, save_npz, write
 from ._text import explain_text
+from .._names import safe_name
 
 FORMATS = ("png", "html", "json", "npz")
 
@@ -83,6 +84,18 @@ def slug(text: str, words: int = 5) -> str:
     return s or "text"
 
 
+def distinct_stems(files: list[Path]) -> None:
+    """Two different input files must not write the same output file (``a/x.png`` and ``b/x.png``; ``x.png``
+    and ``X.png`` on a case-insensitive disk): a usage error naming them, before anything is written."""
+    seen: dict[str, Path] = {}
+    for f in files:
+        key = safe_name(f.stem).lower()
+        other = seen.setdefault(key, f)
+        if other != f and other.resolve() != f.resolve():
+            raise click.UsageError(f"{other} and {f} would write the same output files ({safe_name(f.stem)}.*); "
+                                   "explain them into separate --out folders")
+
+
 def _parse_formats(ctx: Any, param: Any, value: tuple[str, ...]) -> tuple[str, ...]:
     out: list[str] = []
     for v in value:
@@ -98,7 +111,7 @@ def _parse_formats(ctx: Any, param: Any, value: tuple[str, ...]) -> tuple[str, .
 def _explain_texts(lm: Any, text: str, pair: str | None, method: str, opts: dict, tgt: Any, out: Path,
                    formats: tuple[str, ...], top: int) -> list[Path]:
     E = explain_text(lm, text, pair, method, opts, tgt)
-    stem = f"{slug(text)}.{method}"
+    stem = f"{safe_name(slug(text))}.{safe_name(method)}"
     special = set(getattr(lm.tokenizer, "all_special_tokens", ()) or ())
     for label, e in E.items():
         click.echo(f"{label}: {method} target={lm.label(e.target)}  top tokens: {top_units(e, top, special)}")
@@ -109,13 +122,13 @@ def _explain_texts(lm: Any, text: str, pair: str | None, method: str, opts: dict
         notes = (f"text: {text}" + (f" | pair: {pair}" if pair else "")
                  + "; special tokens are left uncoloured and out of the scaling")
         page = tokens_html(E, title=f"attnroll {method}: {lm.name}", notes=notes, skip=special)
-        written.append(write(out / f"{stem}.html", page))
+        written.append(write(output_file(out, f"{stem}.html"), page))
     if "json" in formats:
         recs = {label: json_record(e, label, lm) for label, e in E.items()}
-        written.append(write(out / f"{stem}.json", json.dumps(recs, indent=1)))
+        written.append(write(output_file(out, f"{stem}.json"), json.dumps(recs, indent=1)))
     if "npz" in formats:
         for i, e in enumerate(E.values()):
-            written.append(save_npz(e, out / (f"{stem}.npz" if i == 0 else f"{stem}.pair.npz")))
+            written.append(save_npz(e, output_file(out, f"{stem}.npz" if i == 0 else f"{stem}.pair.npz")))
     return written
 
 
@@ -136,7 +149,7 @@ def _explain_image(f: Path, lm: Any, method: str, opts: dict, tgt: Any, out: Pat
 
     img = read_image(f)
     e = explain(lm.model, lm.prepare_image(img), method, tgt, **opts)
-    stem = f"{f.stem}.{method}"
+    stem = f"{safe_name(f.stem)}.{safe_name(method)}"
     if top:
         click.echo(f"{f}: {method} target={lm.label(e.target)}  top patches (row,col): {top_units(e, top)}")
     ov = None
@@ -144,13 +157,13 @@ def _explain_image(f: Path, lm: Any, method: str, opts: dict, tgt: Any, out: Pat
         ov = overlay(e, img, cmap=look["cmap"], alpha=look["alpha"], size=_overlay_size(look["size"], img))
     written: list[Path] = []
     if "png" in formats:
-        written.append(write(out / f"{stem}.png", ov))
+        written.append(write(output_file(out, f"{stem}.png"), ov))
     if "html" in formats:
-        written.append(write(out / f"{stem}.html", _image_html(f"{f.name}: {method}", ov, e, lm)))
+        written.append(write(output_file(out, f"{stem}.html"), _image_html(f"{f.name}: {method}", ov, e, lm)))
     if "json" in formats:
-        written.append(write(out / f"{stem}.json", json.dumps(json_record(e, str(f), lm), indent=1)))
+        written.append(write(output_file(out, f"{stem}.json"), json.dumps(json_record(e, str(f), lm), indent=1)))
     if "npz" in formats:
-        written.append(save_npz(e, out / f"{stem}.npz"))
+        written.append(save_npz(e, output_file(out, f"{stem}.npz")))
     return written
 
 
@@ -201,7 +214,7 @@ def _context_attribution(lm: Any, prompt: str, generate: int, method: str, opts:
     rec = {"model": lm.name, "method": method, "options": opts, "unit": ca.unit, "answer": ca.answer,
            "answer_ids": ca.answer_ids, "total": ca.total,
            "units": [{**u, "span": list(u["span"]) if u["span"] else None} for u in ca.units]}
-    return [write(out / f"{slug(prompt)}.context.{method}.json", json.dumps(rec, indent=1))]
+    return [write(output_file(out, f"{safe_name(slug(prompt))}.context.{safe_name(method)}.json"), json.dumps(rec, indent=1))]
 
 
 @cli.command("explain", short_help="Explain images or a text; write pictures / data, print top units.")
@@ -233,7 +246,8 @@ def explain_cmd(images, text, pair, model_spec, weights, method, options, target
     and format into --out and print each input's top units.
 
     \b
-    Files: <image stem>.<method>.png|html|json|npz; for text <first words>.<method>.html|json|npz.
+    Files: <image stem>.<method>.png|html|json|npz; for text <first words>.<method>.html|json|npz (a stem
+    that is not a plain lower-case file name gets ~ and a short hash).
     Examples:
       attnroll explain photos/ --model ./vit-base-local -m gae --format png,json
       attnroll explain cat.jpg --model vit_small_patch16_224 --weights vit_s.safetensors
@@ -256,6 +270,7 @@ def explain_cmd(images, text, pair, model_spec, weights, method, options, target
     files = expand_images(images) if kind == "image" else []
     for f in files:  # every input is checked before anything is written
         read_image(f)
+    distinct_stems(files)
     out = prepare_out(out)
     lm = load_for(model_spec, weights, kind)
     tgt = parse_target(target, lm)

@@ -10,7 +10,7 @@ import click
 from ._args import method_options, methods_list, parse_target
 from ._data import check_inputs, expand_images, input_options, load_for, read_image
 from ._group import cli
-from ._output import prepare_out, write
+from ._output import output_file, prepare_out, write
 from ._text import explain_text
 
 DEFAULT_METHODS = {"image": "rollout,gae,per_head_rollout", "text": "rollout,gae"}
@@ -61,6 +61,19 @@ def _text_page(lm: Any, text: str, pair: str | None, names: list[str], opts: dic
     return view(group, skip=special, title=f"attnroll: {lm.name}", notes=notes)
 
 
+def _page_name(name: str | None, stem: str) -> str:
+    """The page's file name: ``--name`` (".html" added unless it ends in .html / .htm) or ``<stem>.view.html``,
+    its stem made a safe file name (:func:`attnroll._names.safe_name`)."""
+    from .._names import safe_name
+
+    if name is None:
+        return f"{safe_name(stem)}.view.html"
+    for ext in (".html", ".htm"):
+        if name.lower().endswith(ext):
+            return safe_name(name[: -len(ext)]) + ext
+    return safe_name(name) + ".html"
+
+
 @cli.command("view", short_help="One interactive HTML page: layers, methods, heads, values under the pointer.")
 @input_options
 @click.option("--methods", "-m", "method_list", metavar="METHODS",
@@ -101,6 +114,5 @@ def view_cmd(images, text, pair, model_spec, weights, method_list, options, targ
     else:
         page = _text_page(lm, text, pair, names, opts, tgt)
         stem = slug(text)
-    fname = name or f"{stem}.view.html"
-    path = write(out / (fname if fname.lower().endswith((".html", ".htm")) else fname + ".html"), page.html)
+    path = write(output_file(out, _page_name(name, stem)), page.html)
     click.echo(f"wrote {path} ({page.nbytes:,} bytes; methods {', '.join(names)})")
