@@ -12,15 +12,9 @@ ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = ("src", "docs", "benchmarks", "examples", "tools")
 DOCUMENTS = ("README.md", "EVALUATION.md", "BENCHMARKS.md")
 TEXT_SUFFIXES = {".py", ".md", ".txt", ".toml", ".cfg", ".json", ".js", ".css", ".html", ".yaml", ".yml"}
-# Files another change is cleaning at the same time; drop an entry once that file is clean.
-PENDING = {"src/attnroll/__init__.py", "src/attnroll/capture"}
 MAX_LINES = {"EVALUATION.md": 400, "BENCHMARKS.md": 400}
 
 PROCESS_WORD = re.compile(r"\b(?:issue|session)s?[ _-]?\d+", re.IGNORECASE)
-
-
-def _pending(rel: str) -> bool:
-    return any(rel == p or rel.startswith(p + "/") for p in PENDING)
 
 
 def _product_files() -> list[Path]:
@@ -28,7 +22,7 @@ def _product_files() -> list[Path]:
     for folder in FOLDERS:
         files += [p for p in (ROOT / folder).rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES
                   and "__pycache__" not in p.parts]
-    return [p for p in files if not _pending(p.relative_to(ROOT).as_posix())]
+    return files
 
 
 def process_words(text: str) -> list[tuple[int, str]]:
