@@ -138,3 +138,19 @@ def test_timm_weights_that_do_not_fit_are_an_error(timm_state, tmp_path, edit, k
         lm = load_model("vit_tiny_patch16_224", w, allow_partial_weights=True)
     own = lm.model.state_dict()
     assert all(torch.equal(own[k], v) for k, v in state.items() if k in own and own[k].shape == v.shape)
+
+
+def test_run_batch_passes_the_option_on(copy, tmp_path):
+    from attnroll.batch import run_batch
+    from attnroll.batch.engines import ModelSpec
+
+    rewrite(copy, _drop("classifier.weight"))
+    (tmp_path / "t.txt").write_text("the cat sat\na dog ran\n")
+    with pytest.raises(PartialWeightsError, match="classifier.weight"):
+        run_batch(tmp_path / "t.txt", tmp_path / "o", model=str(copy))
+    with pytest.warns(UserWarning, match="classifier.weight"):
+        res = run_batch(tmp_path / "t.txt", tmp_path / "o", model=str(copy), allow_partial_weights=True)
+    assert res.failed == 0
+    spec = ModelSpec(str(copy), None, "text", allow_partial_weights=True)  # what a Ray actor loads
+    with pytest.warns(UserWarning, match="classifier.weight"):
+        assert spec.load().kind == "text"
