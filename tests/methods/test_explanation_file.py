@@ -25,8 +25,8 @@ def image_expl(dtype=torch.float32):
 
 def text_expl():
     full = torch.tensor([[0.1, 0.5, 0.4], [0.2, 0.8, 0.0]])
-    return Explanation(scores=full.clone(), full_row=full, tokens=[["[CLS]", "cat", "[SEP]"], ["[CLS]", "dog", "[PAD]"]],
-                       method="raw", positions=[0, 0])
+    tokens = [["[CLS]", "cat", "[SEP]"], ["[CLS]", "dog", "[PAD]"]]
+    return Explanation(scores=full.clone(), full_row=full, tokens=tokens, method="raw", positions=[0, 0])
 
 
 def tamper(path, out, meta=None, arrays=None):
@@ -96,7 +96,8 @@ def test_half_precision_round_trip(tmp_path, dtype):
     assert back.extra["heads"].dtype == dtype and torch.equal(back.extra["heads"], e.extra["heads"])
     with np.load(path, allow_pickle=False) as z:
         stored = json.loads(str(z["__meta__"]))["dtypes"]
-        assert z["scores"].dtype == (np.float32 if dtype == torch.bfloat16 else torch.empty(0, dtype=dtype).numpy().dtype)
+        want = np.float32 if dtype == torch.bfloat16 else torch.empty(0, dtype=dtype).numpy().dtype
+        assert z["scores"].dtype == want
     assert stored == ({k: "bfloat16" for k in ("scores", "full_row", "layers", "readout_weights", "extra__heads")}
                       if dtype == torch.bfloat16 else {})
 

@@ -69,7 +69,8 @@ def image(tmp_path):
 
 def test_cli_refuses_folder_code_even_when_stdin_says_yes(tmp_path, image):
     d, marker = custom_folder(tmp_path)
-    res = _run(["-m", "attnroll.commands", "explain", str(image), "--model", str(d), "--out", str(tmp_path / "o")], tmp_path)
+    res = _run(["-m", "attnroll.commands", "explain", str(image), "--model", str(d), "--out", str(tmp_path / "o")],
+               tmp_path)
     out = res.stdout + res.stderr
     assert res.returncode == 1, out
     assert not marker.exists(), "the folder's code ran"

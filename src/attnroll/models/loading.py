@@ -15,7 +15,8 @@ A model spec is one of
 Nothing is downloaded: transformers loads with ``local_files_only=True``, weights with safetensors or
 ``torch.load(weights_only=True)``. No code from a model folder runs unless ``trust_remote_code=True``; weights
 that do not cover the model (missing, unexpected or wrongly shaped tensors) are an error unless
-``allow_partial_weights=True``; a text model's tokenizer must know words (:mod:`attnroll.models._safety`). The result is a :class:`LoadedModel`: the model in eval mode, its input
+``allow_partial_weights=True``; a text model's tokenizer must know words (:mod:`attnroll.models._safety`).
+The result is a :class:`LoadedModel`: the model in eval mode, its input
 kind, a display name, how to turn a PIL image into its pixel tensor, its tokenizer and class names.
 """
 
@@ -207,7 +208,8 @@ def load_hf_dir(path: str | os.PathLike, *, trust_remote_code: bool = False,
         raise ValueError(f"model {path}: cannot load a model from this folder: {one_line(e)[:300]}") from None
     labels = {int(k): str(v) for k, v in (getattr(config, "id2label", None) or {}).items()}
     if hasattr(config, "image_size") and hasattr(config, "num_channels"):
-        return LoadedModel(model, "image", str(path), _hf_image_prep(transformers, path, config, trust), labels=labels)
+        prep = _hf_image_prep(transformers, path, config, trust)
+        return LoadedModel(model, "image", str(path), prep, labels=labels)
     try:
         tok = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust)
     except Exception as e:  # noqa: BLE001
@@ -290,9 +292,9 @@ def load_timm(name: str, weights: str | os.PathLike, *, allow_partial_weights: b
         raise ValueError(f"weights {weights} do not fit {name}: {one_line(e)[:300]}") from None
     missing, unexpected, mismatched = compare_state(model.state_dict(), state)
     check_weights(f"weights {weights} for {name}", missing, unexpected, mismatched, allow)
-    bad = {k for k, _, _ in mismatched}
+    bad = set(unexpected) | {k for k, _, _ in mismatched}
     try:
-        model.load_state_dict({k: v for k, v in state.items() if k not in unexpected and k not in bad},
+        model.load_state_dict({k: v for k, v in state.items() if k not in bad},
                               strict=not allow)
     except Exception as e:  # noqa: BLE001
         raise ValueError(f"weights {weights} do not fit {name}: {one_line(e)[:300]}") from None
@@ -303,7 +305,8 @@ def load_timm(name: str, weights: str | os.PathLike, *, allow_partial_weights: b
 
 
 def load_model(spec: str | os.PathLike | None = None, weights: str | os.PathLike | None = None, *,
-               want: str = "image", trust_remote_code: bool = False, allow_partial_weights: bool = False) -> LoadedModel:
+               want: str = "image", trust_remote_code: bool = False,
+               allow_partial_weights: bool = False) -> LoadedModel:
     """Load a model from a spec (see the module docstring): an embedded name, a local transformers folder,
     or a timm architecture name with ``weights``.
 
