@@ -109,8 +109,8 @@ def check_weights(where: str, missing: Iterable[str], unexpected: Iterable[str],
         return
     msg = f"{where}: the weights do not match the model: " + "; ".join(parts)
     if allow:
-        warnings.warn(msg + "; loaded anyway (allow_partial_weights=True): missing and wrongly shaped tensors are "
-                      "random, unused ones are ignored", UserWarning, stacklevel=3)
+        warnings.warn(msg + "; loaded anyway, as asked (partial weights allowed): missing and wrongly shaped "
+                      "tensors are random, unused ones are ignored", UserWarning, stacklevel=3)
         return
     raise PartialWeightsError(
         msg + "; the model's output would come from random weights. Give the complete weights of this "
