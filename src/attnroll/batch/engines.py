@@ -24,17 +24,25 @@ RAY_INSTALL = "pip install 'attnroll[ray]'  (Ray Data 2.60: pip install 'ray[dat
 @dataclass(frozen=True)
 class ModelSpec:
     """How to load the model (in this process or in a Ray actor): ``name`` as ``attnroll explain --model``
-    takes it (None = the embedded model of ``kind``), ``weights`` for a timm architecture."""
+    takes it (None = the embedded model of ``kind``), ``weights`` for a timm architecture;
+    ``trust_remote_code`` / ``allow_partial_weights`` as :func:`attnroll.models.load_model` takes them."""
 
     name: str | None = None
     weights: str | None = None
     kind: str = "image"
+    trust_remote_code: bool = False
+    allow_partial_weights: bool = False
+
+    def __post_init__(self) -> None:
+        if self.weights is not None:  # a path object: kept as text (the manifest is JSON)
+            object.__setattr__(self, "weights", os.fspath(self.weights))
 
     def load(self) -> Any:
         """The loaded model (``.model``, ``.kind``, ``.prepare_image``, ``.tokenizer``, ``.labels``)."""
         from ..models import load_model
 
-        return load_model(self.name, self.weights, want=self.kind)
+        return load_model(self.name, self.weights, want=self.kind, trust_remote_code=self.trust_remote_code,
+                          allow_partial_weights=self.allow_partial_weights)
 
 
 def chunks(items: list[Item], size: int) -> Iterator[list[Item]]:

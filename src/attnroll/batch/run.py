@@ -160,7 +160,7 @@ def run_batch(
     overwrite: bool = False,
     progress: Callable[[int, int], None] | None = None,
     command: str | None = None,
-    ray_start: RayStart | None = None,
+    ray_start: RayStart | None = None, trust_remote_code: bool = False, allow_partial_weights: bool = False,
 ) -> BatchResult:
     """Explain every input of ``source`` with each of ``methods`` and write a Parquet dataset into ``out``.
 
@@ -169,8 +169,8 @@ def run_batch(
             ``pair``, ``id``) or a Parquet / CSV table (``column``: its column of paths or texts, or "text,pair").
         out: the output folder (created); see :mod:`attnroll.batch.store` for its layout.
         methods: method names; options: {method: {key: value}}.
-        model / weights: as ``attnroll explain --model / --weights`` (None = the embedded model); ``loaded``:
-            that model already loaded (``attnroll.models.load_model``), so that it is not loaded again here.
+        model / weights / trust_remote_code / allow_partial_weights: as ``attnroll.models.load_model`` takes
+            them (None = the embedded model); ``loaded``: that model already loaded, not loaded again here.
         engine: "local" (this process) or "ray" (Ray Data actors; ``num_workers`` of them; ``address`` joins
             a running cluster). batch_size: inputs per ``explain`` call (and per shard on Ray); shard_size: the
             local engine's inputs per shard at most (whole batches; None = 256; sooner after a second's work).
@@ -199,7 +199,7 @@ def run_batch(
         engine, batch_size, num_workers, num_gpus, cpus_per_worker, target, shard_size)
     with _ray_runtime(engine, address, num_workers, cpus_per_worker, ray_start) as ray_start:
         items, names, resolved, sfp = _inputs(source, column, target_column, out, methods, options, png)
-        spec = ModelSpec(model, None if weights is None else os.fspath(weights), items[0].kind)
+        spec = ModelSpec(model, weights, items[0].kind, trust_remote_code, allow_partial_weights)
         lm = spec.load() if loaded is None else loaded
         _check_model_fits(lm, items, names, target is not None or target_column is not None)
         fp = model_fingerprint(lm.model)

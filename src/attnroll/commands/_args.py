@@ -1,4 +1,5 @@
-"""Parsing the arguments several commands share: ``-o KEY=VALUE`` options, ``--target``, ``--methods``."""
+"""Parsing the arguments several commands share: ``-o KEY=VALUE`` options, ``--target``, ``--methods``, and
+the model-loading safety options (``--trust-remote-code``, ``--allow-partial-weights``)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,46 @@ import click
 
 from ._output import one_line
 
-__all__ = ["parse_options", "parse_target", "method_and_options", "methods_list", "method_options"]
+__all__ = ["parse_options", "parse_target", "method_and_options", "methods_list", "method_options",
+           "load_safety_options", "load_flags"]
+
+#: Where :func:`load_safety_options` keeps the flags on the click context, for :func:`load_flags`.
+_LOAD_FLAGS = "attnroll.load_flags"
+
+
+def _keep_flag(ctx: click.Context, param: click.Parameter, value: bool) -> bool:
+    ctx.meta.setdefault(_LOAD_FLAGS, {})[param.name] = bool(value)
+    return value
+
+
+def load_safety_options(fn: Any) -> Any:
+    """``--trust-remote-code`` and ``--allow-partial-weights`` for a command that loads a model. They are
+    not passed to the command function: :func:`load_flags` (used by ``_data.load``) reads them."""
+    decorators = [
+        click.option("--trust-remote-code", "trust_remote_code", is_flag=True, expose_value=False,
+                     callback=_keep_flag,
+                     help="Run the Python files of a model folder whose config names its own classes (auto_map). "
+                          "That code runs on this machine with your rights: only for a folder you trust. "
+                          "Without it such a folder is refused."),
+        click.option("--allow-partial-weights", "allow_partial_weights", is_flag=True, expose_value=False,
+                     callback=_keep_flag,
+                     help="Explain a model whose weights files lack some of its tensors, hold extra ones or "
+                          "wrongly shaped ones: those weights stay random (a warning names them), so its "
+                          "output is partly random. Without it such a model is refused."),
+    ]
+    for deco in reversed(decorators):
+        fn = deco(fn)
+    return fn
+
+
+def load_flags() -> dict[str, bool]:
+    """{trust_remote_code, allow_partial_weights} as the running command was given them (False when it
+    has no such options, or outside a command)."""
+    ctx = click.get_current_context(silent=True)
+    flags = {"trust_remote_code": False, "allow_partial_weights": False}
+    if ctx is not None:  # ctx.meta is one dict for a context and its parents
+        flags.update(ctx.meta.get(_LOAD_FLAGS, {}))
+    return flags
 
 
 def parse_options(items: tuple[str, ...]) -> dict[str, Any]:

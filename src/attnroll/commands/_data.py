@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +53,9 @@ def read_image(path: Path) -> Any:
 
 
 def _as_option(msg: str) -> str:
-    """The library names its arguments ``model`` / ``weights``; on the command line they are options."""
+    """The library names its arguments ``model`` / ``weights`` / ``trust_remote_code=True``...; on the command
+    line they are options."""
+    msg = re.sub(r"\b\w+=True \((--[\w-]+) on the command line\)", r"\1", msg)
     for word in ("model", "weights"):
         if msg.startswith(word + " "):
             return "--" + msg.replace(" weights FILE", " --weights FILE")
@@ -61,11 +64,13 @@ def _as_option(msg: str) -> str:
 
 def load(spec: str | None, weights: Path | None, want: str) -> Any:
     """``--model`` [``--weights``] as a :class:`attnroll.models.LoadedModel`; a failure is one line (a timm
-    name without ``--weights`` is a usage error)."""
+    name without ``--weights`` is a usage error). ``--trust-remote-code`` / ``--allow-partial-weights`` come
+    from the command's options (``_args.load_safety_options``)."""
     from ..models import MissingWeightsError, load_model
+    from ._args import load_flags
 
     try:
-        return load_model(spec, weights, want=want)
+        return load_model(spec, weights, want=want, **load_flags())
     except MissingWeightsError:
         raise click.UsageError(f"--model {spec} (a timm architecture) needs --weights FILE: attnroll never "
                                "downloads") from None
@@ -74,8 +79,11 @@ def load(spec: str | None, weights: Path | None, want: str) -> Any:
 
 
 def input_options(fn: Any) -> Any:
-    """The input and model options of ``explain`` and ``view``: IMAGE..., --text, --pair, --model, --weights."""
-    decorators = [
+    """The input and model options of ``explain`` and ``view``: IMAGE..., --text, --pair, --model, --weights,
+    --trust-remote-code, --allow-partial-weights."""
+    from ._args import load_safety_options
+
+    decorators = [load_safety_options,
         click.argument("images", nargs=-1, type=click.Path(exists=True, path_type=Path)),
         click.option("--text", help="Explain this text instead of images."),
         click.option("--pair", help="A second text: a sentence pair (similarity for sentence-embedding models)."),

@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from ._args import method_and_options
+from ._args import load_safety_options, method_and_options
 from ._data import check_data, load_data, load_eval_model, load_files, load_image_model
 from ._group import cli
 from ._maps import batch_kind, batch_maps, batch_model, batch_text_inputs, is_batch_output
@@ -46,6 +46,7 @@ def _viewer(report: Any, d: dict, la: Any, lb: Any, examples: int) -> str:
 @click.option("--shift-threshold", default=0.05, show_default=True, type=click.FloatRange(0, 1),
               help="Flag when a region's mean mass shift exceeds this and its 95% CI excludes 0.")
 @click.option("--fail-if-flagged", is_flag=True, help="Exit with code 3 when the audit flags a shift (for CI).")
+@load_safety_options
 def audit_cmd(model_a, model_b, data, n, seed, method, options, examples, fmt, out, js_threshold, shift_threshold,
               fail_if_flagged) -> int:
     """Explain the same inputs with MODEL_A and MODEL_B (shapes | shapes-marker | a transformers image-model

@@ -15,7 +15,7 @@ from typing import Any
 
 import click
 
-from ._args import method_options, methods_list
+from ._args import load_flags, load_safety_options, method_options, methods_list
 from ._data import load
 from ._group import cli
 from ._output import Failure, one_line, prepare_out
@@ -91,6 +91,7 @@ class _Bar:
               help="CPUs (torch threads) per Ray actor [default: 1 with --address, else this machine's CPUs "
               "shared between the actors]; --engine ray.")
 @click.option("--overwrite", is_flag=True, help="Discard DIR's results when they come from different settings.")
+@load_safety_options
 def batch_cmd(source, out, method_list, options, model_spec, weights, engine, num_workers, batch_size, shard_size, address, png,
               column, target, target_column, num_gpus, cpus_per_worker, overwrite) -> int:
     """Explain every input of SOURCE with each method and write a Parquet dataset to --out: one row per
@@ -150,7 +151,7 @@ def batch_cmd(source, out, method_list, options, model_spec, weights, engine, nu
                                target_column=target_column, num_gpus=num_gpus,
                                cpus_per_worker=cpus_per_worker, overwrite=overwrite,
                                progress=_Bar(bar, f"{','.join(names)}") if bar is not None else None,
-                               command=command, ray_start=ray_start)
+                               command=command, ray_start=ray_start, **load_flags())
     except BatchMismatchError as e:
         raise click.UsageError(one_line(e)) from None
     except ImportError as e:  # Ray installed without what Ray Data needs (found when it is imported)

@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from ._args import method_options, methods_list
+from ._args import load_safety_options, method_options, methods_list
 from ._data import (DATASETS, TEXT_DATASETS, check_data, check_fill, data_for, fill_tensor, load_data, load_eval_model,
                     load_files, load_text_data)
 from ._group import cli
@@ -161,6 +161,7 @@ def _metrics_help() -> str:
 @click.option("--maps", "maps_dir", type=click.Path(exists=True, file_okay=False, path_type=Path), metavar="DIR",
               help="An 'attnroll batch' output of images or texts: score its maps instead of explaining again (its model "
                    "and its inputs; --methods defaults to its methods, others are explained here).")
+@load_safety_options
 def evaluate_cmd(model_spec, method_list, data, n, seed, metric_list, options, fill, steps, batch_size, out,
                  maps_dir) -> None:
     """Compare methods on one classifier. Images: deletion / insertion AUC, positive / negative perturbation AUC

@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from ._args import method_options, methods_list
+from ._args import load_safety_options, method_options, methods_list
 from ._data import check_data, data_for, load_data, load_eval_model, load_text_data
 from ._group import cli
 from ._output import echo_written, figure_png, prepare_out, write
@@ -92,6 +92,7 @@ def _plot(ax: Any, comp: str, runs: list, names: list[str]) -> None:
                    "metrics count them (padding is left out either way).")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("attnroll-sanity"), show_default=True,
               help="Output folder (created): sanity.csv, sanity.json, sanity.png.")
+@load_safety_options
 def sanity_cmd(model_spec, method_list, components, data, n, seed, seeds, options, with_special, out) -> None:
     """Re-draw the model's weights cumulatively from the top (classifier head, then the last block down to the
     first) and print, for each method, the mean Spearman rank correlation of its maps with the trained model's

