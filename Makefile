@@ -11,7 +11,7 @@ space  := $(empty) $(empty)
 comma  := ,
 STAMP  := $(VENV)/.installed-$(subst $(space),_,$(subst =,-,$(TORCH)))-$(subst $(comma),_,$(EXTRAS))
 
-.PHONY: install test demo bench clean
+.PHONY: install lint test demo bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -25,7 +25,12 @@ $(STAMP): pyproject.toml | $(PY)
 
 install: $(STAMP)
 
-test: $(STAMP)
+# The lint gate: pyflakes, import order and line length on src/ (ruff), types on the pure maths (mypy).
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src
+	$(VENV)/bin/mypy src/attnroll/core
+
+test: lint
 	$(PY) -m pytest -q
 
 demo: $(STAMP)

@@ -136,7 +136,8 @@ def check_indices(name: str, value: Any, size: int, what: str = "tokens") -> lis
     if isinstance(value, (torch.Tensor, np.ndarray)):
         t, _ = as_tensor(name, value)
         if t.is_floating_point() or t.dtype == torch.bool or t.ndim != 1:
-            raise TypeError(f"{name} must be an int or a 1-D sequence of integer {what[:-1]} indices, got {describe(value)}")
+            raise TypeError(f"{name} must be an int or a 1-D sequence of integer {what[:-1]} indices, got "
+                            f"{describe(value)}")
         value = t.tolist()
     if not isinstance(value, (list, tuple, range)):
         raise TypeError(f"{name} must be an int or a sequence of {what[:-1]} indices, got {describe(value)}")
@@ -380,7 +381,8 @@ def check_model_inputs(
     if (unknown and not open_keywords) or missing or none_of:
         parts = []
         if unknown and (not open_keywords or none_of):
-            parts.append(f"{', '.join(map(repr, unknown))} {'is' if len(unknown) == 1 else 'are'} not an argument of its forward")
+            parts.append(f"{', '.join(map(repr, unknown))} {'is' if len(unknown) == 1 else 'are'} not an argument of "
+                         f"its forward")
         if missing:
             parts.append(f"{', '.join(map(repr, missing))} missing")
         if none_of:

@@ -10,8 +10,8 @@ import logging
 import os
 import time
 import warnings
-from dataclasses import dataclass
 from collections import deque
+from dataclasses import dataclass
 from itertools import islice
 from typing import Any, Callable, Iterable, Iterator
 
@@ -90,7 +90,11 @@ def run_local(worker: Worker, todo: list[Item], batch_size: int, progress: Calla
     from concurrent.futures import ThreadPoolExecutor
 
     per_shard = max(1, (SHARD_INPUTS if shard_size is None else shard_size) // batch_size)
-    with heap_frozen(), worker.kept_sessions(), ThreadPoolExecutor(max_workers=1, thread_name_prefix="attnroll-write") as writer:
+    with (
+        heap_frozen(),
+        worker.kept_sessions(),
+        ThreadPoolExecutor(max_workers=1, thread_name_prefix="attnroll-write") as writer,
+    ):
         pending, group, since = None, [], 0.0
 
         def commit(shard: list[tuple]) -> None:  # after the previous shard: at most one waits

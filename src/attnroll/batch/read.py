@@ -13,7 +13,7 @@ from . import store
 
 def _frame(out: Path, which: str, schema: Any) -> Any:
     try:
-        import pandas as pd
+        import pandas  # noqa: F401 - what to_pandas needs, with the message above
         import pyarrow as pa
         import pyarrow.parquet  # noqa: F401 - what read_shard needs, with the message above
     except ImportError:

@@ -386,7 +386,11 @@ def _manifest(key: dict, lm: Any, spec: ModelSpec, engine: str, command: str | N
 
     import torch
 
-    versions = {"attnroll": metadata.version("attnroll"), "python": platform.python_version(), "torch": torch.__version__}
+    versions = {
+        "attnroll": metadata.version("attnroll"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
     for mod in ("transformers", "pyarrow", "ray"):
         m = sys.modules.get(mod)
         if m is not None:

@@ -344,7 +344,8 @@ def read_manifest(out: Path) -> dict | None:
     except ValueError as e:
         raise ValueError(f"{path}: not a batch manifest (invalid JSON: {e})") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise ValueError(f"{path}: not an attnroll batch manifest (format {meta.get('format') if isinstance(meta, dict) else None!r}, expected {FORMAT!r})")
+        raise ValueError(f"{path}: not an attnroll batch manifest (format "
+                         f"{meta.get('format') if isinstance(meta, dict) else None!r}, expected {FORMAT!r})")
     return meta
 
 

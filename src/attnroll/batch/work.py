@@ -16,10 +16,10 @@ from typing import Any, Iterator
 
 import torch
 
-from . import store
 from .._checks import one_line
 from .._names import inside, safe_name
 from ..targets import similarity_to
+from . import store
 from .sources import Item
 
 
@@ -123,7 +123,9 @@ class Worker:
     # ---------------------------------------------------------------------------------------------- inputs
     def _read(self, it: Item) -> Any:
         if it.kind != self.lm.kind:
-            raise _Bad(f"a {it.kind} input, but the model is a{'n image' if self.lm.kind == 'image' else ' text'} model")
+            raise _Bad(
+                f"a {it.kind} input, but the model is a{'n image' if self.lm.kind == 'image' else ' text'} model"
+            )
         if it.kind == "text":
             if not it.text.strip():
                 raise _Bad("empty text")
@@ -153,7 +155,9 @@ class Worker:
             failures += f
         return tables, failures
 
-    def _tables(self, method: str, items: list[Item], payloads: list[Any], stacked: torch.Tensor | None = None) -> list[Any]:
+    def _tables(
+        self, method: str, items: list[Item], payloads: list[Any], stacked: torch.Tensor | None = None
+    ) -> list[Any]:
         """One row table per group of items explained in one call (images: those with and without their own
         target; texts: also with and without a pair). ``stacked``: the items' pixels concatenated (by the
         reader thread: the usual batch is one group, which then needs no concatenation here), or None."""

@@ -148,7 +148,8 @@ def _run_once(model: nn.Module, inputs: Any, session: Capture, new_session: Call
 
 def model_facts(model: nn.Module, *, anatomy: bool = True) -> ModelFacts:
     """Facts about ``model`` that need no forward pass (how it is called, its embedding layer, its special
-    tokens, its layer anatomy; see :class:`ModelFacts`). Works for models the capture refuses too (evaluation only runs them).
+    tokens, its layer anatomy; see :class:`ModelFacts`). Works for models the capture refuses too (evaluation only runs
+    them).
     ``anatomy=False`` leaves ``anatomy`` None and ``anatomy_reason`` "" (the anatomy probes every block: callers
     that only need how the model is called skip it)."""
     from .anatomy import anatomy_or_reason

@@ -102,7 +102,9 @@ def real_module(mod: Any) -> nn.Module | None:
 def heads_of(att: nn.Module) -> tuple[int, int]:
     """(query heads, key/value heads) of a transformers attention module."""
     cfg = getattr(att, "config", None)
-    heads = getattr(att, "num_heads", None) or getattr(att, "num_attention_heads", None) or getattr(att, "n_heads", None)
+    heads = (
+        getattr(att, "num_heads", None) or getattr(att, "num_attention_heads", None) or getattr(att, "n_heads", None)
+    )
     if heads is None and cfg is not None:
         heads = getattr(cfg, "num_attention_heads", None) or getattr(cfg, "n_heads", None)
     if heads is None:

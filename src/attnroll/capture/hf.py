@@ -21,14 +21,20 @@ import torch
 from torch import nn
 
 from .. import _checks
-from .hf_vision import embeddings_of, input_size, mae_restore, patch_layout
 from .hf_public import accepts_output_attentions, ask_for_attentions, eager_forwards, output_streams, validate_layers
+from .hf_vision import embeddings_of, input_size, mae_restore, patch_layout
 from .hooks import Adapter, Recorder, Site, make_sites, stream_names, supported_families
 from .record import AttentionRecord, ModelFacts, config_token_id, config_token_ids, resolve_readout
 from .st_pooling import pooling_of_folder
-from .transformers_private import TRANSFORMERS_RANGE  # noqa: F401  (importable from here, as before)
-from .transformers_private import (PrivateChanged, all_configs, check_transformers_version, declared_outputs,
-                                   force_eager, recorder_specs)
+from .transformers_private import (
+    TRANSFORMERS_RANGE,  # noqa: F401  (importable from here, as before)
+    PrivateChanged,
+    all_configs,
+    check_transformers_version,
+    declared_outputs,
+    force_eager,
+    recorder_specs,
+)
 
 #: Text towers that pool their end-of-text token (the first EOS; the argmax id for the original configs).
 _EOT_POOLING = ("clip", "clip_text_model", "owlvit", "owlvit_text_model", "x_clip", "groupvit", "clipseg")
@@ -194,7 +200,9 @@ class HFAdapter(Adapter):
     def inputs_example(self) -> str:  # type: ignore[override]
         name = getattr(self.model, "main_input_name", "input_ids")
         if name == "pixel_values":
-            return "For example inputs = processor(images, return_tensors='pt') or {'pixel_values': (B, 3, H, W) tensor}."
+            return (
+                "For example inputs = processor(images, return_tensors='pt') or {'pixel_values': (B, 3, H, W) tensor}."
+            )
         return (
             f"For example inputs = tokenizer(texts, return_tensors='pt') or {{'{name}': (B, n) tensor of token ids}} "
             "(a plain list of ids is not enough: wrap it as torch.tensor([ids]))."

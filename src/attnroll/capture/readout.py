@@ -116,7 +116,8 @@ def resolve_readout(
         if spec == "last":
             return Readout("last", _one_hot(last_real(mask, batch, n), n), source)
         if eot is None:
-            raise ValueError("readout='eot' is for text towers that pool an end-of-text token (CLIP); this stream has none")
+            raise ValueError("readout='eot' is for text towers that pool an end-of-text token (CLIP); this stream has "
+                             "none")
         return Readout("eot", _one_hot(list(eot), n), source)
     if isinstance(spec, (torch.Tensor,)) or type(spec).__module__ == "numpy" or (
         isinstance(spec, (list, tuple)) and spec and isinstance(spec[0], float)

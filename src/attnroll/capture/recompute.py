@@ -241,9 +241,16 @@ def own_attention_applies(kernel: Callable, layer: KernelInputs, a: dict[str, An
     accelerators, it keeps running and the probabilities are computed after it.)"""
     q, k, v = a["query"], a["key"], a["value"]
     tensors = (q, k, v)
-    return (kernel is sdpa_kernel() and q.device.type == "cpu" and layer.window is None and not float(a.get("dropout") or 0.0)
-            and all(t.dtype == torch.float32 and not t.requires_grad for t in tensors)
-            and v.ndim == 4 and v.shape[:3] == k.shape[:3] and not a.get("output_attentions"))
+    return (
+        kernel is sdpa_kernel()
+        and q.device.type == "cpu"
+        and layer.window is None
+        and not float(a.get("dropout") or 0.0)
+        and all(t.dtype == torch.float32 and not t.requires_grad for t in tensors)
+        and v.ndim == 4
+        and v.shape[:3] == k.shape[:3]
+        and not a.get("output_attentions")
+    )
 
 
 #: Fused attention operators that return each query row's log-sum-exp as their second output (CPU flash,

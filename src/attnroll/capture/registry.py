@@ -21,8 +21,10 @@ from .cait import CaitAdapter, is_cait
 from .hf import HFAdapter, hf_facts, is_hf_model
 from .hooks import Adapter, set_supported_families
 from .record import ModelFacts
-from .sentence_transformers import is_sentence_transformer, make_adapter as make_st_adapter
-from .swin import is_swin, make_adapter as make_swin_adapter
+from .sentence_transformers import is_sentence_transformer
+from .sentence_transformers import make_adapter as make_st_adapter
+from .swin import is_swin
+from .swin import make_adapter as make_swin_adapter
 from .vlm import vlm_adapter, vlm_facts
 
 __all__ = ["Family", "Models", "FAMILIES", "GENERIC", "METHOD_GROUPS", "SUPPORTED_FAMILIES", "family_of", "adapter_for",

@@ -227,7 +227,9 @@ class SwinHFAdapter(_SwinAdapter):
     """transformers Swin, SwinV2, Donut-Swin and MaskFormer-Swin (see the module docstring)."""
 
     main_inputs = ("pixel_values",)
-    inputs_example = "For example inputs = processor(images, return_tensors='pt') or {'pixel_values': (B, 3, H, W) tensor}."
+    inputs_example = (
+        "For example inputs = processor(images, return_tensors='pt') or {'pixel_values': (B, 3, H, W) tensor}."
+    )
 
     def __init__(self, model: nn.Module):
         import transformers

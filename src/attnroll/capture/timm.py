@@ -116,7 +116,8 @@ class TimmAdapter(Adapter):
                 return None, "the attention-pool head did not run (forward_features only?): pass readout="
             if w.shape[-1] != n:  # the head saw the tokens after the prefix
                 w = torch.cat([torch.zeros(w.shape[0], n - w.shape[-1]), w], dim=-1)
-            return ("attention_pool", w), "timm attention-pool head: its latent query's attention over the tokens (mean over heads)"
+            why = "timm attention-pool head: its latent query's attention over the tokens (mean over heads)"
+            return ("attention_pool", w), why
         pool = getattr(m, "global_pool", "token")
         if pool == "token" and getattr(m, "head_dist", None) is not None:
             w = torch.zeros(n)

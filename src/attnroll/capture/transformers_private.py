@@ -125,7 +125,11 @@ def force_eager(stack: ExitStack, config: Any) -> None:
 
     The internal attribute is written, not the ``_attn_implementation`` setter, because the setter
     recurses into sub-configs; each sub-config is handled (and restored) on its own."""
-    attr = "_attn_implementation_internal" if "_attn_implementation_internal" in config.__dict__ else "_attn_implementation"
+    attr = (
+        "_attn_implementation_internal"
+        if "_attn_implementation_internal" in config.__dict__
+        else "_attn_implementation"
+    )
     missing = object()
     old = config.__dict__.get(attr, missing)
 

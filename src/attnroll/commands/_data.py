@@ -11,9 +11,9 @@ import click
 
 from ._output import Failure, one_line
 
-__all__ = ["IMAGE_SUFFIXES", "DATASETS", "TEXT_DATASETS", "expand_images", "read_image", "load", "input_options", "check_inputs",
-           "load_for", "load_eval_model", "load_image_model", "load_texts", "load_text_data", "data_for", "load_data",
-           "load_files", "fill_tensor", "check_data", "check_fill", "check_cmap"]
+__all__ = ["IMAGE_SUFFIXES", "DATASETS", "TEXT_DATASETS", "expand_images", "read_image", "load", "input_options",
+           "check_inputs", "load_for", "load_eval_model", "load_image_model", "load_texts", "load_text_data",
+           "data_for", "load_data", "load_files", "fill_tensor", "check_data", "check_fill", "check_cmap"]
 
 #: Image file suffixes the commands read (what pillow decodes).
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm")

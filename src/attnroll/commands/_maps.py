@@ -68,7 +68,9 @@ def batch_maps(wanted: list[tuple[Path, str]], n: int | None, what: str) -> tupl
     for folder, method in wanted:
         meta = _manifest(folder, what)
         if method not in meta["key"]["methods"]:
-            raise click.UsageError(f"{what} {folder}: no {method!r} maps (it holds {', '.join(meta['key']['methods'])})")
+            raise click.UsageError(
+                f"{what} {folder}: no {method!r} maps (it holds {', '.join(meta['key']['methods'])})"
+            )
         e, ids = explanations(folder, method, pad=True)
         per.append((Path(meta["key"]["source"]), e, ids, meta))
     common = set(per[0][2]).intersection(*[set(p[2]) for p in per[1:]])

@@ -13,8 +13,8 @@ from typing import Any
 
 import click
 
-from .._messages import one_line
 from .._io import held_signals
+from .._messages import one_line
 
 __all__ = ["Failure", "one_line", "prepare_out", "output_file", "write", "save_npz", "figure_png", "png_bytes",
            "progress", "echo_written"]

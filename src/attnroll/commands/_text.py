@@ -25,8 +25,8 @@ def explain_text(lm: Any, text: str, pair: str | None, method: str, options: dic
     similarity of its mean-pooled embedding to the other's (held fixed)."""
     import torch
 
-    from ..methods import explain, method_info
     from ..capture.outputs import main_logits
+    from ..methods import explain, method_info
 
     tok = lm.tokenizer
     probe = tok([text], return_tensors="pt")
@@ -39,7 +39,9 @@ def explain_text(lm: Any, text: str, pair: str | None, method: str, options: dic
                 "(explains the cosine similarity of the two sentences)"
             )
         enc = tok([text], [pair], return_tensors="pt") if pair is not None else probe
-        return {"text" if pair is None else "text + pair": explain(lm.model, enc, method, target, tokenizer=tok, **options)}
+        return {
+            "text" if pair is None else "text + pair": explain(lm.model, enc, method, target, tokenizer=tok, **options)
+        }
     out = {}
     for label, a, b in (("text (vs pair)", text, pair), ("pair (vs text)", pair, text)):
         ea = tok([a], return_tensors="pt")

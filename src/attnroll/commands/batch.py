@@ -28,8 +28,15 @@ def _progress_bar() -> Any:
     """A rich progress bar with rate and ETA on a terminal (stderr); None elsewhere (logs, pipes, CI)."""
     try:
         from rich.console import Console
-        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TaskProgressColumn, TextColumn,
-                                   TimeElapsedColumn, TimeRemainingColumn)
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TaskProgressColumn,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
     except ImportError:
         return None
     console = Console(stderr=True)
@@ -59,13 +66,16 @@ class _Bar:
 
 @cli.command("batch", short_help="Explain a whole dataset into resumable Parquet (local or Ray).")
 @click.argument("source", type=click.Path(exists=True, path_type=Path))
-@click.option("--out", type=click.Path(path_type=Path), required=True, help="Output folder (created; reruns resume it).")
+@click.option(
+    "--out", type=click.Path(path_type=Path), required=True, help="Output folder (created; reruns resume it)."
+)
 @click.option("--method", "-m", "method_list", default="rollout", show_default=True,
               help="Method(s), comma-separated: -m rollout,gae.")
 @click.option("--option", "-o", "options", multiple=True, metavar="[METHOD.]KEY=VALUE",
               help="A method option, repeatable: -o alpha=0.9 (every method that takes it) or -o gae.position=0.")
 @click.option("--model", "model_spec", metavar="MODEL",
-              help="As for 'attnroll explain': embedded by default, a transformers folder, or a timm name with --weights.")
+              help="As for 'attnroll explain': embedded by default, a transformers folder, or a timm name with "
+                   "--weights.")
 @click.option("--weights", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Weights file for a timm architecture.")
 @click.option("--engine", type=click.Choice(["local", "ray"]), default="local", show_default=True,
@@ -92,8 +102,8 @@ class _Bar:
               "shared between the actors]; --engine ray.")
 @click.option("--overwrite", is_flag=True, help="Discard DIR's results when they come from different settings.")
 @load_safety_options
-def batch_cmd(source, out, method_list, options, model_spec, weights, engine, num_workers, batch_size, shard_size, address, png,
-              column, target, target_column, num_gpus, cpus_per_worker, overwrite) -> int:
+def batch_cmd(source, out, method_list, options, model_spec, weights, engine, num_workers, batch_size, shard_size,
+              address, png, column, target, target_column, num_gpus, cpus_per_worker, overwrite) -> int:
     """Explain every input of SOURCE with each method and write a Parquet dataset to --out: one row per
     (input, method) under DIR/rows/, unreadable inputs with the reason under DIR/failures/, and
     DIR/manifest.json. Rerunning the same command after a crash completes only what is missing.
@@ -112,7 +122,6 @@ def batch_cmd(source, out, method_list, options, model_spec, weights, engine, nu
     """
     from ..batch import BatchMismatchError, list_items, run_batch
     from ..batch.engines import begin_ray, check_ray
-
     from ..batch.run import check_cpus_per_worker, check_num_gpus, check_shard_size
 
     names = methods_list(method_list)
@@ -146,8 +155,8 @@ def batch_cmd(source, out, method_list, options, model_spec, weights, engine, nu
         command = shlex.join(["attnroll", *argv[argv.index("batch"):]]) if "batch" in argv else None
         with bar if bar is not None else _null():
             result = run_batch(source, out, methods=names, options=opts, model=model_spec, weights=weights,
-                               loaded=lm, engine=engine, batch_size=batch_size, shard_size=shard_size, num_workers=num_workers,
-                               address=address, png=png, column=column, target=target,
+                               loaded=lm, engine=engine, batch_size=batch_size, shard_size=shard_size,
+                               num_workers=num_workers, address=address, png=png, column=column, target=target,
                                target_column=target_column, num_gpus=num_gpus,
                                cpus_per_worker=cpus_per_worker, overwrite=overwrite,
                                progress=_Bar(bar, f"{','.join(names)}") if bar is not None else None,

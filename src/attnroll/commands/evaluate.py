@@ -9,8 +9,18 @@ from typing import Any
 import click
 
 from ._args import load_safety_options, method_options, methods_list
-from ._data import (DATASETS, TEXT_DATASETS, check_data, check_fill, data_for, fill_tensor, load_data, load_eval_model,
-                    load_files, load_text_data)
+from ._data import (
+    DATASETS,
+    TEXT_DATASETS,
+    check_data,
+    check_fill,
+    data_for,
+    fill_tensor,
+    load_data,
+    load_eval_model,
+    load_files,
+    load_text_data,
+)
 from ._group import cli
 from ._output import echo_written, figure_png, prepare_out, write
 
@@ -159,7 +169,8 @@ def _metrics_help() -> str:
 @click.option("--out", type=click.Path(path_type=Path), default=Path("attnroll-eval"), show_default=True,
               help="Output folder (created): evaluation.csv, evaluation.json, curves.png (perturbation curves).")
 @click.option("--maps", "maps_dir", type=click.Path(exists=True, file_okay=False, path_type=Path), metavar="DIR",
-              help="An 'attnroll batch' output of images or texts: score its maps instead of explaining again (its model "
+              help="An 'attnroll batch' output of images or texts: score its maps instead of explaining again (its "
+                   "model "
                    "and its inputs; --methods defaults to its methods, others are explained here).")
 @load_safety_options
 def evaluate_cmd(model_spec, method_list, data, n, seed, metric_list, options, fill, steps, batch_size, out,
@@ -219,7 +230,8 @@ def _evaluate_batch(folder: Path, model_spec: str, method_list: str, n: int, met
         raise click.UsageError("--metrics pointing/mass/iou need object masks, which a batch output does not carry")
     given = [m for m in names if m in stored]
     if not given:
-        raise click.UsageError(f"--maps {folder} holds maps of {', '.join(stored)}, none of --methods {', '.join(names)}")
+        raise click.UsageError(f"--maps {folder} holds maps of {', '.join(stored)}, none of --methods "
+                               f"{', '.join(names)}")
     if set(opts) & set(given):
         raise click.UsageError(f"--option for {sorted(set(opts) & set(given))}: their maps in {folder} were made with "
                                "the options in its manifest")

@@ -12,12 +12,12 @@ from typing import Any
 
 import click
 
+from .._names import safe_name
 from ._args import method_and_options, parse_target
 from ._data import check_cmap, check_inputs, expand_images, input_options, load_for, read_image
 from ._group import cli
 from ._output import Failure, one_line, output_file, png_bytes, prepare_out, progress, save_npz, write
 from ._text import explain_text
-from .._names import safe_name
 
 FORMATS = ("png", "html", "json", "npz")
 
@@ -214,7 +214,11 @@ def _context_attribution(lm: Any, prompt: str, generate: int, method: str, opts:
     rec = {"model": lm.name, "method": method, "options": opts, "unit": ca.unit, "answer": ca.answer,
            "answer_ids": ca.answer_ids, "total": ca.total,
            "units": [{**u, "span": list(u["span"]) if u["span"] else None} for u in ca.units]}
-    return [write(output_file(out, f"{safe_name(slug(prompt))}.context.{safe_name(method)}.json"), json.dumps(rec, indent=1))]
+    return [
+        write(
+            output_file(out, f"{safe_name(slug(prompt))}.context.{safe_name(method)}.json"), json.dumps(rec, indent=1)
+        )
+    ]
 
 
 @cli.command("explain", short_help="Explain images or a text; write pictures / data, print top units.")
@@ -228,7 +232,8 @@ def _context_attribution(lm: Any, prompt: str, generate: int, method: str, opts:
 @click.option("--format", "formats", multiple=True, callback=_parse_formats, metavar="png|html|json|npz",
               help="Output formats, repeatable or comma-separated [default: png for images, html for text].")
 @click.option("--top", default=5, show_default=True, type=click.IntRange(0), help="How many top units to print.")
-@click.option("--size", type=click.IntRange(16, 4096), help="Side of the PNG overlay in pixels [default: the image's size].")
+@click.option("--size", type=click.IntRange(16, 4096), help="Side of the PNG overlay in pixels [default: the image's "
+                                                            "size].")
 @click.option("--cmap", default="jet", show_default=True, help="Matplotlib colormap of the overlay.")
 @click.option("--overlay-alpha", default=0.5, show_default=True, type=click.FloatRange(0, 1),
               help="Weight of the map over the image.")

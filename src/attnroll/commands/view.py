@@ -83,7 +83,9 @@ def _page_name(name: str | None, stem: str) -> str:
 @click.option("--target", help="Class index or name to explain (default: the predicted class).")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("attnroll-view"), show_default=True,
               help="Output folder (created).")
-@click.option("--name", help="File name of the page [default: <first image stem>.view.html or <first words>.view.html].")
+@click.option(
+    "--name", help="File name of the page [default: <first image stem>.view.html or <first words>.view.html]."
+)
 def view_cmd(images, text, pair, model_spec, weights, method_list, options, target, out, name) -> None:
     """Explain IMAGE... (files or folders) or --text TEXT [--pair TEXT] with every method of --methods and
     write ONE self-contained HTML page: no network, opens from file:// and offline. Images: the map over the

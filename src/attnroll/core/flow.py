@@ -132,8 +132,9 @@ class _RowSolver:
         self.scale = 2.0 ** math.floor(math.log2(_INT32_MAX / top)) if top > 0 else 1.0
         self.ints = [np.floor(r * self.scale).astype(np.int64) for r in real]
         self.sub: list[Any] = [None] + [self._base_mask(l, k_base) for l in range(2, L + 1)]
-        self._shared: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # the subgraph's internal edges, rebuilt on growth
-        self._shared_full: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # the whole graph's, built on first need
+        # The subgraph's internal edges (rebuilt on growth) and the whole graph's (built on first need).
+        self._shared: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        self._shared_full: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self._cols: list[tuple[np.ndarray, np.ndarray]] | None = None  # per layer: missing edges by column
         #: Counters for benchmarks: solver calls, inputs solved on the subgraph / whole graph, cuts measured,
         #: edges generated.
@@ -576,7 +577,9 @@ def _plan(stack: np.ndarray, mask: np.ndarray | None, row_idx: list[int], worker
     return per_example, tasks, workers
 
 
-def _solve_in_workers(per_example: list, tasks: list, workers: int, out: np.ndarray, tick: Callable[[int], Any]) -> None:
+def _solve_in_workers(
+    per_example: list, tasks: list, workers: int, out: np.ndarray, tick: Callable[[int], Any]
+) -> None:
     """Run the tasks in worker processes (fork when available: workers inherit the capacities)."""
     import multiprocessing as mp
 

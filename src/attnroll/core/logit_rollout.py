@@ -72,7 +72,8 @@ def direct_logit(alpha_row: torch.Tensor, F: torch.Tensor, omega: torch.Tensor) 
 
 def logit_rollout(deltas: Sequence[torch.Tensor], mixing: Sequence[torch.Tensor]) -> torch.Tensor:
     """score (B, n) = Σ_l Δ^l · C_{l−1} ⋯ C_0 from per-layer rows ``deltas`` (L × (B, n)) and mixing matrices
-    ``mixing`` (L entries, (B, n, n); the last is never read and may be None), by Horner's rule right to left: O(L·n²)."""
+    ``mixing`` (L entries, (B, n, n); the last is never read and may be None), by Horner's rule right to left:
+    O(L·n²)."""
     if len(deltas) == 0 or len(mixing) != len(deltas):
         raise ValueError(f"deltas and mixing must hold one entry per layer (>= 1), got {len(deltas)} and {len(mixing)}")
     s = deltas[-1]

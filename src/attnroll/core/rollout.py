@@ -15,7 +15,7 @@ the fused matrix, so the cost is one read of the attention.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -229,7 +229,11 @@ def parse_rows(rows: Any, n: int) -> list[int] | None:
     """None, an int, or a non-empty sequence of token indices (negative = from the end)."""
     if rows is None:
         return None
-    if isinstance(rows, (list, tuple, range, torch.Tensor, np.ndarray)) and getattr(rows, "ndim", 1) != 0 and len(rows) == 0:
+    if (
+        isinstance(rows, (list, tuple, range, torch.Tensor, np.ndarray))
+        and getattr(rows, "ndim", 1) != 0
+        and len(rows) == 0
+    ):
         raise ValueError("rows is empty: give at least one output token index, or rows=None for all rows")
     return _checks.check_indices("rows", rows, n)
 

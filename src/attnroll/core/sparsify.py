@@ -128,7 +128,8 @@ def check_options(
         threshold = _checks.check_real("threshold", threshold, low=0.0)
     protect_prefix = _checks.check_int("protect_prefix", protect_prefix)
     if not 0 <= protect_prefix <= n:
-        raise ValueError(f"protect_prefix must be in [0, n] = [0, {n}] (leading tokens never zeroed), got {protect_prefix}")
+        raise ValueError(f"protect_prefix must be in [0, n] = [0, {n}] (leading tokens never zeroed), got "
+                         f"{protect_prefix}")
     return discard_ratio, discard_scope, top_k, threshold, protect_prefix
 
 

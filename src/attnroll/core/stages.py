@@ -56,7 +56,8 @@ def check_merges(merges: Mapping[int, torch.Tensor], sizes: Sequence[int]) -> di
         out[k] = M
     for k in range(1, L):
         if k not in out and sizes[k] != sizes[k - 1]:
-            raise ValueError(f"layers {k - 1} and {k} have {sizes[k - 1]} and {sizes[k]} tokens but no merge map between them")
+            raise ValueError(f"layers {k - 1} and {k} have {sizes[k - 1]} and {sizes[k]} tokens but no merge map "
+                             f"between them")
     return out
 
 

@@ -24,8 +24,8 @@ import torch
 
 from .. import _checks
 from .._callable import make_callable as _make_callable
-from .._modes import eval_mode
 from .._io import atomic_write
+from .._modes import eval_mode
 from ..methods import explain_batches, method_info
 from ._common import batched_logits, chunks, image_forward, logits_of, nanmean, relevance_order, spearman_rows
 

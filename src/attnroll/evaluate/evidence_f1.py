@@ -13,9 +13,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from .._callable import make_callable as _make_callable
 from ._common import relevance_order
 from ._rationale import rationale_inputs, rationale_values
-from .._callable import make_callable as _make_callable
 from .registry import MetricInputs, MetricValues, register_metric
 
 __all__ = ["evidence_f1"]

@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._rationale import rationale_inputs, rationale_values
 from .._callable import make_callable as _make_callable
+from ._rationale import rationale_inputs, rationale_values
 from .registry import MetricInputs, MetricValues, register_metric
 
 __all__ = ["evidence_mass"]

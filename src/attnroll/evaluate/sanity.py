@@ -55,10 +55,10 @@ import torch
 from torch import nn
 
 from .. import _checks
-from ..methods import Explainer, batch_size_of, explain_batches
 from ..capture import model_facts
 from ..capture.anatomy import component_parameters, find_blocks, find_head
 from ..capture.layers import Target
+from ..methods import Explainer, batch_size_of, explain_batches
 from ._common import nanmean, spearman_rows
 
 __all__ = ["SanityResult", "cascading_randomization", "find_blocks", "find_head", "component_parameters"]

@@ -146,7 +146,8 @@ class EvaluationResult:
 def explain_scores(model: Any, pixel_values: Any, method: str, *, target: Any = None,
                    batch_size: int = 64, **options: Any) -> tuple[torch.Tensor, tuple[int, int] | None]:
     """Explain ``pixel_values`` (B, 3, H, W) — or a tokenizer's dict of (B, n) tensors — in chunks with one
-    method; returns scores (B, units) float32 and the patch grid (None for text). Gradient methods run with gradients enabled (and only they). ``target`` None / int / list of B
+    method; returns scores (B, units) float32 and the patch grid (None for text). Gradient methods run with gradients
+    enabled (and only they). ``target`` None / int / list of B
     ints; the ``random`` control gets a distinct seed per example (``seed`` + index), so chunking does not
     repeat maps."""
     r = explain_batches(model, pixel_values, method, target=target, batch_size=batch_size, **options)

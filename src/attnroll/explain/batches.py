@@ -19,8 +19,8 @@ import torch
 
 from .. import _checks
 from .explainer import explain
-from .registry import method_info
 from .explanation import Explanation
+from .registry import method_info
 
 __all__ = ["BatchScores", "batch_size_of", "take_rows", "iter_explanations", "explain_batches", "explain_targets"]
 

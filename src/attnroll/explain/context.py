@@ -73,7 +73,9 @@ class Context:
                 x = t.detach()
                 if mask is not None and x.shape[-2] == mask.shape[-1]:
                     rows = mask.to(device=x.device, dtype=torch.bool)[:, None, :, None]
-                    x = torch.where(rows if x.ndim == 4 else rows[:, 0], x, torch.zeros((), dtype=x.dtype, device=x.device))
+                    x = torch.where(
+                        rows if x.ndim == 4 else rows[:, 0], x, torch.zeros((), dtype=x.dtype, device=x.device)
+                    )
                 _checks.check_finite(f"the attention of {type(self.model).__name__} (stream {s!r}, layer {i})", x)
 
     def grad_record(self, streams: list[str] | None = None, scores: Callable | None = None):

@@ -19,13 +19,13 @@ import torch
 from torch import nn
 
 from .. import _checks
+from .._callable import make_callable as _make_callable
 from ..capture import model_facts
 from ..capture.hf import is_hf_model
 from ..capture.recompute import capture_kernels
 from ..core import operators
 from ..core import segments as seg
 from ..core.residual import residual_coefficients
-from .._callable import make_callable as _make_callable
 from . import matrix_free
 from .context import Context
 from .registry import method_info

@@ -16,12 +16,12 @@ from typing import Any
 import torch
 
 from .. import _checks
-from ..capture import CaptureError
 from .._checks import UnsupportedModelError
+from .._modes import params_require_grad
+from ..capture import CaptureError
 from ..capture.recompute import KeptCapture, capture_kernels
 from ..core import operators
 from ..core.rollout import LayerPipeline, layer_range
-from .._modes import params_require_grad
 from .context import Context
 from .rows import prefix_default
 from .target_scores import require_grad_mode

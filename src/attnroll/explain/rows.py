@@ -132,7 +132,11 @@ def source_rows(ctx: Context, rec: AttentionRecord, fn: Callable, layers_of: Cal
     def rows(stream: str, readout: Readout, k: int) -> torch.Tensor:
         if k == 0:  # the projector reads the embeddings: no vision layer mixes the tokens
             return readout.weights
-        extra = {} if protect_prefix is _ABSENT else {"protect_prefix": prefix_default(protect_prefix, ctx.info(rec, stream))}
+        extra = (
+            {}
+            if protect_prefix is _ABSENT
+            else {"protect_prefix": prefix_default(protect_prefix, ctx.info(rec, stream))}
+        )
         return rollout_rows(fn, list(layers_of(stream))[:k], readout, ctx.mask(rec, stream), **extra, **opts)[0]
 
     return rows

@@ -25,7 +25,8 @@ def resolve_target(outputs: Any, target: Any, *, positions: list[int] | None = N
         y = target(outputs)
         logits = main_logits(outputs)
         B = None if logits is None else logits.shape[0]
-        return _checks.check_target_output(y, B, target), f"callable: {getattr(target, '__qualname__', type(target).__name__)}"
+        label = f"callable: {getattr(target, '__qualname__', type(target).__name__)}"
+        return _checks.check_target_output(y, B, target), label
     logits = main_logits(outputs)
     if logits is None:
         raise ValueError(
@@ -35,7 +36,9 @@ def resolve_target(outputs: Any, target: Any, *, positions: list[int] | None = N
     if logits.ndim == 3:
         if positions is None:
             positions = [logits.shape[1] - 1] * logits.shape[0]
-        logits = logits[torch.arange(logits.shape[0], device=logits.device), torch.tensor(positions, device=logits.device)]
+        logits = logits[
+            torch.arange(logits.shape[0], device=logits.device), torch.tensor(positions, device=logits.device)
+        ]
     if logits.ndim != 2:
         raise ValueError(
             f"target: the model's logits have shape {tuple(logits.shape)}; class targets need (B, C) or (B, n, V). "

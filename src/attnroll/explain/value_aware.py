@@ -13,8 +13,8 @@ import torch
 from .. import _checks
 from ..capture import model_facts
 from ..capture.layers import ModelAnatomy
-from ..capture.value_path import LayerStates, record_states, value_anatomy
 from ..capture.record import AttentionRecord
+from ..capture.value_path import LayerStates, record_states, value_anatomy
 from ..core.rollout import rollout as core_rollout
 from ..core.value_aware import Block, alti_matrix, apply_norm, normalize_rows, value_outputs
 from .context import Context

@@ -13,8 +13,23 @@ import importlib as _importlib
 import pkgutil as _pkgutil
 
 from .._callable import make_callable as _make_callable
-from ..explain import (BatchScores, Context, Explainer, Explanation, Method, batch_size_of, check_options, explain,
-                       explain_batches, explain_targets, iter_explanations, method_info, methods, register, take_rows)
+from ..explain import (
+    BatchScores,
+    Context,
+    Explainer,
+    Explanation,
+    Method,
+    batch_size_of,
+    check_options,
+    explain,
+    explain_batches,
+    explain_targets,
+    iter_explanations,
+    method_info,
+    methods,
+    register,
+    take_rows,
+)
 from ..explain.context_attribution import ContextAttribution, context_attribution
 
 __all__ = ["explain", "Explainer", "Explanation", "methods", "method_info", "check_options", "register", "Method",

@@ -18,7 +18,8 @@ def _matrices(layers, states, anat, mask):
 va.register_rolled(
     "alti",
     _matrices,
-    description="ALTI: L1-distance contributions of attention+residual (+norm) shares per layer, rows normalised, multiplied",
+    description="ALTI: L1-distance contributions of attention+residual (+norm) shares per layer, rows normalised, "
+                "multiplied",
     cost="1 forward (eager attention) + O(L·n²·d)",
     reference="Ferrando, Gállego & Costa-jussà, Measuring the Mixing of Contextual Information in the "
               "Transformer, EMNLP 2022",

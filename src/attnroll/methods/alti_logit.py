@@ -32,8 +32,7 @@ from __future__ import annotations
 import torch
 
 from .. import _checks
-from ..core.logit_rollout import (direct_logit, head_linear, layer_directions, logit_rollout,
-                                  pooled_head_linear)
+from ..core.logit_rollout import direct_logit, head_linear, layer_directions, logit_rollout, pooled_head_linear
 from ..core.value_aware import normalize_rows
 from ..explain import value_aware as va
 from ..explain.context import Context
@@ -80,7 +79,9 @@ def _read_rows(ctx: Context, anat, rec, states, pos: torch.Tensor, mask, dt) -> 
 
 @register(
     "alti_logit",
-    description="ALTI-Logit: each layer's attention update projected on the target logit, per token, carried to the inputs by ALTI's rollout of the layers below (class-specific; pre-norm and post-LN models, heads that pool rows)",
+    description="ALTI-Logit: each layer's attention update projected on the target logit, per token, carried to the "
+        "inputs by ALTI's rollout of the layers below (class-specific; pre-norm and post-LN models, heads that pool "
+        "rows)",
     options={"mlp": None, **va.COMMON},
     class_specific=True,
     cost="1 forward (eager attention) + O(L·n²·d) (a pooled head: + the MLPs once per read row)",

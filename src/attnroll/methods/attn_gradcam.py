@@ -15,12 +15,14 @@ from ..explain.rows import combine_rows
 
 @register(
     "attn_gradcam",
-    description="attention Grad-CAM (Chefer CVPR'21 baseline): last-layer attention row weighted per head by its mean gradient, clamped (class-specific)",
+    description="attention Grad-CAM (Chefer CVPR'21 baseline): last-layer attention row weighted per head by its mean "
+                "gradient, clamped (class-specific)",
     options={"layer": -1, "stream": None},
     needs_grad=True,
     class_specific=True,
     cost="1 forward + 1 backward (eager attention)",
-    reference="Chefer, Gur & Wolf, Transformer Interpretability Beyond Attention Visualization, CVPR 2021 (baseline; after Selvaraju et al. 2017)",
+    reference="Chefer, Gur & Wolf, Transformer Interpretability Beyond Attention Visualization, CVPR 2021 (baseline; "
+              "after Selvaraju et al. 2017)",
     refuse={"start_layer": "attention Grad-CAM reads one layer; pass layer=k",
             "head_fusion": "the heads are weighted by their mean gradient by definition"},
 )

@@ -73,7 +73,8 @@ def _pixel_row(ca: Any, kind: str, ctx: Context, info: Any, score: Any, pixels: 
     px = pixels.detach().clone().requires_grad_(kind != "integrated_gradients")
     if kind == "integrated_gradients":
         if opts["baseline"] not in ("pad", "zeros"):
-            raise ValueError(f"baseline for images must be 'zeros' (black after normalisation), got {opts['baseline']!r}")
+            raise ValueError(f"baseline for images must be 'zeros' (black after normalisation), got "
+                             f"{opts['baseline']!r}")
         attr = ca.IntegratedGradients(fwd).attribute(
             px, baselines=torch.zeros_like(px), n_steps=opts["n_steps"], internal_batch_size=opts["internal_batch_size"]
         )
@@ -183,7 +184,8 @@ def saliency(ctx: Context):
     "input_x_gradient",
     description="Captum input × gradient summed per patch / token (class-specific)",
     cost="1 forward + 1 backward",
-    reference="Shrikumar et al., Learning Important Features Through Propagating Activation Differences, 2017 (via Captum)",
+    reference="Shrikumar et al., Learning Important Features Through Propagating Activation Differences, 2017 (via "
+              "Captum)",
     **_COMMON,
 )
 def input_x_gradient(ctx: Context):

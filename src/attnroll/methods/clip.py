@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 
 from ..capture import model_facts
-from ..core.rollout import rollout as core_rollout
 from ..core.gradients import gradient_weighted
+from ..core.rollout import rollout as core_rollout
 from ..explain.context import Context
 from ..explain.registry import register
 from ..explain.rows import combine_rows
@@ -42,7 +42,8 @@ def _pairs(inputs, facts):
 
 @register(
     "clip",
-    description="CLIP image and text maps for image-text pairs, target = the pair's similarity (Chefer ICCV'21 rule per tower)",
+    description="CLIP image and text maps for image-text pairs, target = the pair's similarity (Chefer ICCV'21 rule "
+                "per tower)",
     options={"start_layer": 0, "start_layer_text": 0},
     needs_grad=True,
     class_specific=True,
@@ -67,7 +68,9 @@ def clip(ctx: Context, *, start_layer, start_layer_text):
             return y
         similarity = facts.similarity
         if similarity is None:
-            raise ValueError(f"method 'clip' needs a dual-tower image-text model; {type(ctx.model).__name__} is not one")
+            raise ValueError(
+                f"method 'clip' needs a dual-tower image-text model; {type(ctx.model).__name__} is not one"
+            )
         ctx.target_desc = "pair similarity (logits_per_image[i, i])"
         return similarity(rec.outputs).diagonal()
 

@@ -152,7 +152,8 @@ def _carried_cropped(x0, alphas, blocks, pos, classes, head, bias, mask) -> torc
 
 @register(
     "decompx",
-    description="DecompX: each token's signed share of the target logit, decomposed through attention, norms, MLP and head (class-specific)",
+    description="DecompX: each token's signed share of the target logit, decomposed through attention, norms, MLP and "
+                "head (class-specific)",
     options={"bias": "separate", "start_layer": 0, **va.COMMON},
     class_specific=True,
     cost="1 forward + 1 backward (bias='separate', the default; start_layer=l adds l blocks' measured shares); "

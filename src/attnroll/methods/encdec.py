@@ -58,12 +58,14 @@ def _result(ctx: Context, rec, R_dd: torch.Tensor, R_de: torch.Tensor, extra_opt
     extra = {"target_scores": tgt}
     if rec.extra.get("decoder_tokens") is not None:
         extra["decoder_tokens"] = rec.extra["decoder_tokens"]
-    return ctx.build(rec, combine_rows(R_de[:, rows], ro, rows)[0], ro, "encoder", extra=extra, options={**ctx.options, **(extra_opts or {})})
+    return ctx.build(rec, combine_rows(R_de[:, rows], ro, rows)[0], ro, "encoder", extra=extra,
+                     options={**ctx.options, **(extra_opts or {})})
 
 
 @register(
     "encdec_rollout",
-    description="encoder-decoder rollout: encoder, decoder self- and cross-attention composed so that source + target shares sum to 1 (class-agnostic)",
+    description="encoder-decoder rollout: encoder, decoder self- and cross-attention composed so that source + target "
+                "shares sum to 1 (class-agnostic)",
     options={"alpha": 0.5},
     cost="1 forward (eager attention) + O(L·n³)",
     reference="Abnar & Zuidema 2020 (rollout), composed across cross-attention as in Chefer, Gur & Wolf, ICCV 2021",
@@ -83,17 +85,21 @@ def encdec_rollout(ctx: Context, *, alpha):
 
 @register(
     "encdec_gae",
-    description="encoder-decoder generic attention explainability (Chefer ICCV'21 rules 6, 7, 10 with gradient-weighted attention; class-specific)",
+    description="encoder-decoder generic attention explainability (Chefer ICCV'21 rules 6, 7, 10 with "
+                "gradient-weighted attention; class-specific)",
     options={"transpose": True},
     needs_grad=True,
     class_specific=True,
     cost="1 forward + 1 backward (eager attention) + O(L·n³)",
-    reference="Chefer, Gur & Wolf, Generic Attention-model Explainability for Interpreting Bi-Modal and Encoder-Decoder Transformers, ICCV 2021",
+    reference="Chefer, Gur & Wolf, Generic Attention-model Explainability for Interpreting Bi-Modal and "
+              "Encoder-Decoder Transformers, ICCV 2021",
 )
 def encdec_gae(ctx: Context, *, transpose):
     """Row t of R_de (source) and R_dd (target), see the module docstring."""
     transpose = _checks.check_bool("transpose", transpose)
-    rec, atts, grads = ctx.grad_record(["encoder", "decoder", "cross"], scores=lambda r: (_streams(ctx, r), ctx.target_scores(r))[1])
+    rec, atts, grads = ctx.grad_record(
+        ["encoder", "decoder", "cross"], scores=lambda r: (_streams(ctx, r), ctx.target_scores(r))[1]
+    )
     W = {s: gradient_weighted(atts[s], grads[s]) for s in ("encoder", "decoder", "cross")}
     R_dd, R_de = encdec_gae_compose(W["encoder"], W["decoder"], W["cross"], transpose)
     return _result(ctx, rec, R_dd, R_de)

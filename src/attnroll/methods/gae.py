@@ -6,10 +6,10 @@ the gradient-weighted matrices, computed here right to left for the one row (O(L
 
 from __future__ import annotations
 
+from ..core.gradients import gradient_weighted
 from ..core.operators import weighted_probs
 from ..core.rollout import rollout as core_rollout
 from ..explain import matrix_free
-from ..core.gradients import gradient_weighted
 from ..explain.context import Context
 from ..explain.registry import register
 from ..explain.rows import rollout_rows, source_rows
@@ -17,15 +17,19 @@ from ..explain.rows import rollout_rows, source_rows
 
 @register(
     "gae",
-    description="generic attention explainability (Chefer ICCV'21): R = I; R += mean_h((dy/dA ⊙ A)^+)·R per layer (class-specific)",
+    description="generic attention explainability (Chefer ICCV'21): R = I; R += mean_h((dy/dA ⊙ A)^+)·R per layer "
+    "(class-specific)",
     options={"start_layer": 0, "end_layer": None, "return_layers": False, "stream": None, "attention": None},
     needs_grad=True,
     class_specific=True,
     cost="1 forward + 1 backward (its own attention kernel); dy/dA = dO·Vᵀ recomputed blockwise",
-    reference="Chefer, Gur & Wolf, Generic Attention-model Explainability for Interpreting Bi-Modal and Encoder-Decoder Transformers, ICCV 2021",
+    reference="Chefer, Gur & Wolf, Generic Attention-model Explainability for Interpreting Bi-Modal and "
+    "Encoder-Decoder Transformers, ICCV 2021",
     refuse={
-        "head_fusion": "gae fuses heads as mean_h((dy/dA ⊙ A)^+) by definition; use method='grad_rollout' for clamp orders",
-        "alpha": "gae's residual is the plain I + Ā of Chefer's rule; use method='grad_rollout' for a weighted residual",
+        "head_fusion": "gae fuses heads as mean_h((dy/dA ⊙ A)^+) by definition; use method='grad_rollout' for clamp "
+        "orders",
+        "alpha": "gae's residual is the plain I + Ā of Chefer's rule; use method='grad_rollout' for a weighted "
+        "residual",
         "residual_mode": "gae's update is R + Ā·R (no renormalisation); use method='grad_rollout' for 'renorm'/'blend'",
         "discard_ratio": "gae does not sparsify; use method='grad_rollout' or 'rollout'",
     },

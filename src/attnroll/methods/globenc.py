@@ -29,7 +29,8 @@ def _matrices(layers, states, anat, mask):
 va.register_rolled(
     "globenc",
     _matrices,
-    description="GlobEnc: norms of attention+residual vectors through the layer norms (FFN bypassed), rows normalised, multiplied",
+    description="GlobEnc: norms of attention+residual vectors through the layer norms (FFN bypassed), rows normalised, "
+                "multiplied",
     cost="1 forward (eager attention) + O(L·n²·H²)",
     reference="Modarressi, Fayyaz, Yaghoobzadeh & Pilehvar, GlobEnc: Quantifying Global Token Attribution by "
               "Incorporating the Whole Encoder Layer in Transformers, NAACL 2022",

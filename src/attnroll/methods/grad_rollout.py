@@ -7,15 +7,14 @@ Gradients are paired with attention by layer index (both come from the record's 
 
 from __future__ import annotations
 
-from ..core.gradients import gradient_weighted
 from .. import _checks
+from ..core.gradients import gradient_weighted
 from ..core.operators import weighted_probs
 from ..core.rollout import rollout as core_rollout
 from ..explain import matrix_free
 from ..explain.context import Context
 from ..explain.registry import register
 from ..explain.rows import prefix_default, rollout_rows, source_rows
-
 
 _OPTIONS = {
     "clamp": "per_head", "alpha": 0.5, "residual_mode": "renorm", "discard_ratio": 0.0, "discard_scope": "layer",
@@ -26,7 +25,8 @@ _OPTIONS = {
 
 @register(
     "grad_rollout",
-    description="gradient-weighted rollout: mean_h((dy/dA ⊙ A)^+) per layer, rolled out with residual + row renorm (class-specific)",
+    description="gradient-weighted rollout: mean_h((dy/dA ⊙ A)^+) per layer, rolled out with residual + row renorm "
+                "(class-specific)",
     options=_OPTIONS,
     needs_grad=True,
     class_specific=True,
@@ -59,5 +59,6 @@ def grad_rollout(ctx: Context, *, clamp, stream, return_layers, protect_prefix, 
     )
     src = source_rows(ctx, rec, core_rollout, lambda v: gradient_weighted(atts[v], grads[v], clamp),  # VLMs: vision
                       protect_prefix=protect_prefix, head_fusion=None, check_stochastic=False, **opts)
-    return ctx.build(rec, row, pos, s, layers=layers, options={**ctx.options, "protect_prefix": pp, "attention": "dense"},
-                     source=src)
+    return ctx.build(
+        rec, row, pos, s, layers=layers, options={**ctx.options, "protect_prefix": pp, "attention": "dense"}, source=src
+    )

@@ -49,7 +49,9 @@ def _matrices(grads: list[torch.Tensor] | None, k: int):
 
 @register(
     "measured_rollout",
-    description="rollout with the residual share measured per token: diag(r) + diag(1−r)·mean_h α, r from the norms of the residual and attention parts of the block output (MLP split as DecompX); class_blocks=k: the top k blocks' pattern gae's (class-specific)",
+    description="rollout with the residual share measured per token: diag(r) + diag(1−r)·mean_h α, r from the norms of "
+        "the residual and attention parts of the block output (MLP split as DecompX); class_blocks=k: the top k "
+        "blocks' pattern gae's (class-specific)",
     options={**va.ROLLOUT, **va.COMMON, "class_blocks": 0},
     cost="1 forward (eager attention) + O(L·n·d·d_ff); class_blocks > 0: + 1 forward and backward",
     reference="Abnar & Zuidema, Quantifying Attention Flow in Transformers, ACL 2020 (rollout), with the residual "

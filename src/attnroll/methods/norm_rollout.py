@@ -15,7 +15,8 @@ def _matrices(layers, states, anat, mask):
 va.register_rolled(
     "norm_rollout",
     _matrices,
-    description="norm-based rollout: ‖Σ_h α f^h(x_j) + δ_ij x_j‖ per layer (measured residual share), rows normalised, multiplied",
+    description="norm-based rollout: ‖Σ_h α f^h(x_j) + δ_ij x_j‖ per layer (measured residual share), rows normalised, "
+                "multiplied",
     cost="1 forward (eager attention) + O(L·n²·H²)",
     reference="Kobayashi, Kuribayashi, Yokoi & Inui, Incorporating Residual and Normalization Layers into "
               "Analysis of Masked Language Models, EMNLP 2021 (AttnRes-N); rolled out as Abnar & Zuidema 2020",

@@ -11,9 +11,11 @@ from ..explain.context import Context
 from ..explain.registry import register
 from ..explain.rows import ROLLOUT_OPTIONS, ROLLOUT_REFUSE, prefix_default, rollout_rows, source_rows
 
+
 @register(
     "rollout",
-    description="attention rollout: product of residual-augmented, head-fused attention over the layers (class-agnostic)",
+    description="attention rollout: product of residual-augmented, head-fused attention over the layers "
+                "(class-agnostic)",
     options={**ROLLOUT_OPTIONS, "stream": None, "attention": None},
     cost="1 forward (its own attention kernel) + O(L·n²) recomputed blockwise, O(n·d) memory",
     reference="Abnar & Zuidema, Quantifying Attention Flow in Transformers, ACL 2020",
@@ -48,6 +50,8 @@ def rollout(ctx: Context, *, stream, return_layers, protect_prefix, attention, *
         core_rollout, rec.streams[s], ro, ctx.mask(rec, s), return_layers=return_layers, protect_prefix=pp,
         info=ctx.info(rec, s), **opts,
     )
-    src = source_rows(ctx, rec, core_rollout, rec.stream, protect_prefix=protect_prefix, **opts)  # VLMs: the vision stream
-    return ctx.build(rec, row, ro, s, layers=layers, options={**ctx.options, "protect_prefix": pp, "attention": "dense"},
-                     source=src)
+    # VLMs: the vision stream's own rows
+    src = source_rows(ctx, rec, core_rollout, rec.stream, protect_prefix=protect_prefix, **opts)
+    return ctx.build(
+        rec, row, ro, s, layers=layers, options={**ctx.options, "protect_prefix": pp, "attention": "dense"}, source=src
+    )

@@ -30,7 +30,8 @@ def _matrices(layers, states, anat, mask):
 va.register_rolled(
     "value_zeroing",
     _matrices,
-    description="value zeroing: cosine distance of each block output when a token's values are zeroed, rows normalised, multiplied",
+    description="value zeroing: cosine distance of each block output when a token's values are zeroed, rows "
+                "normalised, multiplied",
     cost="1 forward + n re-runs of every block's residual/norm/MLP (batched)",
     reference="Mohebbi, Zuidema, Chrupała & Alishahi, Quantifying Context Mixing in Transformers, EACL 2023",
 )

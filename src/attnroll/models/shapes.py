@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import json
 import math
-from types import SimpleNamespace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np

@@ -16,11 +16,11 @@ extra (matplotlib on the Agg backend, pillow, rich), imported only when a functi
 - :func:`save_image` / :func:`atomic_write` — atomic file writes (temporary file, then rename).
 """
 
+# `overlay` and `panel` are the modules, callable as their functions (see attnroll._callable)
+from . import overlay, panel
 from ._io import atomic_write, save_image
 from .heads import plot_heads
 from .layers import plot_layers
-# `overlay` and `panel` are the modules, callable as their functions (see attnroll._callable)
-from . import overlay, panel
 from .text import explanation_html, print_tokens, score_color, token_scores, tokens_html, tokens_text
 from .viewer import ViewerPage, view
 

@@ -8,8 +8,8 @@ import numpy as np
 import torch
 
 from .. import _checks
-from . import deps
 from .._callable import make_callable as _make_callable
+from . import deps
 from ._explanation import is_explanation
 from .pixels import to_rgb_array  # noqa: F401 - its old home; overlays use it
 

@@ -7,8 +7,8 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from .. import _checks
-from . import deps
 from .._callable import make_callable as _make_callable
+from . import deps
 from ._explanation import is_explanation
 from .overlay import overlay, to_rgb_array
 

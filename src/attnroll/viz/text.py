@@ -96,9 +96,12 @@ def tokens_html(
         parts.append(
             f"<div class='meta'>method {html.escape(e.method)}, target {html.escape(str(e.target))}</div>"
         )
-        for b in range(e.batch_size) if index is None else [_checks.check_index("index", index, e.batch_size, "examples")]:
+        for b in (
+            range(e.batch_size) if index is None else [_checks.check_index("index", index, e.batch_size, "examples")]
+        ):
             spans = "".join(
-                f"<span class='t' title='{html.escape(tok, quote=True)}: {_num(v)}' style='background:{score_color(v)}'>"
+                f"<span class='t' title='{html.escape(tok, quote=True)}: {_num(v)}' "
+                f"style='background:{score_color(v)}'>"
                 f"{html.escape(tok)}</span>"
                 for tok, v in token_scores(e, b, kind, skip)
             )
@@ -111,7 +114,9 @@ def explanation_html(expl: Any, index: int | None = None, kind: str = "max") -> 
     """A self-contained HTML snippet (a ``<div>``, no page) of one Explanation: its method and target, then
     each example (or example ``index``): tokens (prefix and padding left out) or, for images, a table of
     patch cells, on the background :func:`score_color` gives their score (``normalized(kind)``)."""
-    which = range(expl.batch_size) if index is None else [_checks.check_index("index", index, expl.batch_size, "examples")]
+    which = (
+        range(expl.batch_size) if index is None else [_checks.check_index("index", index, expl.batch_size, "examples")]
+    )
     parts = [
         "<div class='attnroll' style='font-family:sans-serif;line-height:2'>"
         f"<div><b>{html.escape(expl.method)}</b> target={html.escape(str(expl.target))}</div>"
@@ -168,5 +173,7 @@ def print_tokens(expl: Any, index: int | None = None, *, kind: str = "max", cons
     from rich.console import Console
 
     console = console or Console()
-    for b in range(expl.batch_size) if index is None else [_checks.check_index("index", index, expl.batch_size, "examples")]:
+    for b in (
+        range(expl.batch_size) if index is None else [_checks.check_index("index", index, expl.batch_size, "examples")]
+    ):
         console.print(tokens_text(expl, b, kind=kind, skip=skip))

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from collections.abc import Mapping
+from typing import Any
 
 from .build import audit_payload, explanations_payload, sections_payload
 from .page import ViewerPage, render
@@ -33,7 +32,8 @@ def view(
     Args:
         explanations: an Explanation; a list of them or ``{name: Explanation}`` (several methods on the same
             inputs: the page gets a method switcher); for an encoder-decoder, ``{name: [Explanation, ...]}``
-            with one Explanation per explained target position (see :func:`attnroll.methods.explain_targets`): the page shows
+            with one Explanation per explained target position (see :func:`attnroll.methods.explain_targets`): the page
+            shows
             the source × target matrix; ``{section: {name: Explanation}}`` for groups over different inputs
             (e.g. both sentences of a pair, each explained for its similarity to the other); or an
             :class:`~attnroll.evaluate.audit.AuditReport`: two models side by side with their difference.
@@ -66,7 +66,11 @@ def view(
             raise ValueError("segments=, skip= and labels= are for Explanations, not for an AuditReport")
         payload = audit_payload(explanations, images=images, masks=masks, names=names, index=index,
                                 precision=precision)
-    elif isinstance(explanations, Mapping) and explanations and all(isinstance(v, Mapping) for v in explanations.values()):
+    elif (
+        isinstance(explanations, Mapping)
+        and explanations
+        and all(isinstance(v, Mapping) for v in explanations.values())
+    ):
         if any(x is not None for x in (images, masks, segments, labels, index)):
             raise ValueError("sections ({section: {name: Explanation}}) take only skip= and precision=; "
                              "give images, masks, segments, labels or index to one group at a time")

@@ -7,8 +7,7 @@ from typing import Any
 import numpy as np
 
 from . import media
-from .payload import (check_same_inputs, map_entry, matrix_entry, named_explanations, pick, real_units,
-                      _first)
+from .payload import _first, check_same_inputs, map_entry, matrix_entry, named_explanations, pick, real_units
 from .quant import encode_rows
 
 
@@ -34,7 +33,9 @@ def _segments(segments: Any, b: int, batch: int, keep: np.ndarray, units: int) -
         if not (isinstance(s, (list, tuple)) and len(s) == 3):
             raise ValueError(f"segments must be (label, start, end) triples, got {s!r}")
         label, start, end = s
-        if not (isinstance(start, (int, np.integer)) and isinstance(end, (int, np.integer)) and 0 <= start < end <= units):
+        if not (
+            isinstance(start, (int, np.integer)) and isinstance(end, (int, np.integer)) and 0 <= start < end <= units
+        ):
             raise ValueError(f"segment {label!r}: start and end must be ints with 0 <= start < end <= {units} "
                              f"(token indices, end exclusive), got {start!r}, {end!r}")
         a, z = (int(np.searchsorted(keep, v)) for v in (start, end))
@@ -131,8 +132,15 @@ def sections_payload(sections: Any, *, skip: Any = None, precision: str = "uint1
     return {"methods": methods, "examples": examples}
 
 
-def audit_payload(report: Any, *, images: Any = None, masks: Any = None, names: tuple[str, str] = ("model A", "model B"),
-                  index: Any = None, precision: str = "uint16") -> dict:
+def audit_payload(
+    report: Any,
+    *,
+    images: Any = None,
+    masks: Any = None,
+    names: tuple[str, str] = ("model A", "model B"),
+    index: Any = None,
+    precision: str = "uint16",
+) -> dict:
     """Two models side by side from an :class:`~attnroll.evaluate.audit.AuditReport`: per example the map of
     each model and their difference (B − A), examples in the report's order (largest divergence first)."""
     a_name, b_name = (str(n) for n in names)

@@ -9,7 +9,6 @@ from typing import Any
 import numpy as np
 import torch
 
-
 #: Pictures are shrunk to at most this many pixels on their longer side (the page shows them at 320).
 MAX_SIDE = 640
 

@@ -75,7 +75,9 @@ class ViewerPage:
         try:
             from IPython.display import display
         except ImportError:
-            raise RuntimeError("show() needs IPython (a notebook); use .save('viewer.html') and open the file") from None
+            raise RuntimeError(
+                "show() needs IPython (a notebook); use .save('viewer.html') and open the file"
+            ) from None
         display(self)
 
     def __repr__(self) -> str:
