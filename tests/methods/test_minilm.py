@@ -8,7 +8,7 @@ import torch
 
 import attnroll
 
-from . import models as M
+from ..zoo import sharp as M
 from .test_explain import gae_reference
 
 

@@ -19,7 +19,9 @@ import torch
 import attnroll
 from attnroll.core import operators
 
-from .models import T, inputs_for, model
+from ..zoo import T, sharp
+
+inputs_for, model = sharp.inputs_for, sharp.model
 
 GEMMA2 = dict(vocab_size=99, hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, head_dim=8, query_pre_attn_scalar=8, max_position_embeddings=64,
