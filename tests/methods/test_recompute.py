@@ -236,6 +236,7 @@ def test_flash_convention_window_and_padding(flashlike, pad):
                     attnroll.explain(m, x, method, attention="recompute"))
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ru_maxrss in KiB is Linux's convention")
 def test_recompute_memory_grows_linearly():
     """Peak memory of explain(rollout) at n = 1024 and 4096 in a fresh process: the growth must stay below one

@@ -19,6 +19,8 @@ from attnroll.methods.explanation import Explanation  # noqa: E402
 from . import browser  # noqa: E402
 from ..zoo import sharp as M  # noqa: E402
 
+pytestmark = pytest.mark.slow  # a real headless browser
+
 
 #: Browsers keep a colour's alpha in 8 bits and print it with as few decimals as name that byte: up to a
 #: step of 1/255 off, plus the page's own 3 decimals.
