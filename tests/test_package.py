@@ -3,6 +3,8 @@
 import subprocess
 import sys
 
+import pytest
+
 OPTIONAL = ("transformers", "timm", "matplotlib", "click", "captum", "rich", "PIL", "networkx", "safetensors", "numba")
 
 
