@@ -11,6 +11,8 @@ what attnroll does with each.
     skipped   the tiny config could not be built or run by transformers / timm itself (not counted)
 
     PYTHONPATH=src python benchmarks/family_matrix.py [--only bert,vit] [--markdown out.md]
+
+The tiny sizes (``shrink``, the timm and Swin sizes) come from the test suite's zoo, ``tests/zoo.py``.
 """
 
 from __future__ import annotations
