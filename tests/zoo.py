@@ -48,6 +48,8 @@ TEXT_ONLY = ("bert", "roberta", "distilbert", "electra", "gpt2", "llama")
 SEQ2SEQ_MODELS = ("t5", "bart", "marian")
 #: Families built with timm (a pixel tensor in, no transformers config).
 TIMM = ("timm_vit", "timm_swin")
+#: Families built from torch alone (a tensor of token ids in).
+TORCH = ("torch_mha",)
 
 
 def __getattr__(name: str) -> Any:
@@ -107,9 +109,25 @@ def _timm_model(k: Kit, name: str, sizes: dict) -> torch.nn.Module:
     return timm.create_model(name, **{**sizes, "pretrained": False, "num_classes": k.labels})
 
 
-TIMM_BUILDERS = {
+class EncoderClassifier(torch.nn.Module):
+    """Token embeddings -> nn.TransformerEncoder -> linear head on position 0 (a CLS-style token)."""
+
+    def __init__(self, vocab=20, d=16, heads=4, layers=2, classes=3):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, d)
+        layer = torch.nn.TransformerEncoderLayer(d, heads, dim_feedforward=24, dropout=0.0, batch_first=True)
+        self.encoder = torch.nn.TransformerEncoder(layer, num_layers=layers, enable_nested_tensor=False)
+        self.head = torch.nn.Linear(d, classes)
+
+    def forward(self, ids):
+        return self.head(self.encoder(self.emb(ids))[:, 0])
+
+
+#: The families built without transformers, name -> builder(kit).
+OTHER_BUILDERS = {
     "timm_vit": lambda k: _timm_model(k, "vit_tiny_patch16_224", TIMM_SMALL),
     "timm_swin": lambda k: _timm_model(k, "swin_tiny_patch4_window7_224", SWIN_TIMM),
+    "torch_mha": lambda k: EncoderClassifier(classes=k.labels),
 }
 
 
@@ -176,6 +194,7 @@ class Kit:
     TEXT_ONLY = TEXT_ONLY
     SEQ2SEQ_MODELS = SEQ2SEQ_MODELS
     TIMM = TIMM
+    TORCH = TORCH
     eager = staticmethod(eager)
     eager_reference = staticmethod(eager)
     example = staticmethod(example)
@@ -203,10 +222,12 @@ class Kit:
 
     def inputs_for(self, name: str, *, batch: int | None = None, seed: int = 0, pad: bool = True, n: int = 7) -> Any:
         """Inputs for family ``name``; with ``pad`` the last text example has its last 2 tokens padded. timm
-        families take the pixel tensor itself."""
+        families take the pixel tensor itself, torch families a tensor of token ids (no padding)."""
         batch = self.batch if batch is None else batch
         g = torch.Generator().manual_seed(seed)
         ids = torch.randint(3, 99, (batch, n), generator=g)
+        if name in TORCH:
+            return torch.randint(0, 20, (batch, n), generator=g)
         mask = torch.ones(batch, n, dtype=torch.long)
         if pad:
             mask[-1, n - 2:] = 0
@@ -225,7 +246,7 @@ class Kit:
 @functools.lru_cache(maxsize=None)
 def _built(kit: Kit, name: str) -> torch.nn.Module:
     torch.manual_seed(0)
-    build = TIMM_BUILDERS.get(name) or _hf_builders()[name]
+    build = OTHER_BUILDERS.get(name) or _hf_builders()[name]
     m = build(kit)
     return m.eval() if kit.eval_mode else m
 
@@ -233,5 +254,5 @@ def _built(kit: Kit, name: str) -> torch.nn.Module:
 plain = Kit("plain", sharp=False, labels=3, batch=2, eval_mode=False)
 sharp = Kit("sharp", sharp=True, labels=5, batch=3, eval_mode=True)
 
-#: Every family of the zoo, transformers then timm.
-FAMILIES = (*IMAGE, *TEXT_ONLY, "clip", *SEQ2SEQ_MODELS, *TIMM)
+#: Every family of the zoo: transformers, timm, torch.
+FAMILIES = (*IMAGE, *TEXT_ONLY, "clip", *SEQ2SEQ_MODELS, *TIMM, *TORCH)
