@@ -42,9 +42,13 @@ def _cells() -> list:
 
 
 def _state(model: torch.nn.Module) -> dict:
-    """Everything a method may switch on the caller's model, parameters included."""
-    return {**snapshot(model), "__params__": [(k, p.requires_grad, p.detach().clone())
-                                              for k, p in model.named_parameters()]}
+    """Everything a method may switch on the caller's model (``snapshot``: train flags, forward hooks, instance
+    forwards, fused flags, attention implementations), backward and global module hooks, parameters."""
+    g = torch.nn.modules.module
+    hooks = [(len(m._backward_hooks), len(m._backward_pre_hooks)) for m in model.modules()]
+    hooks.append((len(g._global_forward_hooks), len(g._global_forward_pre_hooks), len(g._global_backward_hooks)))
+    return {**snapshot(model), "__hooks__": hooks,
+            "__params__": [(k, p.requires_grad, p.detach().clone()) for k, p in model.named_parameters()]}
 
 
 def _assert_same_state(before: dict, after: dict) -> None:
