@@ -22,7 +22,7 @@ from attnroll.evaluate.sanity import (
     find_head,
 )
 
-from ..zoo import TIMM_SMALL, EncoderClassifier  # the same tiny nn.TransformerEncoder classifier
+from ..zoo import TIMM_SMALL, EncoderClassifier
 
 ALL4 = ("rollout", "gae", "grad_rollout", "raw")
 EXACT = dict(abs=1e-12)
