@@ -11,7 +11,7 @@ space  := $(empty) $(empty)
 comma  := ,
 STAMP  := $(VENV)/.installed-$(subst $(space),_,$(subst =,-,$(TORCH)))-$(subst $(comma),_,$(EXTRAS))
 
-.PHONY: install lint test demo bench clean
+.PHONY: install lint test test-fast demo bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,11 @@ lint: $(STAMP)
 
 test: lint
 	$(PY) -m pytest -q
+
+# The quick lane for editing: every test not marked slow (subprocesses, Ray, the browser, signals, real or long
+# models and inputs). CI runs `make test`.
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
 
 demo: $(STAMP)
 	$(VENV)/bin/attnroll demo

@@ -11,6 +11,8 @@ what attnroll does with each.
     skipped   the tiny config could not be built or run by transformers / timm itself (not counted)
 
     PYTHONPATH=src python benchmarks/family_matrix.py [--only bert,vit] [--markdown out.md]
+
+The tiny sizes (``shrink``, the timm and Swin sizes) come from the test suite's zoo, ``tests/zoo.py``.
 """
 
 from __future__ import annotations
@@ -21,11 +23,15 @@ import signal
 import sys
 import time
 import warnings
+from pathlib import Path
 
 import torch
 
 import attnroll
 from attnroll.capture import CaptureError, swin
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the test suite's tiny-model zoo, tests/zoo.py
+from tests.zoo import SWIN_HF, SWIN_TIMM, TIMM_SMALL, shrink  # noqa: E402
 
 HF_TYPES = """
 bert roberta distilbert electra albert deberta deberta-v2 mpnet xlm-roberta camembert roformer squeezebert xlm
@@ -44,11 +50,10 @@ qwen2_vl qwen2_5_vl llava_next
 """.split()
 
 #: Swin takes per-stage depths and heads (not depth / num_heads): two stages of two blocks, 4x4 windows.
-TINY_SWIN = {"img_size": 32, "patch_size": 2, "window_size": 4, "depths": (2, 2), "embed_dim": 16, "num_heads": (2, 2)}
+TINY_SWIN = SWIN_TIMM
 
 #: transformers types whose tiny config is built from these arguments instead of shrinking the defaults.
-TINY_HF = {t: dict(image_size=32, patch_size=2, embed_dim=16, depths=[2, 2], num_heads=[2, 2], window_size=4)
-           for t in ("swin", "swinv2")}
+TINY_HF = {t: SWIN_HF for t in ("swin", "swinv2")}
 
 TIMM_MODELS = [
     ("vit_tiny_patch16_224", {}), ("deit_tiny_distilled_patch16_224", {}),
@@ -60,46 +65,12 @@ TIMM_MODELS = [
     ("swinv2_tiny_window8_256", TINY_SWIN),
 ]
 
-SMALL = dict(
-    num_hidden_layers=2, num_layers=2, n_layer=2, n_layers=2, encoder_layers=2, decoder_layers=2,
-    num_decoder_layers=2, hidden_size=32, d_model=32, n_embd=32, embed_dim=32, num_attention_heads=4, n_head=4,
-    n_heads=4, encoder_attention_heads=4, decoder_attention_heads=4, num_heads=4, intermediate_size=64, d_ff=64,
-    encoder_ffn_dim=64, decoder_ffn_dim=64, ffn_dim=64, vocab_size=99, max_position_embeddings=64, image_size=32,
-    patch_size=8, head_dim=8, d_kv=8, num_key_value_heads=2, max_source_positions=64, max_target_positions=64,
-    rotary_dim=4, embedding_size=32, num_encoder_layers=2, num_decoder_layers_=2,
-    projection_dim=32,  # PaliGemma's projector must land on the tiny text width
-)
-
-
 class Timeout(Exception):
     pass
 
 
 def _alarm(*_):
     raise Timeout("took more than 150 s")
-
-
-def shrink(cfg):
-    """Set the tiny sizes on a config and its sub-configs where the field exists."""
-    todo = [cfg]
-    while todo:
-        c = todo.pop()
-        for k, v in SMALL.items():
-            if hasattr(c, k) and isinstance(getattr(c, k), int) and not isinstance(getattr(c, k), bool):
-                try:
-                    setattr(c, k, v)
-                except (AttributeError, NotImplementedError):  # derived fields (properties) stay as they are
-                    pass
-        for k in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id",
-                  "cls_token_id"):
-            v = getattr(c, k, None)
-            if isinstance(v, int) and v >= 99:
-                setattr(c, k, 1)
-        for k in getattr(c, "sub_configs", {}) or {}:
-            sub = getattr(c, k, None)
-            if sub is not None and hasattr(sub, "to_dict"):
-                todo.append(sub)
-    return cfg
 
 
 def hf_inputs(model, cfg):
@@ -382,7 +353,7 @@ def reproduces(rec, pairs, layers=None):
 def check_timm(name, kw):
     import timm
 
-    base = dict(pretrained=False, depth=2, embed_dim=32, num_heads=4, num_classes=3, img_size=32, patch_size=8)
+    base = TIMM_SMALL
     try:
         torch.manual_seed(0)
         try:

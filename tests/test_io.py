@@ -156,6 +156,7 @@ CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_library_process_killed_mid_write_leaves_nothing(tmp_path, sig):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}

@@ -3,9 +3,12 @@
 import subprocess
 import sys
 
+import pytest
+
 OPTIONAL = ("transformers", "timm", "matplotlib", "click", "captum", "rich", "PIL", "networkx", "safetensors", "numba")
 
 
+@pytest.mark.slow
 def test_import_loads_no_optional_dependency():
     code = (
         "import sys, attnroll; attnroll.rollout; attnroll.attention_flow; attnroll.explain; attnroll.capture; "

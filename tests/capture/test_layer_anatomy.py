@@ -278,6 +278,7 @@ def test_sanity_redraws_exactly_the_tensors_the_anatomy_names(family, component)
             assert torch.all(new == (0.0 if name.endswith("bias") else 1.0)), name
 
 
+@pytest.mark.slow
 def test_cascading_randomisation_on_a_decoder_reads_its_anatomy():
     cfg = T.LlamaConfig(vocab_size=30, hidden_size=8, num_hidden_layers=2, num_attention_heads=4,
                         num_key_value_heads=2, intermediate_size=12, max_position_embeddings=16, num_labels=3,

@@ -14,6 +14,8 @@ from torch import nn
 import attnroll
 from attnroll.capture.swin import hf_window_ids
 
+from ..zoo import SWIN_HF, SWIN_TIMM
+
 timm = pytest.importorskip("timm")
 
 X = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
@@ -21,14 +23,13 @@ X = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
 
 def hf_swin(**kw):
     torch.manual_seed(0)
-    cfg = dict(image_size=32, patch_size=2, embed_dim=16, depths=[2, 2], num_heads=[2, 2], window_size=4, num_labels=3)
+    cfg = dict(SWIN_HF, num_labels=3)
     return T.SwinForImageClassification(T.SwinConfig(**{**cfg, **kw})).eval()
 
 
 def timm_swin(name="swin_tiny_patch4_window7_224", **kw):
     torch.manual_seed(0)
-    cfg = dict(pretrained=False, img_size=32, patch_size=2, window_size=4, depths=(2, 2), embed_dim=16,
-               num_heads=(2, 2), num_classes=3)
+    cfg = dict(SWIN_TIMM, pretrained=False, num_classes=3)
     return timm.create_model(name, **{**cfg, **kw}).eval()
 
 

@@ -10,9 +10,10 @@ timm = pytest.importorskip("timm")
 import attnroll  # noqa: E402
 from attnroll.capture import CaptureError  # noqa: E402
 
+from ..zoo import TIMM_SMALL  # noqa: E402
 from .helpers import snapshot  # noqa: E402
 
-SMALL = dict(pretrained=False, img_size=32, patch_size=8, depth=2, embed_dim=32, num_heads=4, num_classes=3)
+SMALL = TIMM_SMALL
 
 
 def build(name="vit_tiny_patch16_224", **kw):

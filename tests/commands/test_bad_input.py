@@ -108,7 +108,8 @@ def test_decompression_bomb_warning_joins_a_later_error(monkeypatch, picture, tm
 
 
 @pytest.mark.parametrize("shape, size, expect", [((1, 400), 16, (16, 1)), ((400, 1), 16, (1, 16)),
-                                                 ((3, 2), 16, (11, 16)), ((2, 2), 4096, (4096, 4096))])
+                                                 ((3, 2), 16, (11, 16)),
+                                                 pytest.param((2, 2), 4096, (4096, 4096), marks=pytest.mark.slow)])
 def test_degenerate_images_keep_at_least_one_pixel(tmp_path, shape, size, expect):
     p = tmp_path / "strip.png"
     Image.fromarray(np.random.default_rng(1).integers(0, 256, shape + (3,), dtype=np.uint8)).save(p)

@@ -103,6 +103,7 @@ def _json(path):
     return json.loads(path.read_text())
 
 
+@pytest.mark.slow
 def test_evaluate_scores_a_batch_output_like_explaining_again(flat, tmp_path):
     common = ["--metrics", "deletion,positive", "--steps", "8"]
     res = run("evaluate", "--maps", flat / "a", "--out", tmp_path / "m", *common)
@@ -120,6 +121,7 @@ def test_evaluate_scores_a_batch_output_like_explaining_again(flat, tmp_path):
     assert "leave --data out" in one_line_error(run("evaluate", "--maps", flat / "a", "--data", "shapes"), 2)
 
 
+@pytest.mark.slow
 def test_audit_reads_two_batch_outputs_like_explaining_again(flat, tmp_path):
     res = run("audit", flat / "a", flat / "b", "-m", "gae", "--format", "png", "--out", tmp_path / "m")
     assert res.exit_code == 0, res.output
@@ -137,6 +139,7 @@ def test_audit_reads_two_batch_outputs_like_explaining_again(flat, tmp_path):
     assert "no 'flow' maps" in one_line_error(run("audit", flat / "a", flat / "b", "-m", "flow"), 2)
 
 
+@pytest.mark.slow
 def test_evaluate_scores_a_text_batch_output_like_explaining_again(bert_dir, tmp_path):
     texts = tmp_path / "t.txt"  # lengths differ: the stored token maps are padded back onto one batch
     texts.write_text("the cat sat on the mat\na dog ran\nthe dog sat on a cat the end\ncat\n")

@@ -219,6 +219,7 @@ def test_failed_write_leaves_no_partial_file(vit_dir, pictures, tmp_path, monkey
 
 
 # ------------------------------------------------------------------------------------------------ demo
+@pytest.mark.slow
 def test_demo(tmp_path):
     from attnroll.models import shapes
 
@@ -238,6 +239,7 @@ def test_demo(tmp_path):
     assert all(ex["outline"] and ex["maps"]["per_head_rollout"]["heads"] for ex in data["examples"])
 
 
+@pytest.mark.slow
 def test_demo_pipeline_on_an_untrained_shapes_model(tmp_path, monkeypatch):
     """The demo's pictures and messages, with a random-weight model standing in for the shipped one."""
     from attnroll.models import shapes

@@ -21,6 +21,7 @@ from attnroll.models import shapes  # noqa: E402
 from .test_cli import one_line_error, run  # noqa: E402  (the same runner and one-line-error check)
 
 
+@pytest.mark.slow
 def test_evaluate_csv_matches_the_library(tmp_path):
     res = run("evaluate", "--n", 6, "--seed", 3, "--methods", "rollout,random", "--steps", 4, "--batch-size", 4,
               "--out", tmp_path)
@@ -55,6 +56,7 @@ def test_evaluate_method_options_reach_the_method(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["evaluation.csv", "evaluation.json"]  # no curves to draw
 
 
+@pytest.mark.slow
 def test_evaluate_fill_mean_and_number(tmp_path):
     images, labels, _ = shapes.make_dataset(3, 4)
     model, x = shapes.load_shapes_model(), shapes.preprocess(images)
@@ -82,6 +84,7 @@ def test_evaluate_usage_errors(tmp_path, args, code, words):
     assert not (tmp_path / "o" / "evaluation.csv").exists()
 
 
+@pytest.mark.slow
 def test_evaluate_folder_has_no_masks(tmp_path):
     d = tmp_path / "imgs"
     d.mkdir()
@@ -108,6 +111,7 @@ def test_evaluate_empty_folder(tmp_path):
     assert "no images" in line
 
 
+@pytest.mark.slow
 def test_audit_identical_models_flag_nothing(tmp_path):
     res = run("audit", "shapes", "shapes", "--n", 12, "--format", "png", "--fail-if-flagged", "--out", tmp_path)
     assert res.exit_code == 0, res.output
@@ -116,6 +120,7 @@ def test_audit_identical_models_flag_nothing(tmp_path):
     assert rec["flagged"] is False
 
 
+@pytest.mark.slow
 def test_audit_flags_the_spurious_cue(tmp_path):
     res = run("audit", "shapes", "shapes-marker", "--n", 24, "--fail-if-flagged", "--out", tmp_path)
     assert res.exit_code == 3, res.output
@@ -159,6 +164,7 @@ def test_audit_errors(tmp_path):
 TEXTS = ["the cat sat on the mat", "a dog ran", "", "the dog sat on a cat mat", "a cat ran on the mat"]
 
 
+@pytest.mark.slow
 def test_evaluate_text_classifier_matches_the_library(bert_dir, tmp_path):
     f = tmp_path / "texts.txt"
     f.write_text("\n".join(TEXTS) + "\n")
@@ -194,6 +200,7 @@ def test_evaluate_text_errors(bert_dir, tmp_path):
     assert "do not apply" in line
 
 
+@pytest.mark.slow
 def test_shipped_weights_load_as_a_classifier_folder(tmp_path):
     # config.json names the architecture, so a plain transformers folder load builds the classifier (with its
     # head), and the audit against the embedded model sees the same model
@@ -203,19 +210,25 @@ def test_shipped_weights_load_as_a_classifier_folder(tmp_path):
     assert rec["flagged"] is False and max(rec["js"]) < 1e-6
 
 
+@pytest.mark.slow
 def test_console_script_passes_the_exit_code_to_the_shell():
     import subprocess
     import sys
 
-    def code(*args):
-        cmd = [sys.executable, "-c", "from attnroll._entry import main; main()", *args]
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=120).returncode
+    want = {("methods",): 0, ("evaluate", "--methods", "nope"): 2, ("audit", "shapes", "no/such/model"): 1}
+    # The three processes run at once: each spends most of its time importing, so together they take the
+    # time of the slowest rather than the sum.
+    procs = {args: subprocess.Popen([sys.executable, "-c", "from attnroll._entry import main; main()", *args],
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for args in want}
+    try:
+        assert {args: p.wait(timeout=120) for args, p in procs.items()} == want
+    finally:
+        for p in procs.values():
+            p.kill()
+            p.wait()
 
-    assert code("methods") == 0
-    assert code("evaluate", "--methods", "nope") == 2
-    assert code("audit", "shapes", "no/such/model") == 1
 
-
+@pytest.mark.slow
 def test_sanity_matches_the_library(tmp_path):
     from attnroll.evaluate import cascading_randomization
 

@@ -18,6 +18,7 @@ from .test_cli import one_line_error, run  # noqa: E402
 METRICS = ("comprehensiveness", "sufficiency", "evidence_mass", "evidence_pointing", "evidence_f1")
 
 
+@pytest.mark.slow
 def test_evaluate_text_benchmark_matches_the_library(tmp_path):
     res = run("evaluate", "--model", "minilm-evidence", "--n", 4, "--seed", 5, "--methods", "raw,random",
               "--out", tmp_path)

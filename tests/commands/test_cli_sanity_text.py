@@ -19,6 +19,8 @@ from attnroll.models import evidence, load_model  # noqa: E402
 
 from .test_cli import one_line_error, run  # noqa: E402
 
+pytestmark = pytest.mark.slow  # the embedded text model through the command line, seconds per test
+
 METHODS = ["rollout", "gae"]
 SENTENCES = ["the film was good .", "a dull , slow and tired plot that never ends .", "great cast"]
 

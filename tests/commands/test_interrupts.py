@@ -28,7 +28,8 @@ from PIL import Image  # noqa: E402
 import attnroll  # noqa: E402
 from attnroll.explain.explanation import Explanation  # noqa: E402
 
-pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+# slow: real attnroll processes signalled mid-write.
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")]
 
 SITE = textwrap.dedent('''
     import os, sys, tempfile, time

@@ -21,6 +21,7 @@ def softmax(B=2, H=3, n=6, L=2, seed=0, dtype=torch.float32, scale=3.0):
 
 
 # ------------------------------------------------------------------ one tolerance rule, scaled to the dtype
+@pytest.mark.slow
 @settings(max_examples=25)
 @given(seed=st.integers(0, 10_000), n=st.integers(2, 40), scale=st.floats(0.1, 8.0),
        dtype=st.sampled_from([torch.bfloat16, torch.float16]))

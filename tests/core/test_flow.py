@@ -82,6 +82,7 @@ def scipy_sandwich(caps, source, sinks, scale=2.0**30):
 
 
 # ----------------------------------------------------------------------------------------------- vs networkx
+@pytest.mark.slow
 @settings(max_examples=60)
 @given(
     n=st.integers(1, 12),
@@ -160,6 +161,7 @@ def test_refinement_path_matches_networkx(monkeypatch):
     assert gaps.max() < 1e-9
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n,L,sinks", [(100, 12, 0), (100, 6, 2)])
 def test_error_bound_against_networkx_at_benchmark_size(n, L, sinks):
     layers = [a[0] for a in softmax_layers(L, 1, 2, n, seed=n + L, sharp=2.0, sinks=sinks)]
@@ -175,7 +177,7 @@ def test_error_bound_against_networkx_at_benchmark_size(n, L, sinks):
     assert np.abs(got[picks] - ref).max() <= 1e-6
 
 
-@pytest.mark.parametrize("n", [197, 577])
+@pytest.mark.parametrize("n", [197, pytest.param(577, marks=pytest.mark.slow)])
 def test_error_bound_at_vit_sizes_by_independent_sandwich(n):
     # networkx is far too slow and large here (millions of edges); instead a plain scipy solve of the whole
     # graph with capacities rounded down and rounded up brackets each true max flow.
@@ -293,6 +295,7 @@ def test_layer_range_selects_the_same_graph():
     np.testing.assert_allclose(got, attention_flow(layers[1:3], dtype="float64"), atol=1e-12)
 
 
+@pytest.mark.slow
 def test_n_jobs_processes_give_the_same_values(monkeypatch):
     pools = []
 

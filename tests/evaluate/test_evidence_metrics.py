@@ -13,7 +13,9 @@ from attnroll.evaluate.evidence_f1 import evidence_f1
 from attnroll.evaluate.evidence_mass import evidence_mass
 from attnroll.evaluate.evidence_pointing import evidence_pointing
 
-from ..methods.models import inputs_for, model
+from ..zoo import sharp
+
+inputs_for, model = sharp.inputs_for, sharp.model
 
 # Two rows of 6 tokens: [CLS] w1 w2 w3 w4 [SEP] and [CLS] w1 w2 w3 [SEP] [PAD].
 UNITS = torch.tensor([[0, 1, 1, 1, 1, 0], [0, 1, 1, 1, 0, 0]], dtype=torch.bool)

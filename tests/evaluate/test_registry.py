@@ -9,7 +9,9 @@ import attnroll
 from attnroll.evaluate import METRICS, MetricValues, evaluate_methods, metric_info, metric_names, register_metric
 from attnroll.evaluate import registry
 
-from ..methods.models import inputs_for, model
+from ..zoo import sharp
+
+inputs_for, model = sharp.inputs_for, sharp.model
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ from attnroll.evaluate.sanity import (
     find_head,
 )
 
-from ..methods.test_explain_timm_mha import EncoderClassifier  # the same tiny nn.TransformerEncoder classifier
+from ..zoo import TIMM_SMALL, EncoderClassifier
 
 ALL4 = ("rollout", "gae", "grad_rollout", "raw")
 EXACT = dict(abs=1e-12)
@@ -44,10 +44,7 @@ def shapes_value(shapes):
 def tiny_timm():
     timm = pytest.importorskip("timm")
     torch.manual_seed(0)
-    return timm.create_model(
-        "vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, depth=2, embed_dim=32, num_heads=4,
-        num_classes=3,
-    ).eval()
+    return timm.create_model("vit_tiny_patch16_224", **TIMM_SMALL).eval()
 
 
 # ----------------------------------------------------------------------------------------------- shapes model

@@ -66,6 +66,7 @@ def reference(model, tok, words, component, seed, with_special):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("component,seed", [("value", 0), ("all", 1)])
 def test_padded_batch_equals_each_sentence_alone_without_special_tokens(text, component, seed):
     model, tok, words, enc = text
@@ -77,6 +78,7 @@ def test_padded_batch_equals_each_sentence_alone_without_special_tokens(text, co
     assert got.correlations["gae"][0] < 0.95  # the check has teeth: gae sees the new head
 
 
+@pytest.mark.slow
 def test_keep_nothing_counts_the_special_tokens(text):
     model, tok, words, enc = text
     keep = torch.zeros(enc["input_ids"].shape, dtype=torch.bool)

@@ -29,6 +29,7 @@ def data():
     return shapes.load_shapes_model(), shapes.preprocess(images), labels, shapes.patch_masks(masks)
 
 
+@pytest.mark.slow
 def test_table_equals_the_metrics_one_by_one(data):
     model, x, labels, masks = data
     r = evaluate_methods(model, x, ["rollout", "gae"], labels=labels, masks=masks, steps=5, fill=-1.0,

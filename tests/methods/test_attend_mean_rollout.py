@@ -12,8 +12,10 @@ import attnroll
 from attnroll.capture import recompute
 from attnroll.core import operators
 
-from .models import inputs_for, model
+from ..zoo import sharp
 from .test_kept_buffers import naive_rollout, shapes_vit
+
+inputs_for, model = sharp.inputs_for, sharp.model
 
 
 def _counting_attend_mean(monkeypatch) -> list[tuple[int, ...]]:

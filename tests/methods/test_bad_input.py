@@ -17,7 +17,9 @@ from attnroll import viz
 from attnroll.methods import method_info
 from attnroll.explain.explanation import Explanation
 
-from .models import inputs_for, model
+from ..zoo import sharp
+
+inputs_for, model = sharp.inputs_for, sharp.model
 
 T = pytest.importorskip("transformers")
 

@@ -7,7 +7,9 @@ import torch
 import attnroll
 from attnroll.methods import batch_size_of, explain_batches, iter_explanations, take_rows
 
-from .models import inputs_for, model
+from ..zoo import sharp
+
+inputs_for, model = sharp.inputs_for, sharp.model
 
 
 @pytest.mark.parametrize("method", ["rollout", "gae", "random"])

@@ -7,7 +7,7 @@ import torch
 
 from attnroll.methods import explain
 
-from . import models as M
+from ..zoo import sharp as M
 
 pytest.importorskip("captum")
 

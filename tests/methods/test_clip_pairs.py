@@ -9,7 +9,7 @@ import torch
 from attnroll.capture import model_facts
 from attnroll.methods import explain
 
-from . import models as M
+from ..zoo import sharp as M
 
 
 def test_clip_pairs_use_the_towers_input_keys_from_the_adapter():

@@ -9,7 +9,7 @@ import torch
 import attnroll
 from attnroll.methods import Explainer, Explanation, explain, methods
 
-from . import models as M
+from ..zoo import sharp as M
 
 SELF_METHODS = ["raw", "rollout", "per_head_rollout", "flow", "grad_rollout", "gae", "attn_gradcam", "random"]
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 
 import attnroll
 
+from ..zoo import TIMM_SMALL, EncoderClassifier
 from .test_explain import gae_reference
 
 
@@ -37,28 +37,11 @@ def check_model(model, x, prefix, target, rows=(0,)):
 def test_timm_distilled_deit():
     timm = pytest.importorskip("timm")
     torch.manual_seed(0)
-    model = timm.create_model(
-        "deit_tiny_distilled_patch16_224", pretrained=False, img_size=32, patch_size=8, depth=2, embed_dim=32,
-        num_heads=4, num_classes=3,
-    ).eval()
+    model = timm.create_model("deit_tiny_distilled_patch16_224", **TIMM_SMALL).eval()
     x = torch.randn(2, 3, 32, 32)
     # Its logits average the class and distillation tokens' heads: the readout is the mean of rows 0 and 1.
     check_model(model, x, prefix=2, target=[0, 2], rows=(0, 1))
     assert attnroll.explain(model, x, "rollout").as_grid().shape == (2, 4, 4)
-
-
-class EncoderClassifier(nn.Module):
-    """Token embeddings -> nn.TransformerEncoder -> linear head on position 0 (a CLS-style token)."""
-
-    def __init__(self, vocab=20, d=16, heads=4, layers=2, classes=3):
-        super().__init__()
-        self.emb = nn.Embedding(vocab, d)
-        layer = nn.TransformerEncoderLayer(d, heads, dim_feedforward=24, dropout=0.0, batch_first=True)
-        self.encoder = nn.TransformerEncoder(layer, num_layers=layers, enable_nested_tensor=False)
-        self.head = nn.Linear(d, classes)
-
-    def forward(self, ids):
-        return self.head(self.encoder(self.emb(ids))[:, 0])
 
 
 def test_torch_transformer_encoder_classifier():

@@ -11,7 +11,9 @@ import torch
 import attnroll
 from attnroll.core import operators
 
-from .models import eager, inputs_for, model
+from ..zoo import eager, sharp
+
+inputs_for, model = sharp.inputs_for, sharp.model
 
 
 def naive_rollout(m: torch.nn.Module, x: dict, weights: torch.Tensor, alpha: float = 0.5) -> torch.Tensor:

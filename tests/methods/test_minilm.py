@@ -8,7 +8,7 @@ import torch
 
 import attnroll
 
-from . import models as M
+from ..zoo import sharp as M
 from .test_explain import gae_reference
 
 
@@ -81,6 +81,7 @@ def test_minilm_default_readout_is_the_mean_of_its_real_tokens_rows(minilm):
     assert bool(((w > 0) == enc["attention_mask"].bool()).all())
 
 
+@pytest.mark.slow
 def test_sentence_transformer_object_reads_its_pooling_module(minilm):
     """explain(st_model, st_model.tokenize(texts)): the Pooling module says mean, so the map equals the
     transformers model's from the same folder; gae through the sentence embedding equals Chefer's rule on

@@ -8,7 +8,7 @@ import torch
 
 from attnroll.methods import explain
 
-from . import models as M
+from ..zoo import sharp as M
 
 
 def _bar(R):

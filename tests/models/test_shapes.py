@@ -188,6 +188,7 @@ def test_rollout_points_at_the_object(model):
     assert hit > 2 * chance, (hit, chance)
 
 
+@pytest.mark.slow
 def test_training_script_smoke_and_deterministic(tmp_path):
     from safetensors.torch import load_file
 

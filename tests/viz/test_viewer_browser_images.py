@@ -17,6 +17,8 @@ from attnroll.models import shapes  # noqa: E402
 
 from . import browser  # noqa: E402
 
+pytestmark = pytest.mark.slow  # a real headless browser
+
 GRID = 8
 
 

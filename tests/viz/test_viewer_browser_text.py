@@ -17,7 +17,9 @@ from attnroll.methods import explain_targets  # noqa: E402
 from attnroll.explain.explanation import Explanation  # noqa: E402
 
 from . import browser  # noqa: E402
-from ..methods import models as M  # noqa: E402
+from ..zoo import sharp as M  # noqa: E402
+
+pytestmark = pytest.mark.slow  # a real headless browser
 
 
 #: Browsers keep a colour's alpha in 8 bits and print it with as few decimals as name that byte: up to a
