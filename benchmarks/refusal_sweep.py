@@ -1,0 +1,127 @@
+"""Which transformers families attnroll explains, and how it refuses the others: a report, not a test.
+
+For each ``model_type`` below, a tiny random-weight model is built offline from its config
+(``AutoConfig.for_model(model_type, hidden_size=32, num_hidden_layers=2, ...)`` + ``AutoModel.from_config``),
+run once on a dummy input of its main input, then explained with ``attnroll.explain(model, inputs, "rollout")``.
+Each row says one of:
+
+- ``explained``: rollout returned an Explanation;
+- ``refused (attnroll)``: attnroll raised, from its own code, with the message shown (read it: does it name
+  this model's own obstacle?);
+- ``LEAK``: an exception raised inside torch / transformers reached the caller (attnroll should refuse or
+  explain instead);
+- ``skipped``: the tiny model could not be built or did not run on its own (the sweep's config, not attnroll).
+
+Run: ``PYTHONPATH=src python benchmarks/refusal_sweep.py [model_type ...] [--out benchmarks/refusal_sweep.md]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+import warnings
+from pathlib import Path
+
+#: Popular model types (text encoders, decoders, encoder-decoders, vision, audio, and known obstacles).
+MODEL_TYPES = (
+    "bert", "roberta", "distilbert", "electra", "albert", "deberta", "deberta-v2", "mpnet", "xlm-roberta",
+    "camembert", "roformer", "longformer", "big_bird", "funnel", "squeezebert", "canine", "layoutlm",
+    "gpt2", "gpt_neo", "gptj", "llama", "mistral", "qwen2", "gemma", "phi", "falcon", "bloom", "opt", "mpt",
+    "rwkv", "mamba", "t5", "bart", "marian", "pegasus", "led", "m2m_100", "vit", "deit", "beit", "dinov2",
+    "vit_mae", "yolos", "swin", "convnext", "segformer", "deformable_detr", "detr", "sam_vision_model",
+    "wav2vec2", "hubert", "whisper",
+)
+
+TINY = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=37, vocab_size=100,
+            max_position_embeddings=64, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
+            decoder_attention_heads=2, encoder_ffn_dim=37, decoder_ffn_dim=37, num_key_value_heads=2,
+            image_size=32, patch_size=8, embedding_size=32, num_layers=2, num_heads=2, d_ff=37, d_kv=16)
+
+
+def tiny_model(model_type: str):
+    """A tiny random-weight model of ``model_type`` and its dummy inputs."""
+    import torch
+    from transformers import AutoConfig, AutoModel
+
+    config = AutoConfig.for_model(model_type, **TINY)
+    if model_type == "swin":
+        config.update(dict(embed_dim=16, depths=[1, 1], num_heads=[2, 2], window_size=2))
+    if model_type in ("deformable_detr", "detr"):
+        config.update(dict(use_timm_backbone=False, use_pretrained_backbone=False, num_queries=5))
+    torch.manual_seed(0)
+    model = AutoModel.from_config(config).eval()
+    return model, dummy_inputs(model, config)
+
+
+def dummy_inputs(model, config) -> dict:
+    """The model's main input (and decoder ids for an encoder-decoder), small."""
+    import torch
+
+    name = getattr(model, "main_input_name", "input_ids")
+    if name == "pixel_values":
+        side = getattr(config, "image_size", 32)
+        side = side if isinstance(side, int) and side >= 32 else 64
+        if getattr(config, "model_type", "") in ("deformable_detr", "detr"):
+            side = 256
+        inputs = {name: torch.randn(1, getattr(config, "num_channels", 3), side, side)}
+    elif name == "input_values":
+        inputs = {name: torch.randn(1, 4000)}
+    elif name == "input_features":
+        inputs = {name: torch.randn(1, getattr(config, "num_mel_bins", 80), 2 * config.max_source_positions)}
+    else:
+        inputs = {name: torch.randint(3, 90, (1, 8))}
+    if getattr(config, "is_encoder_decoder", False):
+        inputs["decoder_input_ids"] = torch.randint(3, 90, (1, 5))
+    return inputs
+
+
+def raised_in_attnroll(exc: BaseException) -> bool:
+    """Whether the innermost frame that raised ``exc`` is attnroll's own code."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    return bool(frames) and f"{os.sep}attnroll{os.sep}" in frames[-1].filename
+
+
+def sweep_one(model_type: str) -> tuple[str, str]:
+    """(outcome, message) for one model type (see the module docstring)."""
+    import torch
+
+    import attnroll
+
+    try:
+        model, inputs = tiny_model(model_type)
+        with torch.no_grad():
+            model(**inputs)
+    except Exception as e:  # noqa: BLE001  (the sweep's tiny config, not attnroll)
+        return "skipped", f"{type(e).__name__}: {e}"
+    try:
+        attnroll.explain(model, inputs, "rollout")
+    except Exception as e:  # noqa: BLE001
+        outcome = "refused (attnroll)" if raised_in_attnroll(e) else "LEAK"
+        return outcome, f"{type(e).__name__}: {e}"
+    return "explained", ""
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model_types", nargs="*", default=list(MODEL_TYPES))
+    parser.add_argument("--out", default=None, help="write the markdown report here (default: print it)")
+    args = parser.parse_args(argv)
+    warnings.filterwarnings("ignore")
+    rows = ["| model_type | outcome | message |", "|---|---|---|"]
+    for model_type in args.model_types:
+        outcome, message = sweep_one(model_type)
+        message = " ".join(message.split()).replace("|", "/")[:400]
+        rows.append(f"| {model_type} | {outcome} | {message} |")
+        print(rows[-1], file=sys.stderr, flush=True)
+    text = "\n".join(["# Refusal sweep: `attnroll.explain(model, x, \"rollout\")` over tiny transformers models",
+                      "", "Made by `benchmarks/refusal_sweep.py` (see its docstring for the outcomes).", "", *rows, ""])
+    if args.out:
+        Path(args.out).write_text(text, encoding="utf-8")
+    else:
+        print(text)
+
+
+if __name__ == "__main__":
+    main()
