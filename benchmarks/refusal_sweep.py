@@ -27,10 +27,13 @@ from pathlib import Path
 #: Popular model types (text encoders, decoders, encoder-decoders, vision, audio, and known obstacles).
 MODEL_TYPES = (
     "bert", "roberta", "distilbert", "electra", "albert", "deberta", "deberta-v2", "mpnet", "xlm-roberta",
-    "camembert", "roformer", "longformer", "big_bird", "funnel", "squeezebert", "canine", "layoutlm",
-    "gpt2", "gpt_neo", "gptj", "llama", "mistral", "qwen2", "gemma", "phi", "falcon", "bloom", "opt", "mpt",
-    "rwkv", "mamba", "t5", "bart", "marian", "pegasus", "led", "m2m_100", "vit", "deit", "beit", "dinov2",
-    "vit_mae", "yolos", "swin", "convnext", "segformer", "deformable_detr", "detr", "sam_vision_model",
+    "camembert", "roformer", "longformer", "big_bird", "funnel", "squeezebert", "canine", "layoutlm", "xlnet",
+    "nystromformer", "yoso", "reformer", "perceiver",
+    "gpt2", "gpt_neo", "gptj", "gpt_bigcode", "codegen", "ctrl", "llama", "mistral", "qwen2", "gemma", "phi",
+    "falcon", "bloom", "opt", "mpt", "rwkv", "mamba", "mamba2", "falcon_mamba",
+    "t5", "bart", "marian", "pegasus", "led", "m2m_100", "bigbird_pegasus", "seamless_m4t",
+    "vit", "deit", "beit", "dinov2", "vit_mae", "vit_msn", "yolos", "swin", "convnext", "segformer", "levit",
+    "mobilevit", "vitdet", "deformable_detr", "detr", "conditional_detr", "rt_detr", "sam_vision_model",
     "wav2vec2", "hubert", "whisper",
 )
 
@@ -39,17 +42,53 @@ TINY = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermed
             decoder_attention_heads=2, encoder_ffn_dim=37, decoder_ffn_dim=37, num_key_value_heads=2,
             image_size=32, patch_size=8, embedding_size=32, num_layers=2, num_heads=2, d_ff=37, d_kv=16)
 
+_DETR = dict(use_timm_backbone=False, use_pretrained_backbone=False, num_queries=5, backbone=None,
+             backbone_config={"model_type": "resnet", "embedding_size": 8, "hidden_sizes": [8, 16, 16, 32],
+                              "depths": [1, 1, 1, 1], "out_features": ["stage2", "stage3", "stage4"]})
+_SEQ2SEQ_IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1)
+
+#: Per model type: config entries replacing / adding to TINY (its own names, lists where it wants lists).
+OVERRIDES = {
+    "funnel": dict(block_sizes=[1, 1], num_hidden_layers=None),
+    "squeezebert": dict(q_groups=1, k_groups=1, v_groups=1, post_attention_groups=1, intermediate_groups=1,
+                        output_groups=1),
+    "gpt_neo": dict(attention_types=[[["global", "local"], 1]], window_size=4),
+    "gptj": dict(rotary_dim=8),
+    "marian": dict(_SEQ2SEQ_IDS, decoder_vocab_size=100),
+    "whisper": dict(_SEQ2SEQ_IDS, max_source_positions=16, max_target_positions=16, num_mel_bins=8),
+    "bigbird_pegasus": dict(attention_type="original_full"),
+    "yolos": dict(image_size=[32, 32]),
+    "swin": dict(embed_dim=16, depths=[1, 1], num_heads=[2, 2], window_size=2, patch_size=4),
+    "segformer": dict(num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[16, 32],
+                      patch_sizes=[7, 3], strides=[4, 2], num_attention_heads=[1, 2], mlp_ratios=[2, 2]),
+    "convnext": dict(hidden_sizes=[8, 16, 32, 64], depths=[1, 1, 1, 1]),
+    "levit": dict(hidden_sizes=[16, 32, 48], num_attention_heads=[1, 2, 3], depths=[1, 1, 1], key_dim=[8, 8, 8],
+                  patch_size=16, image_size=64),
+    "mobilevit": dict(hidden_sizes=[16, 24, 32], neck_hidden_sizes=[8, 8, 16, 16, 24, 24, 32], image_size=64),
+    "deformable_detr": _DETR, "detr": _DETR, "conditional_detr": _DETR,
+    "rt_detr": dict(backbone_config={"model_type": "rt_detr_resnet", "embedding_size": 8,
+                                     "hidden_sizes": [8, 16, 16, 32], "depths": [1, 1, 1, 1],
+                                     "out_features": ["stage2", "stage3", "stage4"]},
+                    encoder_in_channels=[16, 16, 32], encoder_hidden_dim=32, decoder_in_channels=[32, 32, 32],
+                    num_queries=5, hidden_size=32),
+    "sam_vision_model": dict(image_size=64, patch_size=16, window_size=2, global_attn_indexes=[1],
+                             output_channels=16, mlp_dim=37),
+    "vitdet": dict(window_block_indices=[0], window_size=2, residual_block_indices=[]),
+    "reformer": dict(attn_layers=["local", "lsh"], axial_pos_shape=[8, 8], axial_pos_embds_dim=[16, 16],
+                     local_attn_chunk_length=4, lsh_attn_chunk_length=4),
+    "mamba": dict(state_size=4), "mamba2": dict(state_size=4, head_dim=16, n_groups=1),
+    "falcon_mamba": dict(state_size=4),
+}
+
 
 def tiny_model(model_type: str):
     """A tiny random-weight model of ``model_type`` and its dummy inputs."""
     import torch
     from transformers import AutoConfig, AutoModel
 
-    config = AutoConfig.for_model(model_type, **TINY)
-    if model_type == "swin":
-        config.update(dict(embed_dim=16, depths=[1, 1], num_heads=[2, 2], window_size=2))
-    if model_type in ("deformable_detr", "detr"):
-        config.update(dict(use_timm_backbone=False, use_pretrained_backbone=False, num_queries=5))
+    extra = OVERRIDES.get(model_type, {})
+    tiny = {k: v for k, v in {**TINY, **extra}.items() if v is not None}  # None: leave the config's default
+    config = AutoConfig.for_model(model_type, **tiny)
     torch.manual_seed(0)
     model = AutoModel.from_config(config).eval()
     return model, dummy_inputs(model, config)
@@ -63,7 +102,7 @@ def dummy_inputs(model, config) -> dict:
     if name == "pixel_values":
         side = getattr(config, "image_size", 32)
         side = side if isinstance(side, int) and side >= 32 else 64
-        if getattr(config, "model_type", "") in ("deformable_detr", "detr"):
+        if getattr(config, "model_type", "") in ("deformable_detr", "detr", "conditional_detr", "rt_detr"):
             side = 256
         inputs = {name: torch.randn(1, getattr(config, "num_channels", 3), side, side)}
     elif name == "input_values":
