@@ -33,6 +33,14 @@ def _ids(n: int = 8) -> dict:
     return {"input_ids": torch.randint(5, 90, (1, n))}
 
 
+def _auto(model_type: str, **config):
+    return lambda: T.AutoModel.from_config(T.AutoConfig.for_model(model_type, **config))
+
+
+def _pixels(side: int):
+    return lambda: {"pixel_values": torch.randn(1, 3, side, side)}
+
+
 #: family -> (tiny model, its inputs, words its refusal must hold: its own obstacle)
 CASES = {
     "rwkv": (lambda: T.RwkvModel(T.RwkvConfig(vocab_size=99, hidden_size=32, num_hidden_layers=2,
@@ -62,10 +70,28 @@ CASES = {
     "seamless_m4t": (lambda: T.SeamlessM4TModel(T.SeamlessM4TConfig(**SEAMLESS)),
                      lambda: {**_ids(), "decoder_input_ids": torch.randint(5, 90, (1, 4))},
                      ("speech encoder", "text encoder", "SeamlessM4TForTextToText")),
+    "yoso": (_auto("yoso", **COMMON, **TEXT), _ids, ("locality-sensitive hashing", "never forms attention")),
+    "reformer": (_auto("reformer", hidden_size=32, num_attention_heads=2, attn_layers=["local", "lsh"],
+                       axial_pos_shape=[8, 8], axial_pos_embds_dim=[16, 16], local_attn_chunk_length=4,
+                       lsh_attn_chunk_length=4, vocab_size=99, feed_forward_size=37, attention_head_size=16),
+                 _ids, ("chunks", "hash buckets", "no full token-to-token matrix")),
+    "squeezebert": (_auto("squeezebert", **COMMON, **TEXT, q_groups=1, k_groups=1, v_groups=1,
+                          post_attention_groups=1, intermediate_groups=1, output_groups=1, embedding_size=32),
+                    _ids, ("scores before the softmax", "not the probabilities")),
+    "levit": (_auto("levit", hidden_sizes=[16, 32, 48], num_attention_heads=[1, 2, 3], depths=[1, 1, 1],
+                    key_dim=[8, 8, 8], patch_size=16, image_size=64),
+              _pixels(64), ("subsampled grid", "no attention weights")),
+    "mobilevit": (_auto("mobilevit", hidden_sizes=[16, 24, 32], neck_hidden_sizes=[8, 8, 16, 16, 24, 24, 32],
+                        image_size=64),
+                  _pixels(64), ("between patches", "each pixel position")),
+    "vitdet": (_auto("vitdet", **COMMON, image_size=32, patch_size=8, window_block_indices=[0], window_size=2,
+                     residual_block_indices=[]),
+               _pixels(32), ("local windows", "window_block_indices", "globally")),
 }
 
 #: What the refusals said before each named its family's obstacle: a generic or wrong reason.
-WRONG = ("different token counts", "pooled or windowed", "fused", "expected (B, H, n_q, n_k)", "ran more than once")
+WRONG = ("different token counts", "pooled or windowed", "fused", "expected (B, H, n_q, n_k)", "ran more than once",
+         "non-square", "not row-stochastic", "returned no attentions", "not (B, H, n_q, n_k)")
 
 
 @pytest.fixture(scope="module")
@@ -107,6 +133,14 @@ def test_every_obstacle_applies_to_its_own_models_only(built):
         assert len(hits) == 1, (name, hits)
     assert [o.readme for o in obstacles if o.applies(bert)] == []
     assert {o.readme for o in obstacles} <= set(registry.refusals())
+
+
+def test_a_vitdet_without_window_blocks_is_still_explained():
+    """The ViTDet obstacle is its window blocks: the global-attention ViTDet stays supported (README)."""
+    torch.manual_seed(0)
+    model = _auto("vitdet", **COMMON, image_size=32, patch_size=8)().eval()
+    e = attnroll.explain(model, _pixels(32)(), "rollout")
+    assert e.scores.shape == (1, 16)
 
 
 def test_a_non_square_attention_without_an_obstacle_is_named_so(built, monkeypatch):

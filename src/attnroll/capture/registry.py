@@ -145,6 +145,12 @@ def _has_deformable_attention(model: nn.Module) -> bool:
                                       for m in model.modules())
 
 
+def _windowed_vitdet(model: nn.Module) -> bool:
+    config = getattr(model, "config", None)
+    return of_types("vitdet")(model) and bool(getattr(config, "window_block_indices", None)) and (
+        getattr(config, "window_size", 0) > 0)
+
+
 def _seamless_all_tasks(model: nn.Module) -> bool:
     return of_types("seamless_m4t", "seamless_m4t_v2")(model) and all(
         hasattr(model, a) for a in ("speech_encoder", "text_encoder", "t2u_model"))
@@ -185,6 +191,30 @@ TRANSFORMERS_OBSTACLES = (
                     "feature maps (learned offsets) and weights those samples, so its weights are over sampled "
                     f"points, not over tokens, and no token-to-token matrix exists; {_NO_MATRIX}. DETR and "
                     "Conditional DETR attend over tokens."),
+    Obstacle(applies=_windowed_vitdet, readme="ViTDet with window blocks (windowed plus global attention)",
+             reason="attends inside local windows in the blocks of config.window_block_indices and globally in the "
+                    "others: its windowed layers have no token-to-token matrix over the whole image, so there is no "
+                    f"single product to roll out; {_NO_MATRIX}. A ViTDet without window blocks is explained."),
+    Obstacle(applies=of_types("yoso"), readme="YOSO (sampled attention: no probabilities)",
+             reason="approximates softmax attention by locality-sensitive hashing (You Only Sample Once): it never "
+                    "forms attention probabilities, and what it returns is not a token-to-token matrix; "
+                    f"{_NO_MATRIX}."),
+    Obstacle(applies=of_types("reformer"), readme="Reformer (chunked local and LSH-bucket attention)",
+             reason="attends inside chunks of the sequence (local attention) and inside hash buckets (LSH "
+                    "attention): each layer's weights cover one chunk or bucket of keys, sorted by hash, and no "
+                    f"full token-to-token matrix exists; {_NO_MATRIX}."),
+    Obstacle(applies=of_types("squeezebert"), readme="SqueezeBERT (returns scores)",
+             reason="returns its attention scores before the softmax as its attentions (not the probabilities its "
+                    f"output is computed from), so there is no row-stochastic matrix to roll out; {_NO_MATRIX}. "
+                    "Use modules=/to_probs= with a softmax of those scores if that is what you want."),
+    Obstacle(applies=of_types("levit"), readme="LeViT (subsampling attention between stages)",
+             reason="shrinks its token grid between stages inside attention blocks (queries from a subsampled grid, "
+                    "LevitAttentionSubsample) and returns no attention weights, so there is no one token set to "
+                    f"roll out over; {_NO_MATRIX}."),
+    Obstacle(applies=of_types("mobilevit", "mobilevitv2"), readme="MobileViT (attention across patches per pixel)",
+             reason="attends between patches separately at each pixel position of an unfolded feature map "
+                    "(MobileViTv2: separable linear attention) inside a convolutional network, and returns no "
+                    f"attention weights: there is no attention over the image's tokens as one set; {_NO_MATRIX}."),
     Obstacle(applies=_seamless_all_tasks, readme="SeamlessM4T(v2)Model (all tasks in one model)",
              reason="holds a speech encoder, a text encoder and a text-to-unit model, of which one forward pass runs "
                     "only some (the encoder of the given input), so its attention modules do not form one stack per "
@@ -271,7 +301,6 @@ TRANSFORMERS = Family(
     ),
     refused=(
         "SegFormer / PVT / Hiera / Funnel / Canine (token count changes between layers)",
-        "SqueezeBERT (returns scores)",
         "block-sparse BigBird", "Qwen2-VL / Qwen2.5-VL (its vision attention returns no weights)",
         "LLaVA-NeXT / OneVision (any-resolution tiles with newline tokens: no one grid)",
     ),

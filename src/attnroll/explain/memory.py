@@ -63,11 +63,13 @@ def _heads_layers(model: nn.Module) -> tuple[int, int] | None:
 
 
 def _available(model: nn.Module) -> tuple[int | None, str]:
-    """Bytes free where the model computes (its GPU, else the machine's memory) and what that is."""
+    """Bytes free where the model computes (its GPU: free plus what torch's allocator holds unused; else the
+    machine's available memory) and where that is."""
     param = next(model.parameters(), None)
     if param is not None and param.device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(param.device)
-        return int(free), f"on {param.device}"
+        cached = torch.cuda.memory_reserved(param.device) - torch.cuda.memory_allocated(param.device)
+        return int(free + max(cached, 0)), f"on {param.device}"  # blocks torch holds free are reused first
     return available_memory(), "in memory"
 
 
