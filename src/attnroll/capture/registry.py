@@ -296,7 +296,7 @@ TRANSFORMERS = Family(
                readout="language: last real token; image tokens found from the model's own `image_token_id` and "
                        "linked one to one to the vision tokens the projector reads (LLaVA: `vision_feature_layer`, "
                        "`\"default\"` strategy drops the CLS)"),
-        Models(models="transformers T5, BART, Marian, VisionEncoderDecoder", streams="encoder, decoder, cross",
+        Models(models="transformers T5, BART, Marian, VisionEncoderDecoder, SeamlessM4T `...ForTextToText`", streams="encoder, decoder, cross",
                prefix="encoder from its embeddings (1 for a ViT encoder)", readout="decoder: last real token"),
     ),
     refused=(
