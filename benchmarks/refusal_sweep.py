@@ -5,7 +5,7 @@ For each ``model_type`` below, a tiny random-weight model is built offline from 
 run once on a dummy input of its main input, then explained with ``attnroll.explain(model, inputs, "rollout")``.
 Each row says one of:
 
-- ``explained``: rollout returned an Explanation;
+- ``explained``: rollout (``encdec_rollout`` for an encoder-decoder) returned an Explanation;
 - ``refused (attnroll)``: attnroll raised, from its own code, with the message shown (read it: does it name
   this model's own obstacle?);
 - ``LEAK``: an exception raised inside torch / transformers reached the caller (attnroll should refuse or
@@ -53,15 +53,17 @@ OVERRIDES = {
     "squeezebert": dict(q_groups=1, k_groups=1, v_groups=1, post_attention_groups=1, intermediate_groups=1,
                         output_groups=1),
     "gpt_neo": dict(attention_types=[[["global", "local"], 1]], window_size=4),
-    "gptj": dict(rotary_dim=8),
+    "gptj": dict(rotary_dim=8), "codegen": dict(rotary_dim=8),
+    "xlnet": dict(max_position_embeddings=None, n_layer=2, n_head=2),
+    "convnext": dict(hidden_sizes=[8, 16, 32, 64], depths=[1, 1, 1, 1], image_size=64, patch_size=4),
     "marian": dict(_SEQ2SEQ_IDS, decoder_vocab_size=100),
     "whisper": dict(_SEQ2SEQ_IDS, max_source_positions=16, max_target_positions=16, num_mel_bins=8),
     "bigbird_pegasus": dict(attention_type="original_full"),
     "yolos": dict(image_size=[32, 32]),
-    "swin": dict(embed_dim=16, depths=[1, 1], num_heads=[2, 2], window_size=2, patch_size=4),
+    "swin": dict(embed_dim=16, depths=[1, 1], num_heads=[2, 2], window_size=2, patch_size=4, num_layers=None,
+                 num_hidden_layers=None, hidden_size=None),
     "segformer": dict(num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[16, 32],
                       patch_sizes=[7, 3], strides=[4, 2], num_attention_heads=[1, 2], mlp_ratios=[2, 2]),
-    "convnext": dict(hidden_sizes=[8, 16, 32, 64], depths=[1, 1, 1, 1]),
     "levit": dict(hidden_sizes=[16, 32, 48], num_attention_heads=[1, 2, 3], depths=[1, 1, 1], key_dim=[8, 8, 8],
                   patch_size=16, image_size=64),
     "mobilevit": dict(hidden_sizes=[16, 24, 32], neck_hidden_sizes=[8, 8, 16, 16, 24, 24, 32], image_size=64),
@@ -76,7 +78,7 @@ OVERRIDES = {
     "vitdet": dict(window_block_indices=[0], window_size=2, residual_block_indices=[]),
     "reformer": dict(attn_layers=["local", "lsh"], axial_pos_shape=[8, 8], axial_pos_embds_dim=[16, 16],
                      local_attn_chunk_length=4, lsh_attn_chunk_length=4),
-    "mamba": dict(state_size=4), "mamba2": dict(state_size=4, head_dim=16, n_groups=1),
+    "mamba": dict(state_size=4), "mamba2": dict(state_size=4, head_dim=16, n_groups=1, expand=1),
     "falcon_mamba": dict(state_size=4),
 }
 
@@ -134,8 +136,9 @@ def sweep_one(model_type: str) -> tuple[str, str]:
             model(**inputs)
     except Exception as e:  # noqa: BLE001  (the sweep's tiny config, not attnroll)
         return "skipped", f"{type(e).__name__}: {e}"
+    method = "encdec_rollout" if getattr(model.config, "is_encoder_decoder", False) else "rollout"
     try:
-        attnroll.explain(model, inputs, "rollout")
+        attnroll.explain(model, inputs, method)
     except Exception as e:  # noqa: BLE001
         outcome = "refused (attnroll)" if raised_in_attnroll(e) else "LEAK"
         return outcome, f"{type(e).__name__}: {e}"
@@ -154,7 +157,8 @@ def main(argv: list[str] | None = None) -> None:
         message = " ".join(message.split()).replace("|", "/")[:400]
         rows.append(f"| {model_type} | {outcome} | {message} |")
         print(rows[-1], file=sys.stderr, flush=True)
-    text = "\n".join(["# Refusal sweep: `attnroll.explain(model, x, \"rollout\")` over tiny transformers models",
+    text = "\n".join(["# Refusal sweep: `attnroll.explain(model, x, \"rollout\")` (encoder-decoders: "
+                      "`\"encdec_rollout\"`) over tiny transformers models",
                       "", "Made by `benchmarks/refusal_sweep.py` (see its docstring for the outcomes).", "", *rows, ""])
     if args.out:
         Path(args.out).write_text(text, encoding="utf-8")

@@ -181,3 +181,16 @@ def test_seamless_text_to_text_is_captured_as_encoder_decoder_and_cross():
             torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
     e = attnroll.explain(model, inputs, "encdec_rollout")
     assert e.scores.shape == (1, 8)
+
+
+def test_a_sentence_transformer_around_a_refused_family_is_refused_with_its_obstacle(built, tmp_path):
+    """The obstacles of the transformers model inside a SentenceTransformer apply to it (ALBERT-based
+    sentence embedders are common)."""
+    S = pytest.importorskip("sentence_transformers")
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "cat", "sat"]
+    (tmp_path / "vocab.txt").write_text("\n".join(words) + "\n")
+    T.BertTokenizer(str(tmp_path / "vocab.txt")).save_pretrained(tmp_path)
+    _model(built, "albert").save_pretrained(tmp_path)
+    st = S.SentenceTransformer(str(tmp_path), device="cpu")
+    with pytest.raises(UnsupportedModelError, match=r"AlbertModel \(albert\) shares one layer"):
+        attnroll.explain(st, st.tokenize(["the cat sat"]), "rollout")

@@ -22,7 +22,7 @@ from .cait import CaitAdapter, is_cait
 from .hf import HFAdapter, hf_facts, is_hf_model
 from .hooks import Adapter, set_supported_families
 from .record import ModelFacts
-from .sentence_transformers import is_sentence_transformer, make_adapter as make_st_adapter
+from .sentence_transformers import is_sentence_transformer, make_adapter as make_st_adapter, transformer_of
 from .swin import is_swin, make_adapter as make_swin_adapter
 from .vlm import vlm_adapter, vlm_facts
 
@@ -118,6 +118,12 @@ def _transformers_adapter(model: nn.Module) -> Adapter:
 
 def _transformers_facts(model: nn.Module) -> ModelFacts:
     return vlm_facts(model) or hf_facts(model)
+
+
+def _st_adapter(model: nn.Module) -> Adapter:
+    """The sentence-transformers adapter, after the obstacles of the transformers model inside it."""
+    refuse_known(transformer_of(model))
+    return make_st_adapter(model)
 
 
 def _st_facts(model: nn.Module) -> ModelFacts:
@@ -224,7 +230,7 @@ TRANSFORMERS_OBSTACLES = (
 
 # ------------------------------------------------------------------------------- the entries
 SENTENCE_TRANSFORMERS = Family(
-    name="sentence-transformers", detect=is_sentence_transformer, adapter=make_st_adapter, facts=_st_facts,
+    name="sentence-transformers", detect=is_sentence_transformer, adapter=_st_adapter, facts=_st_facts,
     supported="sentence-transformers SentenceTransformer objects",
     readout="its Pooling module's mode (sentence_transformers.pooling_of_module)",
     methods=("attention", "gradient"),
