@@ -57,7 +57,10 @@ def test_view_cuts_a_long_text_too(bert_dir, tmp_path):
     res = run("view", "--text", LONG, "--model", bert_dir, "-m", "rollout", "--out", tmp_path)
     assert res.exit_code == 0, res.output
     assert f"explaining the first {LIMIT} tokens" in res.stderr
-    assert len(list(tmp_path.glob("*.view.html"))) == 1
+    (page,) = tmp_path.glob("*.view.html")
+    html = page.read_text(encoding="utf-8")
+    assert LONG[:300] in html and LONG[:301] not in html  # the notes show the text's start, not all of it
+    assert f"(+{len(LONG) - 300:,} characters)" in html
 
 
 def test_a_short_text_gets_no_note(bert_dir, tmp_path):

@@ -6,7 +6,7 @@ from typing import Any
 
 import click
 
-__all__ = ["explain_text", "encode", "max_tokens"]
+__all__ = ["explain_text", "encode", "max_tokens", "shown"]
 
 #: What tokenizers say when they know no length limit (transformers' VERY_LARGE_INTEGER is above it).
 _NO_LIMIT = 10**9
@@ -21,6 +21,11 @@ def max_tokens(lm: Any) -> int | None:
     config = getattr(lm.model, "config", None)
     limit = getattr(getattr(config, "text_config", None) or config, "max_position_embeddings", None)
     return limit if isinstance(limit, int) and limit > 0 else None
+
+
+def shown(text: str, limit: int = 300) -> str:
+    """``text`` for a page's notes: its first ``limit`` characters, with the length of the rest when cut."""
+    return text if len(text) <= limit else f"{text[:limit]}… (+{len(text) - limit:,} characters)"
 
 
 def encode(lm: Any, texts: list[str], pairs: list[str] | None = None) -> Any:
