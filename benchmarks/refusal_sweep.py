@@ -124,8 +124,9 @@ def raised_in_attnroll(exc: BaseException) -> bool:
     return bool(frames) and f"{os.sep}attnroll{os.sep}" in frames[-1].filename
 
 
-def sweep_one(model_type: str) -> tuple[str, str]:
-    """(outcome, message) for one model type (see the module docstring)."""
+def sweep_one(model_type: str, method: str | None = None) -> tuple[str, str]:
+    """(outcome, message) for one model type (see the module docstring); ``method``: instead of rollout /
+    encdec_rollout."""
     import torch
 
     import attnroll
@@ -136,7 +137,8 @@ def sweep_one(model_type: str) -> tuple[str, str]:
             model(**inputs)
     except Exception as e:  # noqa: BLE001  (the sweep's tiny config, not attnroll)
         return "skipped", f"{type(e).__name__}: {e}"
-    method = "encdec_rollout" if getattr(model.config, "is_encoder_decoder", False) else "rollout"
+    if method is None:
+        method = "encdec_rollout" if getattr(model.config, "is_encoder_decoder", False) else "rollout"
     try:
         attnroll.explain(model, inputs, method)
     except Exception as e:  # noqa: BLE001
@@ -148,17 +150,18 @@ def sweep_one(model_type: str) -> tuple[str, str]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model_types", nargs="*", default=list(MODEL_TYPES))
+    parser.add_argument("--method", default=None, help="explain with this method instead of rollout")
     parser.add_argument("--out", default=None, help="write the markdown report here (default: print it)")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
     rows = ["| model_type | outcome | message |", "|---|---|---|"]
     for model_type in args.model_types:
-        outcome, message = sweep_one(model_type)
+        outcome, message = sweep_one(model_type, args.method)
         message = " ".join(message.split()).replace("|", "/")[:400]
         rows.append(f"| {model_type} | {outcome} | {message} |")
         print(rows[-1], file=sys.stderr, flush=True)
-    text = "\n".join(["# Refusal sweep: `attnroll.explain(model, x, \"rollout\")` (encoder-decoders: "
-                      "`\"encdec_rollout\"`) over tiny transformers models",
+    what = (f'"{args.method}")`' if args.method else '"rollout")` (encoder-decoders: `"encdec_rollout"`)')
+    text = "\n".join([f"# Refusal sweep: `attnroll.explain(model, x, {what} over tiny transformers models",
                       "", "Made by `benchmarks/refusal_sweep.py` (see its docstring for the outcomes).", "", *rows, ""])
     if args.out:
         Path(args.out).write_text(text, encoding="utf-8")
