@@ -342,7 +342,8 @@ def check_model_inputs(
     """What ``capture`` / ``explain`` pass to a model's forward, checked before the forward runs.
 
     ``inputs`` must be a mapping of keyword arguments, a tensor (the one positional argument) or a tuple /
-    list of tensors (positional arguments). For a mapping: keys are strings; with ``open_keywords`` False
+    list of tensors (positional arguments; None, after the first, for an argument left out). For a mapping: keys are
+    strings; with ``open_keywords`` False
     (the forward has no ``**kwargs``) every key must be one of ``params``; every name in ``required`` must
     be present, and at least one of ``required_any`` when given. No tensor may be on the meta device.
     Errors name ``inputs``, what was received and the keys expected (``model`` is the model's class name,
@@ -355,16 +356,18 @@ def check_model_inputs(
         check_device("inputs", inputs)
         return
     if isinstance(inputs, (tuple, list)):
-        bad = [i for i, v in enumerate(inputs) if not isinstance(v, torch.Tensor)]
+        # None leaves out an argument between two others, as the forward itself takes it: enc(src, None, mask)
+        bad = [i for i, v in enumerate(inputs) if not isinstance(v, torch.Tensor) and (v is not None or i == 0)]
         if not inputs or bad:
             what = "empty" if not inputs else f"item {bad[0]} is {describe(inputs[bad[0]])}"
             raise TypeError(
                 f"inputs must be a dict of keyword arguments for {model} (keys {expect}), a tensor, or a tuple "
-                f"of tensors (positional arguments); got a {type(inputs).__name__} of length {len(inputs)} whose "
-                f"{what}.{tail}"
+                "of tensors (positional arguments, the first a tensor, None for an argument left out); got a "
+                f"{type(inputs).__name__} of length {len(inputs)} whose {what}.{tail}"
             )
         for i, v in enumerate(inputs):
-            check_device(f"inputs[{i}]", v)
+            if v is not None:
+                check_device(f"inputs[{i}]", v)
         return
     if not isinstance(inputs, Mapping):
         raise TypeError(

@@ -98,10 +98,16 @@ def validate_layers(name: str, stream: str, layers: list[torch.Tensor]) -> None:
             f"{name}: the {stream} attention of layer {bad[0]} has shape {tuple(layers[bad[0]].shape)}, not "
             "(B, H, n_q, n_k) softmax probabilities; attnroll refuses rather than guess its layout"
         )
-    if stream != "cross" and (len(shapes) != 1 or any(q != k for q, k in shapes)):
+    if stream != "cross" and len(shapes) != 1:
         raise _checks.UnsupportedModelError(
             f"{name}: its {stream} layers attend over different token counts ({sorted(shapes)}): the sequence "
             "is pooled or windowed between layers, so there is no single token-to-token product to roll out"
+        )
+    if stream != "cross" and any(q != k for q, k in shapes):
+        raise _checks.UnsupportedModelError(
+            f"{name}: its {stream} layers return non-square weights (queries x keys {sorted(shapes)}), not a "
+            "token-to-token matrix over one sequence (local windows, sampled points or a recurrent state take "
+            "its place), so there is nothing to roll out; attnroll refuses rather than guess their layout"
         )
     t = layers[0].detach()
     if t.ndim == 3 or t.is_meta:  # fused at capture time; or matrix-free (recomputed as a softmax, no values)

@@ -78,6 +78,11 @@ def stream_names(names: Sequence[str], *, towers: bool = True) -> list[str]:
             return "decoder"
         if "encoder" in comps:
             return "encoder"
+        for c in comps:  # a named stack: "text_encoder" / "text_decoder" (SeamlessM4T)
+            if c.endswith("_decoder"):
+                return "decoder"
+            if c.endswith("_encoder"):
+                return "encoder"
         return None
 
     if towers:

@@ -39,6 +39,7 @@ from .._modes import submodules
 from ..core.operators import FusedLayer, KernelInputs, attend_mean, fusable, mean_probs, whole_size
 from .hf import HFAdapter, pool_heads
 from .hooks import Adapter, Capture, Site
+from .registry import refuse_known
 from .transformers_private import attn_implementation, sdpa_kernel, wrap_attention_interface
 
 
@@ -155,6 +156,7 @@ def kernel_adapter(model: nn.Module, modules: list[nn.Module] | None = None) -> 
     key = _structure_key(model, submodules(model) if modules is None else modules)
     hit = _ADAPTERS.get(model)
     if hit is None or hit[0] != key:
+        refuse_known(model)
         inner = HFAdapter(model)
         template = copy.copy(inner)
         template.model = None

@@ -15,20 +15,21 @@ from typing import Callable
 
 from torch import nn
 
+from .. import _checks
 from . import hf_anatomy, timm, torch_mha
 from .anatomy_parts import BlockKind
 from .cait import CaitAdapter, is_cait
 from .hf import HFAdapter, hf_facts, is_hf_model
 from .hooks import Adapter, set_supported_families
 from .record import ModelFacts
-from .sentence_transformers import is_sentence_transformer
+from .sentence_transformers import is_sentence_transformer, transformer_of
 from .sentence_transformers import make_adapter as make_st_adapter
 from .swin import is_swin
 from .swin import make_adapter as make_swin_adapter
 from .vlm import vlm_adapter, vlm_facts
 
-__all__ = ["Family", "Models", "FAMILIES", "GENERIC", "METHOD_GROUPS", "SUPPORTED_FAMILIES", "family_of", "adapter_for",
-           "facts_for", "block_kinds", "table_rows", "refusals"]
+__all__ = ["Family", "Models", "Obstacle", "FAMILIES", "GENERIC", "METHOD_GROUPS", "SUPPORTED_FAMILIES", "family_of",
+           "adapter_for", "facts_for", "block_kinds", "table_rows", "refusals", "refuse_known"]
 
 #: The method groups an entry may list: dense attention maths (raw, rollout, flow, ...), gradient-weighted
 #: methods (grad_rollout, gae, ...), value-aware methods (norm, globenc, alti, decompx, ...: they read the
@@ -52,6 +53,30 @@ class Models:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Obstacle:
+    """Models of a family that attnroll refuses before any forward pass, with the obstacle they raise.
+
+    ``applies(model)``: whether the model is one of them; ``readme``: the item of README's "refused" row
+    (the models and, in brackets, the obstacle in a few words); ``reason``: the message's sentence after the
+    model's name, naming what the model computes instead of a token-to-token attention matrix, and what to
+    do instead."""
+
+    applies: Callable[[nn.Module], bool]
+    readme: str
+    reason: str
+
+    def refuse(self, model: nn.Module) -> None:
+        """Raise the refusal (UnsupportedModelError) naming the model, its type and the obstacle."""
+        kind = getattr(getattr(model, "config", None), "model_type", "")
+        raise _checks.UnsupportedModelError(f"{type(model).__name__}{f' ({kind})' if kind else ''} {self.reason}")
+
+
+def of_types(*model_types: str) -> Callable[[nn.Module], bool]:
+    """An ``Obstacle.applies`` that accepts the transformers models of these ``config.model_type``s."""
+    return lambda model: getattr(getattr(model, "config", None), "model_type", None) in model_types
+
+
+@dataclass(frozen=True, kw_only=True)
 class Family:
     """One model family.
 
@@ -64,7 +89,8 @@ class Family:
     the unsupported-model message; ``readout``: where its readout rule is declared (the readout code stays
     with the adapter); ``methods``: the method groups of :data:`METHOD_GROUPS` its models can be explained
     with; ``models``: its rows of README's family table; ``refused``: the models of this family it refuses,
-    each with the reason."""
+    each with the reason, as README lists them; ``obstacles``: models refused before their adapter is built,
+    each with the message naming its own obstacle (README lists their ``readme`` after ``refused``)."""
 
     name: str
     detect: Callable[[nn.Module], bool]
@@ -76,6 +102,7 @@ class Family:
     methods: tuple[str, ...]
     models: tuple[Models, ...]
     refused: tuple[str, ...] = ()
+    obstacles: tuple[Obstacle, ...] = ()
 
     def __post_init__(self) -> None:
         unknown = [g for g in self.methods if g not in METHOD_GROUPS]
@@ -93,6 +120,12 @@ def _transformers_adapter(model: nn.Module) -> Adapter:
 
 def _transformers_facts(model: nn.Module) -> ModelFacts:
     return vlm_facts(model) or hf_facts(model)
+
+
+def _st_adapter(model: nn.Module) -> Adapter:
+    """The sentence-transformers adapter, after the obstacles of the transformers model inside it."""
+    refuse_known(transformer_of(model))
+    return make_st_adapter(model)
 
 
 def _st_facts(model: nn.Module) -> ModelFacts:
@@ -113,9 +146,93 @@ def _is_cait(model: nn.Module) -> bool:
 
 _EMBEDDINGS = "from the embeddings: CLS = 1"
 
+
+def _has_deformable_attention(model: nn.Module) -> bool:
+    """A transformers model holding multi-scale deformable attention (``...MultiscaleDeformableAttention``)."""
+    return is_hf_model(model) and any(type(m).__name__.lower().endswith("multiscaledeformableattention")
+                                      for m in model.modules())
+
+
+def _windowed_vitdet(model: nn.Module) -> bool:
+    config = getattr(model, "config", None)
+    return of_types("vitdet")(model) and bool(getattr(config, "window_block_indices", None)) and (
+        getattr(config, "window_size", 0) > 0)
+
+
+def _seamless_all_tasks(model: nn.Module) -> bool:
+    return of_types("seamless_m4t", "seamless_m4t_v2")(model) and all(
+        hasattr(model, a) for a in ("speech_encoder", "text_encoder", "t2u_model"))
+
+
+_NO_MATRIX = "attnroll refuses rather than invent a token-to-token matrix"
+
+#: transformers models refused before the adapter looks for their attention, each naming its own obstacle.
+TRANSFORMERS_OBSTACLES = (
+    Obstacle(applies=of_types("rwkv"), readme="RWKV (recurrent, no attention)",
+             reason="is a recurrent model (linear-attention RNN, a state-space-like recurrence): each layer carries a "
+                    "running state from token to token instead of attending, so it has no attention matrices to "
+                    "read or roll out."),
+    Obstacle(applies=of_types("mamba", "mamba2", "falcon_mamba", "xlstm"),
+             readme="Mamba / Mamba2 / Falcon-Mamba / xLSTM (state-space or recurrent, no attention)",
+             reason="is a state-space / recurrent model: its layers carry a running state from token to token and "
+                    "compute no attention, so it has no attention matrices to read or roll out."),
+    Obstacle(applies=of_types("longformer", "led"), readme="Longformer / LED (sliding windows)",
+             reason="attends in a sliding window around each token (config.attention_window) plus a few global "
+                    "tokens: each layer returns the window's weights (n x window), and no full token-to-token "
+                    f"matrix exists; {_NO_MATRIX}. Use a full-attention model (BERT, RoBERTa) or "
+                    "modules=/to_probs= with your own composition."),
+    Obstacle(applies=of_types("albert"), readme="ALBERT (one layer shared by all)",
+             reason="shares one layer's weights across all its layers (config.num_hidden_groups): the same "
+                    "attention module runs once per layer, and attnroll records one attention module per layer, "
+                    "so it cannot tell the layers' attention apart. Use a model with one module per layer "
+                    "(BERT, RoBERTa, ELECTRA)."),
+    Obstacle(applies=of_types("sam", "sam_vision_model", "sam_hq", "sam_hq_vision_model"),
+             readme="SAM / SAM-HQ (windowed plus global attention)",
+             reason="has an image encoder that attends inside local windows in most layers and globally only in "
+                    "a few (config.global_attn_indexes), with relative position terms and no class token: its "
+                    "windowed layers have no token-to-token matrix over the whole image, so there is no single "
+                    f"product to roll out; {_NO_MATRIX}."),
+    Obstacle(applies=_has_deformable_attention,
+             readme="Deformable DETR / Grounding DINO / RT-DETR / Mask2Former and others with multi-scale "
+                    "deformable attention (sampled points: no token-to-token matrix)",
+             reason="uses deformable attention: each query samples a few points around its reference point on the "
+                    "feature maps (learned offsets) and weights those samples, so its weights are over sampled "
+                    f"points, not over tokens, and no token-to-token matrix exists; {_NO_MATRIX}. DETR and "
+                    "Conditional DETR attend over tokens."),
+    Obstacle(applies=_windowed_vitdet, readme="ViTDet with window blocks (windowed plus global attention)",
+             reason="attends inside local windows in the blocks of config.window_block_indices and globally in the "
+                    "others: its windowed layers have no token-to-token matrix over the whole image, so there is no "
+                    f"single product to roll out; {_NO_MATRIX}. A ViTDet without window blocks is explained."),
+    Obstacle(applies=of_types("yoso"), readme="YOSO (sampled attention: no probabilities)",
+             reason="approximates softmax attention by locality-sensitive hashing (You Only Sample Once): it never "
+                    "forms attention probabilities, and what it returns is not a token-to-token matrix; "
+                    f"{_NO_MATRIX}."),
+    Obstacle(applies=of_types("reformer"), readme="Reformer (chunked local and LSH-bucket attention)",
+             reason="attends inside chunks of the sequence (local attention) and inside hash buckets (LSH "
+                    "attention): each layer's weights cover one chunk or bucket of keys, sorted by hash, and no "
+                    f"full token-to-token matrix exists; {_NO_MATRIX}."),
+    Obstacle(applies=of_types("squeezebert"), readme="SqueezeBERT (returns scores)",
+             reason="returns its attention scores before the softmax as its attentions (not the probabilities its "
+                    f"output is computed from), so there is no row-stochastic matrix to roll out; {_NO_MATRIX}. "
+                    "Use modules=/to_probs= with a softmax of those scores if that is what you want."),
+    Obstacle(applies=of_types("levit"), readme="LeViT (subsampling attention between stages)",
+             reason="shrinks its token grid between stages inside attention blocks (queries from a subsampled grid, "
+                    "LevitAttentionSubsample) and returns no attention weights, so there is no one token set to "
+                    f"roll out over; {_NO_MATRIX}."),
+    Obstacle(applies=of_types("mobilevit", "mobilevitv2"), readme="MobileViT (attention across patches per pixel)",
+             reason="attends between patches separately at each pixel position of an unfolded feature map "
+                    "(MobileViTv2: separable linear attention) inside a convolutional network, and returns no "
+                    f"attention weights: there is no attention over the image's tokens as one set; {_NO_MATRIX}."),
+    Obstacle(applies=_seamless_all_tasks, readme="SeamlessM4T(v2)Model (all tasks in one model)",
+             reason="holds a speech encoder, a text encoder and a text-to-unit model, of which one forward pass runs "
+                    "only some (the encoder of the given input), so its attention modules do not form one stack per "
+                    "stream. Explain the task's own model: SeamlessM4TForTextToText or SeamlessM4TForSpeechToText "
+                    "(streams encoder, decoder, cross)."),
+)
+
 # ------------------------------------------------------------------------------- the entries
 SENTENCE_TRANSFORMERS = Family(
-    name="sentence-transformers", detect=is_sentence_transformer, adapter=make_st_adapter, facts=_st_facts,
+    name="sentence-transformers", detect=is_sentence_transformer, adapter=_st_adapter, facts=_st_facts,
     supported="sentence-transformers SentenceTransformer objects",
     readout="its Pooling module's mode (sentence_transformers.pooling_of_module)",
     methods=("attention", "gradient"),
@@ -165,7 +282,7 @@ TRANSFORMERS = Family(
                readout="CLS; patches put back in order with `ids_restore`, no grid when masking"),
         Models(models="transformers AST (audio spectrogram)", streams="self",
                prefix="2; grid = frequency × time patches", readout="mean of rows 0 and 1 (its pooler)"),
-        Models(models="transformers BERT, RoBERTa, DistilBERT, ELECTRA, ALBERT, ...", streams="self",
+        Models(models="transformers BERT, RoBERTa, DistilBERT, ELECTRA, ...", streams="self",
                prefix="0 (text)", readout="CLS; mean of the real tokens from a sentence-transformers "
                                           "`1_Pooling/config.json` in the model folder"),
         Models(models="transformers DeBERTa(-v2/v3), MPNet, RoFormer, XLM, BLOOM, Falcon, GPT-Neo, MPT, ... (no "
@@ -187,15 +304,16 @@ TRANSFORMERS = Family(
                readout="language: last real token; image tokens found from the model's own `image_token_id` and "
                        "linked one to one to the vision tokens the projector reads (LLaVA: `vision_feature_layer`, "
                        "`\"default\"` strategy drops the CLS)"),
-        Models(models="transformers T5, BART, Marian, VisionEncoderDecoder", streams="encoder, decoder, cross",
+        Models(models="transformers T5, BART, Marian, VisionEncoderDecoder, SeamlessM4T `...ForTextToText`",
+               streams="encoder, decoder, cross",
                prefix="encoder from its embeddings (1 for a ViT encoder)", readout="decoder: last real token"),
     ),
     refused=(
         "SegFormer / PVT / Hiera / Funnel / Canine (token count changes between layers)",
-        "Longformer / LED (sliding windows)", "ALBERT (one layer shared by all)", "SqueezeBERT (returns scores)",
         "block-sparse BigBird", "Qwen2-VL / Qwen2.5-VL (its vision attention returns no weights)",
         "LLaVA-NeXT / OneVision (any-resolution tiles with newline tokens: no one grid)",
     ),
+    obstacles=TRANSFORMERS_OBSTACLES,
 )
 
 CAIT = Family(
@@ -264,9 +382,22 @@ def family_of(model: nn.Module) -> Family | None:
 
 
 def adapter_for(model: nn.Module) -> Adapter | None:
-    """The capture adapter of the first family that detects ``model`` (None: no family does)."""
+    """The capture adapter of the first family that detects ``model`` (None: no family does); a model one of
+    the family's obstacles applies to is refused first, naming it."""
     family = family_of(model)
-    return None if family is None else family.adapter(model)
+    if family is None:
+        return None
+    refuse_known(model, family)
+    return family.adapter(model)
+
+
+def refuse_known(model: nn.Module, family: Family | None = None) -> None:
+    """Raise the refusal of the first obstacle of ``family`` (default: the model's family) that applies to
+    ``model``; nothing when none does."""
+    family = family_of(model) if family is None else family
+    for obstacle in () if family is None else family.obstacles:
+        if obstacle.applies(model):
+            obstacle.refuse(model)
 
 
 def facts_for(model: nn.Module) -> ModelFacts | None:
@@ -288,4 +419,4 @@ def table_rows() -> list[str]:
 
 def refusals() -> list[str]:
     """Every family's refused models with their reasons, in registry order."""
-    return [r for f in FAMILIES for r in f.refused]
+    return [r for f in FAMILIES for r in (*f.refused, *(o.readme for o in f.obstacles))]

@@ -6,7 +6,42 @@ from typing import Any
 
 import click
 
-__all__ = ["explain_text"]
+__all__ = ["explain_text", "encode", "max_tokens", "shown"]
+
+#: What tokenizers say when they know no length limit (transformers' VERY_LARGE_INTEGER is above it).
+_NO_LIMIT = 10**9
+
+
+def max_tokens(lm: Any) -> int | None:
+    """The most tokens the model reads: the tokenizer's ``model_max_length``, else the config's
+    ``max_position_embeddings``; None when neither gives a limit."""
+    limit = getattr(lm.tokenizer, "model_max_length", None)
+    if isinstance(limit, int) and 0 < limit < _NO_LIMIT:
+        return limit
+    config = getattr(lm.model, "config", None)
+    limit = getattr(getattr(config, "text_config", None) or config, "max_position_embeddings", None)
+    return limit if isinstance(limit, int) and limit > 0 else None
+
+
+def shown(text: str, limit: int = 300) -> str:
+    """``text`` for a page's notes: its first ``limit`` characters, with the length of the rest when cut."""
+    return text if len(text) <= limit else f"{text[:limit]}… (+{len(text) - limit:,} characters)"
+
+
+def encode(lm: Any, texts: list[str], pairs: list[str] | None = None) -> Any:
+    """``lm.tokenizer(texts, pairs, return_tensors="pt")``, truncated to the model's :func:`max_tokens` as
+    ``attnroll batch`` encodes its texts; a note on stderr says when a text was cut, and to how many tokens."""
+    tok, limit = lm.tokenizer, max_tokens(lm)
+    if limit is None:
+        return tok(texts, pairs, padding=True, return_tensors="pt")
+    enc = tok(texts, pairs, padding=True, truncation=True, max_length=limit, return_tensors="pt")
+    full = tok(texts, pairs, verbose=False)["input_ids"]
+    longest = max(len(ids) for ids in full)
+    if longest > enc["input_ids"].shape[1]:
+        what = "the text and its pair are" if pairs is not None else "the text is"
+        click.echo(f"note: {what} {longest:,} tokens long and {lm.name} reads at most {limit:,}: explaining the "
+                   f"first {enc['input_ids'].shape[1]:,} tokens (the rest is cut off)", err=True)
+    return enc
 
 
 def _cosine_target(lm: Any, mask: Any, other_text: str) -> Any:
@@ -29,7 +64,7 @@ def explain_text(lm: Any, text: str, pair: str | None, method: str, options: dic
     from ..methods import explain, method_info
 
     tok = lm.tokenizer
-    probe = tok([text], return_tensors="pt")
+    probe = encode(lm, [text])
     with torch.no_grad():
         has_logits = main_logits(lm.model(**probe)) is not None
     if has_logits or pair is None:
@@ -38,13 +73,13 @@ def explain_text(lm: Any, text: str, pair: str | None, method: str, options: dic
                 f"method {method!r} needs a scalar target and {lm.name} has no class scores: give --pair TEXT "
                 "(explains the cosine similarity of the two sentences)"
             )
-        enc = tok([text], [pair], return_tensors="pt") if pair is not None else probe
+        enc = encode(lm, [text], [pair]) if pair is not None else probe
         return {
             "text" if pair is None else "text + pair": explain(lm.model, enc, method, target, tokenizer=tok, **options)
         }
     out = {}
     for label, a, b in (("text (vs pair)", text, pair), ("pair (vs text)", pair, text)):
-        ea = tok([a], return_tensors="pt")
+        ea = encode(lm, [a])
         out[label] = explain(lm.model, ea, method, _cosine_target(lm, ea["attention_mask"], b), tokenizer=tok,
                              **options)
     return out

@@ -17,7 +17,7 @@ from ._args import method_and_options, parse_target
 from ._data import check_cmap, check_inputs, expand_images, input_options, load_for, read_image
 from ._group import cli
 from ._output import Failure, one_line, output_file, png_bytes, prepare_out, progress, save_npz, write
-from ._text import explain_text
+from ._text import explain_text, shown
 
 FORMATS = ("png", "html", "json", "npz")
 
@@ -119,7 +119,7 @@ def _explain_texts(lm: Any, text: str, pair: str | None, method: str, opts: dict
     if "html" in formats:
         from ..viz import tokens_html
 
-        notes = (f"text: {text}" + (f" | pair: {pair}" if pair else "")
+        notes = (f"text: {shown(text)}" + (f" | pair: {shown(pair)}" if pair else "")
                  + "; special tokens are left uncoloured and out of the scaling")
         page = tokens_html(E, title=f"attnroll {method}: {lm.name}", notes=notes, skip=special)
         written.append(write(output_file(out, f"{stem}.html"), page))

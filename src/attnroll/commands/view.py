@@ -11,7 +11,7 @@ from ._args import method_options, methods_list, parse_target
 from ._data import check_inputs, expand_images, input_options, load_for, read_image
 from ._group import cli
 from ._output import output_file, prepare_out, write
-from ._text import explain_text
+from ._text import explain_text, shown
 
 DEFAULT_METHODS = {"image": "rollout,gae,per_head_rollout", "text": "rollout,gae"}
 
@@ -56,7 +56,8 @@ def _text_page(lm: Any, text: str, pair: str | None, names: list[str], opts: dic
         for label, e in explain_text(lm, text, pair, m, opts[m], tgt).items():
             sections.setdefault(label, {})[m] = e
     special = set(getattr(lm.tokenizer, "all_special_tokens", ()) or ())
-    notes = f"text: {text}" + (f" | pair: {pair}" if pair else "") + "; special tokens are left uncoloured"
+    notes = (f"text: {shown(text)}" + (f" | pair: {shown(pair)}" if pair else "")
+             + "; special tokens are left uncoloured")
     group = next(iter(sections.values())) if len(sections) == 1 else sections
     return view(group, skip=special, title=f"attnroll: {lm.name}", notes=notes)
 

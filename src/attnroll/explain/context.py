@@ -21,6 +21,7 @@ from ..capture.readout import Readout, explained_positions, explained_readout, r
 from ..capture.record import AttentionRecord, StreamInfo
 from ..core import multimodal
 from .explanation import Explanation
+from .memory import check_dense_memory
 from .registry import Method
 from .target_scores import require_grad_mode, resolve_target
 
@@ -60,6 +61,7 @@ class Context:
     # -- capture ------------------------------------------------------------------------------------
     def record(self, fuse_heads: Any = None) -> AttentionRecord:
         """Capture the attention of one forward pass (no gradients), resolving the target for the record."""
+        check_dense_memory(self.model, self.inputs, self.method.name, fused=fuse_heads is not None)
         self.rec = _capture(self.model, self.inputs, fuse_heads=fuse_heads, tokenizer=self.tokenizer)
         self.check_attention(self.rec)
         return self.rec
@@ -85,6 +87,7 @@ class Context:
         order of the attention modules in the model, never hook order). ``scores(record) -> (B,)`` replaces
         the default target resolution (CLIP, encoder-decoders)."""
         require_grad_mode(self.method.name)
+        check_dense_memory(self.model, self.inputs, self.method.name, keep_grad=True)
         with params_require_grad(self.model, partly=True):
             rec = _capture(self.model, self.inputs, keep_grad=True, tokenizer=self.tokenizer)
         self.rec = rec

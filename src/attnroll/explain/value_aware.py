@@ -55,9 +55,30 @@ def working_dtype(dtype: Any, like: torch.Tensor) -> torch.dtype:
     return torch.float64 if like.dtype == torch.float64 else torch.float32
 
 
+#: Parameter dtypes the value-aware methods refuse: bfloat16's 8-bit mantissa is coarser than the layer
+#: anatomy's checks of each norm (float16 passes them).
+REFUSED_DTYPES = (torch.bfloat16,)
+
+
+def check_precision(ctx: Context) -> None:
+    """Refuse a model with bfloat16 weights, naming the dtype and the cast that fixes it: the
+    value-aware methods recompute each block's value path (norms, projections) from its weights and hold it
+    to the states of the forward pass, which bfloat16 rounding does not reproduce."""
+    coarse = sorted({str(p.dtype).replace("torch.", "") for p in ctx.model.parameters() if p.dtype in REFUSED_DTYPES})
+    if coarse:
+        raise _checks.UnsupportedModelError(
+            f"method {ctx.method.name!r} does not support {' / '.join(coarse)} models ({type(ctx.model).__name__} "
+            "has such weights): it recomputes each block's value path (norms, projections) from the weights and "
+            f"checks it against the forward pass, which {coarse[0]} rounding cannot match. Explain it in float32: "
+            "model.float() (or a float32 copy, copy.deepcopy(model).float()), or load it with "
+            "torch_dtype=torch.float32"
+        )
+
+
 def record(ctx: Context) -> tuple[AttentionRecord, LayerStates, ModelAnatomy]:
     """One forward pass recording attention and layer states; sets ``ctx.rec``. A model whose layer anatomy
     is unknown, or not one the value-aware maths models, is refused with the reason."""
+    check_precision(ctx)
     facts = model_facts(ctx.model)
     anat = value_anatomy(facts.anatomy, facts.anatomy_reason, ctx.model)
     rec, states, anat = record_states(ctx.model, ctx.inputs, anat=anat, tokenizer=ctx.tokenizer)
