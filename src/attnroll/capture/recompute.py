@@ -295,18 +295,27 @@ def _cached_signature(fn: Callable) -> inspect.Signature | None:
     return _uncached_signature(fn)
 
 
+#: The arguments transformers passes every attention kernel first, in order (after the module).
+_KERNEL_ARGS = ("query", "key", "value", "attention_mask")
+
+
 def _uncached_signature(fn: Callable) -> inspect.Signature | None:
+    """The signature the kernel's arguments are bound by: ``fn``'s own, through ``functools.wraps``'
+    ``__wrapped__`` chain (``inspect.signature`` follows it); None when it cannot be read or does not name
+    query, key and value (a decorator's ``(*args, **kwargs)`` wrapper without ``__wrapped__``): the arguments
+    are then read by transformers' calling convention, ``kernel(module, query, key, value, attention_mask,
+    **kwargs)``."""
     try:
-        return inspect.signature(fn)
+        sig = inspect.signature(fn)
     except (TypeError, ValueError):
         return None
+    return sig if set(_KERNEL_ARGS[:3]) <= set(sig.parameters) else None
 
 
 def _arguments(bound: inspect.BoundArguments | None, args: tuple, kwargs: dict) -> dict[str, Any]:
     """The kernel's arguments by name (its **kwargs flattened in)."""
     if bound is None:
-        names = ("query", "key", "value", "attention_mask")
-        return {**dict(zip(names, args)), **kwargs}
+        return {**dict(zip(_KERNEL_ARGS, args)), **kwargs}
     out = {}
     for k, v in bound.arguments.items():
         if bound.signature.parameters[k].kind is inspect.Parameter.VAR_KEYWORD:
@@ -321,6 +330,12 @@ def kernel_inputs(module: nn.Module, impl: str | None, a: dict[str, Any], keep_v
     means causal attention for the fused kernels (SDPA, flash: ``is_causal``, else the module's flag) and
     no mask at all for eager; a 2-D mask is flash's padding mask (causality and ``sliding_window`` then come
     from the flags); a 4-D mask already carries causality and the window."""
+    missing = [name for name in _KERNEL_ARGS[:3] if not isinstance(a.get(name), torch.Tensor)]
+    if missing:
+        raise _checks.CaptureError(
+            f"the attention kernel {impl!r} of {type(module).__name__} was called without tensors for "
+            f"{', '.join(missing)} (arguments: {', '.join(a) or 'none'}), so its queries and keys cannot be "
+            "recorded; use attention='dense'")
     q, k, v, mask = a["query"], a["key"], a["value"], a.get("attention_mask")
     scaling = a.get("scaling")
     if scaling is None:

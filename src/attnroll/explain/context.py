@@ -122,10 +122,22 @@ class Context:
 
     # -- positions and targets ----------------------------------------------------------------------
     def stream(self, rec: AttentionRecord) -> str:
-        """The stream to explain: the ``stream`` option, else the record's only / "self" stream."""
+        """The stream to explain: the ``stream`` option, else the record's only / "self" stream; refused when
+        its token positions cannot label a map (``StreamInfo.units_reason``)."""
+        name = self._stream(rec)
+        reason = rec.info[name].units_reason if name in rec.info else ""
+        if reason:
+            raise _checks.UnsupportedModelError(
+                f"{type(self.model).__name__}: stream {name!r} cannot be explained: {reason}")
+        return name
+
+    def _stream(self, rec: AttentionRecord) -> str:
         name = self.options.get("stream")
         if name is not None:
-            rec.stream(name)  # validates
+            names = rec.stream_names()  # dense or matrix-free (whose record holds operators, not streams)
+            if name not in names:
+                raise ValueError(f"stream must be one of {', '.join(map(repr, names)) or '(none recorded)'}; "
+                                 f"got {name!r}")
             return name
         names = rec.stream_names()
         if "self" in names or len(names) == 1:
