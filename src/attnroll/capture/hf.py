@@ -31,7 +31,12 @@ from .transformers_private import (PrivateChanged, all_configs, check_transforme
                                    force_eager, recorder_specs)
 
 #: Text towers that pool their end-of-text token (the first EOS; the argmax id for the original configs).
-_EOT_POOLING = ("clip", "clip_text_model", "owlvit", "owlvit_text_model", "x_clip", "groupvit", "clipseg")
+_EOT_POOLING = ("clip", "clip_text_model", "owlvit", "owlvit_text_model", "owlv2", "owlv2_text_model", "x_clip",
+                "groupvit", "clipseg", "metaclip_2", "metaclip_2_text_model", "aimv2", "aimv2_text_model")
+#: Of those, the towers that pool the largest token id (the end-of-text token of their vocabulary) whatever
+#: their eos id, and those that pool the first eos token whatever it is (no argmax rule for eos id 2).
+_ARGMAX_POOLING = ("owlvit", "owlvit_text_model", "owlv2", "owlv2_text_model")
+_FIRST_EOS_POOLING = ("metaclip_2", "metaclip_2_text_model", "aimv2", "aimv2_text_model")
 #: Text towers that pool the last position (SigLIP: inputs padded to max_length).
 _LAST_POSITION = ("siglip", "siglip_text_model", "siglip2", "siglip2_text_model")
 #: Image models whose pooler means the patch tokens when ``config.use_mean_pooling``.
@@ -261,7 +266,7 @@ class HFAdapter(Adapter):
         ids = inputs.get("input_ids")
         text_stream = "text" if "text" in record.streams else "self"
         if self.model_type in _EOT_POOLING and isinstance(ids, torch.Tensor) and text_stream in record.streams:
-            record.extra[f"{text_stream}_eot"] = _eot_positions(self.model.config, ids)
+            record.extra[f"{text_stream}_eot"] = _eot_positions(self.model.config, ids, self.model_type)
         mask = inputs.get("attention_mask")
         if isinstance(mask, torch.Tensor):
             record.attention_mask = mask.detach()
@@ -336,15 +341,17 @@ class HFAdapter(Adapter):
             if info.causal or info.kind == "image" or s == "cross" or record.extra.get(f"{s}_layout") is not None:
                 continue
             first = next((site.module for site in self.sites() if site.stream == s), None)
-            if first is None or not any(getattr(m, "is_causal", None) is True for m in first.modules()):
-                continue
-            info.causal = True
-            spec, source = self.readout_spec(s, record, info, inputs)
-            if spec is not None and info.readout is not None:
-                layers = record.streams[s]
-                info.readout = resolve_readout(spec, batch=layers[0].shape[0], n=layers[0].shape[-1], mask=info.mask,
-                                               prefix=info.prefix, suffix=info.suffix, source=source,
-                                               eot=record.extra.get(f"{s}_eot"))
+            if first is not None and any(getattr(m, "is_causal", None) is True for m in first.modules()):
+                self.mark_causal(record, inputs, s, info)
+
+    def mark_causal(self, record: AttentionRecord, inputs: dict[str, Any], stream: str, info: Any) -> None:
+        """Make ``stream`` causal and its readout the one of a causal stream (``readout_spec``)."""
+        info.causal = True
+        spec, source = self.readout_spec(stream, record, info, inputs)
+        if spec is not None and info.readout is not None:
+            B, n = record.stream_shape(stream)[0], record.stream_shape(stream)[-1]
+            info.readout = resolve_readout(spec, batch=B, n=n, mask=info.mask, prefix=info.prefix, suffix=info.suffix,
+                                           source=source, eot=record.extra.get(f"{stream}_eot"))
 
 
 def pool_heads(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -477,11 +484,12 @@ def first_argument(fn: Any) -> str | None:
     return params[0] if params else None
 
 
-def _eot_positions(config: Any, ids: torch.Tensor) -> list[int]:
-    """The token a CLIP-style text tower pools: the argmax id for the original configs (eos id 2), else the
-    first end-of-text token (as transformers does)."""
+def _eot_positions(config: Any, ids: torch.Tensor, model_type: str = "") -> list[int]:
+    """The token a CLIP-style text tower pools: the argmax id for the original configs (eos id 2) and for
+    OWL-ViT / OWLv2 always, else the first end-of-text token (as transformers does; MetaCLIP 2 and AIMv2
+    always)."""
     eos = getattr(getattr(config, "text_config", None) or config, "eos_token_id", None)
     ids = ids.to(torch.int).reshape(-1, ids.shape[-1])
-    if eos == 2 or eos is None:
+    if model_type in _ARGMAX_POOLING or (model_type not in _FIRST_EOS_POOLING and (eos == 2 or eos is None)):
         return ids.argmax(dim=-1).tolist()
     return (ids == eos).int().argmax(dim=-1).tolist()

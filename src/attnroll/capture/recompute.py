@@ -178,6 +178,7 @@ class KernelAdapter(Adapter):
             setattr(self, name, getattr(inner, name))
         self.site_of = site_of if site_of is not None else sites_by_module(inner.sites())
         self.pools = pools  # the model's attention-pooling heads (None: looked up at install)
+        self._recorder: Any = None  # the session's KernelRecorder, from install
 
     def sites(self) -> list[Site]:
         return self.inner.sites()
@@ -187,6 +188,17 @@ class KernelAdapter(Adapter):
 
     def input_hint(self, inputs: Any) -> str:
         return self.inner.input_hint(inputs)
+
+    def stream_infos(self, record: Any, inputs: dict[str, Any]) -> dict[str, Any]:
+        """The transformers adapter's stream infos; a stream whose kernels attended causally (by flag or by
+        their mask) is causal, as the dense route reads it from its matrices, with the readout that follows."""
+        infos = self.inner.stream_infos(record, inputs)
+        taken = getattr(self._recorder, "taken", {})  # this pass's kernels (KernelRecorder.finish ran)
+        for s, info in infos.items():
+            layers = taken.get(s)
+            if layers and not info.causal and s != "cross" and kernel_causal(layers[0]):
+                self.inner.mark_causal(record, inputs, s, info)
+        return infos
 
     def install(self, stack: ExitStack, recorder: Any, sites: list[Site]) -> None:
         def wrap(kernel: Callable, impl: str) -> Callable:
@@ -199,6 +211,7 @@ class KernelAdapter(Adapter):
 
         wrap_attention_interface(stack, wrap)
         self.inner.install_pool_hooks(stack, self.pools)
+        self._recorder = recorder
 
     def _wrapper(self, kernel: Callable, impl: str, recorder: KernelRecorder) -> Callable:
         # Over another session's wrapper, the arguments are read by the model's kernel's own signature.
@@ -373,6 +386,20 @@ def kernel_inputs(module: nn.Module, impl: str | None, a: dict[str, Any], keep_v
         v=v.detach() if keep_value else None,
         is_causal_model=module_causal,
     )
+
+
+def kernel_causal(layer: KernelInputs) -> bool:
+    """Whether a kernel call attended causally: by its flag, or by a square (.., n, n) mask that hides every key
+    after its query (boolean False, or an additive mask of -1e4 or less)."""
+    mask = layer.mask
+    if layer.causal:
+        return True
+    if mask is None or mask.ndim != 4 or mask.shape[-1] != mask.shape[-2] or mask.shape[-1] < 2:
+        return False
+    n = mask.shape[-1]
+    upper = torch.triu(torch.ones(n, n, dtype=torch.bool, device=mask.device), diagonal=1)
+    above = mask[..., upper]
+    return bool((~above).all()) if mask.dtype == torch.bool else bool((above <= -1e4).all())
 
 
 def _own(t: torch.Tensor, compact: bool) -> torch.Tensor:
