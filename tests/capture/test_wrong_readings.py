@@ -254,3 +254,25 @@ def test_more_families_read_each_example_as_alone(name):
         for b in range(2):
             alone = attnroll.explain(model, _alone(x, b), "rollout", **kw)
             torch.testing.assert_close(batch.full_row[b], alone.full_row[0], atol=1e-5, rtol=1e-4)
+
+
+# ------------------------------------------------------------------------- causality and the batch axis
+def test_causal_by_mask_alone_reads_the_last_token_on_both_routes():
+    """Doge's attention modules carry no causal flag; only its mask is causal (as its matrices show): both
+    routes read the last real token."""
+    model = _build(lambda: T.DogeModel(T.DogeConfig(**C, **TX, num_key_value_heads=2)))
+    x = {"input_ids": torch.randint(3, 99, (2, 7), generator=torch.Generator().manual_seed(0)),
+         "attention_mask": torch.tensor([[1] * 7, [1] * 5 + [0] * 2])}
+    auto = attnroll.explain(model, x, "rollout")
+    dense = attnroll.explain(model, x, "rollout", attention="dense")
+    assert auto.options["attention"] == "recompute"
+    assert auto.readout_weights.argmax(dim=-1).tolist() == [6, 4]
+    torch.testing.assert_close(auto.readout_weights.float(), dense.readout_weights.float())
+    torch.testing.assert_close(auto.scores, dense.scores, atol=1e-5, rtol=1e-4)
+
+
+def test_images_packed_into_one_sequence_are_refused():
+    """Pixtral's vision tower packs every image of the batch into one sequence (batch axis 1)."""
+    model = _build(lambda: T.PixtralVisionModel(T.PixtralVisionConfig(**C, image_size=32, patch_size=8, head_dim=8)))
+    with pytest.raises(UnsupportedModelError, match="packed into one sequence"):
+        attnroll.explain(model, {"pixel_values": torch.randn(2, 3, 32, 32)}, "rollout")

@@ -425,8 +425,9 @@ def _refuse_unreadable(model: nn.Module, model_type: str) -> None:
 
 
 def _check_batch(model: nn.Module, record: AttentionRecord, inputs: dict[str, Any]) -> None:
-    """Each stream's batch axis must be its input's: attention run on windows (a window per row of the batch
-    axis) and read as if each window were an image would be a wrong map."""
+    """Each stream's batch axis must be its input's: attention run on windows or frames (one per row of the
+    batch axis: TimeSformer) or on several images packed into one sequence (Pixtral), read as if each row were
+    an input, would be a wrong map."""
     for stream, layers in record.streams.items():
         key = "pixel_values" if stream in ("self", "vision", "encoder") else "input_ids"
         x = inputs.get(key)
@@ -438,8 +439,9 @@ def _check_batch(model: nn.Module, record: AttentionRecord, inputs: dict[str, An
         if batches != [int(x.shape[0])]:
             raise _checks.UnsupportedModelError(
                 f"{type(model).__name__}: its {stream!r} attention runs on {batches} rows of the batch axis for "
-                f"{int(x.shape[0])} inputs (windows as the batch), so no layer is one token-to-token matrix per "
-                "input; attnroll refuses rather than read each window as an input."
+                f"{int(x.shape[0])} inputs (windows or frames as rows of the batch axis, or several inputs packed "
+                "into one sequence), so no layer is one token-to-token matrix per input; attnroll refuses rather "
+                "than read a row of the batch axis as an input."
             )
 
 

@@ -39,6 +39,7 @@ from .._modes import submodules
 from ..core.operators import FusedLayer, KernelInputs, attend_mean, fusable, mean_probs, whole_size
 from .hf import HFAdapter, pool_heads
 from .hooks import Adapter, Capture, Site
+from .readout import is_causal
 from .transformers_private import attn_implementation, sdpa_kernel, wrap_attention_interface
 
 
@@ -134,7 +135,7 @@ def sites_by_module(sites: list[Site]) -> dict[int, Site]:
 
 #: The public methods of Adapter that the kernel adapter takes from the transformers adapter as they are.
 _DELEGATED = tuple(name for name, value in vars(Adapter).items() if callable(value) and not name.startswith("_")
-                   and name not in {"sites", "install", "extract", "metadata", "input_hint"})
+                   and name not in {"sites", "install", "extract", "metadata", "input_hint", "stream_infos"})
 
 #: model -> (structure key, transformers adapter without its model, site_of, pooling heads). Building the transformers
 #: adapter walks every module several times per call, and its sites change only with the model's modules or
@@ -388,9 +389,12 @@ def kernel_inputs(module: nn.Module, impl: str | None, a: dict[str, Any], keep_v
     )
 
 
-def kernel_causal(layer: KernelInputs) -> bool:
+def kernel_causal(layer: KernelInputs | FusedLayer) -> bool:
     """Whether a kernel call attended causally: by its flag, or by a square (.., n, n) mask that hides every key
-    after its query (boolean False, or an additive mask of -1e4 or less)."""
+    after its query (boolean False, or an additive mask of -1e4 or less); a layer fused to its head-mean
+    probabilities by what they show, as the dense route reads its matrices."""
+    if isinstance(layer, FusedLayer):
+        return is_causal(layer.probs)
     mask = layer.mask
     if layer.causal:
         return True
