@@ -276,3 +276,14 @@ def test_images_packed_into_one_sequence_are_refused():
     model = _build(lambda: T.PixtralVisionModel(T.PixtralVisionConfig(**C, image_size=32, patch_size=8, head_dim=8)))
     with pytest.raises(UnsupportedModelError, match="packed into one sequence"):
         attnroll.explain(model, {"pixel_values": torch.randn(2, 3, 32, 32)}, "rollout")
+
+
+@pytest.mark.parametrize("method", ["gae", "grad_rollout", "raw"])
+def test_clip_vision_stream_by_gradient_methods_on_the_matrix_free_route(method):
+    model = _build(DUAL["clip"])
+    x = _pair(2)
+    target = None if method == "raw" else (lambda o: o.logits_per_image.diagonal())
+    auto = attnroll.explain(model, x, method, stream="vision", target=target)
+    dense = attnroll.explain(model, x, method, stream="vision", target=target, attention="dense")
+    assert auto.options["attention"] == "recompute"
+    torch.testing.assert_close(auto.scores, dense.scores, atol=1e-5, rtol=1e-4)
