@@ -287,3 +287,13 @@ def test_clip_vision_stream_by_gradient_methods_on_the_matrix_free_route(method)
     dense = attnroll.explain(model, x, method, stream="vision", target=target, attention="dense")
     assert auto.options["attention"] == "recompute"
     torch.testing.assert_close(auto.scores, dense.scores, atol=1e-5, rtol=1e-4)
+
+
+def test_channels_as_the_batch_are_refused():
+    """PatchTST attends over each channel's patches separately (batch axis B x channels)."""
+    cfg = dict(num_input_channels=3, context_length=32, patch_length=8, patch_stride=8, d_model=32,
+               num_attention_heads=4, num_hidden_layers=2, ffn_dim=37, prediction_length=8)
+    model = _build(lambda: T.PatchTSTForPrediction(T.PatchTSTConfig(**cfg)))
+    for kw in ({}, {"attention": "dense"}):
+        with pytest.raises(UnsupportedModelError, match="channels as rows of the batch axis"):
+            attnroll.explain(model, {"past_values": torch.randn(2, 32, 3)}, "rollout", **kw)

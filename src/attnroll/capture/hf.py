@@ -426,22 +426,22 @@ def _refuse_unreadable(model: nn.Module, model_type: str) -> None:
 
 def _check_batch(model: nn.Module, record: AttentionRecord, inputs: dict[str, Any]) -> None:
     """Each stream's batch axis must be its input's: attention run on windows or frames (one per row of the
-    batch axis: TimeSformer) or on several images packed into one sequence (Pixtral), read as if each row were
-    an input, would be a wrong map."""
+    batch axis: TimeSformer; each channel of a time series: PatchTST) or on several images packed into one
+    sequence (Pixtral), read as if each row were an input, would be a wrong map."""
     for stream, layers in record.streams.items():
         key = "pixel_values" if stream in ("self", "vision", "encoder") else "input_ids"
         x = inputs.get(key)
-        if stream == "self" and x is None:
-            x = inputs.get("input_ids")
+        for other in ("input_ids", getattr(model, "main_input_name", None)) if stream == "self" else ():
+            x = inputs.get(other) if x is None and other else x
         if not isinstance(x, torch.Tensor) or x.ndim < 2 or stream in ("decoder", "cross"):
             continue
         batches = sorted({int(t.shape[0]) for t in layers})
         if batches != [int(x.shape[0])]:
             raise _checks.UnsupportedModelError(
                 f"{type(model).__name__}: its {stream!r} attention runs on {batches} rows of the batch axis for "
-                f"{int(x.shape[0])} inputs (windows or frames as rows of the batch axis, or several inputs packed "
-                "into one sequence), so no layer is one token-to-token matrix per input; attnroll refuses rather "
-                "than read a row of the batch axis as an input."
+                f"{int(x.shape[0])} inputs (windows, frames or channels as rows of the batch axis, or several "
+                "inputs packed into one sequence), so no layer is one token-to-token matrix per input; attnroll "
+                "refuses rather than read a row of the batch axis as an input."
             )
 
 
