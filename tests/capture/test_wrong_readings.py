@@ -297,3 +297,25 @@ def test_channels_as_the_batch_are_refused():
     for kw in ({}, {"attention": "dense"}):
         with pytest.raises(UnsupportedModelError, match="channels as rows of the batch axis"):
             attnroll.explain(model, {"past_values": torch.randn(2, 32, 3)}, "rollout", **kw)
+
+
+@pytest.mark.parametrize("method", ["grad_rollout", "gae", "attn_gradcam", "saliency"])
+def test_vit_mae_gradient_maps_are_in_patch_order(method):
+    model = _mae(0.0)
+    px = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(3))
+
+    def target(o):  # the same for any order of the tokens
+        return (o.last_hidden_state[:, :, :4] * torch.arange(1.0, 5.0)).sum((1, 2))
+
+    got = attnroll.explain(model, {"pixel_values": px, "noise": _noise(True)}, method, target=target)
+    ref = attnroll.explain(model, {"pixel_values": px, "noise": _noise(False)}, method, target=target)
+    scale = ref.scores.abs().max().item()
+    assert scale > 1e-3
+    torch.testing.assert_close(got.scores, ref.scores, atol=1e-5 * scale, rtol=0)
+
+
+def test_vit_mae_value_aware_methods_are_refused_naming_the_shuffle():
+    model = _mae(0.0)
+    with pytest.raises(UnsupportedModelError, match="shuffled order"):
+        attnroll.explain(model, {"pixel_values": torch.randn(1, 3, 32, 32)}, "norm",
+                         target=lambda o: o.last_hidden_state.sum((1, 2)))

@@ -125,11 +125,15 @@ class Context:
         """The stream to explain: the ``stream`` option, else the record's only / "self" stream; refused when
         its token positions cannot label a map (``StreamInfo.units_reason``)."""
         name = self._stream(rec)
-        reason = rec.info[name].units_reason if name in rec.info else ""
+        self.check_units(rec, name)
+        return name
+
+    def check_units(self, rec: AttentionRecord, stream: str) -> None:
+        """UnsupportedModelError when the stream's token positions cannot label a map (``units_reason``)."""
+        reason = rec.info[stream].units_reason if stream in rec.info else ""
         if reason:
             raise _checks.UnsupportedModelError(
-                f"{type(self.model).__name__}: stream {name!r} cannot be explained: {reason}")
-        return name
+                f"{type(self.model).__name__}: stream {stream!r} cannot be explained: {reason}")
 
     def _stream(self, rec: AttentionRecord) -> str:
         name = self.options.get("stream")
@@ -227,6 +231,7 @@ class Context:
         (input-gradient baselines, which have no rows). ``source``: for a stream linked to another (a VLM's
         language stream), ``f(stream, readout, layers) -> (N, n_v)`` rows of that stream's relevance (see
         :func:`source_rows`); the Explanation is then composed over both (see :meth:`build_linked`)."""
+        self.check_units(rec, stream)  # (every method ends here, whichever way it chose its stream)
         info = self.info(rec, stream)
         if info.merges and full_row.shape[-1] != rec.stream_shape(stream)[-1]:
             raise ValueError(
