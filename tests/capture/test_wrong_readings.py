@@ -319,3 +319,22 @@ def test_vit_mae_value_aware_methods_are_refused_naming_the_shuffle():
     with pytest.raises(UnsupportedModelError, match="shuffled order"):
         attnroll.explain(model, {"pixel_values": torch.randn(1, 3, 32, 32)}, "norm",
                          target=lambda o: o.last_hidden_state.sum((1, 2)))
+
+
+def test_kernel_causality_is_read_from_boolean_and_additive_masks():
+    from attnroll.capture.recompute import kernel_causal
+    from attnroll.core.operators import KernelInputs
+
+    q = torch.randn(2, 4, 5, 8)
+    causal = torch.ones(5, 5).tril().bool().expand(2, 1, 5, 5)
+    padded = causal.clone()
+    padded[1, :, :, 3:] = False  # padding on top of causality
+    full = torch.ones(2, 1, 5, 5, dtype=torch.bool)
+    additive = torch.zeros(2, 1, 5, 5).masked_fill(~causal, torch.finfo(torch.float32).min)
+
+    def layer(mask):
+        return KernelInputs(q=q, k=q, scaling=0.35, mask=mask, causal=False)
+
+    assert kernel_causal(layer(causal)) and kernel_causal(layer(padded)) and kernel_causal(layer(additive))
+    assert not kernel_causal(layer(full)) and not kernel_causal(layer(torch.zeros(2, 1, 5, 5)))
+    assert not kernel_causal(layer(None)) and kernel_causal(KernelInputs(q=q, k=q, scaling=0.35, causal=True))
