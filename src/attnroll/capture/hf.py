@@ -37,7 +37,12 @@ from .transformers_private import (
 )
 
 #: Text towers that pool their end-of-text token (the first EOS; the argmax id for the original configs).
-_EOT_POOLING = ("clip", "clip_text_model", "owlvit", "owlvit_text_model", "x_clip", "groupvit", "clipseg")
+_EOT_POOLING = ("clip", "clip_text_model", "owlvit", "owlvit_text_model", "owlv2", "owlv2_text_model", "x_clip",
+                "groupvit", "clipseg", "metaclip_2", "metaclip_2_text_model", "aimv2", "aimv2_text_model")
+#: Of those, the towers that pool the largest token id (the end-of-text token of their vocabulary) whatever
+#: their eos id, and those that pool the first eos token whatever it is (no argmax rule for eos id 2).
+_ARGMAX_POOLING = ("owlvit", "owlvit_text_model", "owlv2", "owlv2_text_model")
+_FIRST_EOS_POOLING = ("metaclip_2", "metaclip_2_text_model", "aimv2", "aimv2_text_model")
 #: Text towers that pool the last position (SigLIP: inputs padded to max_length).
 _LAST_POSITION = ("siglip", "siglip_text_model", "siglip2", "siglip2_text_model")
 #: Image models whose pooler means the patch tokens when ``config.use_mean_pooling``.
@@ -90,6 +95,7 @@ class HFAdapter(Adapter):
         self.model_type = getattr(config, "model_type", "")
         self.family = f"hf:{self.model_type}"
         _refuse_windowed(model, self.model_type)
+        _refuse_unreadable(model, self.model_type)
         vlm_token = next((k for k in ("image_token_index", "image_token_id") if hasattr(config, k)), None)
         if vlm_token is not None and not self.composes_vlm and getattr(config, "vision_config", None) is not None and (
             getattr(config, "text_config", None) is not None
@@ -263,10 +269,12 @@ class HFAdapter(Adapter):
             self._refuse_block_sparse(record)
         for stream, layers in record.streams.items():
             validate_layers(type(self.model).__name__, stream, layers)
+        if not self.composes_vlm:
+            _check_batch(self.model, record, inputs)
         ids = inputs.get("input_ids")
         text_stream = "text" if "text" in record.streams else "self"
         if self.model_type in _EOT_POOLING and isinstance(ids, torch.Tensor) and text_stream in record.streams:
-            record.extra[f"{text_stream}_eot"] = _eot_positions(self.model.config, ids)
+            record.extra[f"{text_stream}_eot"] = _eot_positions(self.model.config, ids, self.model_type)
         mask = inputs.get("attention_mask")
         if isinstance(mask, torch.Tensor):
             record.attention_mask = mask.detach()
@@ -302,11 +310,11 @@ class HFAdapter(Adapter):
         lay = patch_layout(self.model, stream, self.model_type, inputs, n, self.memo[("embeddings", stream)])
         ids_restore = getattr(record.outputs, "ids_restore", None)
         if lay["grid"] is not None and self.model_type == "vit_mae" and isinstance(ids_restore, torch.Tensor):
-            if record.keep_grad:
-                lay = {**lay, "grid": None, "reason": "ViTMAE shuffles its patches; with gradients the record keeps "
-                       "the model's own (shuffled) tensors: pass noise=torch.arange(patches).expand(B, -1)"}
-            else:
-                record.streams[stream] = mae_restore(record.streams[stream], ids_restore, lay["prefix"])
+            if record.streams[stream][0].is_meta:  # the matrix-free capture: its kernels saw the shuffled tokens
+                raise _checks.UnsupportedModelError(_MAE_SHUFFLE + "; the matrix-free route recomputes the "
+                                                    "shuffled order, so use attention='dense'")
+            if not bool((ids_restore.cpu() == torch.arange(ids_restore.shape[-1])).all()):
+                _unshuffle(record, stream, ids_restore, lay["prefix"])
         record.extra[f"{stream}_layout"] = lay
         if stream in ("self", "vision"):
             record.prefix, record.grid = lay["prefix"], lay["grid"]
@@ -314,11 +322,13 @@ class HFAdapter(Adapter):
 
     def stream_infos(self, record: AttentionRecord, inputs: dict[str, Any]) -> dict[str, Any]:
         infos = super().stream_infos(record, inputs)
+        self._declared_causal(record, inputs, infos)
         for s, info in infos.items():
             lay = record.extra.get(f"{s}_layout")
             if lay is not None:
                 info.kind, info.prefix, info.suffix, info.grid = "image", lay["prefix"], lay["suffix"], lay["grid"]
                 info.grid_reason = lay["reason"]
+                info.units_reason = lay.get("units_reason", "")
                 # The readout, now that prefix and suffix are known (the base left it: readout_after_layout).
                 spec, source = self.readout_spec(s, record, info, inputs)
                 B, n = record.streams[s][0].shape[0], record.streams[s][0].shape[-1]
@@ -330,6 +340,26 @@ class HFAdapter(Adapter):
 
     def readout_after_layout(self, stream: str, record: AttentionRecord) -> bool:
         return record.extra.get(f"{stream}_layout") is not None
+
+    def _declared_causal(self, record: AttentionRecord, inputs: dict[str, Any], infos: dict[str, Any]) -> None:
+        """A stream whose attention modules declare themselves causal (``is_causal``) is causal even where its
+        matrices do not show it (TimesFM: fully padded query rows attend everywhere; its config says nothing of
+        a decoder): its readout is then the last real position, as the model's own prediction reads."""
+        for s, info in infos.items():
+            if info.causal or info.kind == "image" or s == "cross" or record.extra.get(f"{s}_layout") is not None:
+                continue
+            first = next((site.module for site in self.sites() if site.stream == s), None)
+            if first is not None and any(getattr(m, "is_causal", None) is True for m in first.modules()):
+                self.mark_causal(record, inputs, s, info)
+
+    def mark_causal(self, record: AttentionRecord, inputs: dict[str, Any], stream: str, info: Any) -> None:
+        """Make ``stream`` causal and its readout the one of a causal stream (``readout_spec``)."""
+        info.causal = True
+        spec, source = self.readout_spec(stream, record, info, inputs)
+        if spec is not None and info.readout is not None:
+            B, n = record.stream_shape(stream)[0], record.stream_shape(stream)[-1]
+            info.readout = resolve_readout(spec, batch=B, n=n, mask=info.mask, prefix=info.prefix, suffix=info.suffix,
+                                           source=source, eot=record.extra.get(f"{stream}_eot"))
 
 
 def pool_heads(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -363,6 +393,66 @@ def _refuse_windowed(model: nn.Module, model_type: str) -> None:
         )
 
 
+#: Model types whose attention modules return softmax matrices that do not describe how the model mixes its
+#: tokens, or whose sequence has no layout attnroll can name: model type -> the obstacle.
+_UNREADABLE = {
+    "diffllama": "differential attention: each head mixes the values with the signed difference of two softmax "
+                 "maps, softmax(q1·k1ᵀ) − λ·softmax(q2·k2ᵀ) (then a group norm), which is not a row-stochastic "
+                 "matrix, so neither softmax alone is the mixing matrix rollout multiplies",
+    "vilt": "its one sequence is the text tokens, then an image CLS token, then image patches that its embeddings "
+            "draw in a random order (torch.multinomial patch sampling, config.max_image_length) on every forward: "
+            "no patch grid and no fixed token order to label the map with",
+}
+
+
+def _unshuffle(record: AttentionRecord, stream: str, ids_restore: torch.Tensor, prefix: int) -> None:
+    """Put ViTMAE's shuffled patches of ``stream`` back in patch order (``mae_restore``); with gradients each
+    layer is differentiated through the model's own shuffled tensor (``extra["native"]``), its gradient put
+    in patch order the same way."""
+    layers = record.streams[stream]
+    record.streams[stream] = mae_restore([t.detach() for t in layers] if record.keep_grad else layers,
+                                         ids_restore, prefix)
+    if record.keep_grad:
+        native = record.extra.setdefault("native", {})
+        for i, t in enumerate(layers):
+            native[(stream, i)] = (t, lambda g, ids=ids_restore, p=prefix: mae_restore([g], ids, p)[0])
+
+
+_MAE_SHUFFLE = ("ViTMAE shuffles its patches on every forward (random noise; the dense capture puts them back in "
+                "patch order with the model's own ids_restore)")
+
+
+def _refuse_unreadable(model: nn.Module, model_type: str) -> None:
+    """Refuse a model type of ``_UNREADABLE`` with its obstacle, rather than return a wrong map."""
+    why = _UNREADABLE.get(model_type)
+    if why is not None:
+        raise _checks.UnsupportedModelError(
+            f"{type(model).__name__} ({model_type}): {why}; attnroll refuses rather than return a map that "
+            f"misreads it. Supported: {supported_families()}"
+        )
+
+
+def _check_batch(model: nn.Module, record: AttentionRecord, inputs: dict[str, Any]) -> None:
+    """Each stream's batch axis must be its input's: attention run on windows or frames (one per row of the
+    batch axis: TimeSformer; each channel of a time series: PatchTST) or on several images packed into one
+    sequence (Pixtral), read as if each row were an input, would be a wrong map."""
+    for stream, layers in record.streams.items():
+        key = "pixel_values" if stream in ("self", "vision", "encoder") else "input_ids"
+        x = inputs.get(key)
+        for other in ("input_ids", getattr(model, "main_input_name", None)) if stream == "self" else ():
+            x = inputs.get(other) if x is None and other else x
+        if not isinstance(x, torch.Tensor) or x.ndim < 2 or stream in ("decoder", "cross"):
+            continue
+        batches = sorted({int(t.shape[0]) for t in layers})
+        if batches != [int(x.shape[0])]:
+            raise _checks.UnsupportedModelError(
+                f"{type(model).__name__}: its {stream!r} attention runs on {batches} rows of the batch axis for "
+                f"{int(x.shape[0])} inputs (windows, frames or channels as rows of the batch axis, or several "
+                "inputs packed into one sequence), so no layer is one token-to-token matrix per input; attnroll "
+                "refuses rather than read a row of the batch axis as an input."
+            )
+
+
 def hf_facts(model: nn.Module, family: str = "") -> ModelFacts:
     """What evaluation and gradient baselines need from a transformers model, without a forward pass."""
     config = model.config
@@ -379,6 +469,7 @@ def hf_facts(model: nn.Module, family: str = "") -> ModelFacts:
         stream_inputs = {s: first_argument(getattr(model, f"get_{k}_features")) for s, k in (("vision", "image"),
                                                                                             ("text", "text"))}
     return ModelFacts(
+        dense_only=_MAE_SHUFFLE if getattr(config, "model_type", "") == "vit_mae" else "",
         family=family or f"hf:{getattr(config, 'model_type', '')}",
         input_key=getattr(model, "main_input_name", None),
         keyword_call=True,
@@ -403,11 +494,12 @@ def first_argument(fn: Any) -> str | None:
     return params[0] if params else None
 
 
-def _eot_positions(config: Any, ids: torch.Tensor) -> list[int]:
-    """The token a CLIP-style text tower pools: the argmax id for the original configs (eos id 2), else the
-    first end-of-text token (as transformers does)."""
+def _eot_positions(config: Any, ids: torch.Tensor, model_type: str = "") -> list[int]:
+    """The token a CLIP-style text tower pools: the argmax id for the original configs (eos id 2) and for
+    OWL-ViT / OWLv2 always, else the first end-of-text token (as transformers does; MetaCLIP 2 and AIMv2
+    always)."""
     eos = getattr(getattr(config, "text_config", None) or config, "eos_token_id", None)
     ids = ids.to(torch.int).reshape(-1, ids.shape[-1])
-    if eos == 2 or eos is None:
+    if model_type in _ARGMAX_POOLING or (model_type not in _FIRST_EOS_POOLING and (eos == 2 or eos is None)):
         return ids.argmax(dim=-1).tolist()
     return (ids == eos).int().argmax(dim=-1).tolist()

@@ -253,6 +253,16 @@ def _is_vit(m: nn.Module) -> bool:
     return att is not None and hasattr(att, "v_proj") and hasattr(getattr(m, "mlp", None), "fc1")
 
 
+def _is_vit_mae(m: nn.Module) -> bool:
+    return type(m).__name__ == "ViTMAELayer" and _is_vit(m)
+
+
+#: Why the value-aware methods refuse ViTMAE: the states along its value path are its own, in shuffled order.
+_MAE_REFUSED = ("ViTMAE shuffles its patches on every forward (random noise): the states along its value path are in "
+                "that shuffled order, while the attention record is put back in patch order, so the value-aware maths "
+                "would mix two orders; use an attention method ('rollout', 'grad_rollout', ...)")
+
+
 def _is_gpt2(m: nn.Module) -> bool:
     # GPT-2's (in, 3·d) Conv1D; GPTBigCode's per-head interleaved / multi-query Linear is not it
     c_attn = getattr(getattr(m, "attn", None), "c_attn", None)
@@ -342,6 +352,8 @@ BLOCKS = (
     BlockKind(name="distilbert", matches=_is_distilbert, build=_distilbert,
               parts="attention.{q,k,v,out}_lin + ffn (DistilBERT)", label="DistilBERT",
               value_aware="DistilBERT (post-LN)", head=_reads_head("distilbert")),
+    BlockKind(name="vit_mae", matches=_is_vit_mae, build=_vit, parts="attention.{q,k,v,o}_proj + mlp.fc1 (ViTMAE)",
+              label="ViTMAE", refused=_MAE_REFUSED),
     BlockKind(name="vit", matches=_is_vit, build=_vit, parts="attention.{q,k,v,o}_proj + mlp.fc1 (ViT)",
               label="ViT / DeiT / DINOv2", value_aware="ViT / DeiT / DINOv2 (pre-LN)", head=_reads_head("vit")),
     BlockKind(name="gpt2", matches=_is_gpt2, build=_gpt2, parts="attn.c_attn + ln_1 (GPT-2)",

@@ -96,9 +96,11 @@ def patch_layout(model: nn.Module, stream: str, model_type: str, inputs: dict[st
     grid = conv_grid(emb, size)
     mask_ratio = getattr(getattr(model, "config", None), "mask_ratio", None)
     if model_type == "vit_mae" and mask_ratio:
-        return {"prefix": prefix, "suffix": 0, "grid": None,
-                "reason": f"ViTMAE masks a random {mask_ratio:.0%} of the patches (mask_ratio > 0): the kept tokens "
-                          "are a random subset, so there is no patch grid"}
+        why = (f"ViTMAE masks a random {mask_ratio:.0%} of the patches (config.mask_ratio={mask_ratio}): the kept "
+               "tokens are a random subset in a random order, so there is no patch grid")
+        return {"prefix": prefix, "suffix": 0, "grid": None, "reason": why,
+                "units_reason": why + " and no fixed patch behind a token position; set model.config.mask_ratio = "
+                                      "0.0 to explain every patch in patch order"}
     if prefix + grid[0] * grid[1] + suffix != n:
         return {"prefix": prefix, "suffix": suffix, "grid": None,
                 "reason": f"{n} tokens, but the embeddings give {prefix} prefix + {grid[0]}x{grid[1]} patches + "
@@ -108,14 +110,17 @@ def patch_layout(model: nn.Module, stream: str, model_type: str, inputs: dict[st
 
 def mae_restore(layers: list[torch.Tensor], ids_restore: torch.Tensor, prefix: int) -> list[torch.Tensor]:
     """Put ViTMAE's shuffled patch tokens back in patch order: patch p sits at position prefix +
-    ids_restore[b, p]; rows and columns are permuted alike."""
+    ids_restore[b, p]; rows and columns are permuted alike. Layers are (B, H, n, n) or head-fused (B, n, n)."""
     B, N = ids_restore.shape
     perm = torch.cat([torch.arange(prefix).expand(B, prefix), prefix + ids_restore.cpu()], dim=1)  # (B, n)
     out = []
     for t in layers:
+        fused = t.ndim == 3
+        t = t[:, None] if fused else t
         idx = perm.to(t.device)
         rows = idx[:, None, :, None].expand(B, t.shape[1], -1, t.shape[-1])
         t = t.gather(2, rows)
         cols = idx[:, None, None, :].expand(B, t.shape[1], t.shape[2], -1)
-        out.append(t.gather(3, cols))
+        t = t.gather(3, cols)
+        out.append(t[:, 0] if fused else t)
     return out

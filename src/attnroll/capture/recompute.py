@@ -39,6 +39,7 @@ from .._modes import submodules
 from ..core.operators import FusedLayer, KernelInputs, attend_mean, fusable, mean_probs, whole_size
 from .hf import HFAdapter, pool_heads
 from .hooks import Adapter, Capture, Site
+from .readout import is_causal
 from .registry import refuse_known
 from .transformers_private import attn_implementation, sdpa_kernel, wrap_attention_interface
 
@@ -135,7 +136,7 @@ def sites_by_module(sites: list[Site]) -> dict[int, Site]:
 
 #: The public methods of Adapter that the kernel adapter takes from the transformers adapter as they are.
 _DELEGATED = tuple(name for name, value in vars(Adapter).items() if callable(value) and not name.startswith("_")
-                   and name not in {"sites", "install", "extract", "metadata", "input_hint"})
+                   and name not in {"sites", "install", "extract", "metadata", "input_hint", "stream_infos"})
 
 #: model -> (structure key, transformers adapter without its model, site_of, pooling heads). Building the transformers
 #: adapter walks every module several times per call, and its sites change only with the model's modules or
@@ -180,6 +181,7 @@ class KernelAdapter(Adapter):
             setattr(self, name, getattr(inner, name))
         self.site_of = site_of if site_of is not None else sites_by_module(inner.sites())
         self.pools = pools  # the model's attention-pooling heads (None: looked up at install)
+        self._recorder: Any = None  # the session's KernelRecorder, from install
 
     def sites(self) -> list[Site]:
         return self.inner.sites()
@@ -189,6 +191,17 @@ class KernelAdapter(Adapter):
 
     def input_hint(self, inputs: Any) -> str:
         return self.inner.input_hint(inputs)
+
+    def stream_infos(self, record: Any, inputs: dict[str, Any]) -> dict[str, Any]:
+        """The transformers adapter's stream infos; a stream whose kernels attended causally (by flag or by
+        their mask) is causal, as the dense route reads it from its matrices, with the readout that follows."""
+        infos = self.inner.stream_infos(record, inputs)
+        taken = getattr(self._recorder, "taken", {})  # this pass's kernels (KernelRecorder.finish ran)
+        for s, info in infos.items():
+            layers = taken.get(s)
+            if layers and not info.causal and s != "cross" and kernel_causal(layers[0]):
+                self.inner.mark_causal(record, inputs, s, info)
+        return infos
 
     def install(self, stack: ExitStack, recorder: Any, sites: list[Site]) -> None:
         def wrap(kernel: Callable, impl: str) -> Callable:
@@ -201,6 +214,7 @@ class KernelAdapter(Adapter):
 
         wrap_attention_interface(stack, wrap)
         self.inner.install_pool_hooks(stack, self.pools)
+        self._recorder = recorder
 
     def _wrapper(self, kernel: Callable, impl: str, recorder: KernelRecorder) -> Callable:
         # Over another session's wrapper, the arguments are read by the model's kernel's own signature.
@@ -304,18 +318,27 @@ def _cached_signature(fn: Callable) -> inspect.Signature | None:
     return _uncached_signature(fn)
 
 
+#: The arguments transformers passes every attention kernel first, in order (after the module).
+_KERNEL_ARGS = ("query", "key", "value", "attention_mask")
+
+
 def _uncached_signature(fn: Callable) -> inspect.Signature | None:
+    """The signature the kernel's arguments are bound by: ``fn``'s own, through ``functools.wraps``'
+    ``__wrapped__`` chain (``inspect.signature`` follows it); None when it cannot be read or does not name
+    query, key and value (a decorator's ``(*args, **kwargs)`` wrapper without ``__wrapped__``): the arguments
+    are then read by transformers' calling convention, ``kernel(module, query, key, value, attention_mask,
+    **kwargs)``."""
     try:
-        return inspect.signature(fn)
+        sig = inspect.signature(fn)
     except (TypeError, ValueError):
         return None
+    return sig if set(_KERNEL_ARGS[:3]) <= set(sig.parameters) else None
 
 
 def _arguments(bound: inspect.BoundArguments | None, args: tuple, kwargs: dict) -> dict[str, Any]:
     """The kernel's arguments by name (its **kwargs flattened in)."""
     if bound is None:
-        names = ("query", "key", "value", "attention_mask")
-        return {**dict(zip(names, args)), **kwargs}
+        return {**dict(zip(_KERNEL_ARGS, args)), **kwargs}
     out = {}
     for k, v in bound.arguments.items():
         if bound.signature.parameters[k].kind is inspect.Parameter.VAR_KEYWORD:
@@ -330,6 +353,12 @@ def kernel_inputs(module: nn.Module, impl: str | None, a: dict[str, Any], keep_v
     means causal attention for the fused kernels (SDPA, flash: ``is_causal``, else the module's flag) and
     no mask at all for eager; a 2-D mask is flash's padding mask (causality and ``sliding_window`` then come
     from the flags); a 4-D mask already carries causality and the window."""
+    missing = [name for name in _KERNEL_ARGS[:3] if not isinstance(a.get(name), torch.Tensor)]
+    if missing:
+        raise _checks.CaptureError(
+            f"the attention kernel {impl!r} of {type(module).__name__} was called without tensors for "
+            f"{', '.join(missing)} (arguments: {', '.join(a) or 'none'}), so its queries and keys cannot be "
+            "recorded; use attention='dense'")
     q, k, v, mask = a["query"], a["key"], a["value"], a.get("attention_mask")
     scaling = a.get("scaling")
     if scaling is None:
@@ -367,6 +396,23 @@ def kernel_inputs(module: nn.Module, impl: str | None, a: dict[str, Any], keep_v
         v=v.detach() if keep_value else None,
         is_causal_model=module_causal,
     )
+
+
+def kernel_causal(layer: KernelInputs | FusedLayer) -> bool:
+    """Whether a kernel call attended causally: by its flag, or by a square (.., n, n) mask that hides every key
+    after its query (boolean False, or an additive mask of -1e4 or less); a layer fused to its head-mean
+    probabilities by what they show, as the dense route reads its matrices."""
+    if isinstance(layer, FusedLayer):
+        return is_causal(layer.probs)
+    mask = layer.mask
+    if layer.causal:
+        return True
+    if mask is None or mask.ndim != 4 or mask.shape[-1] != mask.shape[-2] or mask.shape[-1] < 2:
+        return False
+    n = mask.shape[-1]
+    upper = torch.triu(torch.ones(n, n, dtype=torch.bool, device=mask.device), diagonal=1)
+    above = mask[0, 0][upper]  # causality is structural: the first example's mask shows it (n x n, not B x n x n)
+    return bool((~above).all()) if mask.dtype == torch.bool else bool((above <= -1e4).all())
 
 
 def _own(t: torch.Tensor, compact: bool) -> torch.Tensor:

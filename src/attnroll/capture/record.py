@@ -75,6 +75,9 @@ class StreamInfo:
             after the softmax), "" when every layer holds softmax probabilities; ``nonstochastic`` lists them.
         link: the tokens of this stream that are another stream's tokens (:class:`StreamLink`: a VLM's image
             tokens), or None; ``link_reason`` says why a stream that holds such tokens has no link.
+        units_reason: why the stream's token positions cannot label a map ("" when they can): the model
+            reorders or drops its units at random (ViTMAE's masking), so the record holds the model's own
+            attention but methods refuse to explain the stream.
     """
 
     kind: str = "tokens"
@@ -93,6 +96,7 @@ class StreamInfo:
     nonstochastic: tuple[int, ...] = ()
     link: StreamLink | None = None
     link_reason: str = ""
+    units_reason: str = ""
 
     @property
     def units(self) -> slice:

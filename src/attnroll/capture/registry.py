@@ -279,7 +279,8 @@ TRANSFORMERS = Family(
         Models(models="transformers YOLOS", streams="self", prefix="1 (3+ detection tokens as suffix)",
                readout="the detection tokens' rows (one object: `position=`)"),
         Models(models="transformers ViTMAE", streams="self", prefix="1",
-               readout="CLS; patches put back in order with `ids_restore`, no grid when masking"),
+               readout="CLS; patches put back in order with `ids_restore` (dense route, gradients too); refused when "
+                       "masking (`mask_ratio` > 0: a random subset of the patches)"),
         Models(models="transformers AST (audio spectrogram)", streams="self",
                prefix="2; grid = frequency × time patches", readout="mean of rows 0 and 1 (its pooler)"),
         Models(models="transformers BERT, RoBERTa, DistilBERT, ELECTRA, ...", streams="self",
@@ -288,12 +289,12 @@ TRANSFORMERS = Family(
         Models(models="transformers DeBERTa(-v2/v3), MPNet, RoFormer, XLM, BLOOM, Falcon, GPT-Neo, MPT, ... (no "
                       "output recorder)", streams="self (public `output_attentions=True` path)", prefix="0",
                readout="CLS, or the last real token when causal"),
-        Models(models="transformers GPT-2, Llama-family (causal)", streams="self", prefix="0",
-               readout="last real token"),
+        Models(models="transformers GPT-2, Llama-family, TimesFM (causal)", streams="self", prefix="0",
+               readout="last real token (causal by the attention modules' own flag too)"),
         Models(models="transformers Wav2Vec2, HuBERT, WavLM", streams="self", prefix="0",
                readout="mean of the frames (gradients refused for WavLM: they never reach its returned weights)"),
-        Models(models="transformers CLIP", streams="vision, text", prefix="1 (vision)",
-               readout="vision: CLS; text: the end-of-text token"),
+        Models(models="transformers CLIP, MetaCLIP 2, OWL-ViT, OWLv2", streams="vision, text", prefix="1 (vision)",
+               readout="vision: CLS; text: the end-of-text token (OWL-ViT / OWLv2: the largest id, as they pool)"),
         Models(models="transformers SigLIP / SigLIP2", streams="vision, text", prefix="0",
                readout="vision: the attention-pooling head's own attention weights; text: the last position"),
         Models(models="transformers I-JEPA, ViTDet and other image models without a class token", streams="self",
@@ -312,6 +313,8 @@ TRANSFORMERS = Family(
         "SegFormer / PVT / Hiera / Funnel / Canine (token count changes between layers)",
         "block-sparse BigBird", "Qwen2-VL / Qwen2.5-VL (its vision attention returns no weights)",
         "LLaVA-NeXT / OneVision (any-resolution tiles with newline tokens: no one grid)",
+        "DiffLlama (differential attention: softmax₁ − λ·softmax₂ is no row-stochastic matrix)",
+        "ViLT (text tokens + image CLS + patches sampled in a random order in one sequence)",
     ),
     obstacles=TRANSFORMERS_OBSTACLES,
 )
@@ -346,6 +349,8 @@ TIMM = Family(
                readout="as above; each block's branches are one layer (heads concatenated)"),
     ),
     refused=("timm differential attention (`vit_dwee`)",
+             "timm VOLO / MaxViT / XCiT / SAM ViT and other models that are not one global-attention stack (outlook "
+             "attention; windows or grid cells as the batch; channel attention)",
              "timm `global_pool='avgmax'` as a default readout (`readout='mean'` explains its mean half)"),
 )
 

@@ -48,6 +48,7 @@ class TimmAdapter(Adapter):
                 f"SwinTransformer and SwinTransformerV2 (swin_*, swinv2_*), not for {name}. Supported: "
                 f"{supported_families()}"
             )
+        _refuse_partial_stack(model)
         self.attn_modules = [
             (n, m)
             for n, m in model.named_modules()
@@ -71,6 +72,19 @@ class TimmAdapter(Adapter):
                 "rather than roll out one of the two maps."
             )
         self.pool_attn: dict[str, torch.Tensor] = {}
+
+    def check_batch(self, record: AttentionRecord, inputs: dict[str, Any]) -> None:
+        """The attention's batch axis must be the images': windowed attention (a window per row of the batch
+        axis) read as if every window were an image would be a wrong map."""
+        x = inputs.get("x")
+        B = int(x.shape[0]) if isinstance(x, torch.Tensor) and x.ndim >= 1 else None
+        batches = sorted({int(t.shape[0]) for t in record.streams["self"]})
+        if B is not None and batches != [B]:
+            raise _checks.UnsupportedModelError(
+                f"timm model {type(self.model).__name__}: its attention runs on {batches} rows of the batch axis "
+                f"for {B} images (windows or grid cells as the batch), so no layer is one token-to-token matrix per "
+                "image; attnroll refuses rather than read each window as an image."
+            )
 
     def sites(self) -> list[Site]:
         entries = []
@@ -149,6 +163,7 @@ class TimmAdapter(Adapter):
         return ModelFacts(family=self.family, input_key="x", keyword_call=False)
 
     def metadata(self, record: AttentionRecord, inputs: dict[str, Any]) -> None:
+        self.check_batch(record, inputs)
         shapes = {tuple(t.shape[-2:]) for t in record.streams["self"]}
         if len(shapes) != 1 or any(q != k for q, k in shapes):
             raise _checks.UnsupportedModelError(
@@ -173,6 +188,40 @@ class TimmAdapter(Adapter):
             record.grid = grid  # type: ignore[assignment]
         else:
             record.extra["grid_reason"] = f"{n} tokens, but {record.prefix} prefix + {grid[0]}x{grid[1]} patches"
+
+
+#: timm model classes (by name, the class or a base of it) whose every token-mixing step is an attention module
+#: this adapter reads: one global (n x n) attention per block over the same tokens throughout.
+GLOBAL_STACKS = ("VisionTransformer", "VisionTransformerRelPos", "Eva", "Beit", "NaFlexVit")
+
+#: Why other timm architectures are refused: class name -> what their attention modules leave out.
+_PARTIAL_STACKS = {
+    "VOLO": "its first stage mixes tokens with outlook attention (each token's 3x3 neighbourhood weights folded back "
+            "over overlapping windows, no attention module attnroll reads) and its last blocks are class attention "
+            "over [CLS + tokens]: the attention modules alone would leave both out",
+    "MaxxVit": "its blocks attend inside windows and inside dilated grid cells (each window or cell a row of the batch "
+               "axis) between convolution blocks: there is no single token-to-token matrix per image",
+    "VisionTransformerSAM": "its blocks attend inside local windows (each window a row of the batch axis)",
+    "XCiT": "its attention is cross-covariance attention over feature channels (a d x d matrix, not tokens), mixed "
+            "with local patch convolutions, and its last blocks are class attention",
+}
+
+
+def _refuse_partial_stack(model: nn.Module) -> None:
+    """Refuse a timm model that is not one stack of global attention over a fixed token set (``GLOBAL_STACKS``,
+    CaiT and Swin have their own adapters): reading only the attention modules it has would silently drop
+    its other token mixing or read its windows as images."""
+    bases = {c.__name__ for c in type(model).__mro__}
+    if bases & set(GLOBAL_STACKS):
+        return
+    name = type(model).__name__
+    why = _PARTIAL_STACKS.get(name) or ("it is not a stack of global attention over one fixed set of tokens (token "
+                                        "mixing by pooling, convolution, windows or class attention in between)")
+    raise _checks.UnsupportedModelError(
+        f"timm model {name}: {why}; a rollout of its attention modules alone would be a wrong map, so attnroll "
+        f"refuses it. attnroll reads timm {', '.join(GLOBAL_STACKS)} (and CaiT, Swin). Supported: "
+        f"{supported_families()}"
+    )
 
 
 # ------------------------------------------------------------------------------------------- layer anatomy

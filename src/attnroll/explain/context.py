@@ -127,10 +127,26 @@ class Context:
 
     # -- positions and targets ----------------------------------------------------------------------
     def stream(self, rec: AttentionRecord) -> str:
-        """The stream to explain: the ``stream`` option, else the record's only / "self" stream."""
+        """The stream to explain: the ``stream`` option, else the record's only / "self" stream; refused when
+        its token positions cannot label a map (``StreamInfo.units_reason``)."""
+        name = self._stream(rec)
+        self.check_units(rec, name)
+        return name
+
+    def check_units(self, rec: AttentionRecord, stream: str) -> None:
+        """UnsupportedModelError when the stream's token positions cannot label a map (``units_reason``)."""
+        reason = rec.info[stream].units_reason if stream in rec.info else ""
+        if reason:
+            raise _checks.UnsupportedModelError(
+                f"{type(self.model).__name__}: stream {stream!r} cannot be explained: {reason}")
+
+    def _stream(self, rec: AttentionRecord) -> str:
         name = self.options.get("stream")
         if name is not None:
-            rec.stream(name)  # validates
+            names = rec.stream_names()  # dense or matrix-free (whose record holds operators, not streams)
+            if name not in names:
+                raise ValueError(f"stream must be one of {', '.join(map(repr, names)) or '(none recorded)'}; "
+                                 f"got {name!r}")
             return name
         names = rec.stream_names()
         if "self" in names or len(names) == 1:
@@ -220,6 +236,7 @@ class Context:
         (input-gradient baselines, which have no rows). ``source``: for a stream linked to another (a VLM's
         language stream), ``f(stream, readout, layers) -> (N, n_v)`` rows of that stream's relevance (see
         :func:`source_rows`); the Explanation is then composed over both (see :meth:`build_linked`)."""
+        self.check_units(rec, stream)  # (every method ends here, whichever way it chose its stream)
         info = self.info(rec, stream)
         if info.merges and full_row.shape[-1] != rec.stream_shape(stream)[-1]:
             raise ValueError(
