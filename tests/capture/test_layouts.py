@@ -11,10 +11,10 @@ import torch
 
 import attnroll
 
-from . import models as capture_zoo
-from ..methods import models as methods_zoo
+from ..zoo import plain as capture_zoo
+from ..zoo import sharp as methods_zoo
 
-ZOOS = {"capture": capture_zoo, "methods": methods_zoo}
+ZOOS = {"plain": capture_zoo, "sharp": methods_zoo}
 CASES = [(z, name) for z, zoo in ZOOS.items() for name in zoo.BUILDERS]
 
 
