@@ -118,3 +118,7 @@ def test_a_photo_without_model_says_it_is_the_toy_model(pictures, tmp_path):
     assert Explanation.load(tmp_path / "im0.rollout.npz").extra["model"] == name
     res = run("explain", pictures / "im0.png", "--model", "shapes", "--format", "json", "--out", tmp_path / "s")
     assert res.exit_code == 0 and "note: no --model" not in res.stderr  # asked for by name: no note
+    res = run("view", pictures / "im0.png", "--out", tmp_path / "v")
+    assert res.exit_code == 0 and res.stderr.count("note: no --model given") == 1
+    res = run("batch", pictures, "--out", tmp_path / "b")
+    assert res.exit_code in (0, 3) and res.stderr.count("note: no --model given") == 1

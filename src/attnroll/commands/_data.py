@@ -12,6 +12,7 @@ import click
 from ._output import Failure, one_line
 
 __all__ = ["IMAGE_SUFFIXES", "DATASETS", "TEXT_DATASETS", "TOY_MODEL_NOTE", "expand_images", "read_image", "load",
+           "note_toy_model",
            "text_or_file", "input_options", "check_inputs",
            "load_for", "load_eval_model", "load_image_model", "load_texts", "load_text_data", "data_for", "load_data",
            "load_files", "fill_tensor", "check_data", "check_fill", "check_cmap"]
@@ -85,9 +86,14 @@ def load(spec: str | None, weights: Path | None, want: str) -> Any:
                                "downloads") from None
     except (ValueError, ImportError, FileNotFoundError) as e:
         raise Failure(_as_option(one_line(str(e)))) from None
-    if want == "image" and spec in (None, "", "embedded"):
-        click.echo(TOY_MODEL_NOTE.format(name=lm.name), err=True)
     return lm
+
+
+def note_toy_model(spec: str | None, lm: Any) -> None:
+    """When an image command fell back to the embedded shapes model (no ``--model``), say so on stderr: one
+    line, after the work (a failure stays one ``error:`` line)."""
+    if lm.kind == "image" and spec in (None, "", "embedded"):
+        click.echo(TOY_MODEL_NOTE.format(name=lm.name), err=True)
 
 
 #: Suffixes that make a one-word ``--text`` / ``--pair`` value a file name: a missing file is then an error,

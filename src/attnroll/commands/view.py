@@ -8,7 +8,7 @@ from typing import Any
 import click
 
 from ._args import method_options, methods_list, parse_target
-from ._data import check_inputs, expand_images, input_options, load_for, read_image
+from ._data import check_inputs, expand_images, input_options, load_for, note_toy_model, read_image
 from ._group import cli
 from ._output import output_file, prepare_out, write
 from ._text import explain_text
@@ -145,4 +145,5 @@ def view_cmd(images, text, pair, model_spec, weights, method_list, options, targ
         page = _text_page(lm, text, pair, names, opts, tgt)
         stem = slug(text)
     path = write(output_file(out, _page_name(name, stem)), page.html)
+    note_toy_model(model_spec, lm)
     click.echo(f"wrote {path} ({page.nbytes:,} bytes; methods {', '.join(names)})")

@@ -40,7 +40,8 @@ def panel(
     Args:
         explanations: ``{title: Explanation}`` or a list of Explanations (titled by their method), each over
             the same batch of images (B examples, a patch grid).
-        images: the B input images, image b the picture of example b: a sequence of images (PIL / (H, W, 3) / (3, H, W)) or a (B, 3, H, W)
+        images: the B input images, image b the picture of example b: a sequence of images (PIL /
+            (H, W, 3) / (3, H, W)) or a (B, 3, H, W)
             tensor / array (float in [0, 1] or uint8).
         indices: which examples to show (default all).
         outlines: optional masks (B, H, W) at image resolution (e.g. ground-truth objects), drawn as contours
