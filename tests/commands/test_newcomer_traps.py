@@ -87,7 +87,7 @@ def test_text_that_names_a_file_is_the_files_text(bert_dir, tmp_path, monkeypatc
         res = run(cmd, "--text", "prompt.txt", "--model", bert_dir, "-m", "rollout", "--out", out,
                   *(["--format", "json"] if cmd == "explain" else []))
         assert res.exit_code == 0, res.output
-        assert "the text of the file prompt.txt (12 characters)" in res.stderr
+        assert "note: --text: the text of the file prompt.txt (12 characters)" in res.stderr
         if cmd == "explain":
             rec = json.loads((out / "the-dog-ran.rollout.json").read_text())
             toks = T.AutoTokenizer.from_pretrained(bert_dir).tokenize("the dog ran")

@@ -12,7 +12,7 @@ import click
 from ._output import Failure, one_line
 
 __all__ = ["IMAGE_SUFFIXES", "DATASETS", "TEXT_DATASETS", "TOY_MODEL_NOTE", "expand_images", "read_image", "load",
-           "note_toy_model",
+           "echo_notes",
            "text_or_file", "input_options", "check_inputs",
            "load_for", "load_eval_model", "load_image_model", "load_texts", "load_text_data", "data_for", "load_data",
            "load_files", "fill_tensor", "check_data", "check_fill", "check_cmap"]
@@ -89,9 +89,17 @@ def load(spec: str | None, weights: Path | None, want: str) -> Any:
     return lm
 
 
-def note_toy_model(spec: str | None, lm: Any) -> None:
-    """When an image command fell back to the embedded shapes model (no ``--model``), say so on stderr: one
-    line, after the work (a failure stays one ``error:`` line)."""
+#: Where the notes of a command wait for :func:`echo_notes` (on the click context).
+_NOTES = "attnroll.notes"
+
+
+def echo_notes(spec: str | None, lm: Any) -> None:
+    """The command's notes on stderr, one line each, after the work (a failure stays one ``error:`` line):
+    which file ``--text`` / ``--pair`` read, and, when an image command fell back to the embedded shapes model
+    (no ``--model``), that it is a toy."""
+    ctx = click.get_current_context(silent=True)
+    for note in (ctx.meta.get(_NOTES, []) if ctx is not None else []):
+        click.echo(note, err=True)
     if lm.kind == "image" and spec in (None, "", "embedded"):
         click.echo(TOY_MODEL_NOTE.format(name=lm.name), err=True)
 
@@ -117,7 +125,8 @@ def text_or_file(ctx: click.Context, param: click.Parameter, value: str | None) 
             content = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
             raise click.BadParameter(f"cannot read {path}: {one_line(getattr(e, 'strerror', None) or e)}") from None
-        click.echo(f"{flag}: the text of the file {path} ({len(content):,} characters)", err=True)
+        ctx.meta.setdefault(_NOTES, []).append(f"note: {flag}: the text of the file {path} "
+                                               f"({len(content):,} characters)")
         return content
     if not any(c.isspace() for c in value) and path.suffix.lower() in TEXT_FILE_SUFFIXES:
         raise click.BadParameter(f"{value}: no such file (a value that names a file is read; this one looks like "

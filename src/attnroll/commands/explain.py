@@ -13,7 +13,7 @@ from typing import Any
 import click
 
 from ._args import method_and_options, method_options, methods_list, parse_target
-from ._data import check_cmap, check_inputs, expand_images, input_options, load_for, note_toy_model, read_image
+from ._data import check_cmap, check_inputs, echo_notes, expand_images, input_options, load_for, read_image
 from ._group import cli
 from ._output import Failure, one_line, output_file, png_bytes, prepare_out, progress, save_npz, write
 from ._text import explain_text
@@ -185,6 +185,7 @@ def _generate(images, text, pair, target, formats, method, options, model_spec, 
     out = prepare_out(out)
     lm = load_for(model_spec, weights, "text")
     written = _context_attribution(lm, prompt, generate, method, opts, unit, segments, out, top)
+    echo_notes(model_spec, lm)
     click.echo(f"wrote {len(written)} file to {out}/")
 
 
@@ -292,5 +293,5 @@ def explain_cmd(images, text, pair, model_spec, weights, method, options, target
                     written += _explain_image(f, lm, m, opts[m], tgt, out, formats, top, look)
                     if bar is not None:
                         bar.advance(task)
-    note_toy_model(model_spec, lm)
+    echo_notes(model_spec, lm)
     click.echo(f"wrote {len(written)} file{'s' if len(written) != 1 else ''} to {out}/")
