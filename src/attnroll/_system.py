@@ -19,8 +19,8 @@ class ProgressBar:
     """A progress bar on stderr: tqdm or rich when installed, else a plain line rewritten in place.
     ``bar(k)`` advances it by k of ``total``; ``close()`` ends it. Disabled, it does nothing."""
 
-    def __init__(self, total: int, enabled: bool, desc: str = "attention flow") -> None:
-        self.total, self.done, self.enabled, self.desc = total, 0, enabled, desc
+    def __init__(self, total: float, enabled: bool, desc: str = "attention flow", unit: str = "max flows") -> None:
+        self.total, self.done, self.enabled, self.desc, self.unit = total, 0, enabled, desc, unit
         self._bar = None
         self._last = 0.0
         self._start = time.perf_counter()
@@ -29,20 +29,21 @@ class ProgressBar:
         try:
             from tqdm.auto import tqdm
 
-            self._bar = tqdm(total=total, desc=desc, unit="flow", file=sys.stderr)
+            self._bar = tqdm(total=total, desc=desc, unit=unit, file=sys.stderr)
             self._kind = "tqdm"
         except ImportError:
             try:
+                from rich.console import Console
                 from rich.progress import Progress
 
-                self._bar = Progress(transient=False)
+                self._bar = Progress(transient=False, console=Console(stderr=True))
                 self._bar.start()
                 self._task = self._bar.add_task(desc, total=total)
                 self._kind = "rich"
             except ImportError:
                 self._kind = "plain"
 
-    def __call__(self, k: int) -> None:
+    def __call__(self, k: float) -> None:
         if not self.enabled:
             return
         self.done += k
@@ -51,16 +52,33 @@ class ProgressBar:
         elif self._kind == "rich":
             self._bar.update(self._task, advance=k)
         else:
-            now = time.perf_counter()
-            if now - self._last > 0.2 or self.done >= self.total:
-                self._last = now
-                width = 30
-                filled = int(width * self.done / max(self.total, 1))
-                sys.stderr.write(
-                    f"\r{self.desc} [{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} "
-                    f"max flows, {now - self._start:.1f}s"
-                )
-                sys.stderr.flush()
+            self._plain()
+
+    def describe(self, desc: str) -> None:
+        """Change the text in front of the bar (what is being done now)."""
+        self.desc = desc
+        if not self.enabled:
+            return
+        if self._kind == "tqdm":
+            self._bar.set_description(desc)
+        elif self._kind == "rich":
+            self._bar.update(self._task, description=desc)
+        else:
+            self._plain(force=True)
+
+    def _plain(self, force: bool = False) -> None:
+        """The bar as one line rewritten in place: done/total, elapsed and (once started) the time left."""
+        now = time.perf_counter()
+        if not (force or now - self._last > 0.2 or self.done >= self.total):
+            return
+        self._last = now
+        width, spent = 30, now - self._start
+        filled = int(width * min(self.done / max(self.total, 1), 1.0))
+        left = f", ~{spent * (self.total - self.done) / self.done:.0f}s left" if 0 < self.done < self.total else ""
+        done = f"{self.done:g}" if isinstance(self.done, int) else f"{self.done:.1f}"
+        sys.stderr.write(f"\r{self.desc} [{'#' * filled}{'.' * (width - filled)}] {done}/{self.total:g} "
+                         f"{self.unit}, {spent:.1f}s{left}")
+        sys.stderr.flush()
 
     def close(self) -> None:
         if not self.enabled:

@@ -30,7 +30,7 @@ GOOD = layers()
         ([[1, 2]], {}, TypeError, r"attentions\[0\] must be a torch.Tensor or numpy.ndarray, got list"),
         ([np.ones((4, 4))], {}, ValueError, r"attentions\[0\] must have shape \(B, H, n, n\) or \(H, n, n\), got \(4, 4\).*head_fusion=None"),
         ([np.ones((1, 2, 4, 4))], {"head_fusion": None}, ValueError, r"attentions\[0\] must have shape \(B, n, n\) or \(n, n\), got \(1, 2, 4, 4\).*needs a head_fusion"),
-        (np.ones((2, 4, 4)), {}, ValueError, r"one stacked array must have shape \(L, B, H, n, n\) or \(L, H, n, n\), got \(2, 4, 4\)"),
+        (np.ones((2, 4, 4)), {}, ValueError, r"one stacked array must have shape \(L, B, H, n, n\), got \(2, 4, 4\)"),
         ([np.ones((1, 2, 4, 5)) / 5], {}, ValueError, r"attentions\[0\] must be square .* got shape \(1, 2, 4, 5\)"),
         ([GOOD[0], layers(n=5)[0]], {}, ValueError, r"layers differ in number of tokens n: layer 0 has shape \(1, 2, 4, 4\), layer 1 has \(1, 2, 5, 5\)"),
         ([GOOD[0], layers(H=3)[0]], {}, ValueError, r"layers differ in number of heads H"),

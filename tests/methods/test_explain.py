@@ -198,7 +198,7 @@ def test_explanation_views_save_load_html_overlay(tmp_path):
     assert back.options["head_fusion"] == [1.0, 2.0, 3.0, 4.0] and back.options["return_layers"] is True
     assert "<table" in e.to_html(0)
     PIL = pytest.importorskip("PIL.Image")
-    img = e.overlay(PIL.new("RGB", (32, 32), "white"))
+    img = e.overlay(PIL.new("RGB", (32, 32), "white"), index=0)
     assert img.size == (32, 32) and img.mode == "RGB"
 
 

@@ -100,7 +100,7 @@ def test_panel_size_and_content(vit, images):
 # ----------------------------------------------------------------------------------------- layers, heads
 def test_plot_layers_image_and_text(vit, images):
     e = attnroll.explain(vit, images, method="rollout", return_layers=True)
-    a = viz.plot_layers(e, images[0], cell=100, dpi=100)
+    a = viz.plot_layers(e, images[0], index=0, cell=100, dpi=100)
     b = viz.plot_layers(e, images[0], index=1, cell=100, dpi=100)
     assert a.size == b.size and a.width >= 200 and np.abs(np.asarray(a).astype(int) - np.asarray(b)).sum() > 0
     assert viz.plot_layers(e).width >= 200  # no image: plain maps
@@ -112,7 +112,7 @@ def test_plot_layers_image_and_text(vit, images):
 
 def test_plot_heads_from_per_head_rollout_and_raw_attention(vit, images):
     e = attnroll.explain(vit, images, method="per_head_rollout")
-    im = viz.plot_heads(e, images[0], cell=100, dpi=100)
+    im = viz.plot_heads(e, images[0], index=0, cell=100, dpi=100)
     assert im.width >= 4 * 100 - 10
     rec = attnroll.capture(vit, images)
     raw = viz.plot_heads(rec.attentions[-1], grid=(4, 4), cell=100, dpi=100)

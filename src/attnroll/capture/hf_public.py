@@ -81,7 +81,8 @@ def output_streams(model: nn.Module, output: Any) -> dict[str, list[torch.Tensor
         streams[stream] = layers
     if not streams:
         raise _checks.UnsupportedModelError(
-            f"{name} returned no attentions with output_attentions=True, so attnroll cannot read them"
+            f"{name} returned no attentions with output_attentions=True, so attnroll cannot read them; load it "
+            "with attn_implementation=\"eager\" (SDPA / flash attention compute no attention probabilities)"
         )
     for stream, layers in streams.items():
         validate_layers(name, stream, layers)

@@ -239,7 +239,7 @@ class Recorder:
                     hint = (
                         " These modules returned no attention weights: "
                         + ", ".join(self.returned_none)
-                        + " (a fused / SDPA / flash attention path does not compute them)."
+                        + " (a fused / SDPA / flash attention path does not compute them)." + _NO_WEIGHTS_FIX
                     )
                 raise _checks.CaptureError(
                     f"stream {stream!r}: no attention was captured for layer(s) {names} of "
@@ -251,7 +251,7 @@ class Recorder:
             if self.returned_none:
                 detail = (
                     " The attention modules ran but returned no weights (a fused / SDPA / flash path): "
-                    + ", ".join(self.returned_none[:4])
+                    + ", ".join(self.returned_none[:4]) + "." + _NO_WEIGHTS_FIX
                 )
             raise _checks.CaptureError("no attention was captured in the forward pass." + detail)
         if self.keep_grad and not any(t.requires_grad for layers in streams.values() for t in layers):
@@ -675,6 +675,13 @@ class Capture:
             if stack is not None:
                 stack.close()
         return False
+
+
+#: The fix an attention module that returned no weights needs (named in the capture's errors).
+_NO_WEIGHTS_FIX = (
+    " For a transformers model: load it with attn_implementation=\"eager\", or leave out modules= so that "
+    "attnroll.capture / attnroll.explain read the attention under any kernel."
+)
 
 
 def tokens_of(tokenizer: Any, ids: Any, name: str) -> list[list[str]] | None:

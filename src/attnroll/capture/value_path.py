@@ -99,7 +99,7 @@ def record_states(model: nn.Module, inputs: Any, *, anat: ModelAnatomy | None = 
         rec = stack.enter_context(session)
         _install_state_hooks(stack, anat, states, len(anat.layers))
         with torch.no_grad():
-            run_forward(model, inputs, session.adapter.input_hint)
+            run_forward(model, session.adapter.call_inputs(inputs), session.adapter.input_hint)
     missing = [i for i, t in enumerate(states.inputs) if t is None] if states.inputs else list(range(len(anat.layers)))
     if missing or len(rec.attentions) != len(anat.layers):
         raise _checks.CaptureError(

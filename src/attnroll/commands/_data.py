@@ -11,9 +11,11 @@ import click
 
 from ._output import Failure, one_line
 
-__all__ = ["IMAGE_SUFFIXES", "DATASETS", "TEXT_DATASETS", "expand_images", "read_image", "load", "input_options",
-           "check_inputs", "load_for", "load_eval_model", "load_image_model", "load_texts", "load_text_data",
-           "data_for", "load_data", "load_files", "fill_tensor", "check_data", "check_fill", "check_cmap"]
+__all__ = ["IMAGE_SUFFIXES", "DATASETS", "TEXT_DATASETS", "TOY_MODEL_NOTE", "expand_images", "read_image", "load",
+           "echo_notes",
+           "text_or_file", "input_options", "check_inputs",
+           "load_for", "load_eval_model", "load_image_model", "load_texts", "load_text_data", "data_for", "load_data",
+           "load_files", "fill_tensor", "check_data", "check_fill", "check_cmap"]
 
 #: Image file suffixes the commands read (what pillow decodes).
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm")
@@ -62,6 +64,14 @@ def _as_option(msg: str) -> str:
     return msg
 
 
+#: What ``load`` says on stderr when an image command falls back to the embedded model (no ``--model``).
+TOY_MODEL_NOTE = (
+    "note: no --model given: using the embedded shapes ViT ({name}), a toy trained on synthetic shapes "
+    "(circles, squares, triangles...), not on photos; pass --model FOLDER (a local transformers image "
+    "classifier) or --model TIMM_NAME --weights FILE"
+)
+
+
 def load(spec: str | None, weights: Path | None, want: str) -> Any:
     """``--model`` [``--weights``] as a :class:`attnroll.models.LoadedModel`; a failure is one line (a timm
     name without ``--weights`` is a usage error). ``--trust-remote-code`` / ``--allow-partial-weights`` come
@@ -70,12 +80,58 @@ def load(spec: str | None, weights: Path | None, want: str) -> Any:
     from ._args import load_flags
 
     try:
-        return load_model(spec, weights, want=want, **load_flags())
+        lm = load_model(spec, weights, want=want, **load_flags())
     except MissingWeightsError:
         raise click.UsageError(f"--model {spec} (a timm architecture) needs --weights FILE: attnroll never "
                                "downloads") from None
     except (ValueError, ImportError, FileNotFoundError) as e:
         raise Failure(_as_option(one_line(str(e)))) from None
+    return lm
+
+
+#: Where the notes of a command wait for :func:`echo_notes` (on the click context).
+_NOTES = "attnroll.notes"
+
+
+def echo_notes(spec: str | None, lm: Any) -> None:
+    """The command's notes on stderr, one line each, after the work (a failure stays one ``error:`` line):
+    which file ``--text`` / ``--pair`` read, and, when an image command fell back to the embedded shapes model
+    (no ``--model``), that it is a toy."""
+    ctx = click.get_current_context(silent=True)
+    for note in (ctx.meta.get(_NOTES, []) if ctx is not None else []):
+        click.echo(note, err=True)
+    if lm.kind == "image" and spec in (None, "", "embedded"):
+        click.echo(TOY_MODEL_NOTE.format(name=lm.name), err=True)
+
+
+#: Suffixes that make a one-word ``--text`` / ``--pair`` value a file name: a missing file is then an error,
+#: not a text of one word.
+TEXT_FILE_SUFFIXES = (".txt", ".text", ".md", ".prompt")
+
+
+def text_or_file(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """``--text`` / ``--pair``: the contents (UTF-8) of the file the value names, when it names one (a note
+    on stderr says so), else the value itself. A one-word value ending in a text-file suffix that names no
+    file is a usage error (a mistyped file name would otherwise be explained as a word)."""
+    if value is None:
+        return None
+    path, flag = Path(value), "--" + param.name
+    try:
+        is_file = "\n" not in value and "\0" not in value and path.is_file()
+    except (OSError, ValueError):  # a text too long to be a file name
+        is_file = False
+    if is_file:
+        try:
+            content = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise click.BadParameter(f"cannot read {path}: {one_line(getattr(e, 'strerror', None) or e)}") from None
+        ctx.meta.setdefault(_NOTES, []).append(f"note: {flag}: the text of the file {path} "
+                                               f"({len(content):,} characters)")
+        return content
+    if not any(c.isspace() for c in value) and path.suffix.lower() in TEXT_FILE_SUFFIXES:
+        raise click.BadParameter(f"{value}: no such file (a value that names a file is read; this one looks like "
+                                 "a file name)")
+    return value
 
 
 def input_options(fn: Any) -> Any:
@@ -85,8 +141,12 @@ def input_options(fn: Any) -> Any:
 
     decorators = [load_safety_options,
         click.argument("images", nargs=-1, type=click.Path(exists=True, path_type=Path)),
-        click.option("--text", help="Explain this text instead of images."),
-        click.option("--pair", help="A second text: a sentence pair (similarity for sentence-embedding models)."),
+        click.option("--text", callback=text_or_file, metavar="TEXT|FILE",
+                     help="Explain this text instead of images; a value that names a file is read (UTF-8). "
+                          "--text prompt.txt explains the file's text."),
+        click.option("--pair", callback=text_or_file, metavar="TEXT|FILE",
+                     help="A second text (or a file, read the same way): a sentence pair (similarity for "
+                          "sentence-embedding models)."),
         click.option("--model", "model_spec", metavar="MODEL",
                      help="'shapes' / 'minilm' (embedded, the default for images / text), a local transformers "
                           "model folder, or a timm architecture name with --weights."),

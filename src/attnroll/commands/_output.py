@@ -76,10 +76,17 @@ def save_npz(expl: Any, path: Path) -> Path:
     return path
 
 
-def png_bytes(img: Any) -> bytes:
-    """A PIL image as PNG file content."""
+def png_bytes(img: Any, text: dict[str, str] | None = None) -> bytes:
+    """A PIL image as PNG file content; ``text``: tEXt entries (e.g. which model made the map)."""
+    info = None
+    if text:
+        from PIL.PngImagePlugin import PngInfo
+
+        info = PngInfo()
+        for k, v in text.items():
+            info.add_text(k, v)
     buf = io.BytesIO()
-    img.save(buf, format="PNG", optimize=True)
+    img.save(buf, format="PNG", optimize=True, pnginfo=info)
     return buf.getvalue()
 
 

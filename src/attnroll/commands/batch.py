@@ -16,7 +16,7 @@ from typing import Any
 import click
 
 from ._args import load_flags, load_safety_options, method_options, methods_list
-from ._data import load
+from ._data import echo_notes, load
 from ._group import cli
 from ._output import Failure, one_line, prepare_out
 
@@ -168,6 +168,7 @@ def batch_cmd(source, out, method_list, options, model_spec, weights, engine, nu
     finally:
         if ray_start is not None:  # the model did not load, say: the runtime started for nothing stops
             ray_start.stop()
+    echo_notes(model_spec, lm)
     click.echo(result.summary())
     return SOME_FAILED if result.failed else 0
 

@@ -68,11 +68,15 @@ def _metric_names(metric_list: str | None) -> list[str] | None:
 
 
 def _run_suite(model: Any, inputs: Any, names: list[str], **kwargs: Any) -> Any:
-    """evaluate_methods with progress on stderr; metrics that do not fit the model's kind are a usage error."""
+    """evaluate_methods with progress on stderr (on a terminal a bar over the whole run with the time left,
+    elsewhere one line per method); metrics that do not fit the model's kind are a usage error."""
+    import sys
+
     from ..evaluate.suite import evaluate_methods
 
+    progress = True if sys.stderr.isatty() else (lambda msg: click.echo(msg, err=True))
     try:
-        return evaluate_methods(model, inputs, names, progress=lambda msg: click.echo(msg, err=True), **kwargs)
+        return evaluate_methods(model, inputs, names, progress=progress, **kwargs)
     except ValueError as e:
         if "do not apply" in str(e):
             raise click.UsageError(f"--metrics: {e}") from None
@@ -165,7 +169,9 @@ def _metrics_help() -> str:
               help="What replaces removed patches: black pixels (Chefer et al.: zero before normalisation), "
                    "mean (0 in model-input space) or a value in model-input space.")
 @click.option("--steps", type=click.IntRange(1), help="Deletion / insertion steps [default: one per patch].")
-@click.option("--batch-size", default=64, show_default=True, type=click.IntRange(1), help="Images per forward pass.")
+@click.option("--batch-size", default=64, show_default=True, type=click.IntRange(1),
+              help="Inputs per forward pass when explaining; scoring passes take at least this many perturbed "
+                   "copies (small images: up to 32 MB of pixels per pass).")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("attnroll-eval"), show_default=True,
               help="Output folder (created): evaluation.csv, evaluation.json, curves.png (perturbation curves).")
 @click.option("--maps", "maps_dir", type=click.Path(exists=True, file_okay=False, path_type=Path), metavar="DIR",

@@ -13,8 +13,8 @@ from typing import Any
 import click
 
 from .._names import safe_name
-from ._args import method_and_options, parse_target
-from ._data import check_cmap, check_inputs, expand_images, input_options, load_for, read_image
+from ._args import method_and_options, method_options, methods_list, parse_target
+from ._data import check_cmap, check_inputs, echo_notes, expand_images, input_options, load_for, read_image
 from ._group import cli
 from ._output import Failure, one_line, output_file, png_bytes, prepare_out, progress, save_npz, write
 from ._text import explain_text, shown
@@ -128,6 +128,7 @@ def _explain_texts(lm: Any, text: str, pair: str | None, method: str, opts: dict
         written.append(write(output_file(out, f"{stem}.json"), json.dumps(recs, indent=1)))
     if "npz" in formats:
         for i, e in enumerate(E.values()):
+            e.extra = {**(e.extra or {}), "model": lm.name}
             written.append(save_npz(e, output_file(out, f"{stem}.npz" if i == 0 else f"{stem}.pair.npz")))
     return written
 
@@ -149,6 +150,7 @@ def _explain_image(f: Path, lm: Any, method: str, opts: dict, tgt: Any, out: Pat
 
     img = read_image(f)
     e = explain(lm.model, lm.prepare_image(img), method, tgt, **opts)
+    e.extra = {**(e.extra or {}), "model": lm.name}  # the file says which model made the map
     stem = f"{safe_name(f.stem)}.{safe_name(method)}"
     if top:
         click.echo(f"{f}: {method} target={lm.label(e.target)}  top patches (row,col): {top_units(e, top)}")
@@ -157,7 +159,8 @@ def _explain_image(f: Path, lm: Any, method: str, opts: dict, tgt: Any, out: Pat
         ov = overlay(e, img, cmap=look["cmap"], alpha=look["alpha"], size=_overlay_size(look["size"], img))
     written: list[Path] = []
     if "png" in formats:
-        written.append(write(output_file(out, f"{stem}.png"), ov))
+        meta = {"attnroll:model": lm.name, "attnroll:method": method, "attnroll:target": lm.label(e.target)}
+        written.append(write(output_file(out, f"{stem}.png"), png_bytes(ov, meta)))
     if "html" in formats:
         written.append(write(output_file(out, f"{stem}.html"), _image_html(f"{f.name}: {method}", ov, e, lm)))
     if "json" in formats:
@@ -176,26 +179,14 @@ def _generate(images, text, pair, target, formats, method, options, model_spec, 
     if any(f != "json" for f in formats):
         raise click.UsageError("--generate writes json (the ranked units); other formats are not available")
     if method not in ("rollout", "gae", "grad_rollout"):
-        raise click.UsageError(f"--generate takes -m rollout, gae or grad_rollout, got {method!r}")
+        raise click.UsageError(f"--generate takes one method, -m rollout, gae or grad_rollout, got {method!r}")
     opts = method_and_options(method, options)
-    prompt = _prompt_text(text)
+    prompt = text  # --text: a file's text was read when the option was parsed
     out = prepare_out(out)
     lm = load_for(model_spec, weights, "text")
     written = _context_attribution(lm, prompt, generate, method, opts, unit, segments, out, top)
+    echo_notes(model_spec, lm)
     click.echo(f"wrote {len(written)} file to {out}/")
-
-
-def _prompt_text(text: str) -> str:
-    """``--text`` with ``--generate``: the contents of the file it names, else the text itself."""
-    path = Path(text)
-    try:
-        if path.is_file():
-            return path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise Failure(f"cannot read {path}: {one_line(getattr(e, 'strerror', None) or e)}") from None
-    except ValueError:  # a text too long to be a path name
-        pass
-    return text
 
 
 def _context_attribution(lm: Any, prompt: str, generate: int, method: str, opts: dict, unit: str,
@@ -221,11 +212,24 @@ def _context_attribution(lm: Any, prompt: str, generate: int, method: str, opts:
     ]
 
 
+def _methods_and_options(method: str, options: tuple[str, ...]) -> tuple[list[str], dict[str, dict]]:
+    """``-m`` (one method, or several comma-separated, as ``view`` / ``batch`` / ``evaluate`` take them) and
+    the ``-o`` options of each: a usage error for an unknown method or an option no method takes."""
+    names = methods_list(method) if "," in method else [method.strip()]
+    if len(names) == 1:
+        return names, {names[0]: method_and_options(names[0], options)}
+    per_method = method_options(options, names)
+    return names, {m: per_method.get(m, {}) for m in names}
+
+
 @cli.command("explain", short_help="Explain images or a text; write pictures / data, print top units.")
 @input_options
-@click.option("--method", "-m", default="rollout", show_default=True, help="A method from 'attnroll methods'.")
-@click.option("--option", "-o", "options", multiple=True, metavar="KEY=VALUE",
-              help="A method option, repeatable: -o alpha=0.9 -o head_fusion=max -o discard_ratio=0.9.")
+@click.option("--method", "-m", default="rollout", show_default=True, metavar="METHOD[,METHOD...]",
+              help="A method from 'attnroll methods', or several comma-separated (-m rollout,gae): one output "
+                   "file per input, method and format.")
+@click.option("--option", "-o", "options", multiple=True, metavar="[METHOD.]KEY=VALUE",
+              help="A method option, repeatable: -o alpha=0.9 -o head_fusion=max -o discard_ratio=0.9; with "
+                   "several methods -o KEY=VALUE goes to every method that takes it, -o gae.alpha=0.9 to one.")
 @click.option("--target", help="Class index or name to explain (default: the predicted class).")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("attnroll-out"), show_default=True,
               help="Output folder (created).")
@@ -252,21 +256,23 @@ def explain_cmd(images, text, pair, model_spec, weights, method, options, target
 
     \b
     Files: <image stem>.<method>.png|html|json|npz; for text <first words>.<method>.html|json|npz (a stem
-    that is not a plain lower-case file name gets ~ and a short hash).
+    that is not a plain lower-case file name gets ~ and a short hash). --text FILE explains the file's text.
     Examples:
-      attnroll explain photos/ --model ./vit-base-local -m gae --format png,json
+      attnroll explain photos/ --model ./vit-base-local -m rollout,gae --format png,json
       attnroll explain cat.jpg --model vit_small_patch16_224 --weights vit_s.safetensors
       attnroll explain --text "A man plays guitar." --pair "Someone makes music." -m gae
       attnroll explain --model ./llama-local --text prompt.txt --generate 20 --unit sentence
     """
     if generate is not None:
+        if "," in method:
+            raise click.UsageError(f"--generate takes one method (rollout, gae or grad_rollout), got -m {method}")
         _generate(images, text, pair, target, formats, method, options, model_spec, weights, out, generate, unit,
                   segments, top)
         return
     if segments:
         raise click.UsageError("--segment needs --generate")
     kind = check_inputs(images, text, pair)
-    opts = method_and_options(method, options)
+    names, opts = _methods_and_options(method, options)
     formats = formats or (("png",) if kind == "image" else ("html",))
     if kind == "text" and "png" in formats:
         raise click.UsageError("--format png is for images; text gives html, json or npz")
@@ -279,15 +285,18 @@ def explain_cmd(images, text, pair, model_spec, weights, method, options, target
     out = prepare_out(out)
     lm = load_for(model_spec, weights, kind)
     tgt = parse_target(target, lm)
+    written: list[Path] = []
     if kind == "text":
-        written = _explain_texts(lm, text, pair, method, opts, tgt, out, formats, top)
+        for m in names:
+            written += _explain_texts(lm, text, pair, m, opts[m], tgt, out, formats, top)
     else:
-        written = []
         look = {"cmap": cmap, "alpha": overlay_alpha, "size": size}
-        with progress(len(files)) as bar:
-            task = bar.add_task(f"{method}", total=len(files)) if bar is not None else None
+        with progress(len(files) * len(names)) as bar:
+            task = bar.add_task(",".join(names), total=len(files) * len(names)) if bar is not None else None
             for f in files:
-                written += _explain_image(f, lm, method, opts, tgt, out, formats, top, look)
-                if bar is not None:
-                    bar.advance(task)
+                for m in names:
+                    written += _explain_image(f, lm, m, opts[m], tgt, out, formats, top, look)
+                    if bar is not None:
+                        bar.advance(task)
+    echo_notes(model_spec, lm)
     click.echo(f"wrote {len(written)} file{'s' if len(written) != 1 else ''} to {out}/")

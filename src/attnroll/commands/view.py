@@ -8,7 +8,7 @@ from typing import Any
 import click
 
 from ._args import method_options, methods_list, parse_target
-from ._data import check_inputs, expand_images, input_options, load_for, read_image
+from ._data import check_inputs, echo_notes, expand_images, input_options, load_for, read_image
 from ._group import cli
 from ._output import output_file, prepare_out, write
 from ._text import explain_text, shown
@@ -62,6 +62,33 @@ def _text_page(lm: Any, text: str, pair: str | None, names: list[str], opts: dic
     return view(group, skip=special, title=f"attnroll: {lm.name}", notes=notes)
 
 
+def _has_class_scores(lm: Any, text: str) -> bool:
+    """Whether a text model gives class scores (logits) for ``text``: without them a gradient method needs a
+    scalar to explain (``--pair``: the similarity of two sentences)."""
+    import torch
+
+    from ..capture.outputs import main_logits
+
+    with torch.no_grad():
+        return main_logits(lm.model(**lm.tokenizer([text], return_tensors="pt"))) is not None
+
+
+def applicable_defaults(names: list[str], lm: Any, text: str | None, pair: str | None) -> tuple[list[str], str]:
+    """The default methods that apply to this model, and the note that says what was left out ("" when
+    nothing): a text model with no class scores and no ``--pair`` has no scalar for the gradient methods."""
+    from ..methods import method_info
+
+    if text is None or pair is not None or _has_class_scores(lm, text):
+        return names, ""
+    kept = [m for m in names if not method_info(m).needs_grad]
+    dropped = [m for m in names if m not in kept]
+    if not dropped:
+        return names, ""
+    return kept, (f"note: {', '.join(dropped)} left out of the default methods: {lm.name} has no class scores, "
+                  "so there is no scalar to explain; give --pair TEXT (the similarity of two sentences) to add "
+                  f"{'it' if len(dropped) == 1 else 'them'}")
+
+
 def _page_name(name: str | None, stem: str) -> str:
     """The page's file name: ``--name`` (".html" added unless it ends in .html / .htm) or ``<stem>.view.html``,
     its stem made a safe file name (:func:`attnroll._names.safe_name`)."""
@@ -78,7 +105,8 @@ def _page_name(name: str | None, stem: str) -> str:
 @cli.command("view", short_help="One interactive HTML page: layers, methods, heads, values under the pointer.")
 @input_options
 @click.option("--methods", "-m", "method_list", metavar="METHODS",
-              help="Comma-separated methods [default: rollout,gae,per_head_rollout for images, rollout,gae for text].")
+              help="Comma-separated methods [default: rollout,gae,per_head_rollout for images, rollout,gae for text; "
+                   "gae is left out for a sentence encoder without --pair (no scalar to explain)].")
 @click.option("--option", "-o", "options", multiple=True, metavar="[METHOD.]KEY=VALUE",
               help="A method option, repeatable: -o alpha=0.9 (every method that takes it) or -o gae.alpha=0.9.")
 @click.option("--target", help="Class index or name to explain (default: the predicted class).")
@@ -111,6 +139,9 @@ def view_cmd(images, text, pair, model_spec, weights, method_list, options, targ
     out = prepare_out(out)
     lm = load_for(model_spec, weights, kind)
     tgt = parse_target(target, lm)
+    note = ""
+    if method_list is None:
+        names, note = applicable_defaults(names, lm, text, pair)
     if kind == "image":
         page = _image_page(files, lm, names, opts, tgt)
         stem = files[0].stem + (f"+{len(files) - 1}" if len(files) > 1 else "")
@@ -118,4 +149,7 @@ def view_cmd(images, text, pair, model_spec, weights, method_list, options, targ
         page = _text_page(lm, text, pair, names, opts, tgt)
         stem = slug(text)
     path = write(output_file(out, _page_name(name, stem)), page.html)
+    echo_notes(model_spec, lm)
+    if note:  # after the work: a failure stays one error line
+        click.echo(note, err=True)
     click.echo(f"wrote {path} ({page.nbytes:,} bytes; methods {', '.join(names)})")

@@ -107,19 +107,40 @@ class Layers:
         return out.numpy() if self.was_numpy else out
 
 
+#: What an empty ``attentions`` most often is: a transformers model's ``outputs.attentions`` under its default
+#: attention kernel (SDPA / flash attention compute no probabilities, and the tuple comes back empty).
+_EMPTY_HINT = (
+    " An empty outputs.attentions of a transformers model means its attention kernel (SDPA, the default, or "
+    "flash attention) computed no probabilities: load it with attn_implementation=\"eager\" (e.g. "
+    "from_pretrained(path, attn_implementation=\"eager\")), or use attnroll.explain / attnroll.capture, which "
+    "read the attention under any kernel."
+)
+
+
 def _layer_items(attentions: Any, fused: bool, name: str, hint: str) -> list:
-    """The per-layer arrays of a list / tuple, or of one stacked array (its leading layer axis)."""
+    """The per-layer arrays of a list / tuple, or of one stacked array (its leading layer axis).
+
+    A stacked array must carry the batch axis ((L, B, H, n, n), or (L, B, n, n) fused): without it, one
+    array (L, H, n, n) reads the same as one layer's batch (B, H, n, n), so that shape is refused."""
+    if attentions is None:
+        raise TypeError(f"{name} is None: expected one attention tensor per layer.{_EMPTY_HINT}")
     if isinstance(attentions, (list, tuple)):
         if len(attentions) == 0:
-            raise ValueError(f"{name} is empty: expected one attention tensor per layer")
+            raise ValueError(f"{name} is empty: expected one attention tensor per layer.{_EMPTY_HINT}")
         return list(attentions)
     if isinstance(attentions, (torch.Tensor,)) or type(attentions).__module__ == "numpy":
         t, _ = _checks.as_tensor(name, attentions)
         if t.ndim == 0 or t.shape[0] == 0:
             raise ValueError(f"{name} is empty: expected a leading layer axis with at least one layer")
-        want = (4, 3) if fused else (5, 4)
-        if t.ndim not in want:
-            stacked = "(L, B, n, n) or (L, n, n)" if fused else "(L, B, H, n, n) or (L, H, n, n)"
+        stacked, layer = ("(L, B, n, n)", "(B, n, n)") if fused else ("(L, B, H, n, n)", "(B, H, n, n)")
+        if t.ndim == (3 if fused else 4):
+            raise ValueError(
+                f"{name} is one {t.ndim}-D array {tuple(t.shape)}, which reads both as one layer's batch "
+                f"{layer} and as layers stacked without a batch axis: pass a list of per-layer arrays (e.g. "
+                f"[a] for one layer, list(outputs.attentions)), or one stacked array {stacked} (add the batch "
+                "axis: a[:, None] for one example)"
+            )
+        if t.ndim != (4 if fused else 5):
             raise ValueError(f"{name} as one stacked array must have shape {stacked}, got {tuple(t.shape)}.{hint}")
         return [attentions[i] for i in range(t.shape[0])]
     raise TypeError(
@@ -467,9 +488,9 @@ def rollout(
 
     Args:
         attentions: L per-layer arrays (torch or numpy), each (B, H, n, n) as HF's ``outputs.attentions``
-            gives or (H, n, n) for one example; or one stacked (L, B, H, n, n) / (L, H, n, n) array. With
-            ``head_fusion=None`` the layers are already fused: (B, n, n) / (n, n), stacked (L, B, n, n) /
-            (L, n, n). Rows are queries.
+            gives or (H, n, n) for one example; or one stacked (L, B, H, n, n) array. With
+            ``head_fusion=None`` the layers are already fused: (B, n, n) / (n, n), stacked (L, B, n, n).
+            One 4-D array ((L, n, n) fused) is refused: it reads as one layer's batch too. Rows are queries.
         head_fusion: "mean" | "max" | "min" | a length-H weight vector | None (already fused).
         alpha: identity weight of the residual correction, in [0, 1].
         residual_mode: "blend" (1−α)·A + α·I | "renorm" the same divided by its row sums | "add"

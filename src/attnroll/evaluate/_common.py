@@ -3,6 +3,8 @@ correlation. Nothing here knows a metric."""
 
 from __future__ import annotations
 
+import contextlib
+from contextvars import ContextVar
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -87,3 +89,25 @@ def spearman_rows(a: Any, b: Any, units: Any = None) -> np.ndarray:
     den = np.sqrt((ra**2).sum(axis=1) * (rb**2).sum(axis=1))
     with np.errstate(invalid="ignore", divide="ignore"):
         return np.where(den > 0, (ra * rb).sum(axis=1) / np.where(den > 0, den, 1), np.nan)
+
+
+#: Where a metric reports its forward passes while it runs (``evaluate_methods``' progress bar): a callable
+#: ``tick(done, total)`` (copies just scored, copies of this metric), or None.
+_SCORE_TICK: ContextVar[Callable[[int, int], None] | None] = ContextVar("attnroll_score_tick", default=None)
+
+
+def tick(done: int, total: int) -> None:
+    """Report ``done`` more scored copies of ``total`` to the progress of the running evaluation, if any."""
+    f = _SCORE_TICK.get()
+    if f is not None:
+        f(done, total)
+
+
+@contextlib.contextmanager
+def scoring_progress(f: Callable[[int, int], None] | None) -> Iterator[None]:
+    """Within the block, the metrics' :func:`tick` calls go to ``f``."""
+    token = _SCORE_TICK.set(f)
+    try:
+        yield
+    finally:
+        _SCORE_TICK.reset(token)

@@ -23,7 +23,7 @@ import torch
 
 from .. import _checks
 from .._modes import in_eval_mode
-from ._common import chunks, image_forward, relevance_order
+from ._common import chunks, image_forward, relevance_order, tick
 from .registry import MetricInputs, MetricValues, register_metric
 
 __all__ = [
@@ -259,6 +259,7 @@ def _run(
             p = torch.softmax(logits, dim=1)
             probs[sl] = p.gather(1, tgt[ex.cpu()][:, None])[:, 0]
             pred[sl] = logits.argmax(dim=1)
+            tick(sl.stop - sl.start, B * S)
     return Curve(
         counts=counts_t.cpu().numpy(),
         units=U,

@@ -32,7 +32,7 @@ import torch
 
 from .. import _checks
 from .._modes import in_eval_mode
-from ._common import chunks, logits_of, relevance_order
+from ._common import chunks, logits_of, relevance_order, tick
 from .perturbation import PerturbationResult, _result
 from .registry import MetricInputs, MetricValues, register_metric
 
@@ -158,6 +158,7 @@ def _aopc(
             logits = _forward(model, rows(ex_all[sl], step_all[sl]))
             if tgt is not None:  # keep only the target's probability
                 logits = torch.softmax(logits, 1).gather(1, tgt[ex_all[sl].cpu()][:, None])[:, 0]
+                tick(sl.stop - sl.start, ex_all.numel())
             out.append(logits)
         return torch.cat(out)
 

@@ -177,9 +177,11 @@ class Explanation:
 
         return explanation_html(self, index, kind)
 
-    def overlay(self, image: Any, index: int = 0, alpha: float = 0.5, kind: str = "minmax", **options: Any) -> Any:
+    def overlay(self, image: Any, index: int | None = None, alpha: float = 0.5, kind: str = "minmax",
+                **options: Any) -> Any:
         """The map of example ``index`` upsampled (bilinear) onto ``image`` (a PIL image, or an (H, W, 3)
-        array) with a colormap and blended with weight ``alpha``; returns a PIL RGB image. Drawn by
+        array) with a colormap and blended with weight ``alpha``; returns a PIL RGB image. ``index`` may be
+        left out for one example; with several it is required (a ValueError otherwise). Drawn by
         :func:`attnroll.viz.overlay`, which takes the further ``options`` (``cmap``, ``size``, ``outline``...).
         Needs the ``viz`` extra."""
         from ..viz import overlay

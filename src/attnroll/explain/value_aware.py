@@ -126,15 +126,15 @@ def explain_matrices(ctx: Context, matrices: Callable[[list[Layer], LayerStates,
     dt = working_dtype(dtype, states.inputs[0])
     s = "self" if "self" in rec.streams else next(iter(rec.streams))
     mask = ctx.mask(rec, s)
-    pos = ctx.positions(rec, s)
+    ro = ctx.readout(rec, s)  # the rows the output reads: a position, or pooled (a mean-pooling encoder)
     with torch.no_grad():
         Ls = layers(rec, states, anat, dt)
         Cs = [normalize_rows(C, mask) for C in matrices(Ls, states, anat, mask)]
     row, lay = rollout_rows(
-        core_rollout, Cs, pos, mask, return_layers=return_layers, head_fusion=None, alpha=0.0,
+        core_rollout, Cs, ro, mask, return_layers=return_layers, head_fusion=None, alpha=0.0,
         check_stochastic=False, start_layer=start_layer, end_layer=end_layer, dtype=dt,
     )
-    return ctx.build(rec, row, pos, s, layers=lay)
+    return ctx.build(rec, row, ro, s, layers=lay)
 
 
 def logit_classes(ctx: Context, rec: AttentionRecord, method: str, reads: str) -> torch.Tensor:

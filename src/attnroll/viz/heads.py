@@ -9,7 +9,7 @@ import torch
 
 from .. import _checks
 from . import deps
-from ._explanation import is_explanation
+from ._explanation import image_index, is_explanation
 from .layers import _token_labels
 from .overlay import overlay
 
@@ -42,10 +42,20 @@ def head_rows(source: Any, index: int = 0, *, row: int = 0) -> torch.Tensor:
     raise ValueError(f"per-head input must be (H, n), (B, H, n) or attention (B, H, n, n), got shape {tuple(t.shape)}")
 
 
+def _batch_of(source: Any) -> int:
+    """How many examples a per-head source holds (1 for one example's (H, n) / (H, n, n))."""
+    if is_explanation(source):
+        return source.batch_size
+    shape = tuple(getattr(source, "shape", None) or np.shape(source))
+    if len(shape) == 4 or (len(shape) == 3 and shape[-1] != shape[-2]):
+        return shape[0]
+    return 1
+
+
 def plot_heads(
     source: Any,
     image: Any = None,
-    index: int = 0,
+    index: int | None = None,
     *,
     grid: tuple[int, int] | None = None,
     prefix: int | None = None,
@@ -60,8 +70,9 @@ def plot_heads(
     """One map per head.
 
     Image models (a patch grid, from the Explanation or ``grid=(h, w)``): a grid of H patch maps, each scaled
-    to [0, 1] on its own, over ``image`` when given. Text: an (H, tokens) heatmap. ``prefix`` (number of
-    leading prefix tokens dropped, default the Explanation's or 1 with a grid, else 0) and ``tokens`` label
+    to [0, 1] on its own, over ``image`` when given (then ``index=`` names the example it shows, needed when
+    there are several; without an image it defaults to example 0). Text: an (H, tokens) heatmap. ``prefix``
+    (number of leading prefix tokens dropped, default the Explanation's or 1 with a grid, else 0) and ``tokens`` label
     raw arrays.
 
     Returns:
@@ -70,6 +81,7 @@ def plot_heads(
     _checks.check_figure(cell=cell, dpi=dpi, max_cols=max_cols, alpha=alpha)
     _checks.check_int("row", row)
     plt = deps.pyplot("attnroll.viz.plot_heads")
+    index = image_index(index, _batch_of(source), "plot_heads") if image is not None else (index or 0)
     rows = head_rows(source, index, row=row)  # (H, n)
     is_expl = is_explanation(source)
     if is_expl:

@@ -9,6 +9,7 @@ import torch
 
 from .. import _checks
 from . import deps
+from ._explanation import image_index
 from .overlay import overlay
 
 
@@ -24,7 +25,7 @@ def _check_layers(expl: Any) -> torch.Tensor:
 def plot_layers(
     expl: Any,
     image: Any = None,
-    index: int = 0,
+    index: int | None = None,
     *,
     cmap: str = "inferno",
     alpha: float = 0.6,
@@ -36,14 +37,18 @@ def plot_layers(
 
     ``expl.layers`` (L, B, n) holds the row after layers 1..k of the product (``explain(...,
     return_layers=True)``). Image models: one patch map per layer (each scaled to [0, 1] on its own), over
-    ``image`` when given, in rows of ``max_cols``; text: an (L, tokens) heatmap with the tokens on the x axis.
+    ``image`` when given (then ``index=`` names the example it shows, needed when there are several), in
+    rows of ``max_cols``; text: an (L, tokens) heatmap with the tokens on the x axis. Without an image,
+    ``index`` defaults to example 0.
 
     Returns:
         a PIL RGB image (image models: about ``cell`` pixels per map).
     """
     _checks.check_figure(cell=cell, dpi=dpi, max_cols=max_cols, alpha=alpha)
     plt = deps.pyplot("attnroll.viz.plot_layers")
-    L = _check_layers(expl)[:, index].to(torch.float64)  # (L, n)
+    layers = _check_layers(expl)
+    index = image_index(index, layers.shape[1], "plot_layers") if image is not None else (index or 0)
+    L = layers[:, index].to(torch.float64)  # (L, n)
     p = expl.prefix
     start = int((expl.options or {}).get("start_layer") or 0)
     labels = [f"layers {start + 1}–{start + k + 1}" if k else f"layer {start + 1}" for k in range(L.shape[0])]

@@ -10,7 +10,7 @@ import torch
 from .. import _checks
 from .._callable import make_callable as _make_callable
 from . import deps
-from ._explanation import is_explanation
+from ._explanation import image_index, is_explanation
 from .pixels import to_rgb_array  # noqa: F401 - its old home; overlays use it
 
 _RESAMPLE = ("nearest", "bilinear", "bicubic")
@@ -75,7 +75,7 @@ def outline_pixels(mask: Any, size: tuple[int, int], thickness: int | None = Non
 def overlay(
     source: Any,
     image: Any,
-    index: int = 0,
+    index: int | None = None,
     *,
     cmap: str = "jet",
     alpha: float = 0.5,
@@ -90,6 +90,8 @@ def overlay(
     Args:
         source: an :class:`~attnroll.Explanation` of an image model (grid (h, w)) or a 2-D map (h, w).
         image: the input image: PIL, or an array / tensor (H, W, 3) or (3, H, W), uint8 or float in [0, 1].
+        index: the example of the Explanation that ``image`` shows; may be left out when it holds one example
+            (with several, leaving it out is a ValueError: one image cannot say which map is its own).
         cmap: a matplotlib colormap name; alpha: weight of the map in [0, 1] (0 = the image alone).
         kind: how the map is scaled to [0, 1] before colouring (see :func:`grid_map`).
         size: output size in pixels, an int (square) or (W, H); default the image's size. The image is
@@ -110,9 +112,11 @@ def overlay(
     else:
         side = _checks.check_int("size", size, low=1)
         out_size = (side, side)
+    if is_explanation(source):
+        index = image_index(index, source.batch_size, "overlay")
     if base.size != out_size:
         base = base.resize(out_size, Image.BICUBIC)
-    heat = colorize(grid_map(source, index, kind), out_size, cmap, resample)
+    heat = colorize(grid_map(source, index or 0, kind), out_size, cmap, resample)
     out = (1.0 - alpha) * (np.asarray(base, dtype=np.float64) / 255.0) + alpha * heat
     out = (np.clip(out, 0, 1) * 255).round().astype(np.uint8)
     if outline is not None:

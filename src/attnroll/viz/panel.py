@@ -40,7 +40,8 @@ def panel(
     Args:
         explanations: ``{title: Explanation}`` or a list of Explanations (titled by their method), each over
             the same batch of images (B examples, a patch grid).
-        images: the B input images: a sequence of images (PIL / (H, W, 3) / (3, H, W)) or a (B, 3, H, W)
+        images: the B input images, image b the picture of example b: a sequence of images (PIL /
+            (H, W, 3) / (3, H, W)) or a (B, 3, H, W)
             tensor / array (float in [0, 1] or uint8).
         indices: which examples to show (default all).
         outlines: optional masks (B, H, W) at image resolution (e.g. ground-truth objects), drawn as contours
@@ -60,9 +61,11 @@ def panel(
         raise ValueError("panel needs at least one explanation")
     n_img = len(images)
     rows = list(range(n_img)) if indices is None else _checks.check_indices("indices", indices, n_img, "images")
-    for name, e in named:
-        if e.batch_size < n_img and indices is None:
-            raise ValueError(f"explanation {name!r} has {e.batch_size} examples, images has {n_img}")
+    for name, e in named:  # image b shows example b: counts that differ pair maps with other pictures
+        if e.batch_size != n_img:
+            raise ValueError(f"explanation {name!r} has {e.batch_size} examples, images has {n_img}: give the "
+                             "images the explanation was computed on, one per example, in order (pick rows "
+                             "with indices=)")
     cols = len(named) + int(show_input)
     inch = cell / dpi
     top = 0.32  # inches for the column titles
