@@ -67,6 +67,7 @@ def image(tmp_path):
     return f
 
 
+@pytest.mark.slow  # a subprocess or a whole held-out set
 def test_cli_refuses_folder_code_even_when_stdin_says_yes(tmp_path, image):
     d, marker = custom_folder(tmp_path)
     res = _run(["-m", "attnroll.commands", "explain", str(image), "--model", str(d), "--out", str(tmp_path / "o")],
@@ -85,6 +86,7 @@ def test_library_refuses_folder_code_without_the_option(tmp_path):
     assert str(d) in str(e.value) and not marker.exists()
 
 
+@pytest.mark.slow  # a subprocess or a whole held-out set
 def test_the_option_runs_the_folders_code(tmp_path, image):
     d, marker = custom_folder(tmp_path)
     code = (f"from attnroll.models import load_model; lm = load_model({str(d)!r}, trust_remote_code=True); "

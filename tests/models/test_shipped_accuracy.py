@@ -44,6 +44,7 @@ def test_the_card_figures_are_parsed_from_the_cards():
         _recorded(r"accuracy of (\d+) unicorns", text, "unicorns")
 
 
+@pytest.mark.slow  # a subprocess or a whole held-out set
 def test_the_shapes_model_matches_its_card():
     pytest.importorskip("transformers")
     m = _recorded(r"\*\*(0\.\d+)\*\* on (\d+) fresh test images \(seed (\d+)\); per class: ([^\n]+)",
@@ -61,6 +62,7 @@ def test_the_shapes_model_matches_its_card():
         assert abs((pred[sel] == c).float().mean().item() - float(per_class[name])) <= 0.0015 + 1.5 / int(sel.sum())
 
 
+@pytest.mark.slow  # a subprocess or a whole held-out set
 def test_the_marker_copy_matches_its_card():
     pytest.importorskip("transformers")
     text = _card("shapes_vit_marker")
