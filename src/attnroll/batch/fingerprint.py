@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from ..capture.transformers_private import LOAD_ONLY_CONFIG_KEYS
+
 
 def model_fingerprint(model: torch.nn.Module) -> str:
     """``"sha256:<16 hex>"`` over the class name, the configuration (a transformers ``config`` as JSON, a
@@ -29,9 +31,7 @@ def _config_json(model: Any) -> str:
     cfg = getattr(model, "config", None)
     if cfg is not None and hasattr(cfg, "to_dict"):
         d = cfg.to_dict()
-        # Fields that say how the model was loaded, not what it computes.
-        for k in ("_name_or_path", "transformers_version", "_attn_implementation", "_attn_implementation_internal",
-                  "torch_dtype", "dtype", "_commit_hash"):
+        for k in LOAD_ONLY_CONFIG_KEYS:  # how the model was loaded, not what it computes
             d.pop(k, None)
         return json.dumps(d, sort_keys=True, default=str)
     cfg = getattr(model, "pretrained_cfg", None)

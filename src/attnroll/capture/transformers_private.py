@@ -25,7 +25,12 @@ from .. import _checks
 
 __all__ = ["TRANSFORMERS_RANGE", "check_transformers_version", "PrivateChanged", "declared_outputs",
            "recorder_specs", "all_configs", "force_eager", "attn_implementation", "wrap_attention_interface",
-           "sdpa_kernel", "surface_problems"]
+           "sdpa_kernel", "surface_problems", "LOAD_ONLY_CONFIG_KEYS"]
+
+#: Keys of ``config.to_dict()`` that say how a model was loaded (its folder, the library version, the attention
+#: implementation it runs, its dtype), not what it computes: a model's fingerprint leaves them out.
+LOAD_ONLY_CONFIG_KEYS = ("_name_or_path", "transformers_version", "_attn_implementation",
+                         "_attn_implementation_internal", "torch_dtype", "dtype", "_commit_hash")
 
 #: The transformers major versions the adapter works with: [5, 6). It reads ``_can_record_outputs`` /
 #: ``OutputRecorder`` declarations, which every model class has only from 5.0 on, and switches the attention
