@@ -12,7 +12,9 @@ import torch
 import attnroll
 from attnroll.core.rollout import rollout as core_rollout
 
-from .models import T, inputs_for, model
+from ..zoo import T, sharp
+
+inputs_for, model = sharp.inputs_for, sharp.model
 
 IDS = torch.tensor([[0, 5, 17, 23, 42, 8, 9, 61, 33, 12], [0, 7, 3, 23, 42, 80, 9, 61, 3, 2]])
 
