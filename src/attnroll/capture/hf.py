@@ -245,6 +245,13 @@ class HFAdapter(Adapter):
             w = torch.zeros(record.streams[stream][0].shape[-1])
             w[:2] = 0.5
             return w, "DeiT with teacher: its logits average the CLS and distillation tokens' heads"
+        if (mt in ("dinov2", "dinov2_with_registers") and stream == "self"
+                and getattr(getattr(self.model, "classifier", None), "in_features", None) == 2 * cfg.hidden_size):
+            w = torch.zeros(n := record.streams[stream][0].shape[-1])
+            w[0] = 0.5
+            w[info.prefix:] = 0.5 / max(1, n - info.prefix)
+            return w, (f"{mt}'s classifier reads [CLS ; mean of the patch rows]: half the weight on CLS, half spread "
+                       "over the patches")
         if mt == "audio-spectrogram-transformer" and stream == "self":
             w = torch.zeros(n := record.streams[stream][0].shape[-1])
             w[:2] = 0.5
