@@ -269,11 +269,13 @@ TRANSFORMERS = Family(
     methods=("attention", "gradient", "value-aware", "matrix-free"),
     models=(
         Models(models="transformers ViT, DINOv2, ViT-MSN, I-JEPA-likes", streams="self", prefix=_EMBEDDINGS,
-               readout="CLS"),
+               readout="CLS; DINOv2's image classifiers: ½ on CLS, ½ over the patch rows (they read CLS ⊕ the "
+                       "patch mean)"),
         Models(models="transformers DeiT (distilled `...WithTeacher` too)", streams="self",
                prefix="CLS + distillation = 2",
                readout="CLS; `...WithTeacher`: rows 0 and 1 at ½ each (its logits average both heads)"),
-        Models(models="transformers DINOv2 with registers", streams="self", prefix="1 + R registers", readout="CLS"),
+        Models(models="transformers DINOv2 with registers", streams="self", prefix="1 + R registers",
+               readout="CLS; image classifiers: ½ on CLS, ½ over the patch rows, registers left out"),
         Models(models="transformers BEiT, Data2Vec-Vision", streams="self", prefix="1",
                readout="mean of the patch rows when `use_mean_pooling`, else CLS"),
         Models(models="transformers YOLOS", streams="self", prefix="1 (3+ detection tokens as suffix)",
