@@ -31,6 +31,7 @@ def plain_component(name: str) -> bool:
             and name.split(".")[0].lower() not in reserved)
 
 
+@pytest.mark.slow  # over a second
 @settings(max_examples=400, deadline=None)
 @given(any_text)
 def test_any_string_is_one_plain_file_name_the_same_every_time(s):
@@ -62,6 +63,7 @@ def test_a_plain_lower_case_name_is_kept_and_others_keep_their_readable_part():
     assert safe_name("CON").startswith("_CON~") and safe_name("..").startswith("_..~")
 
 
+@pytest.mark.slow  # over a second
 @settings(max_examples=200, deadline=None)
 @given(any_text, st.sampled_from(["rollout", "gae", "per_head_rollout"]))
 def test_writing_any_id_as_an_overlay_creates_one_file_in_the_folder_and_nothing_else(tmp_path_factory, s, method):

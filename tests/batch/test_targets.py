@@ -39,6 +39,7 @@ def _gae(model, path, target):
     return attnroll.explain(model, pixel_input(path), "gae", target=target)
 
 
+@pytest.mark.slow  # over a second
 def test_one_class_for_every_input_equals_explain_with_that_target(images, shapes_model, tmp_path):
     root, paths = images
     r = run_batch(root, tmp_path / "o", methods=["gae", "rollout"], target=2, batch_size=4)

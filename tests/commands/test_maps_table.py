@@ -41,6 +41,7 @@ def _json(path):
     return json.loads(path.read_text())
 
 
+@pytest.mark.slow  # over a second
 def test_evaluate_maps_of_a_table_batch_reads_the_recorded_image_paths(tables, tmp_path):
     common = ["--metrics", "deletion,positive", "--steps", "8"]
     res = run("evaluate", "--maps", tables / "a", "--out", tmp_path / "m", *common)
@@ -54,6 +55,7 @@ def test_evaluate_maps_of_a_table_batch_reads_the_recorded_image_paths(tables, t
             assert a[k] == pytest.approx(b[k], abs=1e-6)
 
 
+@pytest.mark.slow  # over a second
 def test_audit_of_two_table_batches_reads_the_recorded_image_paths(tables, tmp_path):
     res = run("audit", tables / "a", tables / "b", "-m", "gae", "--format", "png", "--out", tmp_path / "m")
     assert res.exit_code == 0, res.output

@@ -21,6 +21,7 @@ def data():
     return model, shapes.preprocess(images)
 
 
+@pytest.mark.slow  # over a second
 def test_scoring_takes_many_copies_per_pass_with_the_same_values(data):
     model, x = data
     seen = []
@@ -66,6 +67,7 @@ class Recorder:
         self.closed = True
 
 
+@pytest.mark.slow  # over a second
 def test_progress_bar_covers_the_whole_run(data, monkeypatch):
     model, x = data
     monkeypatch.setattr(_system, "ProgressBar", Recorder)
