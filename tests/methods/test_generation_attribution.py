@@ -109,5 +109,5 @@ def test_bad_arguments_name_what_was_wrong():
         attnroll.generation_attribution(m, tok, PROMPT, generate=1, clamp="none")
     with pytest.raises(ValueError, match="batch_size must be >= 1"):
         attnroll.generation_attribution(m, tok, PROMPT, generate=1, method="gae", batch_size=0)
-    with pytest.raises(TypeError, match=r"decoder-only language model .*BertModel"):
+    with pytest.raises(TypeError, match=r"decoder-only language model .*got BertForSequenceClassification \(bert\)$"):
         attnroll.generation_attribution(sharp.model("bert"), tok, PROMPT, generate=1)

@@ -57,8 +57,12 @@ def check_decoder(model: Any, what: str) -> None:
     if not is_decoder_lm(model):
         name = getattr(getattr(model, "config", None), "model_type", None)
         named = f"{type(model).__name__}" + (f" ({name})" if name else "")
+        if is_hf_model(model) and model_facts(model).encoder_decoder:
+            named += ", an encoder-decoder"
+        elif not isinstance(model, torch.nn.Module):
+            named = _checks.describe(model)
         raise TypeError(f"{what} needs a transformers decoder-only language model (GPT-2, Llama, Qwen, SmolLM2, "
-                        f"...), got {named}: {_checks.describe(model)}")
+                        f"...), got {named}")
 
 
 def _template_specials(tokenizer: Any) -> list[str]:
@@ -120,7 +124,7 @@ def readable_pieces(tokenizer: Any, ids: list[int], text: str, offsets: list[tup
     the tokenizer folds into a word's token shows, ``" Tower"``); a token without characters (a special token
     the tokenizer adds) its vocabulary string."""
     out, end = [], 0
-    names = tokenizer.convert_ids_to_tokens(list(ids))
+    names = _vocab_names(tokenizer, list(ids))
     for name, (a, b) in zip(names, offsets):
         if b > a:
             out.append(text[min(end, a):b])
@@ -138,8 +142,15 @@ def answer_pieces(tokenizer: Any, ids: list[int]) -> list[str]:
         before = tokenizer.decode(ids[max(0, i - 4):i])
         both = tokenizer.decode(ids[max(0, i - 4):i + 1])
         piece = both[len(before):] if both.startswith(before) else tokenizer.decode(ids[i:i + 1])
-        out.append(piece.replace("\ufffd", "") or tokenizer.convert_ids_to_tokens(ids[i]))
+        out.append(piece.replace("\ufffd", "") or _vocab_names(tokenizer, [ids[i]])[0])
     return out
+
+
+def _vocab_names(tokenizer: Any, ids: list[int]) -> list[str]:
+    """The vocabulary strings of ``ids`` (``#id`` for a tokenizer that cannot name them)."""
+    convert = getattr(tokenizer, "convert_ids_to_tokens", None)
+    names = convert(list(ids)) if convert is not None else None
+    return [str(n) if n is not None else f"#{i}" for n, i in zip(names or [None] * len(ids), ids)]
 
 
 def answer_ids(model: Any, tokenizer: Any, prompt_ids: torch.Tensor, generate: int | None,
