@@ -135,7 +135,7 @@ def context_attribution(
     prompt: str,
     *,
     generate: int | None = None,
-    answer: str | None = None,
+    answer: str | Sequence[int] | None = None,
     unit: str = "sentence",
     segments: Sequence[str] | None = None,
     method: str = "rollout",
@@ -149,7 +149,8 @@ def context_attribution(
         model: a transformers decoder-only LM (GPT-2, Llama, Mistral, Gemma 2, ...), any attention kernel.
         tokenizer: its tokenizer (a fast one: character offsets place tokens in words and sentences).
         prompt: the prompt text.
-        generate: number of tokens to generate greedily as the answer; or give ``answer`` (text) instead.
+        generate: number of tokens to generate greedily as the answer; or give ``answer`` (text, or token ids
+            such as a :func:`~attnroll.explain.generation_attribution` result's ``answer_ids``) instead.
         unit: "token" | "word" | "sentence" (ignored when ``segments`` is given).
         segments: consecutive pieces of the prompt (e.g. retrieved passages), in order; text outside them
             goes to "(other)".

@@ -22,7 +22,7 @@ prompt + answer[:t] with the last token's row; tested to 1e-5).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from torch import nn
@@ -147,7 +147,7 @@ def generation_attribution(
     prompt: str,
     *,
     generate: int | None = None,
-    answer: str | None = None,
+    answer: str | Sequence[int] | None = None,
     method: str = "rollout",
     chat_template: bool | None = None,
     sinks: str = "drop",

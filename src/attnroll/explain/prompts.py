@@ -155,13 +155,16 @@ def _vocab_names(tokenizer: Any, ids: list[int]) -> list[str]:
 
 def answer_ids(model: Any, tokenizer: Any, prompt_ids: torch.Tensor, generate: int | None,
                answer: str | None) -> list[int]:
-    """The answer's token ids: ``answer`` tokenised (no special tokens added), or ``generate`` tokens
+    """The answer's token ids: ``answer`` tokenised (no special tokens added; a list of token ids is taken as
+    it is), or ``generate`` tokens
     generated greedily after ``prompt_ids`` (stopping early at the model's end-of-sequence token)."""
     if (generate is None) == (answer is None):
         raise ValueError("give exactly one of generate=N (tokens to generate) and answer='text'")
     if answer is not None:
+        if isinstance(answer, (list, tuple)) and answer and all(isinstance(i, int) for i in answer):
+            return [int(i) for i in answer]  # token ids, e.g. another attribution's answer_ids
         if not isinstance(answer, str):
-            raise TypeError(f"answer must be a string, got {type(answer).__name__}")
+            raise TypeError(f"answer must be a string or a non-empty list of token ids, got {answer!r}")
         ids = tokenizer(answer, add_special_tokens=False)["input_ids"]
         if not ids:
             raise ValueError(f"answer {answer!r} has no tokens")
