@@ -38,7 +38,7 @@ def test_the_template_goes_around_the_prompt_and_units_stay_on_it():
     assert ca.chat_template and ca.input_text.startswith("<|im_start|>user\n" + PROMPT)
     assert ca.tokens[:2] == ["<|im_start|>", "user"] and ca.tokens[-2:] == ["\n<|im_start|>", "assistant"]
     assert [u["text"] for u in ca.units] == ["the cat sat on the mat .", "a dog ran in the park .",
-                                             "paris is the capital of france .", "(other)"]
+                                             "paris is the capital of france .", "(chat template)"]
     for u in ca.units[:-1]:
         assert PROMPT[u["span"][0]:u["span"][1]] == u["text"]  # spans are in the user's prompt
     # the same text read as it is gives the same token scores (an independent route to the same input)
@@ -47,9 +47,11 @@ def test_the_template_goes_around_the_prompt_and_units_stay_on_it():
     assert not raw.chat_template
     torch.testing.assert_close(ca.token_scores, raw.token_scores, atol=1e-6, rtol=0)
     owner = torch.tensor(ca.token_units)
-    for k, u in enumerate(ca.units[:-1]):
+    for k, u in enumerate(ca.units):
         assert u["score"] == pytest.approx(float(ca.token_scores[owner == k].sum()), abs=1e-6)
-    assert ca.units[-1]["score"] == pytest.approx(float(ca.token_scores[owner == -1].sum()), abs=1e-6)
+    template = [i for i, t in enumerate(ca.tokens) if t.strip() in ("<|im_start|>", "<|im_end|>", "user",
+                                                                   "assistant")]
+    assert sorted(torch.nonzero(owner == 3).reshape(-1).tolist()) == template
     assert sum(u["share"] for u in ca.units) == pytest.approx(1.0, abs=1e-6)
 
 
@@ -105,7 +107,7 @@ def test_json_and_html_forms(tmp_path):
     got = decode_rows(ex["maps"][ca.method]["final"])[0]
     assert abs(got - ca.token_scores.numpy()).max() <= 1e-3 * float(ca.token_scores.abs().max())
     labels = [s[0] for s in ex["segments"]]  # one segment per run of a unit's tokens, "(other)" for the template
-    assert labels[0] == "(other)" and "the cat sat on the mat ." in labels and labels[-1] == "(other)"
+    assert labels[0] == "(chat template)" and "the cat sat on the mat ." in labels and labels[-1] == "(chat template)"
     covered = sorted(i for s in ex["segments"] for i in range(s[1], s[2]))
     assert covered == list(range(len(ca.tokens)))
     compact = ca.to_html(interactive=False)

@@ -51,7 +51,7 @@ class ContextAttribution:
         sink_share: the sinks' share of the prompt's relevance before they were left out (kept or not).
         tokens: the readable text of each input token (``token_scores``' positions: ``" Tower"``, not
             ``"ĠTower"``); ``answer_tokens`` the same for the answer.
-        token_units: each input token's unit (an index into ``units``, −1 for tokens in no unit).
+        token_units: each input token's unit (an index into ``units``).
         chat_template: whether the tokenizer's chat template was put around the prompt (then ``input_text``
             is the text the model read, the user's prompt inside it; units still refer to ``prompt``).
     """
@@ -161,7 +161,7 @@ def context_attribution(
         chat_template: None (default): put the tokenizer's chat template around the prompt (as the user's
             message, with the assistant's turn opened) when the tokenizer has one and the prompt is not already
             templated; True / False: always / never. Units and spans still refer to ``prompt``; the template's
-            own tokens go to "(other)".
+            own tokens (its text and special tokens) form the unit "(chat template)".
         **options: rollout's ``head_fusion``, ``alpha``, ``residual_mode``; ``start_layer``/``end_layer``.
 
     Returns:
@@ -185,13 +185,38 @@ def context_attribution(
     if sinks == "drop":
         scores = torch.where(found, torch.zeros(()), scores)  # not rescaled: the shares are relative anyway
     units = _units(prompt, offsets, scores, unit, segments)
+    owner = token_units(prompt, offsets, unit, segments)
+    template = [enc.templated and o == (0, 0) for o in offsets]  # the chat template's tokens
+    units, owner = _template_unit(units, owner, scores, template)
     text = tokenizer.decode(answer_ids, skip_special_tokens=True)
     return ContextAttribution(prompt, text, answer_ids, scores, units, float(scores.sum()), method,
                               "segments" if segments is not None else unit, {**options, "sinks": sinks},
                               sinks=torch.nonzero(found).reshape(-1).tolist(), sink_share=float(share),
                               tokens=enc.pieces, answer_tokens=prompts.answer_pieces(tokenizer, answer_ids),
                               chat_template=enc.templated, input_text=enc.text,
-                              token_units=token_units(prompt, offsets, unit, segments))
+                              token_units=owner)
+
+
+#: The unit of the chat template's tokens (its text around the user's prompt and its special tokens).
+TEMPLATE_UNIT = "(chat template)"
+
+
+def _template_unit(units: list[dict], owner: list[int], scores: torch.Tensor,
+                   template: list[bool]) -> tuple[list[dict], list[int]]:
+    """The chat template's tokens taken out of "(other)" into their own unit; every token's unit index."""
+    spans = [u for u in units if u["span"] is not None]
+    rest = [i for i, o in enumerate(owner) if o < 0 and not template[i]]
+    tmpl = [i for i, o in enumerate(owner) if o < 0 and template[i]]
+    if not tmpl:
+        return units, [o if o >= 0 else len(spans) for o in owner]
+    total = float(scores.sum())
+    out = list(spans)
+    for name, idx in (("(other)", rest), (TEMPLATE_UNIT, tmpl)):
+        if idx:
+            v = float(scores[idx].sum())
+            out.append({"text": name, "span": None, "score": v, "share": v / total if total > 0 else 0.0})
+    at = {"(other)": len(spans), TEMPLATE_UNIT: len(out) - 1}
+    return out, [o if o >= 0 else at[TEMPLATE_UNIT if template[i] else "(other)"] for i, o in enumerate(owner)]
 
 
 def sink_positions(layers: list, n: int) -> torch.Tensor:

@@ -26,15 +26,15 @@ def shown_token(piece: str) -> str:
 
 
 def _owner_runs(d: dict) -> list[list]:
-    """Segments [label, start, end) over the input tokens: one per run of tokens of one unit, one per run of
-    tokens in no unit ("(other)": the chat template's and special tokens)."""
+    """Segments [label, start, end) over the input tokens: one per run of tokens of one unit ("(other)" and
+    "(chat template)" included)."""
     units = d["units"]
     runs: list[list] = []
     for i, o in enumerate(d["token_units"]):
         if runs and runs[-1][3] == o:
             runs[-1][2] = i + 1
         else:
-            text = " ".join(units[o]["text"].split()) if o >= 0 else "(other)"
+            text = " ".join(units[o]["text"].split())
             runs.append([text if len(text) <= 60 else text[:59] + "…", i, i + 1, o])
     return [r[:3] for r in runs]
 
