@@ -181,17 +181,17 @@ def _attribute(lm: Any, task: Task, opts: dict) -> tuple[Any, Any]:
     from ..explain.context_attribution import context_attribution
     from ..explain.generation_attribution import generation_attribution
 
-    common = dict(chat_template=opts["chat_template"], sinks=opts["sinks"], **opts["options"])
+    common = dict(chat_template=opts["chat_template"], sinks=opts["sinks"], method=opts["method"], **opts["options"])
     answer: Any = task.answer
     try:
         ga = None
         if opts["per_token"]:
-            ga = generation_attribution(lm.model, lm.tokenizer, task.prompt, generate=None if answer else opts["generate"],
-                                        answer=answer, method=opts["method"], **common)
+            ga = generation_attribution(lm.model, lm.tokenizer, task.prompt, answer=answer,
+                                        generate=None if answer else opts["generate"], **common)
             answer = ga.answer_ids  # the same tokens, not generated twice
-        ca = context_attribution(lm.model, lm.tokenizer, task.prompt, generate=None if answer else opts["generate"],
-                                 answer=answer, unit=opts["unit"], segments=task.segments, method=opts["method"],
-                                 **common)
+        ca = context_attribution(lm.model, lm.tokenizer, task.prompt, answer=answer,
+                                 generate=None if answer else opts["generate"], unit=opts["unit"],
+                                 segments=task.segments, **common)
     except (TypeError, ValueError) as e:
         where = f"{task.source}: " if task.source.startswith("--jsonl") else ""
         raise Failure(where + one_line(str(e))) from None

@@ -25,8 +25,7 @@ from ..core import operators
 from ..core import segments as seg
 from ..core import sinks as core_sinks
 from ..core.residual import residual_coefficients
-from . import matrix_free
-from . import prompts
+from . import matrix_free, prompts
 from .context import Context
 from .registry import method_info
 from .sinks import detect as detect_sinks

@@ -43,8 +43,8 @@ def context_payload(d: dict, title: str | None = None) -> dict[str, Any]:
     """The viewer payload of a context attribution record (``ContextAttribution.to_dict()``)."""
     scores = np.asarray(d["token_scores"], dtype=np.float64)
     method = d["method"]
-    ex = {"label": f"answer: {d['answer']}", "kind": "tokens", "panels": [[None, None, None]],
-          "maps": {method: {"final": encode_rows(scores), "layers": None, "heads": None, "signed": bool((scores < 0).any())}},
+    entry = {"final": encode_rows(scores), "layers": None, "heads": None, "signed": bool((scores < 0).any())}
+    ex = {"label": f"answer: {d['answer']}", "kind": "tokens", "panels": [[None, None, None]], "maps": {method: entry},
           "tokens": [shown_token(t) for t in d["tokens"]], "skip": list(d.get("sinks", [])),
           "segments": _owner_runs(d) if d["unit"] != "token" else None}
     notes = (f"{d['unit']} units ranked by their share of the answer's {method} relevance"
