@@ -186,3 +186,18 @@ def test_smollm2_answers_with_its_chat_template(tmp_path):
     assert got["chat_template"] is True and got["answer"].strip()
     assert sum(u["share"] for u in got["units"]) == pytest.approx(1.0, abs=1e-6)
     assert f"answer ({len(got['answer_ids'])} tokens): {got['answer']}" in res.stdout
+
+
+def test_sinks_and_method_options_reach_the_library(lm_dir, tmp_path):
+    out = tmp_path / "out"
+    res = run("--model", lm_dir, "--prompt", PROMPT, "--answer", "paris is", "--sinks", "keep", "-o", "alpha=0.9",
+              "--unit", "token", "--out", out)
+    assert res.exit_code == 0, res.output
+    got = json.loads(next(out.glob("*.json")).read_text())
+    m, tok = loaded(lm_dir)
+    ca = attnroll.context_attribution(m, tok, PROMPT, answer="paris is", sinks="keep", alpha=0.9, unit="token")
+    assert got["options"] == {"alpha": 0.9, "sinks": "keep"}
+    assert got["token_scores"] == pytest.approx(ca.token_scores.tolist(), abs=1e-6)
+    bad = run("--model", lm_dir, "--prompt", PROMPT, "--answer", "paris", "-o", "discard_ratio=0.5", "--out", out)
+    assert bad.exit_code == 1 and "has no option 'discard_ratio'" in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1
