@@ -20,9 +20,9 @@ from . import context_attribution, generation_attribution
 from .batches import BatchScores, batch_size_of, explain_batches, explain_targets, iter_explanations, take_rows
 from .context import Context
 from .context_attribution import ContextAttribution
-from .generation_attribution import GenerationAttribution
 from .explainer import Explainer, Prepared, explain
 from .explanation import Explanation
+from .generation_attribution import GenerationAttribution
 from .options import check_options
 from .registry import Method, method_info, methods, register
 

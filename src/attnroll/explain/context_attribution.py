@@ -172,9 +172,9 @@ def context_attribution(
     if segments is None:
         _checks.check_choice("unit", unit, seg.UNITS)
     enc = prompts.encode_prompt(tokenizer, prompt, chat_template)
-    prompt_ids, offsets = enc.ids, enc.offsets
+    prompt_ids, offsets = prompts.on_model(model, enc.ids), enc.offsets
     answer_ids = prompts.answer_ids(model, tokenizer, prompt_ids, generate, answer)
-    ids = torch.cat([prompt_ids, torch.tensor([answer_ids], dtype=prompt_ids.dtype)], dim=1)
+    ids = torch.cat([prompt_ids, torch.tensor([answer_ids], dtype=prompt_ids.dtype, device=prompt_ids.device)], dim=1)
     n_prompt, T = prompt_ids.shape[1], len(answer_ids)
     rows = [n_prompt - 1 + t for t in range(T)]  # the row that predicts answer token t
     R, layers = _relevance(model, tokenizer, ids, rows, answer_ids, method, options)  # (T, n)

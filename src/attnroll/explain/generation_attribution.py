@@ -182,9 +182,11 @@ def generation_attribution(
             raise ValueError(f"generation attribution with method {method!r} has no option {k!r}; "
                              f"options: {OPTIONS[method]}")
     enc = prompts.encode_prompt(tokenizer, prompt, chat_template)
-    ans = prompts.answer_ids(model, tokenizer, enc.ids, generate, answer)
-    n_input, T = enc.ids.shape[1], len(ans)
-    ids = torch.cat([enc.ids, torch.tensor([ans], dtype=enc.ids.dtype)], dim=1)[:, :-1]  # the last is never read
+    prompt_ids = prompts.on_model(model, enc.ids)
+    ans = prompts.answer_ids(model, tokenizer, prompt_ids, generate, answer)
+    n_input, T = prompt_ids.shape[1], len(ans)
+    answer_t = torch.tensor([ans], dtype=prompt_ids.dtype, device=prompt_ids.device)
+    ids = torch.cat([prompt_ids, answer_t], dim=1)[:, :-1]  # the last token is never read
     rows = [n_input - 1 + t for t in range(T)]
     if method == "rollout":
         R, layers = _rollout_rows(model, ids, rows, options)

@@ -14,7 +14,7 @@ from .. import _checks
 from ..capture import model_facts
 from ..capture.hf import is_hf_model
 
-__all__ = ["Encoded", "encode_prompt", "uses_template", "answer_ids", "readable_pieces", "answer_pieces",
+__all__ = ["Encoded", "on_model", "encode_prompt", "uses_template", "answer_ids", "readable_pieces", "answer_pieces",
            "is_decoder_lm", "check_decoder"]
 
 #: Stands for the user's text while the template is rendered to find its own special tokens.
@@ -41,6 +41,12 @@ class Encoded:
     start: int
     templated: bool
     pieces: list[str]
+
+
+def on_model(model: Any, ids: torch.Tensor) -> torch.Tensor:
+    """``ids`` on the device of the model's parameters (a model on a GPU gets its inputs there)."""
+    p = next(iter(model.parameters()), None)
+    return ids if p is None or p.device.type == "meta" else ids.to(p.device)
 
 
 def is_decoder_lm(model: Any) -> bool:
