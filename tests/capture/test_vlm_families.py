@@ -286,3 +286,172 @@ def test_the_map_changes_with_the_image_and_the_vision_weights(name):
             p.add_(0.2 * torch.randn_like(p))
     again = attnroll.explain(changed, inp, "rollout")
     assert not torch.allclose(again.scores, e.scores, atol=1e-4)
+
+
+# ------------------------------------------------------------------------------- any-resolution tiles
+PINPOINTS = [[32, 64], [64, 32], [64, 64]]
+H0, W0 = 40, 70  # the user's image: 4 tiles of the 64×64 pinpoint + the base view
+
+
+def build_anyres(name):
+    torch.manual_seed(0)
+    if name == "llava_next":
+        c = T.LlavaNextConfig(vision_config=T.CLIPVisionConfig(**VISION).to_dict(),
+                              text_config=T.LlamaConfig(**TEXT).to_dict(), image_token_index=IMG,
+                              image_grid_pinpoints=PINPOINTS)
+        model = T.LlavaNextForConditionalGeneration(c).eval()
+    else:
+        c = T.LlavaOnevisionConfig(vision_config=_siglip(), text_config=T.Qwen2Config(**TEXT).to_dict(),
+                                   image_token_index=IMG, image_grid_pinpoints=PINPOINTS)
+        model = T.LlavaOnevisionForConditionalGeneration(c).eval()
+    with torch.no_grad():
+        for p in tower_of(model).parameters():
+            if p.ndim == 2:
+                p.normal_(0.0, 0.25)
+    return model
+
+
+def coordinate_image():
+    """(3, H0, W0): channel 0 = x, channel 1 = y (pixel centres, in [0, 1]), channel 2 = 1 inside the image."""
+    yy, xx = torch.meshgrid((torch.arange(H0) + 0.5) / H0, (torch.arange(W0) + 0.5) / W0, indexing="ij")
+    return torch.stack([xx, yy, torch.ones(H0, W0)])
+
+
+def anyres_inputs(name, model, image=None, extra=10):
+    if name == "llava_next":
+        proc = T.LlavaNextImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32},
+                                         image_grid_pinpoints=PINPOINTS, do_normalize=False, do_rescale=False,
+                                         do_center_crop=False)
+    else:
+        proc = T.LlavaOnevisionImageProcessor(size={"height": 32, "width": 32}, image_grid_pinpoints=PINPOINTS,
+                                              do_normalize=False, do_rescale=False)
+    out = dict(proc(images=[coordinate_image() if image is None else image], return_tensors="pt"))
+    with torch.no_grad():
+        feats = model.model.get_image_features(out["pixel_values"], out["image_sizes"]).pooler_output
+    n = sum(f.shape[0] for f in feats)
+    ids = torch.randint(3, 99, (1, n + extra), generator=torch.Generator().manual_seed(1))
+    ids[0, 2:2 + n] = IMG
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), **out}
+
+
+ANYRES = ["llava_next", "llava_onevision"]
+
+
+@pytest.mark.parametrize("name", ANYRES)
+def test_tiles_round_trip_to_the_original_image(name):
+    """Every tile token lands on the canvas cell that holds the original-image point its pixels came from (the
+    processor's own tiles of an image whose pixels are their coordinates); padding and CLS tokens on slot 0; a
+    base-view token mostly on the cell under its centre."""
+    model = build_anyres(name)
+    inp = anyres_inputs(name, model)
+    P = attnroll.capture(model, inp).info["language"].link.placement
+    px = inp["pixel_values"][0]
+    first = 1 if name == "llava_next" else 0
+    Hc, Wc = P.grid
+    assert P.prefix == 1 and abs(Hc / Wc - H0 / W0) < 0.1
+    checked = 0
+    for i in range(px.shape[0]):
+        for r in range(8):
+            for c in range(8):
+                patch = px[i, :, 4 * r:4 * r + 4, 4 * c:4 * c + 4]
+                sel = (P.item == i) & (P.token == first + r * 8 + c)
+                cells, w = P.cell[sel], P.weight[sel]
+                assert float(w.sum()) == pytest.approx(1.0, abs=1e-6)
+                x, y = float(patch[0].mean()), float(patch[1].mean())
+                want = 1 + min(int(y * Hc), Hc - 1) * Wc + min(int(x * Wc), Wc - 1)
+                if i == 0:  # the cell under the centre takes the largest share (ties at cell borders)
+                    assert float(w[cells == want].sum()) == pytest.approx(float(w.max()), abs=1e-6)
+                elif float(patch[2].max()) < 0.01:
+                    assert cells.tolist() == [0]
+                elif float(patch[2].min()) > 0.99:
+                    assert cells.tolist() == [want]
+                checked += 1
+    assert checked == px.shape[0] * 64
+    if first:
+        assert P.cell[P.token == 0].unique().tolist() == [0]
+
+
+def anyres_dependence(model, inp):
+    """(T, N, n) bool: which image features change when one (item, token) of the projector's input is
+    perturbed; newline features depend on nothing."""
+    kw = {"image_sizes": inp["image_sizes"]}
+    with torch.no_grad():
+        base = torch.cat(list(model.model.get_image_features(inp["pixel_values"], **kw).pooler_output))
+    proj = model.model.multi_modal_projector
+    seen = []
+    h = proj.register_forward_pre_hook(lambda m, a: seen.append(a[0].shape))
+    with torch.no_grad():
+        model.model.get_image_features(inp["pixel_values"], **kw)
+    h.remove()
+    N, n, D = seen[0]
+    bump = 3.0 * torch.randn(D, generator=torch.Generator().manual_seed(5))
+    out = torch.zeros(base.shape[0], N, n, dtype=torch.bool)
+    for i in range(N):
+        for v in range(n):
+            def pre(_m, a, i=i, v=v):
+                x = a[0].clone()
+                x[i, v] += bump
+                return (x, *a[1:])
+            handle = proj.register_forward_pre_hook(pre)
+            with torch.no_grad():
+                changed = torch.cat(list(model.model.get_image_features(inp["pixel_values"], **kw).pooler_output))
+            handle.remove()
+            out[:, i, v] = (changed - base).abs().amax(dim=-1) > 1e-6
+    return out
+
+
+@pytest.mark.parametrize("name", ANYRES)
+def test_anyres_streams_map_and_shares(name):
+    """The vision stream is the tiles' own eager attention; the canvas map is the naive composition (language
+    row -> image tokens -> the tile tokens each depends on -> per-tile vision rollout) put through the
+    placement (checked above); newline shares spread over their rows; image + text shares add to 1."""
+    model = build_anyres(name)
+    inp = anyres_inputs(name, model)
+    rec = attnroll.capture(model, inp)
+    ref = eager_copy(model)
+    with torch.no_grad():
+        vision = vision_call(ref, inp).attentions
+        lang = ref(**inp, output_attentions=True).attentions
+    for a, b in zip(rec.streams["vision"], vision):
+        assert torch.allclose(a, b, atol=1e-5)
+    e = attnroll.explain(model, inp, "rollout")
+    link = rec.info["language"].link
+    row = naive_rollout([t[0].double().numpy() for t in lang])[-1]
+    dep = anyres_dependence(model, inp).double()
+    first = 1 if name == "llava_next" else 0
+    used = len(vision) - 1 if name == "llava_next" else len(vision)  # vision_feature_layer -2 / -1
+    positions = [p for p in range(row.shape[0]) if int(inp["input_ids"][0, p]) == IMG]
+    N, n_v = vision[0].shape[0], vision[0].shape[-1]
+    M = np.zeros((N, n_v))
+    newline = 0.0
+    for j, p in enumerate(positions):
+        if float(dep[j].sum()) == 0:
+            newline += row[p]
+            continue
+        F = (dep[j] / dep[j].sum()).numpy()
+        for i in range(N):
+            if F[i].any():
+                R_v = naive_rollout([t[i].double().numpy() for t in vision[:used]])
+                M[i] += row[p] * (F[i] @ R_v[first:])
+    P = link.placement
+    canvas = np.zeros(P.prefix + P.grid[0] * P.grid[1])
+    np.add.at(canvas, P.cell.numpy(), M[P.item.numpy(), P.token.numpy()] * P.weight.double().numpy())
+    direct = e.full_row[0].numpy() - canvas
+    assert float(e.extra["newline_share"][0]) == pytest.approx(newline, abs=1e-5)
+    assert abs(direct.sum() - newline) < 1e-5 and direct.min() > -1e-5
+    assert float(e.extra["image_share"][0] + e.extra["text_share"][0]) == pytest.approx(1.0, abs=1e-5)
+    assert e.grid == P.grid and e.scores.shape == (1, P.grid[0] * P.grid[1])
+
+
+@pytest.mark.parametrize("name", ANYRES)
+def test_anyres_map_changes_with_the_image_and_the_vision_weights(name):
+    model = build_anyres(name)
+    inp = anyres_inputs(name, model)
+    e = attnroll.explain(model, inp, "rollout")
+    other = anyres_inputs(name, model, image=torch.rand(3, H0, W0, generator=torch.Generator().manual_seed(3)))
+    assert not torch.allclose(attnroll.explain(model, other, "rollout").scores, e.scores, atol=1e-4)
+    changed = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in tower_of(changed).parameters():
+            p.add_(0.2 * torch.randn_like(p))
+    assert not torch.allclose(attnroll.explain(changed, inp, "rollout").scores, e.scores, atol=1e-4)

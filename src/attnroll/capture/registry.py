@@ -263,8 +263,8 @@ TRANSFORMERS = Family(
     blocks=hf_anatomy.BLOCKS,
     supported="Hugging Face transformers: ViT, DeiT (incl. distilled ...WithTeacher), BEiT, DINOv2 (with "
               "registers), YOLOS, ViTMAE, AST, BERT-likes, GPT-2, Llama-family decoders, CLIP (vision and text "
-              "towers), T5, BART, Marian, VisionEncoderDecoder, LLaVA, PaliGemma, VipLLaVA, Gemma 3, Idefics3, SmolVLM, InternVL, Aya Vision, "
-              "Mistral 3 (vision and language streams) "
+              "towers), T5, BART, Marian, VisionEncoderDecoder, LLaVA, LLaVA-NeXT, LLaVA-OneVision, PaliGemma, VipLLaVA, Gemma 3, Idefics3, "
+              "SmolVLM, InternVL, Aya Vision, Mistral 3 (vision and language streams) "
               "(and other transformers models that declare attention outputs), plus families without a declaration "
               "through output_attentions=True (DeBERTa, MPNet, BLOOM, Falcon, GPT-Neo, RoFormer, XLM, ...)",
     readout="per model type and head (hf.HFAdapter.readout_spec; vision-language models: vlm.VLMAdapter)",
@@ -316,6 +316,12 @@ TRANSFORMERS = Family(
                prefix="vision: 1 (CLIP, InternViT), 0 (SigLIP, Pixtral)",
                readout="language: last real token; pixel shuffle / patch merging: 1/s² per merged vision token "
                        "(a convention); Gemma 3's average pooling: its own weights; VipLLaVA: 1/J per read layer"),
+        Models(models="transformers LLaVA-NeXT, LLaVA-OneVision (vision-language, any-resolution tiles)",
+               streams="vision (batch = base view + tiles), language; tile tokens read off the model's own "
+                       "`pack_image_features` (`capture/vlm_tiles.py`)",
+               prefix="1 slot on the canvas: CLS and tile padding",
+               readout="language: last real token; map on the original image (the unpadded tile grid): tiles put "
+                       "back, the base view by area, newline tokens spread over the row they close"),
         Models(models="transformers T5, BART, Marian, VisionEncoderDecoder, SeamlessM4T `...ForTextToText`",
                streams="encoder, decoder, cross",
                prefix="encoder from its embeddings (1 for a ViT encoder)", readout="decoder: last real token"),
@@ -323,7 +329,7 @@ TRANSFORMERS = Family(
     refused=(
         "SegFormer / PVT / Hiera / Funnel / Canine (token count changes between layers)",
         "block-sparse BigBird", "Qwen2-VL / Qwen2.5-VL (its vision attention returns no weights)",
-        "LLaVA-NeXT / OneVision (any-resolution tiles with newline tokens: no one grid)",
+        "LLaVA-NeXT-Video (video frames pooled)",
         "DiffLlama (differential attention: softmax₁ − λ·softmax₂ is no row-stochastic matrix)",
         "ViLT (text tokens + image CLS + patches sampled in a random order in one sequence)",
     ),

@@ -51,8 +51,6 @@ _ANYRES = (
 REFUSED = {
     "qwen2_vl": _QWEN,
     "qwen2_5_vl": _QWEN + "; Qwen2.5-VL also attends inside windows in most vision layers",
-    "llava_next": _ANYRES,
-    "llava_onevision": _ANYRES,
     "llava_next_video": _ANYRES + " (and its video frames are pooled)",
 }
 

@@ -31,6 +31,7 @@ from torch import nn
 from .. import _checks
 from .record import AttentionRecord, ModelFacts, Placement, StreamLink
 from .vlm import VLMAdapter, composed_facts, image_token_id, is_vlm
+from .vlm_tiles import anyres_map
 
 __all__ = ["COMPOSED", "REFUSED", "mapped_adapter", "mapped_facts", "MappedVLMAdapter", "tagged_groups",
            "read_input"]
@@ -139,6 +140,13 @@ READ_RULES = {
                 "images in one vision sequence",
 }
 
+#: Families whose vision items are a base view and tiles of each image (capture/vlm_tiles.py).
+ANYRES = ("llava_next", "llava_onevision")
+READ_RULES.update({
+    t: "hidden_states[vision_feature_layer] ('default' strategy drops the CLS) of the base view and the tiles, "
+       "packed by the model's own pack_image_features (unpadded, OneVision shrinks large grids); newline tokens "
+       "spread over the row they close" for t in ANYRES})
+
 COMPOSED = tuple(READ_RULES)
 
 #: VLM families refused, with the obstacle each meets.
@@ -197,14 +205,22 @@ class MappedVLMAdapter(VLMAdapter):
         parts = self.feature_parts(inputs, vision_layers)
         return parts if isinstance(parts, str) else (max(p[0] for p in parts), parts[0][1])
 
-    def feature_map(self, record: AttentionRecord, inputs: dict[str, Any], first: int) -> torch.Tensor | str:
-        """F (T_total, N, n_read): every image token of the prompts (in order) over (item, read vision token)."""
+    def feature_map(self, record: AttentionRecord, inputs: dict[str, Any], first: int) -> tuple | str:
+        """(F (T_total, N, n_read), placement or None, newlines): every image token of the prompts (in order)
+        over (item, read vision token); where the items lie on the user's images; the image tokens that come
+        from no vision token [(image, row of F, canvas cells)] (or the reason there is no map)."""
         N, n_v = record.streams["vision"][0].shape[0], record.streams["vision"][0].shape[-1]
+        if self.model_type in ANYRES:
+            strategy = inputs.get("vision_feature_select_strategy") or self.model.config.vision_feature_select_strategy
+            return anyres_map(self.model, inputs, n_v, first, strategy)
         A = TOKEN_MAPS[self.model_type](self.model, n_v - first, inputs)
         F = torch.zeros(N, A.shape[0], N, n_v - first)
         for i in range(N):
             F[i, :, i] = A
-        return F.reshape(N * A.shape[0], N, n_v - first)
+        placed = self.placement(record, inputs)
+        if isinstance(placed, str):
+            return placed
+        return F.reshape(N * A.shape[0], N, n_v - first), placed, []
 
     def placement(self, record: AttentionRecord, inputs: dict[str, Any]) -> Placement | str | None:
         """Where the vision items lie on the user's images; None when each item is one image on its own grid."""
@@ -222,16 +238,6 @@ class MappedVLMAdapter(VLMAdapter):
                          note="the image's patch grid (image_sizes / patch_size)")
 
     def link(self, record: AttentionRecord, inputs: dict[str, Any]) -> StreamLink | str | None:
-        link = self._link(record, inputs)
-        if not isinstance(link, StreamLink):
-            return link
-        placed = self.placement(record, inputs)
-        if isinstance(placed, str):
-            return placed
-        link.placement = placed
-        return link
-
-    def _link(self, record: AttentionRecord, inputs: dict[str, Any]) -> StreamLink | str | None:
         if "vision" not in record.streams:
             return None
         ids = inputs.get("input_ids")
@@ -240,14 +246,32 @@ class MappedVLMAdapter(VLMAdapter):
         parts = self.feature_parts(inputs, len(record.streams["vision"]))
         if isinstance(parts, str):
             return parts
-        F = self.feature_map(record, inputs, parts[0][1])
-        if isinstance(F, str):
-            return F
+        mapped = self.feature_map(record, inputs, parts[0][1])
+        if isinstance(mapped, str):
+            return mapped
+        F, placed, newlines = mapped
         where = (ids == image_token_id(self.model.config)).nonzero()  # row-major (prompt, position) order
         if where.shape[0] != F.shape[0]:
             return (f"{where.shape[0]} image tokens in input_ids, but the model's projector makes {F.shape[0]} "
                     f"image features from the {F.shape[1]} vision item(s): the tokens do not match the features")
-        return link_entries(where, F, parts)
+        link = link_entries(where, F, parts)
+        if placed is not None and newlines:
+            placed.direct = direct_entries(where.cpu(), newlines, placed.prefix)
+        link.placement = placed
+        return link
+
+
+def direct_entries(where: torch.Tensor, newlines: list, prefix: int) -> tuple[torch.Tensor, ...]:
+    """Placement.direct of the newline tokens: each one's share evenly over its canvas cells."""
+    ex, pos, img, cell, w = [], [], [], [], []
+    for g, q, cells in newlines:
+        m = cells.numel()
+        ex.append(torch.full((m,), int(where[q, 0])))
+        pos.append(torch.full((m,), int(where[q, 1])))
+        img.append(torch.full((m,), g))
+        cell.append(cells + prefix)
+        w.append(torch.full((m,), 1.0 / m))
+    return tuple(torch.cat(t) for t in (ex, pos, img, cell, w))
 
 
 def link_entries(where: torch.Tensor, F: torch.Tensor, parts: list[tuple[int, int]]) -> StreamLink:
