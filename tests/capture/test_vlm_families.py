@@ -455,3 +455,60 @@ def test_anyres_map_changes_with_the_image_and_the_vision_weights(name):
         for p in tower_of(changed).parameters():
             p.add_(0.2 * torch.randn_like(p))
     assert not torch.allclose(attnroll.explain(changed, inp, "rollout").scores, e.scores, atol=1e-4)
+
+
+# ------------------------------------------------------------------------------- refusals
+def test_several_vision_items_in_one_prompt_are_refused_naming_the_tiles():
+    model = build("idefics3")
+    inp = prompt("idefics3", extra=26)
+    inp["input_ids"][0, 20:36] = IMG  # a second view's 16 tokens
+    inp["pixel_values"] = torch.randn(1, 2, 3, 32, 32)
+    with pytest.raises(ValueError, match="do_image_splitting=False"):
+        attnroll.explain(model, inp, "rollout")
+
+
+def blip2():
+    vc = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=32,
+              patch_size=8)
+    qc = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, encoder_hidden_size=32)
+    return T.Blip2ForConditionalGeneration(T.Blip2Config(vision_config=vc, qformer_config=qc,
+                                                         text_config=T.OPTConfig(**{**TEXT, "ffn_dim": 64}).to_dict(),
+                                                         num_query_tokens=4))
+
+
+def mllama():
+    vc = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_global_layers=1, attention_heads=4,
+              image_size=32, patch_size=8, max_num_tiles=4, vision_output_dim=64, intermediate_layers_indices=[0])
+    tc = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              vocab_size=120, cross_attention_layers=[1], pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return T.MllamaForConditionalGeneration(T.MllamaConfig(vision_config=vc, text_config=tc, image_token_index=100))
+
+
+def llama4():
+    tc = T.Llama4TextConfig(hidden_size=32, intermediate_size=64, intermediate_size_mlp=64, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=120,
+                            num_local_experts=2, num_experts_per_tok=1, interleave_moe_layer_step=1,
+                            no_rope_layers=[1, 1], attention_chunk_size=64)
+    vc = T.Llama4VisionConfig(hidden_size=32, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                              image_size=32, patch_size=4, pixel_shuffle_ratio=0.5, projector_input_dim=32,
+                              projector_output_dim=32, vision_output_dim=32)
+    return T.Llama4ForConditionalGeneration(T.Llama4Config(vision_config=vc.to_dict(), text_config=tc.to_dict(),
+                                                           image_token_index=IMG))
+
+
+@pytest.mark.parametrize("make, words", [(blip2, "Q-Former"), (mllama, "gated cross-attention layers"),
+                                         (llama4, "own Llama4ForConditionalGeneration forward does not run")])
+def test_families_that_cannot_be_composed_are_refused_naming_their_obstacle(make, words):
+    torch.manual_seed(0)
+    with pytest.raises(attnroll.UnsupportedModelError, match=words):
+        attnroll.capture(make().eval(), {"input_ids": torch.tensor([[1, 2, 3]])})
+
+
+def test_llama4_s_own_forward_still_fails_here():
+    """The refusal says transformers' own forward does not run; when it does, compose Llama 4 instead."""
+    torch.manual_seed(0)
+    model = llama4().eval()
+    ids = torch.randint(3, 99, (1, 30))
+    ids[0, 2:18] = IMG
+    with pytest.raises(AttributeError, match="image_outputs"), torch.no_grad():
+        model(input_ids=ids, pixel_values=torch.randn(1, 3, 32, 32), attention_mask=torch.ones_like(ids))

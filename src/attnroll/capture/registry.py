@@ -27,6 +27,7 @@ from .sentence_transformers import make_adapter as make_st_adapter
 from .swin import is_swin
 from .swin import make_adapter as make_swin_adapter
 from .vlm import vlm_adapter, vlm_facts
+from .vlm_maps import REFUSED_README as VLM_REFUSED
 from .vlm_maps import mapped_adapter, mapped_facts
 
 __all__ = ["Family", "Models", "Obstacle", "FAMILIES", "GENERIC", "METHOD_GROUPS", "SUPPORTED_FAMILIES", "family_of",
@@ -330,6 +331,7 @@ TRANSFORMERS = Family(
         "SegFormer / PVT / Hiera / Funnel / Canine (token count changes between layers)",
         "block-sparse BigBird", "Qwen2-VL / Qwen2.5-VL (its vision attention returns no weights)",
         "LLaVA-NeXT-Video (video frames pooled)",
+        *VLM_REFUSED,
         "DiffLlama (differential attention: softmax₁ − λ·softmax₂ is no row-stochastic matrix)",
         "ViLT (text tokens + image CLS + patches sampled in a random order in one sequence)",
     ),

@@ -149,13 +149,48 @@ READ_RULES.update({
 
 COMPOSED = tuple(READ_RULES)
 
-#: VLM families refused, with the obstacle each meets.
-REFUSED: dict[str, str] = {}
+_QFORMER = (
+    "reads the image through a Q-Former: {q} learned query tokens attend to each other{text} and cross-attend to "
+    "the vision tokens in every cross_attention_frequency-th layer, and the language model sees the queries' "
+    "outputs, never a vision token. attnroll does not compose the Q-Former's cross-attention (the queries keep a "
+    "share of their learned embeddings, which is neither the image nor the prompt) and refuses rather than drop "
+    "that share; explain the vision tower (model.vision_model) or the language model on its own"
+)
+#: VLM families refused, with the obstacle each meets (model_type -> the sentence after the model's name).
+REFUSED: dict[str, str] = {
+    "blip-2": _QFORMER.format(q="its", text=""),
+    "instructblip": _QFORMER.format(q="its", text=" and to the instruction"),
+    "instructblipvideo": _QFORMER.format(q="its", text=" and to the instruction, per video frame"),
+    "mllama": (
+        "feeds the image to the language model through gated cross-attention layers "
+        "(text_config.cross_attention_layers) that read every tile's vision tokens from every text position: the "
+        "language sequence holds one <|image|> token, not the image's tokens, so there are no image-token shares to "
+        "compose, and what the gated cross-attention adds is outside the self-attention rollout; explain the "
+        "vision model or the language model on its own"
+    ),
+    "llama4": (
+        "is not composed: its vision encoder appends the class token after the patches and pixel-shuffles them into "
+        "its image tokens, but transformers' own Llama4ForConditionalGeneration forward does not run here (5.24: "
+        "'MoeCausalLMOutputWithPast' has no attribute 'image_outputs'), so no map could be checked against the "
+        "model; explain the language model on its own"
+    ),
+}
+
+#: README's items for the refusals above.
+REFUSED_README = (
+    "BLIP-2 / InstructBLIP (a Q-Former's learned queries between the image and the language model)",
+    "Mllama (the image enters through gated cross-attention layers, not tokens)",
+    "Llama 4 (transformers' own forward does not run on it)",
+)
 
 
 def mapped_adapter(model: nn.Module) -> "MappedVLMAdapter | None":
-    """The adapter of a VLM composed here (None for any other model)."""
-    if is_vlm(model) and getattr(model.config, "model_type", "") in COMPOSED:
+    """The adapter of a VLM composed here (None for any other model); UnsupportedModelError naming the
+    obstacle for the families of :data:`REFUSED`."""
+    kind = getattr(getattr(model, "config", None), "model_type", "")
+    if kind in REFUSED and hasattr(model.config, "vision_config"):
+        raise _checks.UnsupportedModelError(f"{type(model).__name__} ({kind}) {REFUSED[kind]}")
+    if is_vlm(model) and kind in COMPOSED:
         return MappedVLMAdapter(model)
     return None
 
@@ -255,10 +290,41 @@ class MappedVLMAdapter(VLMAdapter):
             return (f"{where.shape[0]} image tokens in input_ids, but the model's projector makes {F.shape[0]} "
                     f"image features from the {F.shape[1]} vision item(s): the tokens do not match the features")
         link = link_entries(where, F, parts)
+        several = self.several_items(link)
+        if several:
+            return several
         if placed is not None and newlines:
             placed.direct = direct_entries(where.cpu(), newlines, placed.prefix)
         link.placement = placed
         return link
+
+
+    def several_items(self, link: StreamLink) -> str:
+        """The reason a prompt's image tokens come from several vision items of a family that maps one item per
+        image ("" when none does): tiles of one image, whose layout the inputs do not give, or several images."""
+        if self.model_type in ANYRES or self.model_type == "mistral3":
+            return ""
+        for b in link.example.unique().tolist():
+            items = link.item[link.example == b].unique()
+            if items.numel() > 1:
+                return (f"prompt {b}'s image tokens come from {items.numel()} vision items: tiles of one image (image "
+                        f"splitting) or several images. {TILING.get(self.model_type, '')}The inputs do not say how "
+                        "tiles lie on the image, so one item per prompt is mapped: explain one image at a time, "
+                        "without tiles")
+        return ""
+
+
+#: How to ask each family's processor for a single view of the image.
+TILING = {
+    "idefics3": "Idefics3 splits large images into tiles plus a global view (processor do_image_splitting=False "
+                "gives one view). ",
+    "smolvlm": "SmolVLM splits large images into tiles plus a global view (processor do_image_splitting=False gives "
+               "one view). ",
+    "internvl": "InternVL crops images into tiles plus a thumbnail (processor crop_to_patches=False gives one "
+                "view). ",
+    "aya_vision": "Aya Vision crops images into tiles plus a thumbnail (processor crop_to_patches=False gives one "
+                  "view). ",
+}
 
 
 def direct_entries(where: torch.Tensor, newlines: list, prefix: int) -> tuple[torch.Tensor, ...]:
