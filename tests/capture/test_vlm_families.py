@@ -512,3 +512,34 @@ def test_llama4_s_own_forward_still_fails_here():
     ids[0, 2:18] = IMG
     with pytest.raises(AttributeError, match="image_outputs"), torch.no_grad():
         model(input_ids=ids, pixel_values=torch.randn(1, 3, 32, 32), attention_mask=torch.ones_like(ids))
+
+
+# ------------------------------------------------------------------------------- batches, gradients, state
+@pytest.mark.parametrize("name", ["gemma3", "idefics3"])
+def test_a_batch_equals_its_single_prompts_and_the_model_is_unchanged(name):
+    from .helpers import snapshot
+
+    model = build(name)
+    one, two = prompt(name, start=2, seed=1), prompt(name, start=4, seed=2)
+    with torch.no_grad():
+        model(**one)  # transformers installs its own recorders on the first call, for good
+    before = snapshot(model)
+    params = {k: v.clone() for k, v in model.state_dict().items()}
+    both = {k: torch.cat([one[k], two[k]]) for k in one}
+    e = attnroll.explain(model, both, "rollout")
+    for b, alone in enumerate((one, two)):
+        a = attnroll.explain(model, alone, "rollout")
+        assert torch.allclose(a.scores[0], e.scores[b], atol=1e-5)
+        assert torch.allclose(a.extra["text_scores"][0], e.extra["text_scores"][b], atol=1e-5)
+    assert snapshot(model) == before
+    assert all(torch.equal(params[k], v) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("name, method", [("vipllava", "gae"), ("gemma3", "grad_rollout"), ("llava_next", "gae")])
+def test_gradient_methods_compose_and_shares_add_to_the_rows_total(name, method):
+    model = build_anyres(name) if name in ANYRES else build(name)
+    inp = anyres_inputs(name, model) if name in ANYRES else prompt(name)
+    e = attnroll.explain(model, inp, method, target=5)
+    total = float(e.extra["language_row"][0].sum())
+    assert float(e.extra["image_share"][0] + e.extra["text_share"][0]) == pytest.approx(total, rel=1e-5)
+    assert float(e.extra["image_share"][0]) > 0 and float(e.scores.abs().sum()) > 0
