@@ -543,3 +543,42 @@ def test_gradient_methods_compose_and_shares_add_to_the_rows_total(name, method)
     total = float(e.extra["language_row"][0].sum())
     assert float(e.extra["image_share"][0] + e.extra["text_share"][0]) == pytest.approx(total, rel=1e-5)
     assert float(e.extra["image_share"][0]) > 0 and float(e.scores.abs().sum()) > 0
+
+
+@pytest.mark.parametrize("name", ANYRES)
+def test_a_dominant_tile_token_or_newline_lands_on_its_place(name):
+    """A one-hot language row on one image token, the vision layers skipped: a tile token's whole share lands
+    on the canvas cell holding the original-image point its pixels came from; a newline's spreads evenly over
+    one canvas row."""
+    from attnroll.explain.linked import compose_link
+
+    model = build_anyres(name)
+    inp = anyres_inputs(name, model)
+    rec = attnroll.capture(model, inp)
+    link = rec.info["language"].link
+    P = link.placement
+    Hc, Wc = P.grid
+    px = inp["pixel_values"][0]
+    first = 1 if name == "llava_next" else 0
+    ex, pos = link.example.tolist(), link.position.tolist()
+    checked = 0
+    for k in range(0, link.item.numel(), 37):
+        i, v = int(link.item[k]), int(link.token[k]) - first
+        patch = px[i, :, 4 * (v // 8):4 * (v // 8) + 4, 4 * (v % 8):4 * (v % 8) + 4]
+        if i == 0 or float(patch[2].min()) < 0.99:
+            continue  # base view (by area) and border patches are checked in the round trip
+        row = torch.zeros(1, inp["input_ids"].shape[1])
+        row[ex[k], pos[k]] = 1.0
+        image, _, _ = compose_link(row, link, rec.stream_shape("vision"), lambda s, r, kk: r.weights, "language")
+        x, y = float(patch[0].mean()), float(patch[1].mean())
+        assert int(image[0].argmax()) == 1 + int(y * Hc) * Wc + int(x * Wc)
+        assert float(image[0].max()) == pytest.approx(1.0, abs=1e-6)
+        checked += 1
+    assert checked >= 3
+    newline = int(P.direct[1][0])
+    row = torch.zeros(1, inp["input_ids"].shape[1])
+    row[0, newline] = 1.0
+    image, text, _ = compose_link(row, link, rec.stream_shape("vision"), lambda s, r, kk: r.weights, "language")
+    hit = torch.nonzero(image[0]).reshape(-1) - 1
+    assert float(text.abs().sum()) == 0 and float(image.sum()) == pytest.approx(1.0, abs=1e-6)
+    assert (hit // Wc).unique().numel() == 1 and hit.numel() == Wc
