@@ -135,13 +135,13 @@ def image_features(model, inp):
     return feats.reshape(-1, feats.shape[-1])
 
 
-def dependence(model, inp):
+def dependence(model, inp, n=None):
     """(T, n) bool over the vision tokens (CLS included): which image features change when one token of the
     projector's input is perturbed (the vision tower's output for InternVL, whose pixel shuffle comes before
     its projector): the model's own vision-to-language map."""
     base = image_features(model, inp)
     name = model.config.model_type
-    n = SIZES[name][1]
+    n = SIZES[name][1] if n is None else n
     first = 1 if name in ("vipllava", "internvl") else 0
     out = torch.zeros(base.shape[0], n, dtype=torch.bool)
     bump = 3.0 * torch.randn(4096, generator=torch.Generator().manual_seed(5))
@@ -582,3 +582,24 @@ def test_a_dominant_tile_token_or_newline_lands_on_its_place(name):
     hit = torch.nonzero(image[0]).reshape(-1) - 1
     assert float(text.abs().sum()) == 0 and float(image.sum()) == pytest.approx(1.0, abs=1e-6)
     assert (hit // Wc).unique().numel() == 1 and hit.numel() == Wc
+
+
+def test_mistral3_maps_a_non_square_image_on_its_own_grid():
+    """Pixtral takes the image at its own size: 32×48 pixels are an 8×12 patch grid, 4×6 merged tokens."""
+    from attnroll.explain.linked import compose_link
+
+    model = build("mistral3")
+    ids = torch.randint(3, 99, (1, 34), generator=torch.Generator().manual_seed(1))
+    ids[0, 2:26] = IMG
+    inp = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "pixel_values": torch.randn(1, 3, 32, 48),
+           "image_sizes": torch.tensor([[32, 48]])}
+    e = attnroll.explain(model, inp, "rollout")
+    assert e.grid == (8, 12) and float(e.extra["image_share"][0] + e.extra["text_share"][0]) == pytest.approx(1.0)
+    rec = attnroll.capture(model, inp)
+    link = rec.info["language"].link
+    dep = dependence(model, inp, n=96)
+    for j in (0, 7, 23):
+        row = torch.zeros(1, 34)
+        row[0, 2 + j] = 1.0
+        image, _, _ = compose_link(row, link, rec.stream_shape("vision"), lambda s, r, k: r.weights, "language")
+        assert torch.nonzero(image[0]).reshape(-1).tolist() == torch.nonzero(dep[j]).reshape(-1).tolist()
