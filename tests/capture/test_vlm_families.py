@@ -603,3 +603,28 @@ def test_mistral3_maps_a_non_square_image_on_its_own_grid():
         row[0, 2 + j] = 1.0
         image, _, _ = compose_link(row, link, rec.stream_shape("vision"), lambda s, r, k: r.weights, "language")
         assert torch.nonzero(image[0]).reshape(-1).tolist() == torch.nonzero(dep[j]).reshape(-1).tolist()
+
+
+@pytest.mark.parametrize("name", ["idefics3", "smolvlm"])
+def test_a_padded_view_is_mapped_on_the_image_s_own_patches(name):
+    """A 20×28-pixel image padded to 32×32 (pixel_attention_mask): the map lies on its 5×7 patches, the padding
+    patches' relevance on slot 0; the vision stream is still the model's own eager attention."""
+    model = build(name)
+    inp = prompt(name)
+    mask = torch.zeros(1, 1, 32, 32, dtype=torch.long)
+    mask[..., :20, :28] = 1
+    inp["pixel_values"] = inp["pixel_values"] * mask[:, :, None]
+    inp["pixel_attention_mask"] = mask
+    e = attnroll.explain(model, inp, "rollout")
+    plain = attnroll.explain(model, {k: v for k, v in inp.items() if k != "pixel_attention_mask"}, "rollout")
+    assert e.grid == (5, 7) and e.prefix == 1 and e.scores.shape == (1, 35)
+    assert float(e.extra["image_share"][0] + e.extra["text_share"][0]) == pytest.approx(1.0, abs=1e-5)
+    assert float(e.full_row[0].sum()) == pytest.approx(float(e.extra["image_share"][0]), abs=1e-6)
+    assert plain.grid == (8, 8)
+    rec = attnroll.capture(model, inp)
+    ref = eager_copy(model)
+    px = inp["pixel_values"].flatten(0, 1)
+    with torch.no_grad():
+        full = ref(**inp, output_attentions=True)
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(rec.streams["language"], full.attentions))
+    assert rec.streams["vision"][0].shape == (1, 4, 64, 64) and px.shape[0] == 1

@@ -259,6 +259,8 @@ class MappedVLMAdapter(VLMAdapter):
 
     def placement(self, record: AttentionRecord, inputs: dict[str, Any]) -> Placement | str | None:
         """Where the vision items lie on the user's images; None when each item is one image on its own grid."""
+        if self.model_type in ("idefics3", "smolvlm"):
+            return padded_views(inputs, self.model.config.vision_config.patch_size)
         if self.model_type != "mistral3":
             return None
         sizes = inputs.get("image_sizes")
@@ -325,6 +327,35 @@ TILING = {
     "aya_vision": "Aya Vision crops images into tiles plus a thumbnail (processor crop_to_patches=False gives one "
                   "view). ",
 }
+
+
+def padded_views(inputs: dict[str, Any], patch: int) -> Placement | str | None:
+    """Idefics3 / SmolVLM: an image smaller than the tower's input is padded at the bottom and right
+    (``pixel_attention_mask`` 0 there); the map is put on the image's own patches (a patch is real when any of its
+    pixels is, as the model's ``patch_attention_mask``), the padding patches on slot 0. None without padding."""
+    mask = inputs.get("pixel_attention_mask")
+    px = inputs.get("pixel_values")
+    if not isinstance(mask, torch.Tensor) or not isinstance(px, torch.Tensor) or bool(mask.all()):
+        return None
+    flat = px.flatten(0, 1) if px.ndim == 5 else px
+    real = (flat == 0).sum(dim=(-1, -2, -3)) != flat.shape[1:].numel()  # the model drops all-zero images
+    m = mask.reshape(-1, *mask.shape[-2:])[real].to(torch.bool)
+    H, W = m.shape[-2] // patch, m.shape[-1] // patch
+    patches = m[:, :H * patch, :W * patch].reshape(-1, H, patch, W, patch).any(dim=4).any(dim=2)
+    rows, cols = patches.any(dim=2).sum(dim=1), patches.any(dim=1).sum(dim=1)
+    if rows.unique().numel() != 1 or cols.unique().numel() != 1:
+        return "the images of this call have different sizes inside their padding: explain one image at a time"
+    h, w = int(rows[0]), int(cols[0])
+    if not bool(patches[:, :h, :w].all()) or int(patches.sum()) != patches.shape[0] * h * w:
+        return "pixel_attention_mask is not one top-left rectangle per image: the padding cannot be undone"
+    N = patches.shape[0]
+    r, c = torch.meshgrid(torch.arange(H), torch.arange(W), indexing="ij")
+    inside = (r < h) & (c < w)
+    cell = torch.where(inside, 1 + r * w + c, torch.zeros_like(r)).reshape(-1)
+    return Placement(image=torch.arange(N), item=torch.arange(N).repeat_interleave(H * W),
+                     token=torch.arange(H * W).repeat(N), cell=cell.repeat(N), weight=torch.ones(N * H * W),
+                     grid=(h, w), prefix=1, n_images=N,
+                     note="the image's own patches (pixel_attention_mask); slot 0: the padding patches")
 
 
 def direct_entries(where: torch.Tensor, newlines: list, prefix: int) -> tuple[torch.Tensor, ...]:
