@@ -628,3 +628,12 @@ def test_a_padded_view_is_mapped_on_the_image_s_own_patches(name):
         full = ref(**inp, output_attentions=True)
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(rec.streams["language"], full.attentions))
     assert rec.streams["vision"][0].shape == (1, 4, 64, 64) and px.shape[0] == 1
+
+
+def test_an_anyres_explanation_saves_and_loads(tmp_path):
+    model = build_anyres("llava_next")
+    e = attnroll.explain(model, anyres_inputs("llava_next", model), "rollout")
+    back = attnroll.Explanation.load(e.save(tmp_path / "anyres.npz"))
+    assert back.grid == e.grid and torch.equal(back.scores, e.scores) and back.as_grid().shape == (1, *e.grid)
+    assert torch.equal(back.extra["newline_share"], e.extra["newline_share"])
+    assert back.extra["placement"] == e.extra["placement"]
