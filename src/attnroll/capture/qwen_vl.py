@@ -41,8 +41,8 @@ from .qwen_family import REFUSAL, TYPES, is_qwen_vl, qwen_facts, towers
 from .recompute import _arguments, _signature, kernel_inputs
 from .transformers_private import wrap_attention_interface
 
-__all__ = ["TYPES", "is_qwen_vl", "towers", "QwenRecord", "Geometry", "capture_qwen_vl", "attach_gradients", "vision_layers",
-           "qwen_facts", "REFUSAL"]
+__all__ = ["TYPES", "is_qwen_vl", "towers", "QwenRecord", "Geometry", "capture_qwen_vl", "attach_gradients",
+           "vision_layers", "qwen_facts", "REFUSAL"]
 
 @dataclass
 class Geometry:
