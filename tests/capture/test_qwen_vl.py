@@ -265,3 +265,25 @@ def test_the_explanation_saves_and_loads(tmp_path):
     back = attnroll.Explanation.load(e.save(tmp_path / "qwen.npz"))
     assert back.grid == (8, 8) and torch.equal(back.scores, e.scores)
     assert np.allclose(np.asarray(back.extra["image_maps"][0][0]), e.extra["image_maps"][0][0].numpy())
+
+
+def _pad(x, n):
+    return torch.nn.functional.pad(x, (0, n - x.shape[1]))
+
+
+@pytest.mark.parametrize("method", ["rollout", "gae"])
+def test_a_padded_batch_of_prompts_equals_each_prompt_alone(method):
+    model = sharp(qwen25())
+    a, b = prompt(model, seed=1), prompt(model, grids=((1, 4, 8),), seed=2)
+    n = a["input_ids"].shape[1]
+    both = {k: torch.cat([_pad(a[k], n), _pad(b[k], n)]) for k in ("input_ids", "attention_mask", "mm_token_type_ids")}
+    both.update(pixel_values=torch.cat([a["pixel_values"], b["pixel_values"]]),
+                image_grid_thw=torch.cat([a["image_grid_thw"], b["image_grid_thw"]]))
+    e = attnroll.explain(model, both, method, target=5)
+    assert e.extra["image_grids"] == [[[8, 8]], [[4, 8]]] and e.scores.shape == (2, 64)
+    for i, one in enumerate((a, b)):
+        alone = attnroll.explain(model, one, method, target=5)
+        m = one["input_ids"].shape[1]
+        assert torch.allclose(e.extra["image_maps"][i][0], alone.extra["image_maps"][0][0], atol=1e-6)
+        assert torch.allclose(e.extra["text_scores"][i, :m], alone.extra["text_scores"][0], atol=1e-6)
+        assert float(e.extra["text_scores"][i, m:].abs().sum()) == 0
