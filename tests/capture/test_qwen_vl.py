@@ -257,6 +257,27 @@ def test_refusals_say_why():
     text["mm_token_type_ids"] = torch.zeros_like(text["input_ids"])
     with pytest.raises(ValueError, match="no image"):
         attnroll.explain(model, text, "rollout")
+    with pytest.raises(ValueError, match="video"):
+        attnroll.explain(model, dict(inp, pixel_values_videos=inp["pixel_values"]), "rollout")
+
+
+def test_the_model_is_left_as_it_was():
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from attnroll.capture.transformers_private import sdpa_kernel
+
+    from .helpers import snapshot
+
+    model = qwen25().train()
+    model.model.visual.blocks[1].eval()
+    before, params = snapshot(model), {k: v.clone() for k, v in model.state_dict().items()}
+    grads = {k: p.requires_grad for k, p in model.named_parameters()}
+    for method in ("rollout", "gae"):
+        attnroll.explain(model, prompt(model), method)
+    assert snapshot(model) == before and {k: p.requires_grad for k, p in model.named_parameters()} == grads
+    assert all(torch.equal(params[k], v) for k, v in model.state_dict().items())
+    assert ALL_ATTENTION_FUNCTIONS.get_interface("sdpa", None) is sdpa_kernel()
+    assert attnroll.capture.model_facts(model).stream_inputs == {"vision": "pixel_values", "language": "input_ids"}
 
 
 def test_the_explanation_saves_and_loads(tmp_path):
