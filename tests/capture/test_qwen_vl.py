@@ -69,10 +69,11 @@ def prompt(model, grids=((1, 8, 8),), n_text=6, seed=1):
             "image_grid_thw": torch.tensor(grids)}
 
 
-def own_vision_attention(model, inp):
+def own_vision_attention(model, inp, *, in_graph=False):
     """Per vision layer the dense (H, N, N) probabilities computed here from what each attention module received
     (its own qkv projection and rotary function, softmax(q·kᵀ/√d) per chunk of its cu_seqlens), and whether
-    proj(P·v) reproduced the module's output."""
+    proj(P·v) reproduced the module's output. ``in_graph``: float32, and the module's output replaced by
+    proj(P·v), so that the model's output is computed from these P (their .grad after a backward)."""
     visual = model.model.visual
     out, ok = [], []
 
@@ -81,22 +82,29 @@ def own_vision_attention(model, inp):
         n = x.shape[0]
         q, k, v = module.qkv(x).reshape(n, 3, module.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
         q, k = sys.modules[type(module).__module__].apply_rotary_pos_emb_vision(q, k, cos, sin)
-        q, k, v = (t.transpose(0, 1).double() for t in (q, k, v))  # (H, N, d)
-        P = torch.zeros(q.shape[0], n, n, dtype=torch.float64)
+        dt = torch.float32 if in_graph else torch.float64
+        q, k, v = (t.transpose(0, 1).to(dt) for t in (q, k, v))  # (H, N, d)
+        blocks = [torch.zeros(q.shape[0], n, n, dtype=dt)]
         for s, e in zip(cu[:-1].tolist(), cu[1:].tolist()):
-            P[:, s:e, s:e] = torch.softmax(q[:, s:e] @ k[:, s:e].transpose(-1, -2) / q.shape[-1] ** 0.5, dim=-1)
+            blocks.append(torch.nn.functional.pad(
+                torch.softmax(q[:, s:e] @ k[:, s:e].transpose(-1, -2) / q.shape[-1] ** 0.5, dim=-1),
+                (s, n - e, s, n - e)))
+        P = sum(blocks)
         y = module.proj((P @ v).transpose(0, 1).reshape(n, -1).float())
+        if in_graph:
+            P.retain_grad()
         out.append(P)
         ok.append(torch.allclose(y, output, atol=1e-5))
+        return y if in_graph else None
 
     handles = [b.attn.register_forward_hook(hook, with_kwargs=True) for b in visual.blocks]
     try:
-        with torch.no_grad():
-            model(**inp)
+        with torch.enable_grad() if in_graph else torch.no_grad():
+            outputs = model(**inp)
     finally:
         for h in handles:
             h.remove()
-    return out, ok
+    return (out, ok, outputs) if in_graph else (out, ok)
 
 
 def language_attention(model, inp):
@@ -308,3 +316,37 @@ def test_a_padded_batch_of_prompts_equals_each_prompt_alone(method):
         assert torch.allclose(e.extra["image_maps"][i][0], alone.extra["image_maps"][0][0], atol=1e-6)
         assert torch.allclose(e.extra["text_scores"][i, :m], alone.extra["text_scores"][0], atol=1e-6)
         assert float(e.extra["text_scores"][i, m:].abs().sum()) == 0
+
+
+def naive_gae(atts, grads):
+    """R = Π (I + mean_h((dy/dA ⊙ A)^+)) written out, layers (H, n, n) first to last."""
+    n = atts[0].shape[-1]
+    R = torch.eye(n, dtype=torch.float64)
+    for a, g in zip(atts, grads):
+        R = R + (a.detach().double() * g.double()).clamp(min=0).mean(dim=0) @ R
+    return R
+
+
+def test_gae_equals_a_naive_composition_on_dense_gradients():
+    """The language model's eager attentions and the vision tower's per-chunk probabilities, both put in the
+    model's graph here, differentiated by autograd; gae written out on them and composed through the 2×2
+    merger and the window order."""
+    model = sharp(qwen25())
+    inp = prompt(model)
+    e = attnroll.explain(model, inp, "gae", target=5)
+    ref = copy.deepcopy(model)
+    for c in (ref.config, ref.config.vision_config, ref.config.text_config):
+        c._attn_implementation = "eager"
+    vision, _, outputs = own_vision_attention(ref, dict(inp, output_attentions=True), in_graph=True)
+    lang = list(outputs.attentions)
+    grads = torch.autograd.grad(outputs.logits[0, -1, 5], lang + vision)
+    row = naive_gae([a[0] for a in lang], [g[0] for g in grads[:len(lang)]])[-1]
+    R_v = naive_gae(vision, grads[len(lang):])
+    geo = capture_qwen_vl(model, inp).geometry
+    positions = (inp["input_ids"][0] == IMG).nonzero()[:, 0]
+    tower = sum(row[p] / 4 * R_v[src] for k, p in enumerate(positions.tolist()) for src in geo.units[k].tolist())
+    tower = tower * float(row[positions].sum()) / float(tower.sum())  # the map sums to the image tokens' share
+    want = torch.zeros(64, dtype=torch.float64)
+    want[geo.hw[:, 0] * 8 + geo.hw[:, 1]] = tower[geo.tower_of]
+    assert torch.allclose(e.extra["language_row"][0].double(), row, rtol=1e-4, atol=1e-6)
+    assert torch.allclose(e.scores[0].double(), want, rtol=1e-4, atol=1e-6)
