@@ -263,8 +263,9 @@ def test_refusals_say_why():
     text = {k: v for k, v in inp.items() if k not in ("pixel_values", "image_grid_thw")}
     text["input_ids"] = torch.where(text["input_ids"] == IMG, 7, text["input_ids"])
     text["mm_token_type_ids"] = torch.zeros_like(text["input_ids"])
-    with pytest.raises(ValueError, match="no image"):
-        attnroll.explain(model, text, "rollout")
+    alone = attnroll.explain(model, text, "rollout")  # no image: the prompt's tokens, as a language model
+    row = naive_rollout(language_attention(model, text))[-1]
+    assert alone.grid is None and torch.allclose(alone.scores[0].double(), row, atol=1e-5)
     with pytest.raises(ValueError, match="video"):
         attnroll.explain(model, dict(inp, pixel_values_videos=inp["pixel_values"]), "rollout")
 

@@ -106,6 +106,8 @@ def explain_qwen_vl(ctx: Context, opts: dict) -> Explanation:
     if grad:
         attach_gradients(rec, y)
     row = _language_row(ctx, rec, readout, rule, a, c, renorm, name, opts)
+    if rec.geometry is None:  # no image in the call: the prompt's tokens alone
+        return _text(ctx, rec, row, readout, target)
     return _build(ctx, rec, row, readout, target, _vision_fn(rec, rule, a, c, renorm, raw=name == "raw"))
 
 
@@ -185,9 +187,6 @@ def _build(ctx: Context, rec: QwenRecord, row: torch.Tensor, readout: Readout, t
     B, n = row.shape
     if rec.mask is not None:
         row = torch.where(rec.mask.bool(), row, torch.zeros(()))
-    if rec.geometry is None:
-        raise ValueError(f"{type(ctx.model).__name__}: the prompt has no image (no pixel_values / image_grid_thw), "
-                         "so there is no image map to compose")
     maps, totals = _image_maps(rec, row, carry)
     geo = rec.geometry
     K, m = geo.units.shape
@@ -216,4 +215,18 @@ def _build(ctx: Context, rec: QwenRecord, row: torch.Tensor, readout: Readout, t
         method=ctx.method.name, options={**ctx.options, "attention": "recompute"}, target=target,
         positions=readout.positions(), extra=extra, readout=readout.describe(),
         readout_weights=readout.weights.detach().cpu(),
+    )
+
+
+def _text(ctx: Context, rec: QwenRecord, row: torch.Tensor, readout: Readout, target: Any) -> Explanation:
+    """A call without an image: the language row over the prompt's tokens (padding 0)."""
+    if rec.mask is not None:
+        row = torch.where(rec.mask.bool(), row, torch.zeros(()))
+    tok = ctx.tokenizer
+    return Explanation(
+        scores=row.clone(), full_row=row, tokens=None if tok is None else [
+            tok.convert_ids_to_tokens(ids) for ids in rec.input_ids.tolist()],
+        method=ctx.method.name, options={**ctx.options, "attention": "recompute"}, target=target,
+        positions=readout.positions(), attention_mask=rec.mask, extra={"language_row": row},
+        readout=readout.describe(), readout_weights=readout.weights.detach().cpu(),
     )
