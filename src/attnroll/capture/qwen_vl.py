@@ -36,9 +36,9 @@ from torch import nn
 from .. import _checks
 from .._modes import eval_mode, params_require_grad
 from ..core.chunked import ChunkedLayer, split_call
-from ..core.operators import KernelInputs
+from ..core.operators import KernelInputs, whole_size
 from .qwen_family import REFUSAL, TYPES, is_qwen_vl, qwen_facts, towers
-from .recompute import _arguments, _signature, kernel_inputs
+from .recompute import LseWatch, _arguments, _signature, kernel_inputs
 from .transformers_private import wrap_attention_interface
 
 __all__ = ["TYPES", "is_qwen_vl", "towers", "QwenRecord", "Geometry", "capture_qwen_vl", "attach_gradients",
@@ -119,7 +119,12 @@ class _Recorder:
             bound = sig.bind(module, *args, **kwargs) if sig is not None else None
             arguments = _arguments(bound, args, kwargs)
             layer = kernel_inputs(module, impl, arguments, self.keep_grad)
-            out = kernel(module, *args, **kwargs)
+            if whole_size(layer) or arguments.get("cu_seq_lens_q") is not None:
+                out = kernel(module, *args, **kwargs)
+            else:  # the fused kernel's own row log-sum-exp, which SDPA drops (see recompute.LseWatch)
+                with LseWatch() as watch:
+                    out = kernel(module, *args, **kwargs)
+                layer.lse = watch.lse(layer.shape)
             o = out[0] if isinstance(out, (tuple, list)) else out
             cu = arguments.get("cu_seq_lens_q")
             self.calls[where[0]][where[1]].append((layer, o, None if cu is None else [int(x) for x in cu.tolist()]))

@@ -62,12 +62,14 @@ class ChunkedLayer:
 
 def split_call(layer: KernelInputs, bounds: Sequence[int], offset: int) -> list[Chunk]:
     """One kernel call over several chunks at once (a varlen kernel's ``cu_seqlens``: ``bounds`` relative to the
-    call) cut into its chunks; q, k, v and grad_out are sliced along the token axis."""
+    call) cut into its chunks; q, k, v and grad_out are sliced along the token axis (the kernel's row
+    log-sum-exp is kept when the call is one chunk)."""
     out = []
+    whole = list(bounds) == [0, layer.shape[2]]
     for s, e in zip(bounds[:-1], bounds[1:]):
         if e <= s:
             continue
-        part = replace(layer, q=layer.q[:, :, s:e], k=layer.k[:, :, s:e], lse=None,
+        part = replace(layer, q=layer.q[:, :, s:e], k=layer.k[:, :, s:e], lse=layer.lse if whole else None,
                        v=None if layer.v is None else layer.v[:, :, s:e],
                        grad_out=None if layer.grad_out is None else layer.grad_out[:, :, s:e])
         out.append(Chunk(offset + s, offset + e, part))
