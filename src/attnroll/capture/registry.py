@@ -21,6 +21,7 @@ from .anatomy_parts import BlockKind
 from .cait import CaitAdapter, is_cait
 from .hf import HFAdapter, hf_facts, is_hf_model
 from .hooks import Adapter, set_supported_families
+from .qwen_family import is_qwen_vl, qwen_facts, refuse_dense
 from .record import ModelFacts
 from .sentence_transformers import is_sentence_transformer, transformer_of
 from .sentence_transformers import make_adapter as make_st_adapter
@@ -259,6 +260,41 @@ SWIN = Family(
     refused=("Swin2SR and timm `swinv2_cr_*` (windows without the Swin adapter)",),
 )
 
+
+def _qwen(model_type: str) -> Callable[[nn.Module], bool]:
+    return lambda model: is_qwen_vl(model) and model.config.model_type == model_type
+
+
+_QWEN_STREAMS = ("vision (its kernels' q/k per image chunk of `cu_seqlens`, probabilities recomputed matrix-free), "
+                 "language; no dense record: `capture` refuses, `explain` composes")
+_QWEN_READOUT = ("language: last real token (`position=`: a generated token's row); image tokens found from "
+                 "`image_token_id`, each spread over its 2×2 patches (¼ each, a convention), rolled out through the "
+                 "vision tower onto each image's `grid_thw` patch grid (several images per prompt: one map each); "
+                 "`rollout`, `raw`, `grad_rollout`, `gae`, the rest refuse")
+
+
+def _qwen_family(name: str, model_type: str, models: str, streams: str, readout: str) -> Family:
+    return Family(
+        name=name, detect=_qwen(model_type), adapter=refuse_dense, facts=qwen_facts,
+        supported=f"transformers {models} (explain only: vision tower recomputed per chunk, composed with the "
+                  "language model)",
+        readout="the language model's last real token; composition in explain.qwen_vl (capture.qwen_vl)",
+        methods=("attention", "gradient", "matrix-free"),
+        models=(Models(models=f"transformers {models} (vision-language)", streams=streams, prefix="0",
+                       readout=readout),),
+    )
+
+
+QWEN2_VL = _qwen_family("qwen2-vl", "qwen2_vl", "Qwen2-VL", _QWEN_STREAMS, _QWEN_READOUT)
+QWEN2_5_VL = _qwen_family(
+    "qwen2.5-vl", "qwen2_5_vl", "Qwen2.5-VL", _QWEN_STREAMS.replace("per image chunk", "per window (per image in "
+                                                                   "`fullatt_block_indexes`)"),
+    _QWEN_READOUT.replace("rolled out", "window order undone, rolled out"))
+QWEN3_VL = _qwen_family(
+    "qwen3-vl", "qwen3_vl", "Qwen3-VL", _QWEN_STREAMS,
+    _QWEN_READOUT.replace("rolled out", "split equally between the final merger and each deepstack merger (entering "
+                                        "the tower at the layer it reads), rolled out"))
+
 TRANSFORMERS = Family(
     name="transformers", detect=is_hf_model, adapter=_transformers_adapter, facts=_transformers_facts,
     blocks=hf_anatomy.BLOCKS,
@@ -330,7 +366,7 @@ TRANSFORMERS = Family(
     ),
     refused=(
         "SegFormer / PVT / Hiera / Funnel / Canine (token count changes between layers)",
-        "block-sparse BigBird", "Qwen2-VL / Qwen2.5-VL (its vision attention returns no weights)",
+        "block-sparse BigBird",
         "LLaVA-NeXT-Video (video frames pooled)",
         *VLM_REFUSED,
         "DiffLlama (differential attention: softmax₁ − λ·softmax₂ is no row-stochastic matrix)",
@@ -386,8 +422,9 @@ TORCH = Family(
 )
 
 #: Every family, in the order ``capture`` tries them: sentence-transformers before the transformers model it
-#: wraps, Swin (transformers or timm) before both, CaiT before the other timm models.
-FAMILIES: tuple[Family, ...] = (SENTENCE_TRANSFORMERS, SWIN, TRANSFORMERS, CAIT, TIMM, TORCH)
+#: wraps, Swin (transformers or timm) and Qwen VLs before both, CaiT before the other timm models.
+FAMILIES: tuple[Family, ...] = (SENTENCE_TRANSFORMERS, SWIN, QWEN2_VL, QWEN2_5_VL, QWEN3_VL, TRANSFORMERS, CAIT, TIMM,
+                                TORCH)
 
 #: Any other model: the generic path (``capture(model, inputs, modules=..., to_probs=...)``), README's row.
 GENERIC = Models(models="anything else", streams="`capture(model, inputs, modules=..., to_probs=...)`", prefix="0",

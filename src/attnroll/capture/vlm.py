@@ -17,10 +17,9 @@ projected features of image 0, then image 1, ...). Per image the projector reads
   composition, with the reason.
 - PaliGemma: the last hidden state of its SigLIP tower, every token (SigLIP has no CLS).
 
-Refused with the reason: Qwen2-VL / Qwen2.5-VL (the vision attention returns no weights: one kernel call per
-image chunk of ``cu_seqlens`` whose probabilities it drops; its merger folds 2×2 patches; Qwen2.5-VL also
-windows), LLaVA-NeXT / OneVision / NeXT-Video (any-resolution tiles unpadded and interleaved with learned
-newline tokens: image tokens are not one grid), and other VLMs (projectors that pool or resample tokens).
+Qwen2-VL / Qwen2.5-VL / Qwen3-VL have their own adapter (``capture/qwen_vl.py``). Refused with the reason:
+LLaVA-NeXT-Video (its video frames are pooled). The VLMs whose image tokens mix vision tokens (pixel shuffle,
+pooling, tiles) are mapped in ``capture/vlm_maps.py`` and ``capture/vlm_tiles.py``.
 """
 
 from __future__ import annotations
@@ -38,19 +37,12 @@ from .record import AttentionRecord, ModelFacts, StreamInfo, StreamLink, resolve
 #: The families composed here.
 COMPOSED = ("llava", "paligemma")
 
-_QWEN = (
-    "its vision attention (VisionAttention) returns no probabilities: it runs one attention kernel per image "
-    "chunk of cu_seqlens and keeps only the output, so there is no eager matrix to capture; its PatchMerger also "
-    "folds each 2x2 block of patches into one language token"
-)
 _ANYRES = (
     "its any-resolution input splits each image into tiles whose features are unpadded and interleaved with a "
     "learned newline token per row, so the image tokens are not one patch grid of the vision tower"
 )
 #: VLM families refused, with the reason.
 REFUSED = {
-    "qwen2_vl": _QWEN,
-    "qwen2_5_vl": _QWEN + "; Qwen2.5-VL also attends inside windows in most vision layers",
     "llava_next_video": _ANYRES + " (and its video frames are pooled)",
 }
 

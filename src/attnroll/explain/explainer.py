@@ -11,6 +11,7 @@ from typing import Any, Iterator
 
 from torch import nn
 
+from . import qwen_vl
 from .context import Context
 from .explanation import Explanation
 from .options import COMMON_OPTIONS, check_options
@@ -100,6 +101,8 @@ class Prepared:
         if m.needs_grad:
             require_grad_mode(m.name)
         ctx = Context(self.model, inputs, target, m, opts, self.tokenizer, memo=self.memo)
+        if qwen_vl.applies(self.model):  # composed on its own matrix-free route (chunked vision attention)
+            return qwen_vl.explain_qwen_vl(ctx, opts)
         return m.fn(ctx, **{k: v for k, v in opts.items() if k not in COMMON_OPTIONS})
 
 
