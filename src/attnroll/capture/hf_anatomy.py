@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from .anatomy_parts import BlockKind, HeadReader, block_scale, fused, heads_of, norms, probe_residual, proj, real_module
-from .layers import LayerAnatomy
+from .layers import Experts, LayerAnatomy, Proj
 
 __all__ = ["BLOCKS", "hf_head"]
 
@@ -94,12 +94,62 @@ def _llama(i: int, path: str, m: nn.Module) -> LayerAnatomy:
     att = m.self_attn
     heads, kv = heads_of(att)
     q, k, v, o = (proj(m, f"self_attn.{n}_proj") for n in ("q", "k", "v", "o"))
+    experts = _experts(m)
+    if experts is not None:  # a mixture of experts: fc1 / gate / fc2 are its first expert's (the widths)
+        (fc1, gate, fc2), act = experts.routed[0], experts.act
+    else:
+        fc1, gate, fc2, act = proj(m, "mlp.up_proj"), proj(m, "mlp.gate_proj"), proj(m, "mlp.down_proj"), m.mlp.act_fn
     return LayerAnatomy(
         index=i, module=m, path=path, attention=att, q=q, k=k, v=v, o=o, heads=heads, kv_heads=kv,
         pre_norm=True, norm1=m.input_layernorm, norm2=m.post_attention_layernorm,
         norms=norms(m, ("input_layernorm", "post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm")),
-        fc1=proj(m, "mlp.up_proj"), act=m.mlp.act_fn, fc2=proj(m, "mlp.down_proj"), gate=proj(m, "mlp.gate_proj"),
+        fc1=fc1, act=act, fc2=fc2, gate=gate, experts=experts,
     )
+
+
+def _has_experts(m: nn.Module) -> bool:
+    """A block whose ``mlp`` routes tokens to experts stored as (E, ...) stacks (``mlp.experts.gate_up_proj``)."""
+    return isinstance(getattr(getattr(getattr(m, "mlp", None), "experts", None), "gate_up_proj", None), nn.Parameter)
+
+
+def _clamped_glu(limit: float, alpha: float):
+    """GPT-OSS's gate activation: g ↦ min(g, limit) · sigmoid(alpha · min(g, limit))."""
+    def act(g: torch.Tensor) -> torch.Tensor:
+        g = g.clamp(max=limit)
+        return g * torch.sigmoid(g * alpha)
+    return act
+
+
+def _experts(m: nn.Module) -> Experts | None:
+    """The mixture of experts of a Llama-style block (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GPT-OSS), or None
+    for a dense MLP. Experts are stored as stacks: ``gate_up_proj`` (E, 2f, d) with the gate rows first, and
+    ``down_proj`` (E, d, f); GPT-OSS's are (E, d, 2f) with gate and up interleaved (even / odd columns), with
+    biases, and clamp both before its gate (min(g, limit) · sigmoid(α · min(g, limit))) and up path
+    (clamp(u, ±limit) + 1). The router is ``mlp.gate`` (``mlp.router`` for GPT-OSS); Qwen2-MoE adds a shared
+    expert scaled by sigmoid(``shared_expert_gate``(h))."""
+    if not _has_experts(m):
+        return None
+    mlp, ex = m.mlp, m.mlp.experts
+    oss = hasattr(ex, "limit") and hasattr(ex, "alpha") and hasattr(ex, "gate_up_proj_bias")
+    f = ex.gate_up_proj.shape[2 if oss else 1] // 2
+    gate_rows, up_rows = (slice(0, None, 2), slice(1, None, 2)) if oss else (slice(0, f), slice(f, 2 * f))
+    up_bias, down_bias = ("gate_up_proj_bias", "down_proj_bias") if oss else (None, None)
+
+    def one(e: int) -> tuple[Proj, Proj, Proj]:
+        up, gate = (Proj(module=ex, path="mlp.experts", weight="gate_up_proj", bias=up_bias, rows=rows, expert=e,
+                         in_out=oss) for rows in (up_rows, gate_rows))
+        return up, gate, Proj(module=ex, path="mlp.experts", weight="down_proj", bias=down_bias, expert=e, in_out=oss)
+
+    shared = ()
+    if isinstance(getattr(mlp, "shared_expert", None), nn.Module):
+        shared = ((proj(m, "mlp.shared_expert.up_proj"), proj(m, "mlp.shared_expert.gate_proj"),
+                   proj(m, "mlp.shared_expert.down_proj")),)
+    router = proj(m, "mlp.router" if oss else "mlp.gate")
+    act = _clamped_glu(float(ex.limit), float(ex.alpha)) if oss else ex.act_fn
+    up_act = (lambda u, lim=float(ex.limit): u.clamp(-lim, lim)) if oss else None
+    return Experts(module=mlp, path="mlp", source=ex, routed=tuple(one(e) for e in range(ex.gate_up_proj.shape[0])),
+                   shared=shared, shared_gate=getattr(mlp, "shared_expert_gate", None) if shared else None,
+                   router=(router,), act=act, up_act=up_act, up_offset=1.0 if oss else 0.0)
 
 
 def _beit(i: int, path: str, m: nn.Module) -> LayerAnatomy:
@@ -270,8 +320,8 @@ def _is_gpt2(m: nn.Module) -> bool:
 
 
 def _is_llama(m: nn.Module) -> bool:
-    return hasattr(m, "input_layernorm") and hasattr(getattr(m, "self_attn", None), "v_proj") and hasattr(
-        getattr(m, "mlp", None), "gate_proj")
+    return hasattr(m, "input_layernorm") and hasattr(getattr(m, "self_attn", None), "v_proj") and (
+        hasattr(getattr(m, "mlp", None), "gate_proj") or _has_experts(m))
 
 
 # ------------------------------------------------------------------------------------------- heads
