@@ -235,3 +235,15 @@ def test_sanity_redraws_every_expert_and_the_router():
     names = {n for n, _, _ in component_parameters(layer, "mlp")}
     assert {"mlp.experts.gate_up_proj", "mlp.experts.down_proj", "mlp.gate.weight",
             "mlp.shared_expert_gate.weight", "mlp.shared_expert.up_proj.weight"} <= names
+
+
+@pytest.mark.parametrize("version", ["DeepseekV2", "DeepseekV3"])
+def test_deepseek_multi_head_latent_attention_is_refused_naming_it(version):
+    cfg = getattr(T, f"{version}Config")(
+        vocab_size=30, hidden_size=16, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+        intermediate_size=12, moe_intermediate_size=8, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+        topk_group=1, kv_lora_rank=8, q_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=4,
+        first_k_dense_replace=1)
+    m = getattr(T, f"{version}ForCausalLM")(cfg).eval()
+    with pytest.raises(UnsupportedModelError, match="multi-head latent attention: its values are kv_b_proj"):
+        attnroll.explain(m, _inputs(), "alti")

@@ -74,6 +74,8 @@ def layer_anatomy(block: nn.Module, index: int = 0, path: str = "") -> LayerAnat
     try:
         layer = kind.build(index, path, block)
     except (AttributeError, TypeError, ValueError) as e:
+        if kind.refused:  # a block kind recognised only to be refused, naming why
+            raise _checks.UnsupportedModelError(f"{name} ({kind.label}): {kind.refused}") from None
         raise _checks.UnsupportedModelError(
             f"{name} looks like a {kind.name} block but lacks a part the layer anatomy reads ({e}). "
             f"Known families: {KNOWN_FAMILIES}"

@@ -10,7 +10,9 @@ by the model's class name), and the heads of the transformers models whose logit
 * GPT-2 (``ln_1``, fused ``attn.c_attn`` / ``attn.c_proj`` as Conv1D, ``ln_2``, ``mlp.c_fc`` / ``c_proj``):
   pre-norm;
 * Llama family (``input_layernorm`` / ``post_attention_layernorm`` RMSNorms, ``self_attn.{q,k,v,o}_proj``
-  with grouped KV heads, gated ``mlp.{gate,up,down}_proj``): pre-norm;
+  with grouped KV heads, gated ``mlp.{gate,up,down}_proj``): pre-norm; with a mixture of experts as its MLP
+  (``mlp.experts`` stacks and a router: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GPT-OSS) :attr:`LayerAnatomy.experts`;
+* DeepSeek-V2 / V3 (multi-head latent attention, ``self_attn.kv_b_proj``): recognised and refused, naming why;
 * BEiT (the ViT names plus block-level ``lambda_1`` / ``lambda_2`` scales) and Data2Vec-Vision
   (``attention.attention.{query,key,value}``, ``layernorm_before`` / ``layernorm_after``, λ scales): pre-norm;
 * CLIP / SigLIP encoder layers, vision and text (``layer_norm1``, ``self_attn.{q,k,v,out}_proj``,
@@ -319,6 +321,21 @@ def _is_gpt2(m: nn.Module) -> bool:
     return hasattr(m, "ln_1") and type(c_attn).__name__ == "Conv1D" and hasattr(m, "mlp")
 
 
+def _is_mla(m: nn.Module) -> bool:
+    return hasattr(m, "input_layernorm") and hasattr(getattr(m, "self_attn", None), "kv_b_proj")
+
+
+def _not_described(i: int, path: str, m: nn.Module) -> LayerAnatomy:
+    """A block kind recognised only to be refused (its ``refused`` text says why)."""
+    raise ValueError(f"{type(m).__name__} is not described")
+
+
+_MLA_REFUSED = (
+    "multi-head latent attention: its values are kv_b_proj(RMSNorm(kv_a_proj_with_mqa(x))), a value path with a norm "
+    "inside (kv_a_layernorm) that the value-aware maths, which read one value projection per head, do not model; "
+    "the attention methods ('rollout', 'grad_rollout', ...) read it")
+
+
 def _is_llama(m: nn.Module) -> bool:
     return hasattr(m, "input_layernorm") and hasattr(getattr(m, "self_attn", None), "v_proj") and (
         hasattr(getattr(m, "mlp", None), "gate_proj") or _has_experts(m))
@@ -409,7 +426,12 @@ BLOCKS = (
     BlockKind(name="gpt2", matches=_is_gpt2, build=_gpt2, parts="attn.c_attn + ln_1 (GPT-2)",
               label="GPT-2 decoders", value_aware="GPT-2 (pre-LN)", head=_reads_head("gpt2")),
     BlockKind(name="llama", matches=_is_llama, build=_llama,
-              parts="self_attn.{q,k,v,o}_proj + input_layernorm + mlp.gate_proj (Llama)",
-              label="Llama-family decoders", value_aware="Llama-family decoders (RMSNorm, grouped KV)",
+              parts="self_attn.{q,k,v,o}_proj + input_layernorm + mlp.gate_proj or mlp.experts (Llama)",
+              label="Llama-family decoders (dense or mixture-of-experts MLPs)",
+              value_aware="Llama-family decoders (RMSNorm, grouped KV; mixture-of-experts MLPs: Mixtral, Qwen2-MoE, "
+                          "Qwen3-MoE, OLMoE, GPT-OSS)",
               head=_reads_head("llama")),
+    BlockKind(name="deepseek-mla", matches=_is_mla, build=_not_described,
+              parts="self_attn.kv_b_proj + input_layernorm (DeepSeek-V2 / V3)",
+              label="DeepSeek-V2 / V3 multi-head latent attention, refused", refused=_MLA_REFUSED),
 )

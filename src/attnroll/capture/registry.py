@@ -293,6 +293,12 @@ TRANSFORMERS = Family(
                readout="CLS, or the last real token when causal"),
         Models(models="transformers GPT-2, Llama-family, TimesFM (causal)", streams="self", prefix="0",
                readout="last real token (causal by the attention modules' own flag too)"),
+        Models(models="transformers Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GPT-OSS (mixture-of-experts decoders)",
+               streams="self", prefix="0",
+               readout="last real token; the value-aware methods read the MLP as the weighted sum of the experts "
+                       "each token's router chose, its weights held at the forward's (plus Qwen2-MoE's gated shared "
+                       "expert); GPT-OSS's attention sinks take a share of each row, which the dense capture "
+                       "refuses: its value-aware maps need sinks that take none"),
         Models(models="transformers Wav2Vec2, HuBERT, WavLM", streams="self", prefix="0",
                readout="mean of the frames (gradients refused for WavLM: they never reach its returned weights)"),
         Models(models="transformers CLIP, MetaCLIP 2, OWL-ViT, OWLv2", streams="vision, text", prefix="1 (vision)",
@@ -316,6 +322,7 @@ TRANSFORMERS = Family(
         "block-sparse BigBird", "Qwen2-VL / Qwen2.5-VL (its vision attention returns no weights)",
         "LLaVA-NeXT / OneVision (any-resolution tiles with newline tokens: no one grid)",
         "DiffLlama (differential attention: softmax₁ − λ·softmax₂ is no row-stochastic matrix)",
+        "DeepSeek-V2 / V3 for the value-aware methods (multi-head latent attention: a norm inside the value path)",
         "ViLT (text tokens + image CLS + patches sampled in a random order in one sequence)",
     ),
     obstacles=TRANSFORMERS_OBSTACLES,
