@@ -12,7 +12,8 @@ by the model's class name), and the heads of the transformers models whose logit
 * Llama family (``input_layernorm`` / ``post_attention_layernorm`` RMSNorms, ``self_attn.{q,k,v,o}_proj``
   with grouped KV heads, gated ``mlp.{gate,up,down}_proj``): pre-norm; with a mixture of experts as its MLP
   (``mlp.experts`` stacks and a router: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GPT-OSS) :attr:`LayerAnatomy.experts`;
-* DeepSeek-V2 / V3 (multi-head latent attention, ``self_attn.kv_b_proj``): recognised and refused, naming why;
+* DeepSeek-V2 / V3 (multi-head latent attention, ``self_attn.kv_b_proj``) and DiffLlama (differential attention,
+  ``self_attn.lambda_q1``): recognised and refused, naming why;
 * BEiT (the ViT names plus block-level ``lambda_1`` / ``lambda_2`` scales) and Data2Vec-Vision
   (``attention.attention.{query,key,value}``, ``layernorm_before`` / ``layernorm_after``, λ scales): pre-norm;
 * CLIP / SigLIP encoder layers, vision and text (``layer_norm1``, ``self_attn.{q,k,v,out}_proj``,
@@ -336,6 +337,17 @@ _MLA_REFUSED = (
     "the attention methods ('rollout', 'grad_rollout', ...) read it")
 
 
+def _is_differential(m: nn.Module) -> bool:
+    return hasattr(m, "input_layernorm") and hasattr(getattr(m, "self_attn", None), "lambda_q1")
+
+
+_DIFF_REFUSED = (
+    "differential attention: each head pair mixes its values with softmax₁ − λ·softmax₂ and divides the mixed "
+    "vector by a per-pair group norm (Ye et al., ICLR 2025), a value path the value-aware maths (one value "
+    "projection per head, mixed by probabilities) do not model; 'raw', 'grad_rollout' and 'gae' read its signed "
+    "matrices")
+
+
 def _is_llama(m: nn.Module) -> bool:
     return hasattr(m, "input_layernorm") and hasattr(getattr(m, "self_attn", None), "v_proj") and (
         hasattr(getattr(m, "mlp", None), "gate_proj") or _has_experts(m))
@@ -425,6 +437,9 @@ BLOCKS = (
               label="ViT / DeiT / DINOv2", value_aware="ViT / DeiT / DINOv2 (pre-LN)", head=_reads_head("vit")),
     BlockKind(name="gpt2", matches=_is_gpt2, build=_gpt2, parts="attn.c_attn + ln_1 (GPT-2)",
               label="GPT-2 decoders", value_aware="GPT-2 (pre-LN)", head=_reads_head("gpt2")),
+    BlockKind(name="diffllama", matches=_is_differential, build=_not_described,
+              parts="self_attn.lambda_q1 + input_layernorm (DiffLlama)",
+              label="DiffLlama differential attention, refused", refused=_DIFF_REFUSED),
     BlockKind(name="llama", matches=_is_llama, build=_llama,
               parts="self_attn.{q,k,v,o}_proj + input_layernorm + mlp.gate_proj or mlp.experts (Llama)",
               label="Llama-family decoders (dense or mixture-of-experts MLPs)",

@@ -299,6 +299,13 @@ TRANSFORMERS = Family(
                        "each token's router chose, its weights held at the forward's (plus Qwen2-MoE's gated shared "
                        "expert); GPT-OSS's attention sinks take a share of each row, which the dense capture "
                        "refuses: its value-aware maps need sinks that take none"),
+        Models(models="transformers DiffLlama (differential attention)",
+               streams="self: per head pair the signed matrix softmax₁ − λ·softmax₂ that multiplies the values "
+                       "(capture/diffllama.py), every layer listed non-stochastic",
+               prefix="0",
+               readout="last real token; `raw`, `grad_rollout`, `gae`, `attn_gradcam` read the signed matrices; "
+                       "`rollout`, `per_head_rollout`, `flow` and the value-aware methods refuse them (rows sum to "
+                       "1 − λ, signed); dense only"),
         Models(models="transformers Wav2Vec2, HuBERT, WavLM", streams="self", prefix="0",
                readout="mean of the frames (gradients refused for WavLM: they never reach its returned weights)"),
         Models(models="transformers CLIP, MetaCLIP 2, OWL-ViT, OWLv2", streams="vision, text", prefix="1 (vision)",
@@ -321,7 +328,6 @@ TRANSFORMERS = Family(
         "SegFormer / PVT / Hiera / Funnel / Canine (token count changes between layers)",
         "block-sparse BigBird", "Qwen2-VL / Qwen2.5-VL (its vision attention returns no weights)",
         "LLaVA-NeXT / OneVision (any-resolution tiles with newline tokens: no one grid)",
-        "DiffLlama (differential attention: softmax₁ − λ·softmax₂ is no row-stochastic matrix)",
         "DeepSeek-V2 / V3 for the value-aware methods (multi-head latent attention: a norm inside the value path)",
         "ViLT (text tokens + image CLS + patches sampled in a random order in one sequence)",
     ),
