@@ -101,6 +101,11 @@ def _hf_builders() -> dict[str, Any]:
         "bart": lambda k: T.BartForConditionalGeneration(T.BartConfig(**seq2seq(k))),
         "marian": lambda k: T.MarianMTModel(
             T.MarianConfig(**seq2seq(k), decoder_vocab_size=99, pad_token_id=0, decoder_start_token_id=0)),
+        "mixtral": lambda k: T.MixtralForCausalLM(T.MixtralConfig(
+            **common(k), num_key_value_heads=2, **text, bos_token_id=0, eos_token_id=0, num_local_experts=4,
+            num_experts_per_tok=2, experts_implementation="eager")),  # grouped_mm needs 16-byte strides (37 is odd)
+        "diffllama": lambda k: T.DiffLlamaForCausalLM(
+            T.DiffLlamaConfig(**common(k), num_key_value_heads=2, **text, bos_token_id=0, eos_token_id=0)),
     }
 
 
@@ -254,5 +259,7 @@ def _built(kit: Kit, name: str) -> torch.nn.Module:
 plain = Kit("plain", sharp=False, labels=3, batch=2, eval_mode=False)
 sharp = Kit("sharp", sharp=True, labels=5, batch=3, eval_mode=True)
 
+#: Decoders with a mixture-of-experts MLP (Mixtral) and with differential attention (DiffLlama).
+DECODERS_MORE = ("mixtral", "diffllama")
 #: Every family of the zoo: transformers, timm, torch.
-FAMILIES = (*IMAGE, *TEXT_ONLY, "clip", *SEQ2SEQ_MODELS, *TIMM, *TORCH)
+FAMILIES = (*IMAGE, *TEXT_ONLY, "clip", *SEQ2SEQ_MODELS, *TIMM, *TORCH, *DECODERS_MORE)
