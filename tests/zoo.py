@@ -50,6 +50,9 @@ SEQ2SEQ_MODELS = ("t5", "bart", "marian")
 TIMM = ("timm_vit", "timm_swin")
 #: Families built from torch alone (a tensor of token ids in).
 TORCH = ("torch_mha",)
+#: Families whose record holds signed matrices that multiply the values, not softmax probabilities (checked
+#: against the model's own computation in tests/capture/test_diffllama.py instead).
+SIGNED = ("diffllama",)
 
 
 def __getattr__(name: str) -> Any:
@@ -200,6 +203,7 @@ class Kit:
     SEQ2SEQ_MODELS = SEQ2SEQ_MODELS
     TIMM = TIMM
     TORCH = TORCH
+    SIGNED = SIGNED
     eager = staticmethod(eager)
     eager_reference = staticmethod(eager)
     example = staticmethod(example)
@@ -261,5 +265,6 @@ sharp = Kit("sharp", sharp=True, labels=5, batch=3, eval_mode=True)
 
 #: Decoders with a mixture-of-experts MLP (Mixtral) and with differential attention (DiffLlama).
 DECODERS_MORE = ("mixtral", "diffllama")
+
 #: Every family of the zoo: transformers, timm, torch.
 FAMILIES = (*IMAGE, *TEXT_ONLY, "clip", *SEQ2SEQ_MODELS, *TIMM, *TORCH, *DECODERS_MORE)

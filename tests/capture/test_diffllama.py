@@ -147,3 +147,12 @@ def test_the_value_aware_methods_refuse_naming_differential_attention(method):
 def test_the_matrix_free_route_is_refused_naming_why():
     with pytest.raises(ValueError, match="attention='recompute' cannot be used .*differential attention"):
         attnroll.explain(_model(), _inputs(), "raw", attention="recompute")
+
+
+@pytest.mark.parametrize("method", ["raw", "gae"])
+def test_each_example_of_a_padded_batch_reads_as_when_alone(method):
+    m, x = _model(), _inputs()
+    e = attnroll.explain(m, x, method, target=1)
+    for b, keep in ((0, 6), (1, 4)):
+        alone = attnroll.explain(m, {k: v[b:b + 1, :keep] for k, v in x.items()}, method, target=1)
+        torch.testing.assert_close(e.full_row[b, :keep], alone.full_row[0], atol=1e-5, rtol=1e-4)
