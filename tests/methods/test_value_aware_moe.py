@@ -21,7 +21,9 @@ from attnroll.core.value_aware import Routed, apply_norm
 from . import value_aware_reference as R
 
 T = pytest.importorskip("transformers")
-FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss"]
+FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v2", "deepseek_v3"]
+#: the families whose first layer is dense (one routed layer of two)
+_ONE_ROUTED = ("qwen3_moe", "deepseek_v2", "deepseek_v3")
 #: float64 models, but transformers' RMSNorm normalises in float32 (errors ~1e-7 of the vectors' size).
 _TOL = 1e-6
 
@@ -44,6 +46,13 @@ def _built(kind: str) -> torch.nn.Module:
             decoder_sparse_step=1, mlp_only_layers=[0]))
     elif kind == "olmoe":
         m = T.OlmoeForCausalLM(T.OlmoeConfig(**base, intermediate_size=12, num_experts=4, num_experts_per_tok=2))
+    elif kind.startswith("deepseek"):  # multi-head latent attention, a dense first layer, a shared expert
+        version = "DeepseekV2" if kind == "deepseek_v2" else "DeepseekV3"
+        cfg = getattr(T, f"{version}Config")(
+            **{**base, "num_key_value_heads": 4}, intermediate_size=12, moe_intermediate_size=8, n_routed_experts=4,
+            num_experts_per_tok=2, n_group=1, topk_group=1, kv_lora_rank=8, q_lora_rank=8, qk_rope_head_dim=4,
+            qk_nope_head_dim=4, v_head_dim=6, first_k_dense_replace=1, n_shared_experts=1)
+        m = getattr(T, f"{version}ForCausalLM")(cfg)
     else:  # GPT-OSS: interleaved gate / up with biases; a low clamp limit so that the clamps act
         m = T.GptOssForCausalLM(T.GptOssConfig(**base, intermediate_size=12, num_local_experts=4,
                                                num_experts_per_tok=2, sliding_window=4, swiglu_limit=1.5))
@@ -92,9 +101,11 @@ def _scale(t: torch.Tensor) -> float:
 def test_the_anatomy_describes_every_expert(kind):
     anat = anatomy(_model(kind))
     routed = [layer for layer in anat.layers if layer.experts is not None]
-    assert anat.family == "llama" and len(routed) == (1 if kind == "qwen3_moe" else 2)
+    assert anat.family == "llama" and len(routed) == (1 if kind in _ONE_ROUTED else 2)
     assert all(len(layer.experts.routed) == 4 for layer in routed)
-    assert all(len(layer.experts.shared) == (1 if kind == "qwen2_moe" else 0) for layer in routed)
+    shared = 1 if kind == "qwen2_moe" or kind.startswith("deepseek") else 0
+    assert all(len(layer.experts.shared) == shared for layer in routed)
+    assert all((layer.latent is not None) == kind.startswith("deepseek") for layer in anat.layers)
 
 
 @pytest.mark.parametrize("kind", FAMILIES)
@@ -237,13 +248,22 @@ def test_sanity_redraws_every_expert_and_the_router():
             "mlp.shared_expert_gate.weight", "mlp.shared_expert.up_proj.weight"} <= names
 
 
-@pytest.mark.parametrize("version", ["DeepseekV2", "DeepseekV3"])
-def test_deepseek_multi_head_latent_attention_is_refused_naming_it(version):
-    cfg = getattr(T, f"{version}Config")(
-        vocab_size=30, hidden_size=16, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
-        intermediate_size=12, moe_intermediate_size=8, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
-        topk_group=1, kv_lora_rank=8, q_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=4,
-        first_k_dense_replace=1)
-    m = getattr(T, f"{version}ForCausalLM")(cfg).eval()
-    with pytest.raises(UnsupportedModelError, match="multi-head latent attention: its values are kv_b_proj"):
-        attnroll.explain(m, _inputs(), "alti")
+@pytest.mark.parametrize("kind", ["deepseek_v2", "deepseek_v3"])
+def test_latent_value_vectors_are_the_models_own(kind):
+    # multi-head latent attention: f^h(x_j) from the anatomy's arrays equals the model's own value states
+    # (kv_b_proj of the normed latent, read by hooks) times its o_proj slice
+    from attnroll.core.value_aware import value_outputs
+
+    m, x = _model(kind), _inputs()
+    rec, st, anat = record_states(m, x)
+    seen = []
+    hook = m.model.layers[0].self_attn.kv_b_proj.register_forward_hook(lambda mod, a, o: seen.append(o.detach()))
+    with torch.no_grad():
+        m(**x)
+    hook.remove()
+    blk = anat.blocks(torch.float64, st.routing)[0]
+    F = value_outputs(apply_norm(st.inputs[0], blk.norm1), blk)  # (B, n, H, d)
+    v = seen[0].view(2, 6, 4, 4 + 6)[..., 4:]  # per head: 4 key rows, then 6 value rows
+    wo = m.model.layers[0].self_attn.o_proj.weight.view(16, 4, 6)
+    want = torch.einsum("bnhe,dhe->bnhd", v, wo)
+    torch.testing.assert_close(F, want, atol=_TOL * _scale(want), rtol=0)

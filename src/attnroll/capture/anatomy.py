@@ -86,7 +86,8 @@ def layer_anatomy(block: nn.Module, index: int = 0, path: str = "") -> LayerAnat
 
 #: Parameters a builder may leave unplaced: they only shape the attention probabilities (captured as such).
 _SCORE_ONLY = ("distance_embedding", "relative_position", "rel_pos", "relative_attention_bias",
-               "self_attn.sinks")  # GPT-OSS's per-head sink logits: they take a share of each softmax row
+               "self_attn.sinks",  # GPT-OSS's per-head sink logits: they take a share of each softmax row
+               "self_attn.q_a_proj")  # multi-head latent attention's query compression: queries only
 
 
 def _check_layer(layer: LayerAnatomy, family: str) -> None:
@@ -96,8 +97,9 @@ def _check_layer(layer: LayerAnatomy, family: str) -> None:
     name = type(layer.module).__name__
     if any(p.is_meta for p in layer.module.parameters()):
         raise _checks.UnsupportedModelError(f"{name} is on the meta device: there are no weights to describe")
+    latent = (layer.latent[0],) if layer.latent is not None else ()
     placed = {id(t[1]) for proj in (layer.q, layer.k, layer.v, layer.o, layer.fc1, layer.fc2, layer.gate,
-                                     *(layer.cross or ())) if proj is not None for t in proj.targets()}
+                                     *(layer.cross or ()), *latent) if proj is not None for t in proj.targets()}
     if layer.experts is not None:  # a mixture of experts: its experts', router's and shared gate's parameters
         placed |= {id(t[1]) for proj in layer.experts.projections() for t in proj.targets()}
         gate = layer.experts.shared_gate

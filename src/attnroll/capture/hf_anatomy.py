@@ -12,8 +12,8 @@ by the model's class name), and the heads of the transformers models whose logit
 * Llama family (``input_layernorm`` / ``post_attention_layernorm`` RMSNorms, ``self_attn.{q,k,v,o}_proj``
   with grouped KV heads, gated ``mlp.{gate,up,down}_proj``): pre-norm; with a mixture of experts as its MLP
   (``mlp.experts`` stacks and a router: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GPT-OSS) :attr:`LayerAnatomy.experts`;
-* DeepSeek-V2 / V3 (multi-head latent attention, ``self_attn.kv_b_proj``) and DiffLlama (differential attention,
-  ``self_attn.lambda_q1``): recognised and refused, naming why;
+  DeepSeek-V2 / V3 too (multi-head latent attention, ``self_attn.kv_b_proj``: :attr:`LayerAnatomy.latent`);
+* DiffLlama (differential attention, ``self_attn.lambda_q1``): recognised and refused, naming why;
 * BEiT (the ViT names plus block-level ``lambda_1`` / ``lambda_2`` scales) and Data2Vec-Vision
   (``attention.attention.{query,key,value}``, ``layernorm_before`` / ``layernorm_after``, λ scales): pre-norm;
 * CLIP / SigLIP encoder layers, vision and text (``layer_norm1``, ``self_attn.{q,k,v,out}_proj``,
@@ -93,10 +93,29 @@ def _gpt2(i: int, path: str, m: nn.Module) -> LayerAnatomy:
     )
 
 
+def _mla(m: nn.Module) -> tuple[int, Proj, Proj, Proj, tuple[Proj, nn.Module]]:
+    """Multi-head latent attention (DeepSeek-V2 / V3): every head reads its own values, v_h = W_b,h ·
+    RMS(W_a x̃) with W_a the first ``kv_lora_rank`` rows of ``kv_a_proj_with_mqa`` (the rest is the shared rotary
+    key) and W_b,h head h's value rows of ``kv_b_proj`` (per head: ``qk_nope_head_dim`` key rows, then
+    ``v_head_dim`` value rows). (heads, q, k, v, (W_a, the latent's norm))."""
+    att = m.self_attn
+    heads, nope, dv, r = int(att.num_heads), int(att.qk_nope_head_dim), int(att.v_head_dim), int(att.kv_lora_rank)
+    per = torch.arange(heads).unsqueeze(1) * (nope + dv)
+    v_rows, k_rows = (per + nope + torch.arange(dv)).flatten(), (per + torch.arange(nope)).flatten()
+    q = proj(m, "self_attn.q_b_proj" if getattr(att, "q_b_proj", None) is not None else "self_attn.q_proj")
+    latent = (proj(m, "self_attn.kv_a_proj_with_mqa", rows=slice(0, r)), att.kv_a_layernorm)
+    return heads, q, proj(m, "self_attn.kv_b_proj", rows=k_rows), proj(m, "self_attn.kv_b_proj", rows=v_rows), latent
+
+
 def _llama(i: int, path: str, m: nn.Module) -> LayerAnatomy:
     att = m.self_attn
-    heads, kv = heads_of(att)
-    q, k, v, o = (proj(m, f"self_attn.{n}_proj") for n in ("q", "k", "v", "o"))
+    latent = None
+    if hasattr(att, "kv_b_proj"):  # DeepSeek-V2 / V3: every head its own latent values
+        heads, q, k, v, latent = _mla(m)
+        kv, o = heads, proj(m, "self_attn.o_proj")
+    else:
+        heads, kv = heads_of(att)
+        q, k, v, o = (proj(m, f"self_attn.{n}_proj") for n in ("q", "k", "v", "o"))
     experts = _experts(m)
     if experts is not None:  # a mixture of experts: fc1 / gate / fc2 are its first expert's (the widths)
         (fc1, gate, fc2), act = experts.routed[0], experts.act
@@ -105,8 +124,9 @@ def _llama(i: int, path: str, m: nn.Module) -> LayerAnatomy:
     return LayerAnatomy(
         index=i, module=m, path=path, attention=att, q=q, k=k, v=v, o=o, heads=heads, kv_heads=kv,
         pre_norm=True, norm1=m.input_layernorm, norm2=m.post_attention_layernorm,
-        norms=norms(m, ("input_layernorm", "post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm")),
-        fc1=fc1, act=act, fc2=fc2, gate=gate, experts=experts,
+        norms=norms(m, ("input_layernorm", "post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm",
+                        "self_attn.q_a_layernorm", "self_attn.kv_a_layernorm")),
+        fc1=fc1, act=act, fc2=fc2, gate=gate, experts=experts, latent=latent,
     )
 
 
@@ -144,9 +164,9 @@ def _experts(m: nn.Module) -> Experts | None:
         return up, gate, Proj(module=ex, path="mlp.experts", weight="down_proj", bias=down_bias, expert=e, in_out=oss)
 
     shared = ()
-    if isinstance(getattr(mlp, "shared_expert", None), nn.Module):
-        shared = ((proj(m, "mlp.shared_expert.up_proj"), proj(m, "mlp.shared_expert.gate_proj"),
-                   proj(m, "mlp.shared_expert.down_proj")),)
+    name = next((n for n in ("shared_expert", "shared_experts") if isinstance(getattr(mlp, n, None), nn.Module)), None)
+    if name is not None:  # Qwen2-MoE's (gated), DeepSeek's (weight 1)
+        shared = ((proj(m, f"mlp.{name}.up_proj"), proj(m, f"mlp.{name}.gate_proj"), proj(m, f"mlp.{name}.down_proj")),)
     router = proj(m, "mlp.router" if oss else "mlp.gate")
     act = _clamped_glu(float(ex.limit), float(ex.alpha)) if oss else ex.act_fn
     up_act = (lambda u, lim=float(ex.limit): u.clamp(-lim, lim)) if oss else None
@@ -322,19 +342,9 @@ def _is_gpt2(m: nn.Module) -> bool:
     return hasattr(m, "ln_1") and type(c_attn).__name__ == "Conv1D" and hasattr(m, "mlp")
 
 
-def _is_mla(m: nn.Module) -> bool:
-    return hasattr(m, "input_layernorm") and hasattr(getattr(m, "self_attn", None), "kv_b_proj")
-
-
 def _not_described(i: int, path: str, m: nn.Module) -> LayerAnatomy:
     """A block kind recognised only to be refused (its ``refused`` text says why)."""
     raise ValueError(f"{type(m).__name__} is not described")
-
-
-_MLA_REFUSED = (
-    "multi-head latent attention: its values are kv_b_proj(RMSNorm(kv_a_proj_with_mqa(x))), a value path with a norm "
-    "inside (kv_a_layernorm) that the value-aware maths, which read one value projection per head, do not model; "
-    "the attention methods ('rollout', 'grad_rollout', ...) read it")
 
 
 def _is_differential(m: nn.Module) -> bool:
@@ -349,7 +359,8 @@ _DIFF_REFUSED = (
 
 
 def _is_llama(m: nn.Module) -> bool:
-    return hasattr(m, "input_layernorm") and hasattr(getattr(m, "self_attn", None), "v_proj") and (
+    att = getattr(m, "self_attn", None)
+    return hasattr(m, "input_layernorm") and (hasattr(att, "v_proj") or hasattr(att, "kv_b_proj")) and (
         hasattr(getattr(m, "mlp", None), "gate_proj") or _has_experts(m))
 
 
@@ -444,9 +455,6 @@ BLOCKS = (
               parts="self_attn.{q,k,v,o}_proj + input_layernorm + mlp.gate_proj or mlp.experts (Llama)",
               label="Llama-family decoders (dense or mixture-of-experts MLPs)",
               value_aware="Llama-family decoders (RMSNorm, grouped KV; mixture-of-experts MLPs: Mixtral, Qwen2-MoE, "
-                          "Qwen3-MoE, OLMoE, GPT-OSS)",
+                          "Qwen3-MoE, OLMoE, GPT-OSS, DeepSeek-V2 / V3 with its latent attention)",
               head=_reads_head("llama")),
-    BlockKind(name="deepseek-mla", matches=_is_mla, build=_not_described,
-              parts="self_attn.kv_b_proj + input_layernorm (DeepSeek-V2 / V3)",
-              label="DeepSeek-V2 / V3 multi-head latent attention, refused", refused=_MLA_REFUSED),
 )

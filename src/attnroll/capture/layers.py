@@ -156,7 +156,8 @@ class LayerAnatomy:
     of the block (path, module), q/k norms included; ``fc1``, ``act``, ``fc2`` and ``gate`` (gated MLPs:
     fc2(act(gate(h)) ⊙ fc1(h))) the MLP, or with ``experts`` (a mixture of experts, :class:`Experts`) its first
     routed expert's (the widths; ``experts`` describes the MLP); ``ls1`` / ``ls2`` layer-scale modules after the
-    attention / MLP branch, or None; ``cross`` the (q, k, v, o) projections of a decoder block's
+    attention / MLP branch, or None; ``latent`` (projection, norm): multi-head latent attention (DeepSeek-V2 / V3),
+    where ``v`` reads norm(projection(x̃)) instead of x̃; ``cross`` the (q, k, v, o) projections of a decoder block's
     cross-attention (encoder-decoder models), or None: sanity counts its q / k in "qk" and its v / o in "value"."""
 
     index: int
@@ -181,6 +182,7 @@ class LayerAnatomy:
     ls2: nn.Module | None = None
     cross: tuple[Proj, Proj, Proj, Proj] | None = None
     experts: Experts | None = None
+    latent: tuple[Proj, nn.Module] | None = None
 
     @property
     def residual(self) -> str:
@@ -193,6 +195,10 @@ class LayerAnatomy:
         its weights (the forward pass's, :class:`~attnroll.capture.value_path.LayerStates`)."""
         wv, bv = self.v.arrays(dtype)
         wo, bo = _scaled(self.o.arrays(dtype), self.ls1, dtype)
+        latent = None
+        if self.latent is not None:
+            wa, ba = self.latent[0].arrays(dtype)
+            latent = (wa, ba, norm_params(self.latent[1], dtype))
         if self.experts is not None:
             weights = None if routing is None else routing.to(dtype or routing.dtype)
             mlp: Mlp | Routed = Routed(experts=self.experts.mlps(dtype, self.ls2), weights=weights)
@@ -203,7 +209,7 @@ class LayerAnatomy:
             mlp = Mlp(w1=w1, b1=b1, w2=w2, b2=b2, act=self.act, wg=wg, bg=bg)
         return Block(
             pre_norm=self.pre_norm, norm1=norm_params(self.norm1, dtype), norm2=norm_params(self.norm2, dtype),
-            wv=wv, bv=bv, wo=wo, bo=bo, heads=self.heads, kv_heads=self.kv_heads, mlp=mlp,
+            wv=wv, bv=bv, wo=wo, bo=bo, heads=self.heads, kv_heads=self.kv_heads, mlp=mlp, latent=latent,
         )
 
     def mlp_forward(self, h: torch.Tensor) -> torch.Tensor:

@@ -293,11 +293,13 @@ TRANSFORMERS = Family(
                readout="CLS, or the last real token when causal"),
         Models(models="transformers GPT-2, Llama-family, TimesFM (causal)", streams="self", prefix="0",
                readout="last real token (causal by the attention modules' own flag too)"),
-        Models(models="transformers Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GPT-OSS (mixture-of-experts decoders)",
+        Models(models="transformers Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GPT-OSS, DeepSeek-V2 / V3 "
+                      "(mixture-of-experts decoders)",
                streams="self", prefix="0",
                readout="last real token; the value-aware methods read the MLP as the weighted sum of the experts "
-                       "each token's router chose, its weights held at the forward's (plus Qwen2-MoE's gated shared "
-                       "expert); GPT-OSS's attention sinks take a share of each row, which the dense capture "
+                       "each token's router chose, its weights held at the forward's (plus the shared experts: "
+                       "Qwen2-MoE's gated, DeepSeek's), and DeepSeek's latent attention with its latent norm's "
+                       "divisor frozen; GPT-OSS's attention sinks take a share of each row, which the dense capture "
                        "refuses: its value-aware maps need sinks that take none"),
         Models(models="transformers DiffLlama (differential attention)",
                streams="self: per head pair the signed matrix softmax₁ − λ·softmax₂ that multiplies the values "
@@ -328,7 +330,6 @@ TRANSFORMERS = Family(
         "SegFormer / PVT / Hiera / Funnel / Canine (token count changes between layers)",
         "block-sparse BigBird", "Qwen2-VL / Qwen2.5-VL (its vision attention returns no weights)",
         "LLaVA-NeXT / OneVision (any-resolution tiles with newline tokens: no one grid)",
-        "DeepSeek-V2 / V3 for the value-aware methods (multi-head latent attention: a norm inside the value path)",
         "ViLT (text tokens + image CLS + patches sampled in a random order in one sequence)",
     ),
     obstacles=TRANSFORMERS_OBSTACLES,

@@ -181,7 +181,12 @@ def _routed_shares(U: torch.Tensor, mlp: Routed, bias: str, norm: Norm | None) -
 def _value_shares(S: torch.Tensor, block: Block, bias: str) -> torch.Tensor:
     """Per-head value shares (B, H, n, K·d_h) of the tokens (norm1 folded in for pre-LN blocks), no b_V:
     heads first, so that mixing a chunk of rows is one batched product per (example, head)."""
-    v = norm_linear_shares(S, block.norm1, block.wv, bias) if block.pre_norm else S @ block.wv.T
+    if block.latent is not None:  # multi-head latent attention: the latent's shares, through its own norm
+        wa, ba, inner = block.latent
+        U = norm_linear_shares(S, block.norm1, wa, bias) if block.pre_norm else S @ wa.T
+        v = norm_shares(_add_bias_(U, ba, bias), inner, bias) @ block.wv.T
+    else:
+        v = norm_linear_shares(S, block.norm1, block.wv, bias) if block.pre_norm else S @ block.wv.T
     B, n, K, _ = S.shape
     v = v.view(B, n, K, block.kv_heads, block.head_dim).permute(0, 3, 1, 2, 4)
     if block.heads != block.kv_heads:
@@ -299,6 +304,9 @@ def _frozen_block(x: torch.Tensor, alpha: torch.Tensor, block: Block) -> torch.T
     """The block with attention, norm divisors and activation slopes frozen: affine in x."""
     B, n, _ = x.shape
     xv = _frozen_norm(x, block.norm1) if block.pre_norm else x
+    if block.latent is not None:  # multi-head latent attention: its latent norm frozen too
+        wa, ba, inner = block.latent
+        xv = _frozen_norm(xv @ wa.T + (0 if ba is None else ba), inner)
     v = xv @ block.wv.T
     if block.bv is not None:
         v = v + block.bv

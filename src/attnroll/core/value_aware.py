@@ -21,7 +21,8 @@ import torch
 from . import alti_kernel
 
 __all__ = [
-    "Norm", "Mlp", "Routed", "Block", "mlp_terms", "linearised", "mlp_width", "with_rows", "norm_scale", "norm_share",
+    "Norm", "Mlp", "Routed", "Block", "value_input", "mlp_terms", "linearised", "mlp_width", "with_rows",
+    "norm_scale", "norm_share",
     "apply_norm", "value_outputs", "head_mix",
     "pairwise_norms", "normalize_rows", "cosine_distance", "mask_pairs",
 ]
@@ -119,10 +120,21 @@ class Block:
     heads: int
     kv_heads: int
     mlp: Mlp | Routed
+    latent: tuple[torch.Tensor, torch.Tensor | None, Norm] | None = None
 
     @property
     def head_dim(self) -> int:
         return self.wv.shape[0] // self.kv_heads
+
+
+def value_input(xv: torch.Tensor, block: Block) -> torch.Tensor:
+    """What the value projection reads from xv (..., d): xv itself, or with ``latent`` = (W_a (r, d), b_a, norm)
+    (multi-head latent attention, DeepSeek-V2 / V3) the normed latent norm(xv W_aᵀ + b_a), its divisor the
+    token's own (frozen when decomposed, as every norm's)."""
+    if block.latent is None:
+        return xv
+    wa, ba, norm = block.latent
+    return apply_norm(xv @ wa.T + (0 if ba is None else ba), norm)
 
 
 def with_rows(block: Block, take: Callable[[torch.Tensor], torch.Tensor]) -> Block:
@@ -170,9 +182,10 @@ def _flat_norm(x: torch.Tensor, norm: Norm) -> torch.Tensor:
 def value_outputs(xv: torch.Tensor, block: Block) -> torch.Tensor:
     """f^h(x_j) = (x_j W_V^h + b_V^h) W_O^h for every token and head: xv (B, n, d) -> (B, n, H, d).
 
-    ``xv`` is what the value projection reads (norm1(x) for pre-LN blocks). b_O is not included."""
+    ``xv`` is what the block's value path reads (norm1(x) for pre-LN blocks; a latent block's projection and norm
+    applied here, :func:`value_input`). b_O is not included."""
     B, n, _ = xv.shape
-    v = xv @ block.wv.T
+    v = value_input(xv, block) @ block.wv.T
     if block.bv is not None:
         v = v + block.bv
     v = v.view(B, n, block.kv_heads, block.head_dim)
