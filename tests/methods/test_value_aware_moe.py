@@ -267,3 +267,16 @@ def test_latent_value_vectors_are_the_models_own(kind):
     wo = m.model.layers[0].self_attn.o_proj.weight.view(16, 4, 6)
     want = torch.einsum("bnhe,dhe->bnhd", v, wo)
     torch.testing.assert_close(F, want, atol=_TOL * _scale(want), rtol=0)
+
+
+def test_sanity_redraws_every_heads_latent_value_rows():
+    # the value rows of kv_b_proj are one tensor index per head (not a slice): the re-draw must reach them
+    from attnroll.capture.anatomy import component_parameters
+    from attnroll.evaluate.sanity import _reinitialise
+
+    layer = _model("deepseek_v3").model.layers[0]
+    w = layer.self_attn.kv_b_proj.weight
+    before = w.detach().clone()
+    _reinitialise(component_parameters(layer, "value"), torch.Generator().manual_seed(0))
+    changed = (w.detach() != before).any(-1).view(4, 4 + 6)  # per head: 4 key rows, 6 value rows
+    assert bool(changed[:, 4:].all()) and not bool(changed[:, :4].any())
