@@ -50,6 +50,9 @@ SEQ2SEQ_MODELS = ("t5", "bart", "marian")
 TIMM = ("timm_vit", "timm_swin")
 #: Families built from torch alone (a tensor of token ids in).
 TORCH = ("torch_mha",)
+#: Families whose record holds signed matrices that multiply the values, not softmax probabilities (checked
+#: against the model's own computation in tests/capture/test_diffllama.py instead).
+SIGNED = ("diffllama",)
 
 
 def __getattr__(name: str) -> Any:
@@ -101,6 +104,11 @@ def _hf_builders() -> dict[str, Any]:
         "bart": lambda k: T.BartForConditionalGeneration(T.BartConfig(**seq2seq(k))),
         "marian": lambda k: T.MarianMTModel(
             T.MarianConfig(**seq2seq(k), decoder_vocab_size=99, pad_token_id=0, decoder_start_token_id=0)),
+        "mixtral": lambda k: T.MixtralForCausalLM(T.MixtralConfig(
+            **common(k), num_key_value_heads=2, **text, bos_token_id=0, eos_token_id=0, num_local_experts=4,
+            num_experts_per_tok=2, experts_implementation="eager")),  # grouped_mm needs 16-byte strides (37 is odd)
+        "diffllama": lambda k: T.DiffLlamaForCausalLM(
+            T.DiffLlamaConfig(**common(k), num_key_value_heads=2, **text, bos_token_id=0, eos_token_id=0)),
     }
 
 
@@ -195,6 +203,7 @@ class Kit:
     SEQ2SEQ_MODELS = SEQ2SEQ_MODELS
     TIMM = TIMM
     TORCH = TORCH
+    SIGNED = SIGNED
     eager = staticmethod(eager)
     eager_reference = staticmethod(eager)
     example = staticmethod(example)
@@ -254,5 +263,8 @@ def _built(kit: Kit, name: str) -> torch.nn.Module:
 plain = Kit("plain", sharp=False, labels=3, batch=2, eval_mode=False)
 sharp = Kit("sharp", sharp=True, labels=5, batch=3, eval_mode=True)
 
+#: Decoders with a mixture-of-experts MLP (Mixtral) and with differential attention (DiffLlama).
+DECODERS_MORE = ("mixtral", "diffllama")
+
 #: Every family of the zoo: transformers, timm, torch.
-FAMILIES = (*IMAGE, *TEXT_ONLY, "clip", *SEQ2SEQ_MODELS, *TIMM, *TORCH)
+FAMILIES = (*IMAGE, *TEXT_ONLY, "clip", *SEQ2SEQ_MODELS, *TIMM, *TORCH, *DECODERS_MORE)

@@ -21,7 +21,7 @@ from torch import nn
 from .. import _checks
 from . import registry
 from .anatomy_parts import BlockKind
-from .layers import RESET, LayerAnatomy, ModelAnatomy, Target, norm_params
+from .layers import RESET, Experts, LayerAnatomy, ModelAnatomy, Target, norm_params
 
 __all__ = ["anatomy", "anatomy_or_reason", "layer_anatomy", "find_blocks", "find_head", "component_parameters",
            "KNOWN_FAMILIES", "VALUE_AWARE_FAMILIES", "Target", "RESET"]
@@ -74,6 +74,8 @@ def layer_anatomy(block: nn.Module, index: int = 0, path: str = "") -> LayerAnat
     try:
         layer = kind.build(index, path, block)
     except (AttributeError, TypeError, ValueError) as e:
+        if kind.refused:  # a block kind recognised only to be refused, naming why
+            raise _checks.UnsupportedModelError(f"{name} ({kind.label}): {kind.refused}") from None
         raise _checks.UnsupportedModelError(
             f"{name} looks like a {kind.name} block but lacks a part the layer anatomy reads ({e}). "
             f"Known families: {KNOWN_FAMILIES}"
@@ -83,7 +85,9 @@ def layer_anatomy(block: nn.Module, index: int = 0, path: str = "") -> LayerAnat
 
 
 #: Parameters a builder may leave unplaced: they only shape the attention probabilities (captured as such).
-_SCORE_ONLY = ("distance_embedding", "relative_position", "rel_pos", "relative_attention_bias")
+_SCORE_ONLY = ("distance_embedding", "relative_position", "rel_pos", "relative_attention_bias",
+               "self_attn.sinks",  # GPT-OSS's per-head sink logits: they take a share of each softmax row
+               "self_attn.q_a_proj")  # multi-head latent attention's query compression: queries only
 
 
 def _check_layer(layer: LayerAnatomy, family: str) -> None:
@@ -93,8 +97,13 @@ def _check_layer(layer: LayerAnatomy, family: str) -> None:
     name = type(layer.module).__name__
     if any(p.is_meta for p in layer.module.parameters()):
         raise _checks.UnsupportedModelError(f"{name} is on the meta device: there are no weights to describe")
+    latent = (layer.latent[0],) if layer.latent is not None else ()
     placed = {id(t[1]) for proj in (layer.q, layer.k, layer.v, layer.o, layer.fc1, layer.fc2, layer.gate,
-                                     *(layer.cross or ())) if proj is not None for t in proj.targets()}
+                                     *(layer.cross or ()), *latent) if proj is not None for t in proj.targets()}
+    if layer.experts is not None:  # a mixture of experts: its experts', router's and shared gate's parameters
+        placed |= {id(t[1]) for proj in layer.experts.projections() for t in proj.targets()}
+        gate = layer.experts.shared_gate
+        placed |= {id(p) for p in gate.parameters()} if gate is not None else set()
     placed |= {id(p) for _, m in layer.norms for p in m.parameters()}
     placed |= {id(p) for m in (layer.ls1, layer.ls2) if m is not None for p in m.parameters()}
     stray = [n for n, p in layer.module.named_parameters() if id(p) not in placed
@@ -106,6 +115,12 @@ def _check_layer(layer: LayerAnatomy, family: str) -> None:
         )
     if float(getattr(layer.module, "residual_multiplier", 1.0)) != 1.0:
         raise _checks.UnsupportedModelError(f"{name} scales its residual branches (residual_multiplier)")
+    if layer.experts is not None and not _experts_match(layer.experts):
+        raise _checks.UnsupportedModelError(
+            f"{name}.{layer.experts.path} ({type(layer.experts.module).__name__}) does not compute the experts its "
+            "weights describe (fc2(act(gate(h)) ⊙ up(h)) per expert, the gate rows first): the layer anatomy's "
+            "arrays would be wrong"
+        )
     for path, mod in layer.norms:
         if not _norm_matches(mod):
             raise _checks.UnsupportedModelError(
@@ -133,6 +148,31 @@ def _norm_matches(mod: nn.Module) -> bool:
     except Exception:  # noqa: BLE001  (a norm that cannot run on one row is not one the anatomy describes)
         return False
     return torch.allclose(got.to(torch.float64), apply_norm(probe, p).to(torch.float64), atol=1e-3, rtol=1e-3)
+
+
+def _experts_match(experts: Experts) -> bool:
+    """Whether the experts module, given one probe row per expert routed to that expert alone with weight 1,
+    returns what each expert's arrays compute: W2 (coef ⊙ ζ + const) + b2 (:func:`~attnroll.core.value_aware.
+    mlp_terms`; the first and last expert probed)."""
+    from ..core.value_aware import mlp_terms
+
+    mlps = experts.mlps(None, None)
+    picked = sorted({0, len(experts.routed) - 1})
+    w1 = mlps[0].w1
+    h = torch.randn(len(picked), w1.shape[1], generator=torch.Generator().manual_seed(0)).to(w1)
+    idx = torch.tensor(picked, device=w1.device).unsqueeze(1)
+    try:
+        with torch.no_grad():  # forward, not __call__: no hook of a running capture sees the probe
+            got = experts.source.forward(h, idx, torch.ones(len(picked), 1, dtype=h.dtype, device=h.device))
+    except Exception:  # noqa: BLE001  (an experts module that cannot run the probe is not one described here)
+        return False
+    want = []
+    for row, e in enumerate(picked):
+        m = mlps[e]
+        zeta, coef, const = mlp_terms(m, h[row])
+        out = (coef * zeta + (0 if const is None else const)) @ m.w2.T
+        want.append(out if m.b2 is None else out + m.b2)
+    return torch.allclose(got.to(torch.float64), torch.stack(want).to(torch.float64), atol=1e-4, rtol=1e-3)
 
 
 def component_parameters(block: nn.Module, component: str) -> list[Target]:

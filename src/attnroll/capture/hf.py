@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from .. import _checks
+from . import diffllama
 from .hf_public import accepts_output_attentions, ask_for_attentions, eager_forwards, output_streams, validate_layers
 from .hf_vision import embeddings_of, input_size, mae_restore, patch_layout
 from .hooks import Adapter, Recorder, Site, make_sites, stream_names, supported_families
@@ -165,6 +166,7 @@ class HFAdapter(Adapter):
         if self.from_outputs:
             eager_forwards(stack, self.model)
             ask_for_attentions(stack, self.model)
+        diffllama.install(stack, self.model)  # differential attention: its signed matrix is what the record holds
         self.install_pool_hooks(stack)
         super().install(stack, recorder, sites)
 
@@ -276,7 +278,7 @@ class HFAdapter(Adapter):
         if getattr(self.model.config, "attention_type", None) == "block_sparse":
             self._refuse_block_sparse(record)
         for stream, layers in record.streams.items():
-            validate_layers(type(self.model).__name__, stream, layers)
+            validate_layers(type(self.model).__name__, stream, layers, signed=self.model_type in _SIGNED)
         if not self.composes_vlm:
             _check_batch(self.model, record, inputs)
         ids = inputs.get("input_ids")
@@ -331,6 +333,8 @@ class HFAdapter(Adapter):
     def stream_infos(self, record: AttentionRecord, inputs: dict[str, Any]) -> dict[str, Any]:
         infos = super().stream_infos(record, inputs)
         self._declared_causal(record, inputs, infos)
+        if self.model_type in _SIGNED:
+            _mark_signed(record, infos)
         for s, info in infos.items():
             lay = record.extra.get(f"{s}_layout")
             if lay is not None:
@@ -404,9 +408,6 @@ def _refuse_windowed(model: nn.Module, model_type: str) -> None:
 #: Model types whose attention modules return softmax matrices that do not describe how the model mixes its
 #: tokens, or whose sequence has no layout attnroll can name: model type -> the obstacle.
 _UNREADABLE = {
-    "diffllama": "differential attention: each head mixes the values with the signed difference of two softmax "
-                 "maps, softmax(q1·k1ᵀ) − λ·softmax(q2·k2ᵀ) (then a group norm), which is not a row-stochastic "
-                 "matrix, so neither softmax alone is the mixing matrix rollout multiplies",
     "vilt": "its one sequence is the text tokens, then an image CLS token, then image patches that its embeddings "
             "draw in a random order (torch.multinomial patch sampling, config.max_image_length) on every forward: "
             "no patch grid and no fixed token order to label the map with",
@@ -428,6 +429,23 @@ def _unshuffle(record: AttentionRecord, stream: str, ids_restore: torch.Tensor, 
 
 _MAE_SHUFFLE = ("ViTMAE shuffles its patches on every forward (random noise; the dense capture puts them back in "
                 "patch order with the model's own ids_restore)")
+
+
+#: Model types whose recorded layers are signed matrices (not probabilities) that multiply the values.
+_SIGNED = ("diffllama",)
+
+
+def _mark_signed(record: AttentionRecord, infos: dict[str, Any]) -> None:
+    """Every layer of a differential-attention stream is listed as non-stochastic, with the measured reason."""
+    for s, info in infos.items():
+        layers = [t.detach() for t in record.streams[s] if not t.is_meta]
+        if not layers:
+            continue
+        sums = torch.stack([t.sum(-1).amin() for t in layers] + [t.sum(-1).amax() for t in layers])
+        low = min(float(t.amin()) for t in layers)
+        info.nonstochastic = tuple(range(len(record.streams[s])))
+        info.stochastic_reason = (f"{diffllama.STOCHASTIC_REASON}: rows sum to {float(sums.min()):.3g}.."
+                                  f"{float(sums.max()):.3g} (1 − λ), entries down to {low:.3g}")
 
 
 def _refuse_unreadable(model: nn.Module, model_type: str) -> None:
@@ -461,6 +479,14 @@ def _check_batch(model: nn.Module, record: AttentionRecord, inputs: dict[str, An
             )
 
 
+#: Model types whose methods need the dense route, with why.
+_DENSE_ONLY = {
+    "vit_mae": _MAE_SHUFFLE,
+    "diffllama": ("differential attention: its signed matrix softmax₁ − λ·softmax₂ is formed on the dense route "
+                  "(capture/diffllama.py); the matrix-free route recomputes single softmax maps from the kernels"),
+}
+
+
 def hf_facts(model: nn.Module, family: str = "") -> ModelFacts:
     """What evaluation and gradient baselines need from a transformers model, without a forward pass."""
     config = model.config
@@ -477,7 +503,7 @@ def hf_facts(model: nn.Module, family: str = "") -> ModelFacts:
         stream_inputs = {s: first_argument(getattr(model, f"get_{k}_features")) for s, k in (("vision", "image"),
                                                                                             ("text", "text"))}
     return ModelFacts(
-        dense_only=_MAE_SHUFFLE if getattr(config, "model_type", "") == "vit_mae" else "",
+        dense_only=_DENSE_ONLY.get(getattr(config, "model_type", ""), ""),
         family=family or f"hf:{getattr(config, 'model_type', '')}",
         input_key=getattr(model, "main_input_name", None),
         keyword_call=True,

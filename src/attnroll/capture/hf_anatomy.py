@@ -10,7 +10,10 @@ by the model's class name), and the heads of the transformers models whose logit
 * GPT-2 (``ln_1``, fused ``attn.c_attn`` / ``attn.c_proj`` as Conv1D, ``ln_2``, ``mlp.c_fc`` / ``c_proj``):
   pre-norm;
 * Llama family (``input_layernorm`` / ``post_attention_layernorm`` RMSNorms, ``self_attn.{q,k,v,o}_proj``
-  with grouped KV heads, gated ``mlp.{gate,up,down}_proj``): pre-norm;
+  with grouped KV heads, gated ``mlp.{gate,up,down}_proj``): pre-norm; with a mixture of experts as its MLP
+  (``mlp.experts`` stacks and a router: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GPT-OSS) :attr:`LayerAnatomy.experts`;
+  DeepSeek-V2 / V3 too (multi-head latent attention, ``self_attn.kv_b_proj``: :attr:`LayerAnatomy.latent`);
+* DiffLlama (differential attention, ``self_attn.lambda_q1``): recognised and refused, naming why;
 * BEiT (the ViT names plus block-level ``lambda_1`` / ``lambda_2`` scales) and Data2Vec-Vision
   (``attention.attention.{query,key,value}``, ``layernorm_before`` / ``layernorm_after``, λ scales): pre-norm;
 * CLIP / SigLIP encoder layers, vision and text (``layer_norm1``, ``self_attn.{q,k,v,out}_proj``,
@@ -36,7 +39,7 @@ import torch
 from torch import nn
 
 from .anatomy_parts import BlockKind, HeadReader, block_scale, fused, heads_of, norms, probe_residual, proj, real_module
-from .layers import LayerAnatomy
+from .layers import Experts, LayerAnatomy, Proj
 
 __all__ = ["BLOCKS", "hf_head"]
 
@@ -90,16 +93,86 @@ def _gpt2(i: int, path: str, m: nn.Module) -> LayerAnatomy:
     )
 
 
+def _mla(m: nn.Module) -> tuple[int, Proj, Proj, Proj, tuple[Proj, nn.Module]]:
+    """Multi-head latent attention (DeepSeek-V2 / V3): every head reads its own values, v_h = W_b,h ·
+    RMS(W_a x̃) with W_a the first ``kv_lora_rank`` rows of ``kv_a_proj_with_mqa`` (the rest is the shared rotary
+    key) and W_b,h head h's value rows of ``kv_b_proj`` (per head: ``qk_nope_head_dim`` key rows, then
+    ``v_head_dim`` value rows). (heads, q, k, v, (W_a, the latent's norm))."""
+    att = m.self_attn
+    heads, nope, dv, r = int(att.num_heads), int(att.qk_nope_head_dim), int(att.v_head_dim), int(att.kv_lora_rank)
+    per = torch.arange(heads).unsqueeze(1) * (nope + dv)
+    v_rows, k_rows = (per + nope + torch.arange(dv)).flatten(), (per + torch.arange(nope)).flatten()
+    q = proj(m, "self_attn.q_b_proj" if getattr(att, "q_b_proj", None) is not None else "self_attn.q_proj")
+    latent = (proj(m, "self_attn.kv_a_proj_with_mqa", rows=slice(0, r)), att.kv_a_layernorm)
+    return heads, q, proj(m, "self_attn.kv_b_proj", rows=k_rows), proj(m, "self_attn.kv_b_proj", rows=v_rows), latent
+
+
 def _llama(i: int, path: str, m: nn.Module) -> LayerAnatomy:
     att = m.self_attn
-    heads, kv = heads_of(att)
-    q, k, v, o = (proj(m, f"self_attn.{n}_proj") for n in ("q", "k", "v", "o"))
+    latent = None
+    if hasattr(att, "kv_b_proj"):  # DeepSeek-V2 / V3: every head its own latent values
+        heads, q, k, v, latent = _mla(m)
+        kv, o = heads, proj(m, "self_attn.o_proj")
+    else:
+        heads, kv = heads_of(att)
+        q, k, v, o = (proj(m, f"self_attn.{n}_proj") for n in ("q", "k", "v", "o"))
+    experts = _experts(m)
+    if experts is not None:  # a mixture of experts: fc1 / gate / fc2 are its first expert's (the widths)
+        (fc1, gate, fc2), act = experts.routed[0], experts.act
+    else:
+        fc1, gate, fc2, act = proj(m, "mlp.up_proj"), proj(m, "mlp.gate_proj"), proj(m, "mlp.down_proj"), m.mlp.act_fn
     return LayerAnatomy(
         index=i, module=m, path=path, attention=att, q=q, k=k, v=v, o=o, heads=heads, kv_heads=kv,
         pre_norm=True, norm1=m.input_layernorm, norm2=m.post_attention_layernorm,
-        norms=norms(m, ("input_layernorm", "post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm")),
-        fc1=proj(m, "mlp.up_proj"), act=m.mlp.act_fn, fc2=proj(m, "mlp.down_proj"), gate=proj(m, "mlp.gate_proj"),
+        norms=norms(m, ("input_layernorm", "post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm",
+                        "self_attn.q_a_layernorm", "self_attn.kv_a_layernorm")),
+        fc1=fc1, act=act, fc2=fc2, gate=gate, experts=experts, latent=latent,
     )
+
+
+def _has_experts(m: nn.Module) -> bool:
+    """A block whose ``mlp`` routes tokens to experts stored as (E, ...) stacks (``mlp.experts.gate_up_proj``)."""
+    return isinstance(getattr(getattr(getattr(m, "mlp", None), "experts", None), "gate_up_proj", None), nn.Parameter)
+
+
+def _clamped_glu(limit: float, alpha: float):
+    """GPT-OSS's gate activation: g ↦ min(g, limit) · sigmoid(alpha · min(g, limit))."""
+    def act(g: torch.Tensor) -> torch.Tensor:
+        g = g.clamp(max=limit)
+        return g * torch.sigmoid(g * alpha)
+    return act
+
+
+def _experts(m: nn.Module) -> Experts | None:
+    """The mixture of experts of a Llama-style block (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GPT-OSS), or None
+    for a dense MLP. Experts are stored as stacks: ``gate_up_proj`` (E, 2f, d) with the gate rows first, and
+    ``down_proj`` (E, d, f); GPT-OSS's are (E, d, 2f) with gate and up interleaved (even / odd columns), with
+    biases, and clamp both before its gate (min(g, limit) · sigmoid(α · min(g, limit))) and up path
+    (clamp(u, ±limit) + 1). The router is ``mlp.gate`` (``mlp.router`` for GPT-OSS); Qwen2-MoE adds a shared
+    expert scaled by sigmoid(``shared_expert_gate``(h))."""
+    if not _has_experts(m):
+        return None
+    mlp, ex = m.mlp, m.mlp.experts
+    oss = hasattr(ex, "limit") and hasattr(ex, "alpha") and hasattr(ex, "gate_up_proj_bias")
+    f = ex.gate_up_proj.shape[2 if oss else 1] // 2
+    gate_rows, up_rows = (slice(0, None, 2), slice(1, None, 2)) if oss else (slice(0, f), slice(f, 2 * f))
+    up_bias, down_bias = ("gate_up_proj_bias", "down_proj_bias") if oss else (None, None)
+
+    def one(e: int) -> tuple[Proj, Proj, Proj]:
+        up, gate = (Proj(module=ex, path="mlp.experts", weight="gate_up_proj", bias=up_bias, rows=rows, expert=e,
+                         in_out=oss) for rows in (up_rows, gate_rows))
+        return up, gate, Proj(module=ex, path="mlp.experts", weight="down_proj", bias=down_bias, expert=e, in_out=oss)
+
+    shared = ()
+    name = next((n for n in ("shared_expert", "shared_experts") if isinstance(getattr(mlp, n, None), nn.Module)), None)
+    if name is not None:  # Qwen2-MoE's (gated), DeepSeek's (weight 1)
+        shared = ((proj(m, f"mlp.{name}.up_proj"), proj(m, f"mlp.{name}.gate_proj"), proj(m, f"mlp.{name}.down_proj")),)
+    router = proj(m, "mlp.router" if oss else "mlp.gate")
+    act = _clamped_glu(float(ex.limit), float(ex.alpha)) if oss else ex.act_fn
+    up_act = (lambda u, lim=float(ex.limit): u.clamp(-lim, lim)) if oss else None
+    return Experts(module=mlp, path="mlp", source=ex, routed=tuple(one(e) for e in range(ex.gate_up_proj.shape[0])),
+                   shared=shared, shared_gate=getattr(mlp, "shared_expert_gate", None) if shared else None,
+                   router=(router,), act=act, up_act=up_act, up_offset=1.0 if oss else 0.0)
 
 
 def _beit(i: int, path: str, m: nn.Module) -> LayerAnatomy:
@@ -269,9 +342,26 @@ def _is_gpt2(m: nn.Module) -> bool:
     return hasattr(m, "ln_1") and type(c_attn).__name__ == "Conv1D" and hasattr(m, "mlp")
 
 
+def _not_described(i: int, path: str, m: nn.Module) -> LayerAnatomy:
+    """A block kind recognised only to be refused (its ``refused`` text says why)."""
+    raise ValueError(f"{type(m).__name__} is not described")
+
+
+def _is_differential(m: nn.Module) -> bool:
+    return hasattr(m, "input_layernorm") and hasattr(getattr(m, "self_attn", None), "lambda_q1")
+
+
+_DIFF_REFUSED = (
+    "differential attention: each head pair mixes its values with softmax₁ − λ·softmax₂ and divides the mixed "
+    "vector by a per-pair group norm (Ye et al., ICLR 2025), a value path the value-aware maths (one value "
+    "projection per head, mixed by probabilities) do not model; 'raw', 'grad_rollout' and 'gae' read its signed "
+    "matrices")
+
+
 def _is_llama(m: nn.Module) -> bool:
-    return hasattr(m, "input_layernorm") and hasattr(getattr(m, "self_attn", None), "v_proj") and hasattr(
-        getattr(m, "mlp", None), "gate_proj")
+    att = getattr(m, "self_attn", None)
+    return hasattr(m, "input_layernorm") and (hasattr(att, "v_proj") or hasattr(att, "kv_b_proj")) and (
+        hasattr(getattr(m, "mlp", None), "gate_proj") or _has_experts(m))
 
 
 # ------------------------------------------------------------------------------------------- heads
@@ -358,8 +448,13 @@ BLOCKS = (
               label="ViT / DeiT / DINOv2", value_aware="ViT / DeiT / DINOv2 (pre-LN)", head=_reads_head("vit")),
     BlockKind(name="gpt2", matches=_is_gpt2, build=_gpt2, parts="attn.c_attn + ln_1 (GPT-2)",
               label="GPT-2 decoders", value_aware="GPT-2 (pre-LN)", head=_reads_head("gpt2")),
+    BlockKind(name="diffllama", matches=_is_differential, build=_not_described,
+              parts="self_attn.lambda_q1 + input_layernorm (DiffLlama)",
+              label="DiffLlama differential attention, refused", refused=_DIFF_REFUSED),
     BlockKind(name="llama", matches=_is_llama, build=_llama,
-              parts="self_attn.{q,k,v,o}_proj + input_layernorm + mlp.gate_proj (Llama)",
-              label="Llama-family decoders", value_aware="Llama-family decoders (RMSNorm, grouped KV)",
+              parts="self_attn.{q,k,v,o}_proj + input_layernorm + mlp.gate_proj or mlp.experts (Llama)",
+              label="Llama-family decoders (dense or mixture-of-experts MLPs)",
+              value_aware="Llama-family decoders (RMSNorm, grouped KV; mixture-of-experts MLPs: Mixtral, Qwen2-MoE, "
+                          "Qwen3-MoE, OLMoE, GPT-OSS, DeepSeek-V2 / V3 with its latent attention)",
               head=_reads_head("llama")),
 )

@@ -89,9 +89,10 @@ def output_streams(model: nn.Module, output: Any) -> dict[str, list[torch.Tensor
     return streams
 
 
-def validate_layers(name: str, stream: str, layers: list[torch.Tensor]) -> None:
+def validate_layers(name: str, stream: str, layers: list[torch.Tensor], signed: bool = False) -> None:
     """Refuse (UnsupportedModelError, with the reason) layers that are not one (B, H, n, n) row-stochastic
-    token-to-token matrix each, of one token count for the whole stream (cross attention: any n_q x n_k)."""
+    token-to-token matrix each, of one token count for the whole stream (cross attention: any n_q x n_k);
+    ``signed``: the layers are signed matrices that multiply the values (their rows are not checked)."""
     shapes = {tuple(t.shape[-2:]) for t in layers}
     bad = [i for i, t in enumerate(layers) if t.ndim not in (3, 4)]  # 3-D: heads fused at capture time
     if bad:
@@ -111,8 +112,8 @@ def validate_layers(name: str, stream: str, layers: list[torch.Tensor]) -> None:
             "its place), so there is nothing to roll out; attnroll refuses rather than guess their layout"
         )
     t = layers[0].detach()
-    if t.ndim == 3 or t.is_meta:  # fused at capture time; or matrix-free (recomputed as a softmax, no values)
-        return
+    if t.ndim == 3 or t.is_meta or signed:  # fused at capture time; matrix-free (recomputed as a softmax, no
+        return  # values); signed matrices that multiply the values (differential attention, listed non-stochastic)
     sums = t.sum(dim=-1)
     rowsum_ok = bool(((sums - 1).abs() < 1e-3).any(dim=-1).all())
     if not rowsum_ok or bool((t < 0).any()):

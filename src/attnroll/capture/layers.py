@@ -23,9 +23,9 @@ import torch
 from torch import nn
 
 from .. import _checks
-from ..core.value_aware import Block, Mlp, Norm
+from ..core.value_aware import Block, Mlp, Norm, Routed
 
-__all__ = ["Proj", "LayerAnatomy", "ModelAnatomy", "Target", "RESET", "linear_params", "norm_params"]
+__all__ = ["Proj", "Experts", "LayerAnatomy", "ModelAnatomy", "Target", "RESET", "linear_params", "norm_params"]
 
 #: (parameter name relative to the block, the parameter, index): index None = the whole tensor, a slice /
 #: tuple of slices = the part of a fused tensor, or :data:`RESET` (a norm's parameter, set to its default).
@@ -41,7 +41,8 @@ class Proj:
 
     ``weight`` / ``bias``: the parameter names on ``module`` (bias None when it has none); ``rows``: the
     output features this projection owns when the tensor is fused (q, k, v thirds of a qkv projection);
-    ``in_out``: the weight is stored (in, out) (transformers' ``Conv1D``) instead of (out, in); ``path``:
+    ``in_out``: the weight is stored (in, out) (transformers' ``Conv1D``) instead of (out, in); ``expert``: the
+    index of one expert in a parameter stacking every expert's weights (E, ...) first (then ``rows``); ``path``:
     the module's path inside its block ("" = the block itself); ``bias_module`` / ``bias_path``: the module
     holding the bias when it is not ``module`` (timm EVA / BEiT: separate q / v biases beside a bias-free fused
     qkv), a whole (out,) tensor that ``rows`` does not index."""
@@ -54,6 +55,7 @@ class Proj:
     in_out: bool = False
     bias_module: nn.Module | None = None
     bias_path: str = ""
+    expert: int | None = None
 
     def _param(self, name: str | None, of: nn.Module | None = None) -> nn.Parameter | None:
         p = None if name is None else getattr(of if of is not None else self.module, name, None)
@@ -62,6 +64,8 @@ class Proj:
     def arrays(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(W (out, in), b (out,) or None), detached, in ``dtype`` (None = as stored)."""
         w, b = self._param(self.weight).detach(), self._param(self.bias, self.bias_module)
+        if self.expert is not None:  # one expert of a (E, ...) stack of experts' weights
+            w, b = w[self.expert], None if b is None else b[self.expert]
         w = w.T if self.in_out else w
         b = None if b is None else b.detach()
         if self.rows is not None:
@@ -82,6 +86,8 @@ class Proj:
             idx = self.rows if own else None
             if idx is not None and is_weight and self.in_out:
                 idx = (slice(None), idx)
+            if self.expert is not None and own:
+                idx = (self.expert,) + (() if idx is None else idx if isinstance(idx, tuple) else (idx,))
             path = self.path if own else self.bias_path
             out.append((f"{path}.{pname}" if path else pname, p, idx))
         return out
@@ -90,6 +96,52 @@ class Proj:
         """The projection applied to x (..., in) with the module's current parameters."""
         w, b = self.arrays(x.dtype)
         return x @ w.T if b is None else x @ w.T + b
+
+
+@dataclass(frozen=True, kw_only=True)
+class Experts:
+    """A mixture-of-experts MLP: per token Σ_e w_e · expert_e(h) over the experts its router chose, plus shared
+    experts, each expert fc2(act(gate(h)) ⊙ up(h)) (GPT-OSS: fc2(act(gate(h)) ⊙ (``up_act``(up(h)) +
+    ``up_offset``))).
+
+    ``module`` the MLP module (its forward routes, then mixes); ``path`` its path in the block; ``source`` the
+    experts module, whose forward receives (hidden states (N, d), the chosen experts' indices (N, k), their
+    weights (N, k)): the routing the value-aware methods hold fixed is read there; ``routed`` (fc1, gate, fc2)
+    per routed expert, in index order; ``shared`` the same for shared experts, always applied; ``shared_gate``
+    a module whose sigmoid scales the shared experts per token (Qwen2-MoE), or None (scale 1); ``router``
+    the projections that only choose and weight the experts; ``act`` the gate activation."""
+
+    module: nn.Module
+    path: str
+    source: nn.Module
+    routed: tuple[tuple[Proj, Proj, Proj], ...]
+    shared: tuple[tuple[Proj, Proj, Proj], ...] = ()
+    shared_gate: nn.Module | None = None
+    router: tuple[Proj, ...] = ()
+    act: Callable
+    up_act: Callable | None = None
+    up_offset: float = 0.0
+
+    def projections(self) -> list[Proj]:
+        """Every projection of the MLP: the experts' (routed, shared), then the router's."""
+        return [p for trio in (*self.routed, *self.shared) for p in trio] + list(self.router)
+
+    def mlps(self, dtype: torch.dtype | None, ls2: nn.Module | None) -> tuple[Mlp, ...]:
+        """The routed experts, then the shared ones, as arrays (a layer scale folded into each fc2)."""
+        out = []
+        for fc1, gate, fc2 in (*self.routed, *self.shared):
+            w1, b1 = fc1.arrays(dtype)
+            wg, bg = gate.arrays(dtype)
+            w2, b2 = _scaled(fc2.arrays(dtype), ls2, dtype)
+            out.append(Mlp(w1=w1, b1=b1, w2=w2, b2=b2, act=self.act, wg=wg, bg=bg, up_act=self.up_act,
+                           up_offset=self.up_offset))
+        return tuple(out)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        """The model's own MLP module on h (..., n, d) (it routes again: the routing follows h)."""
+        out = self.module(h.reshape(-1, *h.shape[-2:]))
+        out = out[0] if isinstance(out, (tuple, list)) else out
+        return out.reshape(h.shape)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -102,9 +154,11 @@ class LayerAnatomy:
     ``pre_norm``: h = x + Attn(norm1(x)), out = h + MLP(norm2(h)); else (post-norm) h = norm1(x + Attn(x)),
     out = norm2(h + MLP(h)); ``norm1`` / ``norm2`` those norm modules; ``norms`` every normalisation module
     of the block (path, module), q/k norms included; ``fc1``, ``act``, ``fc2`` and ``gate`` (gated MLPs:
-    fc2(act(gate(h)) ⊙ fc1(h))) the MLP; ``ls1`` / ``ls2`` layer-scale modules after the attention / MLP
-    branch, or None; ``cross`` the (q, k, v, o) projections of a decoder block's cross-attention (encoder-decoder
-    models), or None: sanity counts its q / k in "qk" and its v / o in "value"."""
+    fc2(act(gate(h)) ⊙ fc1(h))) the MLP, or with ``experts`` (a mixture of experts, :class:`Experts`) its first
+    routed expert's (the widths; ``experts`` describes the MLP); ``ls1`` / ``ls2`` layer-scale modules after the
+    attention / MLP branch, or None; ``latent`` (projection, norm): multi-head latent attention (DeepSeek-V2 / V3),
+    where ``v`` reads norm(projection(x̃)) instead of x̃; ``cross`` the (q, k, v, o) projections of a decoder block's
+    cross-attention (encoder-decoder models), or None: sanity counts its q / k in "qk" and its v / o in "value"."""
 
     index: int
     module: nn.Module
@@ -127,29 +181,45 @@ class LayerAnatomy:
     ls1: nn.Module | None = None
     ls2: nn.Module | None = None
     cross: tuple[Proj, Proj, Proj, Proj] | None = None
+    experts: Experts | None = None
+    latent: tuple[Proj, nn.Module] | None = None
 
     @property
     def residual(self) -> str:
         """How the residual is laid out: "pre-norm" or "post-norm" (see the class docstring)."""
         return "pre-norm" if self.pre_norm else "post-norm"
 
-    def block(self, dtype: torch.dtype | None = None) -> Block:
-        """The value path as a pure :class:`~attnroll.core.value_aware.Block` (layer scales folded in)."""
+    def block(self, dtype: torch.dtype | None = None, routing: torch.Tensor | None = None) -> Block:
+        """The value path as a pure :class:`~attnroll.core.value_aware.Block` (layer scales folded in); a
+        mixture of experts as a :class:`~attnroll.core.value_aware.Routed` MLP with ``routing`` (B, n, E) as
+        its weights (the forward pass's, :class:`~attnroll.capture.value_path.LayerStates`)."""
         wv, bv = self.v.arrays(dtype)
         wo, bo = _scaled(self.o.arrays(dtype), self.ls1, dtype)
-        w1, b1 = self.fc1.arrays(dtype)
-        w2, b2 = _scaled(self.fc2.arrays(dtype), self.ls2, dtype)
-        wg, bg = self.gate.arrays(dtype) if self.gate is not None else (None, None)
+        latent = None
+        if self.latent is not None:
+            wa, ba = self.latent[0].arrays(dtype)
+            latent = (wa, ba, norm_params(self.latent[1], dtype))
+        if self.experts is not None:
+            weights = None if routing is None else routing.to(dtype or routing.dtype)
+            mlp: Mlp | Routed = Routed(experts=self.experts.mlps(dtype, self.ls2), weights=weights)
+        else:
+            w1, b1 = self.fc1.arrays(dtype)
+            w2, b2 = _scaled(self.fc2.arrays(dtype), self.ls2, dtype)
+            wg, bg = self.gate.arrays(dtype) if self.gate is not None else (None, None)
+            mlp = Mlp(w1=w1, b1=b1, w2=w2, b2=b2, act=self.act, wg=wg, bg=bg)
         return Block(
             pre_norm=self.pre_norm, norm1=norm_params(self.norm1, dtype), norm2=norm_params(self.norm2, dtype),
-            wv=wv, bv=bv, wo=wo, bo=bo, heads=self.heads, kv_heads=self.kv_heads,
-            mlp=Mlp(w1=w1, b1=b1, w2=w2, b2=b2, act=self.act, wg=wg, bg=bg),
+            wv=wv, bv=bv, wo=wo, bo=bo, heads=self.heads, kv_heads=self.kv_heads, mlp=mlp, latent=latent,
         )
 
     def mlp_forward(self, h: torch.Tensor) -> torch.Tensor:
-        """The MLP branch through the model's own modules and activation (layer scale included)."""
-        u = self.fc1(h)
-        out = self.fc2(self.act(self.gate(h)) * u if self.gate is not None else self.act(u))
+        """The MLP branch through the model's own modules and activation (layer scale included); a mixture of
+        experts routes again on h."""
+        if self.experts is not None:
+            out = self.experts.forward(h)
+        else:
+            u = self.fc1(h)
+            out = self.fc2(self.act(self.gate(h)) * u if self.gate is not None else self.act(u))
         return out if self.ls2 is None else self.ls2(out)
 
     def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
@@ -170,6 +240,9 @@ class LayerAnatomy:
         if component == "all":
             reset = {id(p) for _, m in self.norms for p in m.parameters(recurse=False)}
             return [(n, p, RESET if id(p) in reset else None) for n, p in self.module.named_parameters()]
+        if component == "mlp" and self.experts is not None:  # every expert's and the router's parameters
+            prefix = f"{self.experts.path}." if self.experts.path else ""
+            return [(prefix + n, p, None) for n, p in self.experts.module.named_parameters()]
         cq, ck, cv, co = self.cross if self.cross is not None else (None,) * 4
         projs = {"qk": (self.q, self.k, cq, ck), "value": (self.v, self.o, cv, co),
                  "mlp": (self.fc1, self.gate, self.fc2)}[component]
@@ -233,9 +306,10 @@ class ModelAnatomy:
     value_aware: str = ""
     head_reason: str = ""
 
-    def blocks(self, dtype: torch.dtype | None = None) -> list[Block]:
-        """Every layer's value path as pure arrays (see :meth:`LayerAnatomy.block`)."""
-        return [layer.block(dtype) for layer in self.layers]
+    def blocks(self, dtype: torch.dtype | None = None, routing: list | None = None) -> list[Block]:
+        """Every layer's value path as pure arrays (see :meth:`LayerAnatomy.block`); ``routing`` the forward
+        pass's routing per layer (None for a dense MLP), for mixtures of experts."""
+        return [layer.block(dtype, None if routing is None else routing[layer.index]) for layer in self.layers]
 
     @property
     def pooled(self) -> bool:

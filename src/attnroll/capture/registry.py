@@ -333,6 +333,21 @@ TRANSFORMERS = Family(
                readout="CLS, or the last real token when causal"),
         Models(models="transformers GPT-2, Llama-family, TimesFM (causal)", streams="self", prefix="0",
                readout="last real token (causal by the attention modules' own flag too)"),
+        Models(models="transformers Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GPT-OSS, DeepSeek-V2 / V3 "
+                      "(mixture-of-experts decoders)",
+               streams="self", prefix="0",
+               readout="last real token; the value-aware methods read the MLP as the weighted sum of the experts "
+                       "each token's router chose, its weights held at the forward's (plus the shared experts: "
+                       "Qwen2-MoE's gated, DeepSeek's), and DeepSeek's latent attention with its latent norm's "
+                       "divisor frozen; GPT-OSS's attention sinks take a share of each row, which the dense capture "
+                       "refuses: its value-aware maps need sinks that take none"),
+        Models(models="transformers DiffLlama (differential attention)",
+               streams="self: per head pair the signed matrix softmax₁ − λ·softmax₂ that multiplies the values "
+                       "(capture/diffllama.py), every layer listed non-stochastic",
+               prefix="0",
+               readout="last real token; `raw`, `grad_rollout`, `gae`, `attn_gradcam` read the signed matrices; "
+                       "`rollout`, `per_head_rollout`, `flow` and the value-aware methods refuse them (rows sum to "
+                       "1 − λ, signed); dense only"),
         Models(models="transformers Wav2Vec2, HuBERT, WavLM", streams="self", prefix="0",
                readout="mean of the frames (gradients refused for WavLM: they never reach its returned weights)"),
         Models(models="transformers CLIP, MetaCLIP 2, OWL-ViT, OWLv2", streams="vision, text", prefix="1 (vision)",
@@ -369,7 +384,6 @@ TRANSFORMERS = Family(
         "block-sparse BigBird",
         "LLaVA-NeXT-Video (video frames pooled)",
         *VLM_REFUSED,
-        "DiffLlama (differential attention: softmax₁ − λ·softmax₂ is no row-stochastic matrix)",
         "ViLT (text tokens + image CLS + patches sampled in a random order in one sequence)",
     ),
     obstacles=TRANSFORMERS_OBSTACLES,

@@ -37,6 +37,7 @@ class LayerStates:
     norm2_in: list[torch.Tensor] = field(default_factory=list)
     outputs: list[torch.Tensor] = field(default_factory=list)
     final_in: torch.Tensor | None = None
+    routing: list[torch.Tensor | None] = field(default_factory=list)
 
 
 def value_anatomy(anat: ModelAnatomy | None, reason: str, model: Any) -> ModelAnatomy:
@@ -83,6 +84,47 @@ def _install_state_hooks(stack: ExitStack, anat: ModelAnatomy, states: LayerStat
         add(layer.norm2, lambda m, a, k, i=i: keep("norm2_in", i, _first_tensor(a, k)), True)
     if anat.stream_norm is not None:
         add(anat.stream_norm, lambda m, a, k: setattr(states, "final_in", _first_tensor(a, k).detach()), True)
+    _install_routing_hooks(add, anat, states, L)
+
+
+def _install_routing_hooks(add: Callable, anat: ModelAnatomy, states: LayerStates, L: int) -> None:
+    """Hooks that fill ``states.routing`` for the layers whose MLP is a mixture of experts: the chosen experts'
+    indices and weights as the experts module receives them, the shared experts' gate (sigmoid of its output)."""
+    states.routing = [None] * L
+    seen: dict[tuple[int, str], torch.Tensor] = {}
+
+    def gated(i: int, out: torch.Tensor) -> None:  # a hook returning None: the module's output flows on
+        seen[(i, "shared")] = torch.sigmoid(out.detach())
+        _fill_routing(states, anat.layers[i], seen)
+
+    def chosen(i: int, args: tuple, kwargs: dict) -> None:
+        rest = list(args[1:3]) + [v for k, v in kwargs.items() if "ind" in k] + [
+            v for k, v in kwargs.items() if "weight" in k or "score" in k]
+        seen[(i, "idx")], seen[(i, "w")] = rest[0].detach(), rest[1].detach()
+        _fill_routing(states, anat.layers[i], seen)
+
+    for layer in anat.layers:
+        if layer.experts is None:
+            continue
+        i = layer.index
+        add(layer.experts.source, lambda m, a, k, i=i: chosen(i, a, k), True)
+        if layer.experts.shared_gate is not None:
+            add(layer.experts.shared_gate, lambda m, a, k, o, i=i: gated(i, o), False)
+
+
+def _fill_routing(states: LayerStates, layer: LayerAnatomy, seen: dict) -> None:
+    """Once a layer's routing (and its shared gate, if any) were seen: its (B, n, E) weights in ``states``."""
+    i, ex = layer.index, layer.experts
+    if ex is None or (i, "idx") not in seen or (ex.shared_gate is not None and (i, "shared") not in seen):
+        return
+    idx, w = seen[(i, "idx")], seen[(i, "w")]
+    E = len(ex.routed)
+    dense = w.new_zeros(idx.shape[0], E + 1).scatter_add_(1, idx.long().clamp(max=E), w.to(w.dtype))[:, :E]
+    shared = [seen[(i, "shared")].to(dense.dtype)] if ex.shared_gate is not None else [
+        dense.new_ones(idx.shape[0], 1) for _ in ex.shared]
+    dense = torch.cat([dense, *shared], dim=-1)
+    x = states.inputs[i]
+    states.routing[i] = dense.reshape(*x.shape[:-1], dense.shape[-1])
 
 
 def record_states(model: nn.Module, inputs: Any, *, anat: ModelAnatomy | None = None,

@@ -27,11 +27,21 @@ and a chunk of rows is mixed by one batched product per (example, head) over hea
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 
-from .value_aware import Block, Mlp, Norm, apply_norm, norm_scale, norm_share
+from .value_aware import (
+    Block,
+    Mlp,
+    Norm,
+    Routed,
+    apply_norm,
+    linearised,
+    mlp_terms,
+    mlp_width,
+    norm_scale,
+    norm_share,
+    with_rows,
+)
 
 __all__ = ["initial_shares", "absdot_weights", "add_bias", "norm_shares", "norm_linear_shares", "mlp_shares",
            "block_shares", "head_shares", "pool_shares", "separate_bias_shares", "linearised"]
@@ -94,12 +104,6 @@ def norm_shares(S: torch.Tensor, norm: Norm, bias: str = "absdot") -> torch.Tens
     return _add_bias_(norm_share(S, scale, norm), norm.bias, bias)
 
 
-def linearised(act: Callable, pre: torch.Tensor) -> torch.Tensor:
-    """θ = act(ζ) / ζ elementwise (0 where ζ = 0, where any θ gives the same product)."""
-    nz = pre != 0
-    return torch.where(nz, act(pre) / torch.where(nz, pre, torch.ones_like(pre)), torch.zeros_like(pre))
-
-
 def _folded(w: torch.Tensor, norm: Norm | None) -> torch.Tensor:
     """w (out, d) with the norm's γ and centring folded in: g(s) @ w.T = (s @ wf.T) / σ for every share s
     (Σ_j (s_j − mean s) γ_j w_oj = Σ_j s_j (γ_j w_oj − mean_j' γ_j' w_oj'))."""
@@ -129,21 +133,21 @@ def norm_linear_shares(U: torch.Tensor, norm: Norm, w: torch.Tensor, bias: str =
     return out if wb is None or norm.bias is None else out.addcmul_(wb.unsqueeze(-1), w @ norm.bias)
 
 
-def mlp_shares(U: torch.Tensor, mlp: Mlp, bias: str = "absdot", norm: Norm | None = None) -> torch.Tensor:
+def mlp_shares(U: torch.Tensor, mlp: Mlp | Routed, bias: str = "absdot", norm: Norm | None = None) -> torch.Tensor:
     """The MLP applied to the shares U (B, r, K, d) of its input (see module): (B, r, K, d); with ``norm``,
     to the shares of norm(U) (= ``mlp_shares(norm_shares(U, norm, bias), mlp, bias)``).
 
     The wide (B, r, K, f) tensor is written once by fc1, scaled once in place by the slopes and read once by
     fc2: the norm is folded into fc1 (:func:`_folded`), and the β and fc1-bias shares, w_k·c for one vector
-    c per row, pass the linearised activation and fc2 as rank-one terms w_k · ((c ⊙ θ) W2ᵀ)."""
+    c per row, pass the linearised activation and fc2 as rank-one terms w_k · ((c ⊙ θ) W2ᵀ). A mixture of
+    experts (:class:`Routed`, its weights aligned with U's rows) is the weighted sum of each chosen expert's
+    shares, every expert run on the rows that chose it only."""
+    if isinstance(mlp, Routed):
+        return _routed_shares(U, mlp, bias, norm)
     actual = U.sum(-2)  # (B, r, d)
     scale = None if norm is None else norm_scale(actual, norm)
     h = actual if norm is None else apply_norm(actual, norm)
-    pre = h @ mlp.w1.T + (0 if mlp.b1 is None else mlp.b1)  # the actual fc1 output ζ (B, r, f)
-    if mlp.wg is not None:
-        coef = mlp.act(h @ mlp.wg.T + (0 if mlp.bg is None else mlp.bg))
-    else:
-        coef = linearised(mlp.act, pre)
+    _, coef, const = mlp_terms(mlp, h)  # the actual fc1 output's slopes (B, r, f), a gated up path's constant
     w1f = _folded(mlp.w1, norm)
     P = U @ w1f.T
     P.mul_((coef if scale is None else coef / scale).unsqueeze(-2))
@@ -158,13 +162,31 @@ def mlp_shares(U: torch.Tensor, mlp: Mlp, bias: str = "absdot", norm: Norm | Non
         dots = dots if scale is None else dots / scale
         w = absdot_weights(dots if wb is None or c is None else dots + wb * (c @ mlp.b1), bias)
         Y.addcmul_(w.unsqueeze(-1), ((mlp.b1 * coef) @ mlp.w2.T).unsqueeze(-2))
+    Y = _add_bias_(Y, None if const is None else const @ mlp.w2.T, bias)  # a gated up path's constant (GPT-OSS)
     return _add_bias_(Y, mlp.b2, bias)
+
+
+def _routed_shares(U: torch.Tensor, mlp: Routed, bias: str, norm: Norm | None) -> torch.Tensor:
+    """:func:`mlp_shares` of a mixture of experts: Σ_e w_e · expert_e's shares, each expert on its rows."""
+    weights = mlp.bound().to(U.dtype)
+    Y = torch.zeros_like(U)
+    for e, expert in enumerate(mlp.experts):
+        chosen = weights[..., e] != 0  # (B, r)
+        if bool(chosen.any()):
+            part = mlp_shares(U[chosen].unsqueeze(0), expert, bias, norm).squeeze(0)  # (m, K, d)
+            Y[chosen] += weights[..., e][chosen][:, None, None] * part
+    return Y
 
 
 def _value_shares(S: torch.Tensor, block: Block, bias: str) -> torch.Tensor:
     """Per-head value shares (B, H, n, K·d_h) of the tokens (norm1 folded in for pre-LN blocks), no b_V:
     heads first, so that mixing a chunk of rows is one batched product per (example, head)."""
-    v = norm_linear_shares(S, block.norm1, block.wv, bias) if block.pre_norm else S @ block.wv.T
+    if block.latent is not None:  # multi-head latent attention: the latent's shares, through its own norm
+        wa, ba, inner = block.latent
+        U = norm_linear_shares(S, block.norm1, wa, bias) if block.pre_norm else S @ wa.T
+        v = norm_shares(_add_bias_(U, ba, bias), inner, bias) @ block.wv.T
+    else:
+        v = norm_linear_shares(S, block.norm1, block.wv, bias) if block.pre_norm else S @ block.wv.T
     B, n, K, _ = S.shape
     v = v.view(B, n, K, block.kv_heads, block.head_dim).permute(0, 3, 1, 2, 4)
     if block.heads != block.kv_heads:
@@ -197,7 +219,7 @@ def block_shares(S: torch.Tensor, alpha: torch.Tensor, block: Block, *, rows: to
     B, n, K, d = S.shape
     rows = torch.arange(n, device=S.device) if rows is None else rows
     step = len(rows) if chunk is None else max(1, int(chunk))
-    wide = max(1, block.mlp.w1.shape[0] // d)
+    wide = max(1, mlp_width(block.mlp) // d)
     out = S.new_empty(B, len(rows), K, d)  # filled chunk by chunk (no list of parts to concatenate)
     for start in range(0, len(rows), step * wide):
         R = rows[start:start + step * wide]
@@ -207,11 +229,12 @@ def block_shares(S: torch.Tensor, alpha: torch.Tensor, block: Block, *, rows: to
         z = _add_bias_(z.add_(S[:, R]), _attention_bias(block, alpha[:, :, R]), bias)
         for j in range(0, len(R), step):
             zj = z[:, j:j + step]
+            mlp = with_rows(block, lambda w, Rj=R[j:j + step]: w[:, Rj]).mlp  # a mixture's routing of these rows
             if block.pre_norm:
-                got = mlp_shares(zj, block.mlp, bias, norm=block.norm2).add_(zj)
+                got = mlp_shares(zj, mlp, bias, norm=block.norm2).add_(zj)
             else:
                 h = norm_shares(zj, block.norm1, bias)
-                got = norm_shares(mlp_shares(h, block.mlp, bias).add_(h), block.norm2, bias)
+                got = norm_shares(mlp_shares(h, mlp, bias).add_(h), block.norm2, bias)
             out[:, start + j:start + j + zj.shape[1]] = got
     return out
 
@@ -260,16 +283,20 @@ def _frozen_norm(v: torch.Tensor, norm: Norm) -> torch.Tensor:
     return out if norm.bias is None else out + norm.bias
 
 
-def _frozen_mlp(u: torch.Tensor, mlp: Mlp) -> torch.Tensor:
-    z = u @ mlp.w1.T
-    if mlp.b1 is not None:
-        z = z + mlp.b1
-    if mlp.wg is not None:
-        g = u @ mlp.wg.T
-        coef = mlp.act(g if mlp.bg is None else g + mlp.bg).detach()
-    else:
-        coef = linearised(mlp.act, z).detach()
-    out = (coef * z) @ mlp.w2.T
+def _frozen_mlp(u: torch.Tensor, mlp: Mlp | Routed) -> torch.Tensor:
+    """The MLP with its slopes, gates and routing frozen at their actual values: affine in u."""
+    if isinstance(mlp, Routed):
+        weights = mlp.bound().to(u.dtype)
+        out = torch.zeros_like(u)
+        for e, expert in enumerate(mlp.experts):
+            chosen = (weights[..., e] != 0).nonzero(as_tuple=True)
+            if chosen[0].numel():
+                part = weights[..., e][chosen].unsqueeze(-1) * _frozen_mlp(u[chosen], expert)
+                out = out.index_put(chosen, part, accumulate=True)
+        return out
+    z, coef, const = mlp_terms(mlp, u)
+    z = coef.detach() * z if const is None else coef.detach() * z + const.detach()
+    out = z @ mlp.w2.T
     return out if mlp.b2 is None else out + mlp.b2
 
 
@@ -277,6 +304,9 @@ def _frozen_block(x: torch.Tensor, alpha: torch.Tensor, block: Block) -> torch.T
     """The block with attention, norm divisors and activation slopes frozen: affine in x."""
     B, n, _ = x.shape
     xv = _frozen_norm(x, block.norm1) if block.pre_norm else x
+    if block.latent is not None:  # multi-head latent attention: its latent norm frozen too
+        wa, ba, inner = block.latent
+        xv = _frozen_norm(xv @ wa.T + (0 if ba is None else ba), inner)
     v = xv @ block.wv.T
     if block.bv is not None:
         v = v + block.bv

@@ -39,7 +39,7 @@ from typing import Sequence
 import torch
 
 from .decompx import linearised
-from .value_aware import Block, Norm, apply_norm, norm_scale
+from .value_aware import Block, Mlp, Norm, Routed, apply_norm, mlp_terms, norm_scale
 
 __all__ = ["head_direction", "direct_logit", "logit_rollout", "head_linear", "pooled_head_linear",
            "layer_directions", "MLP_RULES"]
@@ -130,6 +130,27 @@ def pooled_head_linear(w: torch.Tensor, b: torch.Tensor | None, *, pools: Sequen
     return head_direction(rows, token_norm, actual), c
 
 
+def _mlp_back(m: Mlp | Routed, h: torch.Tensor, u: torch.Tensor,
+              rule: str) -> tuple[torch.Tensor | None, torch.Tensor | float, torch.Tensor | float]:
+    """One MLP branch read backwards from the direction u (B, d) on its output, at its actual input h (B, d):
+    (the direction on h or None, its bias terms (B,), its update term (B,)). "linearised": back = W1ᵀ(θ ⊙ W2ᵀu),
+    bias u·b2 + (θ ⊙ W2ᵀu)·b1 + (W2ᵀu)·const; "update": no direction, term u · MLP(h). A mixture of experts
+    (routing (B, E) held at its values) sums its experts' parts, each weighted by its routing weight."""
+    if isinstance(m, Routed):
+        weights = m.bound().to(h.dtype)
+        parts = [_mlp_back(e, h, u, rule) for e in m.experts]
+        back = None if rule != "linearised" else sum(weights[:, e, None] * p[0] for e, p in enumerate(parts))
+        return (back, sum(weights[:, e] * p[1] for e, p in enumerate(parts)),
+                sum(weights[:, e] * p[2] for e, p in enumerate(parts)))
+    zeta, coef, const = mlp_terms(m, h)
+    if rule == "linearised":
+        up = u @ m.w2  # W2ᵀ u, (B, f)
+        t = up * coef  # θ ⊙ W2ᵀ u
+        return t @ m.w1, _dot(u, m.b2) + _dot(t, m.b1) + (0.0 if const is None else (up * const).sum(-1)), 0.0
+    inner = m.act(zeta) if m.wg is None else coef * zeta + (0 if const is None else const)  # the actual hidden layer
+    return None, 0.0, (u * (inner @ m.w2.T + (0 if m.b2 is None else m.b2))).sum(-1)
+
+
 def layer_directions(omega: torch.Tensor, blocks: list[Block], n1: list[torch.Tensor], n2: list[torch.Tensor],
                      *, mlp: str) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
     """The per-layer directions of a stack (see module) for one readout row per example, each block by its
@@ -160,16 +181,9 @@ def layer_directions(omega: torch.Tensor, blocks: list[Block], n1: list[torch.Te
         u = omega if blk.pre_norm else head_direction(omega, blk.norm2, n2[l])
         if not blk.pre_norm:
             bias[:, l] = _dot(omega, blk.norm2.bias)
-        zeta = h @ m.w1.T + (0 if m.b1 is None else m.b1)
-        coef = linearised(m.act, zeta) if m.wg is None else m.act(h @ m.wg.T + (0 if m.bg is None else m.bg))
-        if mlp == "linearised":
-            t = (u @ m.w2) * coef  # θ ⊙ W2ᵀ u, (B, f)
-            back = t @ m.w1  # the direction on the MLP's input h
-            bias[:, l] += _dot(u, m.b2) + _dot(t, m.b1)
-        else:
-            inner = m.act(zeta) if m.wg is None else coef * zeta  # the MLP's actual hidden layer
-            mlp_terms[:, l] = (u * (inner @ m.w2.T + (0 if m.b2 is None else m.b2))).sum(-1)
-            back = None
+        back, b_mlp, term = _mlp_back(m, h, u, mlp)
+        bias[:, l] += b_mlp
+        mlp_terms[:, l] = term
         if blk.pre_norm:
             if back is not None:
                 bias[:, l] += _dot(back, blk.norm2.bias)

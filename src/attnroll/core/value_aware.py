@@ -13,7 +13,7 @@ padded keys are zeroed when an ``attention_mask`` (B, n) of 0/1 is given.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -21,7 +21,9 @@ import torch
 from . import alti_kernel
 
 __all__ = [
-    "Norm", "Mlp", "Block", "norm_scale", "norm_share", "apply_norm", "value_outputs", "head_mix",
+    "Norm", "Mlp", "Routed", "Block", "value_input", "mlp_terms", "linearised", "mlp_width", "with_rows",
+    "norm_scale", "norm_share",
+    "apply_norm", "value_outputs", "head_mix",
     "pairwise_norms", "normalize_rows", "cosine_distance", "mask_pairs",
 ]
 
@@ -50,6 +52,52 @@ class Mlp:
     act: Callable[[torch.Tensor], torch.Tensor]
     wg: torch.Tensor | None = None
     bg: torch.Tensor | None = None
+    up_act: Callable[[torch.Tensor], torch.Tensor] | None = None
+    up_offset: float = 0.0
+
+
+@dataclass(frozen=True)
+class Routed:
+    """A mixture-of-experts MLP with its routing held at the values the forward pass computed:
+    MLP(h_i) = Σ_e weights[i, e] · experts[e](h_i), ``experts`` the routed experts then any shared ones (an
+    :class:`Mlp` each), ``weights`` (..., E) aligned with the rows the MLP is applied to: the router's weight of
+    each chosen expert, 0 for the others, a shared expert's gate value (or 1). Linear in what each expert is
+    linear in, so every rule of a dense MLP applies per expert, weighted. ``weights`` None: not yet bound to a
+    forward pass (:meth:`LayerAnatomy.block`'s ``routing``)."""
+
+    experts: tuple[Mlp, ...]
+    weights: torch.Tensor | None = None
+
+    def bound(self) -> torch.Tensor:
+        """The routing weights; ValueError when the MLP was never bound to a forward pass's routing."""
+        if self.weights is None:
+            raise ValueError("this mixture-of-experts MLP has no routing: bind the routing the forward pass "
+                             "recorded (LayerStates.routing) before decomposing it")
+        return self.weights
+
+
+def mlp_width(mlp: "Mlp | Routed") -> int:
+    """The widest hidden layer of the MLP (its fc1's outputs; an expert's for a mixture of experts)."""
+    return max(m.w1.shape[0] for m in mlp.experts) if isinstance(mlp, Routed) else mlp.w1.shape[0]
+
+
+def mlp_terms(mlp: Mlp, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(ζ, coefficients, constant) of the MLP at its actual input h (..., d): MLP(h) = W2 (coef ⊙ ζ + const) + b2
+    exactly, ζ = W1 h + b1. Dense: coef = θ = act(ζ)/ζ (DecompX's zero-origin slope); gated: coef = act(W_g h +
+    b_g) held at its value, times the up path's zero-origin slope when it has an activation of its own (GPT-OSS's
+    clamp), and const = coef_gate · ``up_offset`` (its + 1) or None."""
+    pre = h @ mlp.w1.T + (0 if mlp.b1 is None else mlp.b1)
+    if mlp.wg is None:
+        return pre, linearised(mlp.act, pre), None
+    gate = mlp.act(h @ mlp.wg.T + (0 if mlp.bg is None else mlp.bg))
+    coef = gate if mlp.up_act is None else gate * linearised(mlp.up_act, pre)
+    return pre, coef, (gate * mlp.up_offset if mlp.up_offset else None)
+
+
+def linearised(act: Callable, pre: torch.Tensor) -> torch.Tensor:
+    """θ = act(ζ) / ζ elementwise (0 where ζ = 0, where any θ gives the same product)."""
+    nz = pre != 0
+    return torch.where(nz, act(pre) / torch.where(nz, pre, torch.ones_like(pre)), torch.zeros_like(pre))
 
 
 @dataclass(frozen=True)
@@ -71,11 +119,30 @@ class Block:
     bo: torch.Tensor | None
     heads: int
     kv_heads: int
-    mlp: Mlp
+    mlp: Mlp | Routed
+    latent: tuple[torch.Tensor, torch.Tensor | None, Norm] | None = None
 
     @property
     def head_dim(self) -> int:
         return self.wv.shape[0] // self.kv_heads
+
+
+def value_input(xv: torch.Tensor, block: Block) -> torch.Tensor:
+    """What the value projection reads from xv (..., d): xv itself, or with ``latent`` = (W_a (r, d), b_a, norm)
+    (multi-head latent attention, DeepSeek-V2 / V3) the normed latent norm(xv W_aᵀ + b_a), its divisor the
+    token's own (frozen when decomposed, as every norm's)."""
+    if block.latent is None:
+        return xv
+    wa, ba, norm = block.latent
+    return apply_norm(xv @ wa.T + (0 if ba is None else ba), norm)
+
+
+def with_rows(block: Block, take: Callable[[torch.Tensor], torch.Tensor]) -> Block:
+    """``block`` for a subset or rearrangement of its rows: a mixture of experts' routing weights (B, n, E)
+    mapped by ``take`` (the same indexing the caller applies to the rows); a dense MLP's block unchanged."""
+    if not isinstance(block.mlp, Routed):
+        return block
+    return replace(block, mlp=replace(block.mlp, weights=take(block.mlp.bound())))
 
 
 # ------------------------------------------------------------------------------------------- norms
@@ -115,9 +182,10 @@ def _flat_norm(x: torch.Tensor, norm: Norm) -> torch.Tensor:
 def value_outputs(xv: torch.Tensor, block: Block) -> torch.Tensor:
     """f^h(x_j) = (x_j W_V^h + b_V^h) W_O^h for every token and head: xv (B, n, d) -> (B, n, H, d).
 
-    ``xv`` is what the value projection reads (norm1(x) for pre-LN blocks). b_O is not included."""
+    ``xv`` is what the block's value path reads (norm1(x) for pre-LN blocks; a latent block's projection and norm
+    applied here, :func:`value_input`). b_O is not included."""
     B, n, _ = xv.shape
-    v = xv @ block.wv.T
+    v = value_input(xv, block) @ block.wv.T
     if block.bv is not None:
         v = v + block.bv
     v = v.view(B, n, block.kv_heads, block.head_dim)

@@ -156,7 +156,10 @@ def _reinitialise(targets: list[Target], gen: torch.Generator) -> None:
         old = view.detach().to("cpu", torch.float64)
         std = float(old.std(correction=0)) if old.numel() else 0.0
         new = torch.randn(tuple(view.shape), generator=gen, dtype=torch.float64) * std
-        view.copy_(new.to(device=p.device, dtype=p.dtype))
+        if rows is None:
+            p.copy_(new.to(device=p.device, dtype=p.dtype))
+        else:  # assigned through the index: a tensor index (rows of every head) reads a copy, never a view
+            p[rows] = new.to(device=p.device, dtype=p.dtype)
 
 
 # ----------------------------------------------------------------------------------------------- inputs

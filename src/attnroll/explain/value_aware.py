@@ -96,7 +96,7 @@ def record(ctx: Context) -> tuple[AttentionRecord, LayerStates, ModelAnatomy]:
 def layers(rec: AttentionRecord, states: LayerStates, anat: ModelAnatomy, dt: torch.dtype) -> list[Layer]:
     """Per-layer tensors (see :class:`Layer`)."""
     out = []
-    for i, blk in enumerate(anat.blocks(dt)):
+    for i, blk in enumerate(anat.blocks(dt, states.routing)):
         x = states.inputs[i].to(dt)
         n1, n2 = states.norm1_in[i].to(dt), states.norm2_in[i].to(dt)
         xv = apply_norm(x, blk.norm1) if blk.pre_norm else x

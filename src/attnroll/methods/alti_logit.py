@@ -33,7 +33,7 @@ import torch
 
 from .. import _checks
 from ..core.logit_rollout import direct_logit, head_linear, layer_directions, logit_rollout, pooled_head_linear
-from ..core.value_aware import normalize_rows
+from ..core.value_aware import normalize_rows, with_rows
 from ..explain import value_aware as va
 from ..explain.context import Context
 from ..explain.registry import register
@@ -126,7 +126,7 @@ def alti_logit(ctx: Context, *, mlp, dtype):
             return t[ar, rows].reshape(B * R, -1)
 
         omegas, bias, mlp_terms = layer_directions(
-            omega.reshape(B * R, -1), [lay.block for lay in layers], [flat(lay.n1) for lay in layers],
+            omega.reshape(B * R, -1), [with_rows(lay.block, flat) for lay in layers], [flat(lay.n1) for lay in layers],
             [flat(lay.n2) for lay in layers], mlp=rule)
         omegas = [o.reshape(B, R, -1) for o in omegas]
         extra["embedding_logit"] = (omegas[0] * layers[0].x[ar, rows]).sum((-2, -1))

@@ -36,7 +36,7 @@ import torch
 from .. import _checks
 from ..core.decompx import block_shares, head_shares, initial_shares, pool_shares, separate_bias_shares
 from ..core.residual_share import measured_matrix
-from ..core.value_aware import normalize_rows
+from ..core.value_aware import mlp_width, normalize_rows, with_rows
 from ..explain import value_aware as va
 from ..explain.context import Context
 from ..explain.registry import register
@@ -68,7 +68,7 @@ def shares(ctx: Context, bias: str, dtype, start_layer=0) -> tuple:
         pos_t = torch.tensor(pos, device=x0.device)
         pools = anat.pool_weights(x0.shape[1], pos_t, dt) if anat.pooled else None
         token_norm = anat.token_norm_params(dt)
-        blocks = anat.blocks(dt)
+        blocks = anat.blocks(dt, states.routing)  # a mixture of experts with the forward's routing
         alphas = [a.to(dt) for a in rec.attentions]
         start = _checks.check_int("start_layer", start, low=0, high=len(blocks) - 1)
         if bias == "separate":
@@ -121,7 +121,7 @@ def _carried(x0, alphas, blocks, pos, classes, head, bias, pools, token_norm) ->
             B, n, K, d = S.shape
             last = i == len(blocks) - 1 and pools is None  # a pooling head reads every row
             R = torch.tensor(rows, device=S.device) if last else None
-            chunk = va.chunk_rows(B, K, max(d, blk.mlp.w1.shape[0]))
+            chunk = va.chunk_rows(B, K, max(d, mlp_width(blk.mlp)))
             S = block_shares(S, alphas[i], blk, rows=R, bias=bias, chunk=chunk)
         if pools is None:
             idx = torch.tensor([rows.index(p) for p in pos], device=S.device)
@@ -144,7 +144,8 @@ def _carried_cropped(x0, alphas, blocks, pos, classes, head, bias, mask) -> torc
     for keep, members in groups.items():
         ex, k = torch.tensor(members, device=x0.device), torch.tensor(keep, device=x0.device)
         sub = [a[ex][:, :, k][..., k] for a in alphas]
-        got = _carried(x0[ex][:, k], sub, blocks, [keep.index(pos[b]) for b in members], classes[ex.cpu()],
+        kept = [with_rows(blk, lambda w, ex=ex, k=k: w[ex][:, k]) for blk in blocks]  # a mixture's routing
+        got = _carried(x0[ex][:, k], sub, kept, [keep.index(pos[b]) for b in members], classes[ex.cpu()],
                        head, bias, None, None)
         out[ex[:, None], torch.cat([k, k.new_tensor([n])])] = got
     return out

@@ -8,7 +8,7 @@ zeroed tokens of a chunk in one batch."""
 
 from __future__ import annotations
 
-from ..core.value_aware import value_zeroing_matrix
+from ..core.value_aware import mlp_width, value_zeroing_matrix
 from ..explain import value_aware as va
 
 
@@ -21,7 +21,7 @@ def _matrices(layers, states, anat, mask):
         def finish(x, attn, part=part, dt=lay.x.dtype, mdt=mdt):
             return part.finish(x.to(mdt), attn.to(mdt)).to(dt)
 
-        width = max(d, lay.block.mlp.w1.shape[0])
+        width = max(d, mlp_width(lay.block.mlp))
         chunk = va.chunk_rows(B, n, width)
         out.append(value_zeroing_matrix(lay.alpha, lay.F, lay.x, lay.attn, lay.out, finish, chunk=chunk))
     return out
