@@ -100,6 +100,7 @@ class Prepared:
         if m.needs_grad:
             require_grad_mode(m.name)
         ctx = Context(self.model, inputs, target, m, opts, self.tokenizer, memo=self.memo)
+        ctx.check_mixers()
         return m.fn(ctx, **{k: v for k, v in opts.items() if k not in COMMON_OPTIONS})
 
 
