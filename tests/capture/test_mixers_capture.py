@@ -124,3 +124,79 @@ def test_minimax_refused_as_an_obstacle():
 def test_bad_mixers_option():
     with pytest.raises(ValueError, match="mixers"):
         attnroll.explain(sharp.model("gpt2"), _inputs(), method="rollout", mixers="all")
+
+
+# ------------------------------------------------------------------------------- composed state-space stacks
+def _scan_jacobian_fused(model, inputs, monkeypatch):
+    """Per layer, the fused matrix of x_in -> y from transformers' own convolution and scan functions (their
+    Jacobian per channel, the SiLU's sigmoid held), independent of attnroll's reading of the mixer."""
+    import importlib
+
+    import torch.nn.functional as F
+    from torch.autograd.functional import jacobian
+
+    mod = importlib.import_module("transformers.models.mamba2.modeling_mamba2")
+    real_scan, real_conv, calls = mod.mamba2_chunk_scan, mod.causal_conv1d_fn, []
+    monkeypatch.setattr(mod, "mamba2_chunk_scan", lambda *a, **k: calls.append(("scan", a, k)) or real_scan(*a, **k))
+    monkeypatch.setattr(mod, "causal_conv1d_fn", lambda *a, **k: calls.append(("conv", a, k)) or real_conv(*a, **k))
+    with torch.no_grad():
+        model(**inputs)
+    out = []
+    for layer, (conv, scan) in enumerate(zip(calls[0::2], calls[1::2])):
+        mixer = model.backbone.layers[layer].mixer
+        I, H, P = mixer.intermediate_size, mixer.num_heads, mixer.head_dim
+        xbc, w, bias = conv[1]
+        _, dt, A, B, C = scan[1]
+        sig = torch.sigmoid(real_conv(xbc, w, bias, activation=None))[:, :I].detach()
+
+        def path(x_in, xbc=xbc, w=w, bias=bias, dt=dt, A=A, B=B, C=C, kw=scan[2], sig=sig):
+            full = torch.cat([x_in, xbc[:, I:]], 1)
+            x = (real_conv(full, w, bias, activation=None)[:, :I] * sig).transpose(1, 2)
+            y = real_scan(x.reshape(*x.shape[:2], H, P), dt, A, B, C, **kw)
+            return (y[0] if isinstance(y, tuple) else y).reshape(*x.shape[:2], I)
+
+        J = jacobian(path, xbc[:, :I].contiguous())  # (b, n, I, b, I, n)
+        b, n = J.shape[0], J.shape[1]
+        per = torch.stack([torch.stack([J[i, :, c, i, c, :] for c in range(I)]) for i in range(b)])
+        total = per.abs().sum(1)
+        out.append(total / total.sum(-1, keepdim=True))
+    return out
+
+
+def test_mamba2_layers_are_the_fused_jacobians_of_its_scan(monkeypatch):
+    model = decoder("mamba2").double()
+    inputs = _inputs()
+    inputs["attention_mask"] = torch.ones_like(inputs["attention_mask"])
+    rec = attnroll.capture(model, inputs)
+    want = _scan_jacobian_fused(model, inputs, monkeypatch)
+    assert len(rec.streams["self"]) == len(want) == 2
+    for got, ref in zip(rec.streams["self"], want):
+        torch.testing.assert_close(got[:, 0], ref, atol=1e-8, rtol=0)
+
+
+@pytest.mark.parametrize("model_type", ["mamba2", "mamba", "falcon_mamba"])
+def test_state_space_stacks_compose(model_type):
+    model, inputs = decoder(model_type), _inputs()
+    e = attnroll.explain(model, inputs, method="rollout", sinks="keep")
+    rec = attnroll.capture(model, inputs)
+    assert len(rec.streams["self"]) == 2 and rec.streams["self"][0].shape[1] == 1
+    R = rollout([a.to(torch.float64) for a in rec.streams["self"]], attention_mask=inputs["attention_mask"])
+    last = inputs["attention_mask"].sum(-1) - 1
+    want = torch.stack([R[b, int(last[b])] for b in range(2)]).to(torch.float32)
+    torch.testing.assert_close(e.full_row, want * inputs["attention_mask"], atol=1e-5, rtol=1e-5)
+    assert e.full_row[1, -2:].abs().max() == 0
+    # padding on the right of a causal stack changes nothing on the real tokens
+    alone = attnroll.explain(model, {k: v[1:, :4] for k, v in inputs.items()}, method="rollout", sinks="keep")
+    torch.testing.assert_close(alone.full_row[0], e.full_row[1, :4], atol=1e-5, rtol=1e-5)
+    for method in ("grad_rollout", "gae", "alti"):
+        with pytest.raises(attnroll.UnsupportedModelError, match="Mixer"):
+            attnroll.explain(model, inputs, method=method)
+
+
+def test_xlstm_still_refused():
+    T = pytest.importorskip("transformers")
+    from ..zoo import shrink
+
+    model = T.AutoModelForCausalLM.from_config(shrink(T.AutoConfig.for_model("xlstm")))
+    with pytest.raises(attnroll.UnsupportedModelError, match="recurrent"):
+        attnroll.explain(model, _inputs(), method="rollout")

@@ -19,10 +19,14 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
 
+import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .. import _checks
+from ..core import mixers as ops
 
 __all__ = ["Mixer", "MixerKind", "KNOWN_MIXERS", "MODES", "find_mixers", "check_mixers", "describe"]
 
@@ -141,18 +145,146 @@ def describe(mixers: list[Mixer]) -> list[str]:
 
 
 def check_mixers(model: nn.Module, mode: str, method: str) -> list[Mixer]:
-    """The model's token mixers other than softmax attention. With ``mode`` "compose" a model that has any is
-    refused (UnsupportedModelError naming the first mixer and the option that rolls out through attention
-    alone); with "attention_only" they are returned, for the caller to record and warn about."""
+    """The model's token mixers other than softmax attention that ``method``'s map leaves out.
+
+    A mixer attnroll composes (:data:`COMPOSED`) is a layer of the record: methods of :data:`COMPOSING_METHODS`
+    compose it; any other method refuses the model naming it (UnsupportedModelError), whatever ``mode``. Other
+    mixers: with ``mode`` "compose" the model is refused naming the first one and the option that rolls out
+    through attention alone; with "attention_only" they are returned, for the caller to record and warn about."""
     mode = _checks.check_choice("mixers", mode, MODES)
-    mixers = find_mixers(model)
-    if mixers and mode == "compose":
-        m = mixers[0]
-        more = f" (and {len(mixers) - 1} more mixer layers)" if len(mixers) > 1 else ""
+    found = find_mixers(model)
+    composed = [m for m in found if m.cls in COMPOSED]
+    if composed and method not in COMPOSING_METHODS:
+        m = composed[0]
+        raise _checks.UnsupportedModelError(
+            f"{type(model).__name__} layer {m.layer} mixes tokens with a {m.kind} ({m.cls} at {m.path}), which "
+            f"method {method!r} does not compose (it reads attention heads, their gradients or value vectors that "
+            f"such a mixer does not have); methods that compose it: {', '.join(COMPOSING_METHODS)}"
+        )
+    left = [m for m in found if m.cls not in COMPOSED]
+    if left and mode == "compose":
+        m = left[0]
+        more = f" (and {len(left) - 1} more mixer layers)" if len(left) > 1 else ""
         raise _checks.UnsupportedModelError(
             f"{type(model).__name__} layer {m.layer} mixes tokens with a {m.kind} ({m.cls} at {m.path}){more}, "
             f"which attnroll does not compose into method {method!r}'s map: the attention layers alone would leave "
             "out how those layers move information between tokens. Pass mixers='attention_only' to roll out "
             "through the attention layers alone (recorded in Explanation.extra['mixers'])."
         )
-    return mixers
+    return left
+
+
+# ------------------------------------------------------------------------------- composed mixers
+#: Mixer classes whose forward attnroll reads and composes (their matrix is checked against the layer's own
+#: output on every pass): transformers' Mamba-2 mixer and Mamba / Falcon-Mamba mixers.
+COMPOSED = ("Mamba2Mixer", "MambaMixer", "FalconMambaMixer")
+#: Methods that compose these mixers' fused matrices (the dense record: one row-stochastic layer each).
+COMPOSING_METHODS = ("rollout", "raw", "flow")
+#: Relative tolerance of the check that the matrices reproduce the layer's output.
+_GUARD = 1e-4
+
+
+def composable_mixers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(qualified name, module) of the mixers attnroll composes, in module order."""
+    return [(name, m) for name, m in model.named_modules() if type(m).__name__ in COMPOSED]
+
+
+def _causal_conv(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The mixer's depthwise causal convolution of x (b, ch, n), before its activation."""
+    conv = module.conv1d
+    n = x.shape[-1]
+    return F.conv1d(x, conv.weight, conv.bias, padding=conv.weight.shape[-1] - 1, groups=x.shape[1])[..., :n]
+
+
+def _check_reproduces(module: nn.Module, got: torch.Tensor, output: torch.Tensor) -> None:
+    scale = output.detach().abs().max().clamp_min(1e-30)
+    err = (got - output.detach()).abs().max() / scale
+    if not torch.isfinite(err) or err > _GUARD:
+        import transformers
+
+        raise _checks.CaptureError(
+            f"attnroll's reading of {type(module).__name__} (its in_proj, causal convolution, scan and gate) does not "
+            f"reproduce the layer's output under transformers {transformers.__version__} (relative error "
+            f"{float(err):.2e}); this attnroll knows the transformers 5.x torch path of that mixer"
+        )
+
+
+def _fold_conv(M: torch.Tensor, gate_in: torch.Tensor, weight: torch.Tensor, heads_of: int) -> torch.Tensor:
+    """Σ_c |M_{h(c)} · diag(gate_in_c) · T_c| over channels, (b, n, n): M (b, H, n, n) per head (``heads_of``
+    channels each) or per channel (``heads_of`` = 1), gate_in (b, n, ch), weight (ch, K)."""
+    b, _, n, _ = M.shape
+    total = M.new_zeros(b, n, n)
+    T = ops.conv_matrix(weight.to(M.dtype), n)[0]  # (ch, n, n)
+    for h in range(M.shape[1]):
+        c0, c1 = h * heads_of, (h + 1) * heads_of
+        per = M[:, h, None] * gate_in[:, :, c0:c1].transpose(1, 2)[:, :, None, :]  # (b, P, n, n)
+        total += (per @ T[c0:c1]).abs().sum(1)
+    return total
+
+
+def _normalised(total: torch.Tensor) -> torch.Tensor:
+    s = total.sum(-1, keepdim=True)
+    return (total / torch.where(s > 0, s, torch.ones((), dtype=s.dtype, device=s.device)))[:, None]
+
+
+def _mamba2(module: nn.Module, hidden: torch.Tensor, mask: torch.Tensor | None, output: torch.Tensor) -> torch.Tensor:
+    """Mamba2Mixer: x = SiLU(conv(x_in)) per channel, y = SSD(x) per head (core.mixers.ssd_matrix), out =
+    out_proj(RMSNorm(y · SiLU(z))). Returns the fused (b, 1, n, n) matrix of x_in → y, the conv and the SiLU
+    (its sigmoid held) folded per channel."""
+    b, n, _ = hidden.shape
+    I, H, P, G, N = (module.intermediate_size, module.num_heads, module.head_dim, module.n_groups,
+                     module.ssm_state_size)
+    keep = torch.ones(b, n, 1, dtype=hidden.dtype, device=hidden.device) if mask is None else mask[:, :, None].to(
+        hidden.dtype)
+    proj = module.in_proj(hidden * keep)
+    gate, xbc, dt = proj.split([I, module.conv_dim, H], dim=-1)
+    u = _causal_conv(module, xbc.transpose(1, 2)).transpose(1, 2)
+    act = F.silu(u) * keep
+    x, B, C = act.split([I, G * N, G * N], dim=-1)
+    lo, hi = module.time_step_limit
+    dt = torch.clamp(F.softplus(dt + module.dt_bias), lo, hi)
+    A = -torch.exp(module.A_log.float()).to(hidden.dtype)
+    M = ops.ssd_matrix(C.reshape(b, n, G, N).repeat_interleave(H // G, 2),
+                          B.reshape(b, n, G, N).repeat_interleave(H // G, 2), dt, A, module.D.to(hidden.dtype))
+    y = ops.mix(M, x.reshape(b, n, H, P)).reshape(b, n, I)
+    _check_reproduces(module, module.out_proj(module.norm(y, gate)), output)
+    gate_in = torch.sigmoid(u[..., :I]) * keep
+    return _normalised(_fold_conv(M, gate_in, module.conv1d.weight[:I, 0], P))
+
+
+def _mamba(module: nn.Module, hidden: torch.Tensor, mask: torch.Tensor | None, output: torch.Tensor) -> torch.Tensor:
+    """MambaMixer / FalconMambaMixer: x = SiLU(conv(x_in)), y_d = SiLU(z_d) · selective scan_d(x) per channel
+    (core.mixers.selective_matrix; Falcon-Mamba normalises Δ, B, C first). Returns the fused (b, 1, n, n)
+    matrix of x_in → y, the conv, the SiLU (its sigmoid held) and the output gate folded per channel."""
+    b, n, _ = hidden.shape
+    I, N, R = module.intermediate_size, module.ssm_state_size, module.time_step_rank
+    keep = torch.ones(b, n, 1, dtype=hidden.dtype, device=hidden.device) if mask is None else mask[:, :, None].to(
+        hidden.dtype)
+    x_in, z = module.in_proj(hidden * keep).chunk(2, dim=-1)
+    u = _causal_conv(module, x_in.transpose(1, 2)).transpose(1, 2)
+    x = F.silu(u) * keep
+    ts, B, C = module.x_proj(x).split([R, N, N], dim=-1)
+    for name, t in (("dt_layernorm", "ts"), ("b_layernorm", "B"), ("c_layernorm", "C")):
+        norm = getattr(module, name, None)
+        if norm is not None:
+            ts, B, C = (norm(v) if k == t else v for k, v in (("ts", ts), ("B", B), ("C", C)))
+    dt = F.softplus(ts @ module.dt_proj.weight.T + module.dt_proj.bias)
+    A = -torch.exp(module.A_log.float()).to(hidden.dtype)
+    M = ops.selective_matrix(C, B, dt, A, module.D.to(hidden.dtype))  # (b, I, n, n)
+    M = M * F.silu(z).transpose(1, 2)[:, :, :, None]  # the output gate, a diagonal on the rows
+    _check_reproduces(module, module.out_proj(ops.mix(M, x)), output)
+    gate_in = torch.sigmoid(u) * keep
+    return _normalised(_fold_conv(M, gate_in, module.conv1d.weight[:, 0], 1))
+
+
+def mixer_matrix(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> torch.Tensor:
+    """The fused (b, 1, n, n) token-to-token matrix of a composed mixer's forward (its forward hook's args,
+    kwargs and output), checked to reproduce the layer's output; row-stochastic (the "abs_mean" fusion)."""
+    hidden = args[0] if args else kwargs["hidden_states"]
+    mask = kwargs.get("attention_mask")
+    if mask is not None and mask.ndim != 2:
+        mask = None
+    out = output[0] if isinstance(output, (tuple, list)) else output
+    with torch.no_grad():
+        read = _mamba2 if type(module).__name__ == "Mamba2Mixer" else _mamba
+        return read(module, hidden.detach(), mask, out)

@@ -177,8 +177,8 @@ TRANSFORMERS_OBSTACLES = (
              reason="is a recurrent model (linear-attention RNN, a state-space-like recurrence): each layer carries a "
                     "running state from token to token instead of attending, so it has no attention matrices to "
                     "read or roll out."),
-    Obstacle(applies=of_types("mamba", "mamba2", "falcon_mamba", "xlstm"),
-             readme="Mamba / Mamba2 / Falcon-Mamba / xLSTM (state-space or recurrent, no attention)",
+    Obstacle(applies=of_types("xlstm"),
+             readme="xLSTM (recurrent, no attention)",
              reason="is a state-space / recurrent model: its layers carry a running state from token to token and "
                     "compute no attention, so it has no attention matrices to read or roll out."),
     Obstacle(applies=of_types("minimax"), readme="MiniMax (lightning attention recorded as attention)",
@@ -317,6 +317,11 @@ TRANSFORMERS = Family(
                readout="language: last real token; image tokens found from the model's own `image_token_id` and "
                        "linked one to one to the vision tokens the projector reads (LLaVA: `vision_feature_layer`, "
                        "`\"default\"` strategy drops the CLS)"),
+        Models(models="transformers Mamba, Mamba2, Falcon-Mamba (state-space)",
+               streams="self: each mixer one layer, its per-channel matrices (causal conv, SiLU and output gate held "
+                       "at their values, scan) fused by the mean of |·|, rows normalised",
+               prefix="0", readout="last real token; `rollout`, `raw`, `flow` compose it, the rest refuse it "
+                                   "naming the mixer; dense only"),
         Models(models="transformers T5, BART, Marian, VisionEncoderDecoder, SeamlessM4T `...ForTextToText`",
                streams="encoder, decoder, cross",
                prefix="encoder from its embeddings (1 for a ViT encoder)", readout="decoder: last real token"),
