@@ -16,6 +16,8 @@ from attnroll.capture.mixers import find_mixers
 from ..zoo import HYBRIDS, decoder, sharp
 
 FAST = ("jamba", "qwen3_next", "lfm2")
+#: Hybrids whose mixers attnroll composes (capture/mixers.py COMPOSED); the others are refused by default.
+COMPOSED = ("jamba", "bamba", "nemotron_h", "granitemoehybrid")
 #: The class each tiny hybrid's layer-0 mixer has (read off transformers' modeling files).
 MIXER_CLASS = {
     "jamba": "JambaMambaMixer", "bamba": "BambaMixer", "zamba": "ZambaMambaMixer", "zamba2": "Zamba2MambaMixer",
@@ -27,8 +29,9 @@ MIXER_CLASS = {
 }
 
 
-def _hybrids() -> list:
-    return [pytest.param(t, marks=() if t in FAST else (pytest.mark.slow,)) for t in HYBRIDS]
+def _hybrids(composed: bool = False) -> list:
+    return [pytest.param(t, marks=() if t in FAST else (pytest.mark.slow,)) for t in HYBRIDS
+            if (t in COMPOSED) == composed]
 
 
 def _inputs(n: int = 6) -> dict:
@@ -39,7 +42,7 @@ def _inputs(n: int = 6) -> dict:
 
 
 def test_every_hybrid_is_listed():
-    assert set(MIXER_CLASS) == set(HYBRIDS)
+    assert set(MIXER_CLASS) == set(HYBRIDS) and set(COMPOSED) < set(HYBRIDS)
 
 
 @pytest.mark.parametrize("model_type", _hybrids())
@@ -71,9 +74,9 @@ def test_attention_only_rolls_out_the_attention_layers_and_warns(model_type):
 
 
 def test_gradient_methods_refused_too_and_input_gradients_are_not():
-    model, inputs = decoder("jamba"), _inputs()
+    model, inputs = decoder("qwen3_next"), _inputs()
     for method in ("grad_rollout", "gae", "raw", "flow"):
-        with pytest.raises(attnroll.UnsupportedModelError, match="JambaMambaMixer"):
+        with pytest.raises(attnroll.UnsupportedModelError, match="Qwen3NextGatedDeltaNet"):
             attnroll.explain(model, inputs, method=method)
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # no mixer warning for a method that reads no layer
@@ -200,3 +203,33 @@ def test_xlstm_still_refused():
     model = T.AutoModelForCausalLM.from_config(shrink(T.AutoConfig.for_model("xlstm")))
     with pytest.raises(attnroll.UnsupportedModelError, match="recurrent"):
         attnroll.explain(model, _inputs(), method="rollout")
+
+
+@pytest.mark.parametrize("model_type", _hybrids(composed=True))
+def test_composed_hybrids_interleave_mixers_and_attention_in_execution_order(model_type):
+    model, inputs = decoder(model_type), _inputs()
+    fired: list = []
+    hooks = [m.register_forward_hook(lambda mod, a, o: fired.append(type(mod).__name__ == MIXER_CLASS[model_type]))
+             for m in model.modules() if type(m).__name__ == MIXER_CLASS[model_type] or (
+                 type(m).__name__.endswith("Attention") and "Delta" not in type(m).__name__)]
+    with torch.no_grad():
+        model(**inputs)
+    for h in hooks:
+        h.remove()
+    rec = attnroll.capture(model, inputs)
+    is_mixer = [bool((a == a[:, :1]).all()) and a.shape[1] == model.config.num_attention_heads
+                for a in rec.streams["self"]]
+    assert is_mixer == fired == [True, False]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        e = attnroll.explain(model, inputs, method="rollout", sinks="keep")
+    assert "mixers" not in e.extra
+    R = rollout([a.to(torch.float64).mean(1) for a in rec.streams["self"]], head_fusion=None,
+                attention_mask=inputs["attention_mask"])
+    last = inputs["attention_mask"].sum(-1) - 1
+    want = torch.stack([R[b, int(last[b])] for b in range(2)]).to(torch.float32)
+    torch.testing.assert_close(e.full_row, want * inputs["attention_mask"], atol=1e-5, rtol=1e-5)
+    for method in ("raw", "flow"):
+        assert torch.isfinite(attnroll.explain(model, inputs, method=method).full_row).all()
+    with pytest.raises(attnroll.UnsupportedModelError, match=MIXER_CLASS[model_type]):
+        attnroll.explain(model, inputs, method="gae")

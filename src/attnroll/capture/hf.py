@@ -139,6 +139,9 @@ class HFAdapter(Adapter):
             ) from None
         order = {id(m): i for i, (_, m) in enumerate(model.named_modules())}
         self.mixer_ids = {id(m) for _, m in composable_mixers(model)}
+        # a hybrid's mixer layers repeat their one fused matrix on every head of its attention layers (so that the
+        # stream's layers have one shape: head fusions leave it unchanged)
+        self.mixer_heads = int(getattr(config, "num_attention_heads", 1) or 1) if found else 1
         found += [(name, m, "attentions", 0) for name, m in composable_mixers(model)]
         found.sort(key=lambda f: order.get(id(f[1]), -1))
         self.index = {id(m): idx for _, m, _, idx in found}
@@ -172,7 +175,8 @@ class HFAdapter(Adapter):
         for site in sites:
             if id(site.module) in self.mixer_ids:  # a composed token mixer: its matrix, from its inputs and output
                 handle = site.module.register_forward_hook(
-                    lambda m, a, k, o, site=site: recorder.store(site, mixer_matrix(m, a, k, o)), with_kwargs=True)
+                    lambda m, a, k, o, site=site: recorder.store(
+                        site, mixer_matrix(m, a, k, o).expand(-1, self.mixer_heads, -1, -1)), with_kwargs=True)
                 stack.callback(handle.remove)
 
     def install_pool_hooks(self, stack: ExitStack, heads: list[tuple[str, nn.Module]] | None = None) -> None:

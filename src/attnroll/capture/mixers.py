@@ -39,7 +39,8 @@ MODES = ("compose", "attention_only")
 @dataclass(frozen=True)
 class MixerKind:
     """A known kind of token mixer: the class names it has (a regular expression searched in the class name),
-    how texts call it, and the models it is found in (README's refused row)."""
+    how texts call it, and the models refused for it (README's refused row; those whose mixers are
+    :data:`COMPOSED` are composed instead)."""
 
     pattern: str
     kind: str
@@ -55,8 +56,8 @@ KNOWN_MIXERS = (
     MixerKind(r"RecurrentBlock|Rglru", "RG-LRU recurrent block (convolution + real-gated linear recurrence)",
               "RecurrentGemma"),
     MixerKind(r"Mamba2Mixer|^(Bamba|FalconH1)Mixer$|^Zamba2MambaMixer$|^GraniteMoeHybridMambaLayer$",
-              "Mamba-2 (SSD) mixer", "Bamba, Zamba2, Falcon-H1, GraniteMoeHybrid, Nemotron-H"),
-    MixerKind(r"Mamba(Mixer|Layer)$|MambaMixer", "Mamba (selective state-space) mixer", "Jamba, Zamba"),
+              "Mamba-2 (SSD) mixer", "Zamba2, Falcon-H1"),
+    MixerKind(r"Mamba(Mixer|Layer)$|MambaMixer", "Mamba (selective state-space) mixer", "Zamba"),
 )
 
 #: Class names the structural search never takes for a mixer: the blocks themselves (a hybrid layer holding a
@@ -176,8 +177,12 @@ def check_mixers(model: nn.Module, mode: str, method: str) -> list[Mixer]:
 
 # ------------------------------------------------------------------------------- composed mixers
 #: Mixer classes whose forward attnroll reads and composes (their matrix is checked against the layer's own
-#: output on every pass): transformers' Mamba-2 mixer and Mamba / Falcon-Mamba mixers.
-COMPOSED = ("Mamba2Mixer", "MambaMixer", "FalconMambaMixer")
+#: output on every pass): the Mamba-2 mixers of Mamba2, Bamba, Nemotron-H and GraniteMoeHybrid, and the
+#: Mamba mixers of Mamba, Falcon-Mamba and Jamba. Not read: Falcon-H1 (its Mamba-2 mixer runs in parallel with
+#: attention, with multipliers), Zamba (a mixer with several heads of its own), Zamba2 (attention blocks shared by
+#: several layers, run before the layer's mixer).
+MAMBA2_MIXERS = ("Mamba2Mixer", "BambaMixer", "NemotronHMamba2Mixer", "GraniteMoeHybridMambaLayer")
+COMPOSED = (*MAMBA2_MIXERS, "MambaMixer", "FalconMambaMixer", "JambaMambaMixer")
 #: Methods that compose these mixers' fused matrices (the dense record: one row-stochastic layer each).
 COMPOSING_METHODS = ("rollout", "raw", "flow")
 #: Relative tolerance of the check that the matrices reproduce the layer's output.
@@ -286,5 +291,5 @@ def mixer_matrix(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> t
         mask = None
     out = output[0] if isinstance(output, (tuple, list)) else output
     with torch.no_grad():
-        read = _mamba2 if type(module).__name__ == "Mamba2Mixer" else _mamba
+        read = _mamba2 if type(module).__name__ in MAMBA2_MIXERS else _mamba
         return read(module, hidden.detach(), mask, out)

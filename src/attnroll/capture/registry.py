@@ -322,6 +322,11 @@ TRANSFORMERS = Family(
                        "at their values, scan) fused by the mean of |·|, rows normalised",
                prefix="0", readout="last real token; `rollout`, `raw`, `flow` compose it, the rest refuse it "
                                    "naming the mixer; dense only"),
+        Models(models="transformers Jamba, Bamba, Nemotron-H, GraniteMoeHybrid (Mamba / Mamba-2 + attention)",
+               streams="self: attention and Mamba layers in execution order, each mixer's fused matrix (as above) "
+                       "repeated on every head", prefix="0",
+               readout="last real token; `rollout`, `raw`, `flow` compose it, the rest refuse it naming the mixer; "
+                       "dense only"),
         Models(models="transformers T5, BART, Marian, VisionEncoderDecoder, SeamlessM4T `...ForTextToText`",
                streams="encoder, decoder, cross",
                prefix="encoder from its embeddings (1 for a ViT encoder)", readout="decoder: last real token"),
