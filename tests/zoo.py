@@ -313,3 +313,10 @@ def decoder(model_type: str) -> torch.nn.Module:
     """A fresh copy (same weights every time) of the tiny hybrid or state-space decoder of ``model_type``
     (:data:`HYBRIDS`, :data:`SSMS`), in eval mode."""
     return copy.deepcopy(_built_decoder(model_type))
+
+
+#: Two state-space families in the zoo (the contract matrix runs every method on them): a pure Mamba-2 stack and a
+#: Jamba hybrid (a Mamba layer, then an attention layer).
+SSM_FAMILIES = ("mamba2", "jamba")
+OTHER_BUILDERS.update({name: (lambda k, name=name: decoder(name)) for name in SSM_FAMILIES})
+FAMILIES = (*FAMILIES, *SSM_FAMILIES)
