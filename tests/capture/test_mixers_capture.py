@@ -17,7 +17,7 @@ from ..zoo import HYBRIDS, decoder, sharp
 
 FAST = ("jamba", "qwen3_next", "lfm2")
 #: Hybrids whose mixers attnroll composes (capture/mixers.py COMPOSED); the others are refused by default.
-COMPOSED = ("jamba", "bamba", "nemotron_h", "granitemoehybrid")
+COMPOSED = ("jamba", "bamba", "nemotron_h", "granitemoehybrid", "lfm2", "lfm3")
 #: The class each tiny hybrid's layer-0 mixer has (read off transformers' modeling files).
 MIXER_CLASS = {
     "jamba": "JambaMambaMixer", "bamba": "BambaMixer", "zamba": "ZambaMambaMixer", "zamba2": "Zamba2MambaMixer",
@@ -233,3 +233,30 @@ def test_composed_hybrids_interleave_mixers_and_attention_in_execution_order(mod
         assert torch.isfinite(attnroll.explain(model, inputs, method=method).full_row).all()
     with pytest.raises(attnroll.UnsupportedModelError, match=MIXER_CLASS[model_type]):
         attnroll.explain(model, inputs, method="gae")
+
+
+def test_lfm2_layer_is_the_fused_jacobian_of_its_gated_convolution():
+    import importlib
+
+    from torch.autograd.functional import jacobian
+
+    mod = importlib.import_module("transformers.models.lfm2.modeling_lfm2")
+    model = decoder("lfm2").double()
+    inputs = _inputs()
+    inputs["attention_mask"] = torch.ones_like(inputs["attention_mask"])
+    conv, seen = model.model.layers[0].conv, {}
+    handle = conv.register_forward_hook(lambda m, a, k, o: seen.update(h=a[0] if a else k["hidden_states"]),
+                                        with_kwargs=True)
+    rec = attnroll.capture(model, inputs)
+    handle.remove()
+    Bg, Cg, x = conv.in_proj(seen["h"]).transpose(1, 2).chunk(3, dim=1)
+    Bg, Cg = Bg.detach(), Cg.detach()
+
+    def path(xx):  # transformers' own causal convolution, B and C held
+        return Cg * mod.causal_conv1d_fn(Bg * xx, conv.conv.weight.squeeze(1), conv.conv.bias)
+
+    J = jacobian(path, x.detach())  # (b, d, n, b, d, n)
+    b, d, n = x.shape
+    per = torch.stack([torch.stack([J[i, c, :, i, c, :] for c in range(d)]) for i in range(b)])
+    total = per.abs().sum(1)
+    torch.testing.assert_close(rec.streams["self"][0][:, 0], total / total.sum(-1, keepdim=True), atol=1e-8, rtol=0)

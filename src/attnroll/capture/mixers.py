@@ -52,7 +52,7 @@ KNOWN_MIXERS = (
     MixerKind(r"DeltaNet|DeltaAttention", "gated DeltaNet (linear attention with a delta-rule state)",
               "Qwen3-Next, Qwen3.5, OLMo-Hybrid, Kimi-Linear, Bailing-Hybrid"),
     MixerKind(r"LightningAttention", "lightning attention (linear attention with a decaying state)", "MiniMax"),
-    MixerKind(r"ShortConv", "short causal convolution (gated)", "LFM2"),
+    MixerKind(r"ShortConv", "short causal convolution (gated)", "other gated short convolutions"),
     MixerKind(r"RecurrentBlock|Rglru", "RG-LRU recurrent block (convolution + real-gated linear recurrence)",
               "RecurrentGemma"),
     MixerKind(r"Mamba2Mixer|^(Bamba|FalconH1)Mixer$|^Zamba2MambaMixer$|^GraniteMoeHybridMambaLayer$",
@@ -178,11 +178,13 @@ def check_mixers(model: nn.Module, mode: str, method: str) -> list[Mixer]:
 # ------------------------------------------------------------------------------- composed mixers
 #: Mixer classes whose forward attnroll reads and composes (their matrix is checked against the layer's own
 #: output on every pass): the Mamba-2 mixers of Mamba2, Bamba, Nemotron-H and GraniteMoeHybrid, and the
-#: Mamba mixers of Mamba, Falcon-Mamba and Jamba. Not read: Falcon-H1 (its Mamba-2 mixer runs in parallel with
+#: Mamba mixers of Mamba, Falcon-Mamba and Jamba, the gated short convolutions of LFM2 / LFM3. Not read: Falcon-H1 (its Mamba-2 mixer runs in parallel with
 #: attention, with multipliers), Zamba (a mixer with several heads of its own), Zamba2 (attention blocks shared by
 #: several layers, run before the layer's mixer).
 MAMBA2_MIXERS = ("Mamba2Mixer", "BambaMixer", "NemotronHMamba2Mixer", "GraniteMoeHybridMambaLayer")
-COMPOSED = (*MAMBA2_MIXERS, "MambaMixer", "FalconMambaMixer", "JambaMambaMixer")
+#: The gated short convolutions of LFM2 / LFM3.
+CONV_MIXERS = ("Lfm2ShortConv", "Lfm3ShortConv")
+COMPOSED = (*MAMBA2_MIXERS, "MambaMixer", "FalconMambaMixer", "JambaMambaMixer", *CONV_MIXERS)
 #: Methods that compose these mixers' fused matrices (the dense record: one row-stochastic layer each).
 COMPOSING_METHODS = ("rollout", "raw", "flow")
 #: Relative tolerance of the check that the matrices reproduce the layer's output.
@@ -282,6 +284,20 @@ def _mamba(module: nn.Module, hidden: torch.Tensor, mask: torch.Tensor | None, o
     return _normalised(_fold_conv(M, gate_in, module.conv1d.weight[:, 0], 1))
 
 
+def _short_conv(module: nn.Module, hidden: torch.Tensor, mask: torch.Tensor | None,
+                output: torch.Tensor) -> torch.Tensor:
+    """LFM2's gated short convolution: B, C, x = in_proj(h); y = out_proj(C · conv(B · x)). Returns the fused
+    (b, 1, n, n) matrix of x → C · conv(B · x) per channel (core.mixers.conv_matrix, B and C as diagonals)."""
+    b, n, _ = hidden.shape
+    keep = torch.ones(b, n, 1, dtype=hidden.dtype, device=hidden.device) if mask is None else mask[:, :, None].to(
+        hidden.dtype)
+    Bg, Cg, x = module.in_proj(hidden * keep).chunk(3, dim=-1)
+    M = ops.conv_matrix(module.conv.weight[:, 0], n, pre=Bg * keep, post=Cg)  # (b, d, n, n)
+    bias = 0 if module.conv.bias is None else module.conv.bias
+    _check_reproduces(module, module.out_proj(ops.mix(M, x) + Cg * bias), output)
+    return _normalised(M.abs().sum(1))
+
+
 def mixer_matrix(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> torch.Tensor:
     """The fused (b, 1, n, n) token-to-token matrix of a composed mixer's forward (its forward hook's args,
     kwargs and output), checked to reproduce the layer's output; row-stochastic (the "abs_mean" fusion)."""
@@ -291,5 +307,6 @@ def mixer_matrix(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> t
         mask = None
     out = output[0] if isinstance(output, (tuple, list)) else output
     with torch.no_grad():
-        read = _mamba2 if type(module).__name__ in MAMBA2_MIXERS else _mamba
+        name = type(module).__name__
+        read = _mamba2 if name in MAMBA2_MIXERS else _short_conv if name in CONV_MIXERS else _mamba
         return read(module, hidden.detach(), mask, out)

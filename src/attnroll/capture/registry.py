@@ -322,9 +322,10 @@ TRANSFORMERS = Family(
                        "at their values, scan) fused by the mean of |·|, rows normalised",
                prefix="0", readout="last real token; `rollout`, `raw`, `flow` compose it, the rest refuse it "
                                    "naming the mixer; dense only"),
-        Models(models="transformers Jamba, Bamba, Nemotron-H, GraniteMoeHybrid (Mamba / Mamba-2 + attention)",
-               streams="self: attention and Mamba layers in execution order, each mixer's fused matrix (as above) "
-                       "repeated on every head", prefix="0",
+        Models(models="transformers Jamba, Bamba, Nemotron-H, GraniteMoeHybrid (Mamba / Mamba-2 + attention), LFM2, "
+                      "LFM3 (gated short convolutions + attention)",
+               streams="self: attention and mixer layers in execution order, each mixer's fused matrix (as above; "
+                       "LFM2: C · conv(B · x) per channel) repeated on every head", prefix="0",
                readout="last real token; `rollout`, `raw`, `flow` compose it, the rest refuse it naming the mixer; "
                        "dense only"),
         Models(models="transformers T5, BART, Marian, VisionEncoderDecoder, SeamlessM4T `...ForTextToText`",
