@@ -260,3 +260,29 @@ def test_lfm2_layer_is_the_fused_jacobian_of_its_gated_convolution():
     per = torch.stack([torch.stack([J[i, c, :, i, c, :] for c in range(d)]) for i in range(b)])
     total = per.abs().sum(1)
     torch.testing.assert_close(rec.streams["self"][0][:, 0], total / total.sum(-1, keepdim=True), atol=1e-8, rtol=0)
+
+
+def test_mamba2_gates_are_what_the_scan_reads(monkeypatch):
+    import importlib
+
+    from attnroll.capture.mixers import mamba2_gates
+
+    mod = importlib.import_module("transformers.models.mamba2.modeling_mamba2")
+    real, calls = mod.mamba2_chunk_scan, []
+    monkeypatch.setattr(mod, "mamba2_chunk_scan", lambda *a, **k: calls.append((a, k)) or real(*a, **k))
+    model, seen = decoder("mamba2").double(), []
+    mixer = model.backbone.layers[0].mixer
+    handle = mixer.register_forward_hook(lambda m, a, k, o: seen.append(mamba2_gates(m, a[0] if a else
+                                                                                    k["hidden_states"])),
+                                         with_kwargs=True)
+    with torch.no_grad():
+        model(input_ids=_inputs()["input_ids"])
+    handle.remove()
+    (x, dt, A, B, C), kw = calls[0]
+    g = seen[0]
+    torch.testing.assert_close(g.x, x.to(g.x.dtype), atol=1e-12, rtol=0)
+    torch.testing.assert_close(g.A, A.to(g.A.dtype))
+    import torch.nn.functional as F
+
+    torch.testing.assert_close(g.dt, torch.clamp(F.softplus(dt + kw["dt_bias"]), *kw["dt_limit"]))
+    torch.testing.assert_close(g.C[:, :, 0], C[:, :, 0].to(g.C.dtype))

@@ -141,7 +141,8 @@ class HFAdapter(Adapter):
         self.mixer_ids = {id(m) for _, m in composable_mixers(model)}
         # a hybrid's mixer layers repeat their one fused matrix on every head of its attention layers (so that the
         # stream's layers have one shape: head fusions leave it unchanged)
-        self.mixer_heads = int(getattr(config, "num_attention_heads", 1) or 1) if found else 1
+        heads = getattr(config, "num_attention_heads", 1)
+        self.mixer_heads = heads if found and self.mixer_ids and isinstance(heads, int) and heads > 0 else 1
         found += [(name, m, "attentions", 0) for name, m in composable_mixers(model)]
         found.sort(key=lambda f: order.get(id(f[1]), -1))
         self.index = {id(m): idx for _, m, _, idx in found}

@@ -234,29 +234,61 @@ def _normalised(total: torch.Tensor) -> torch.Tensor:
     return (total / torch.where(s > 0, s, torch.ones((), dtype=s.dtype, device=s.device)))[:, None]
 
 
+@dataclass
+class SSDGates:
+    """What a Mamba-2 mixer's scan read on one pass: its value x (b, n, H, P) after the convolution and SiLU, the
+    SSD gates (C, B: (b, n, H, N) repeated to heads; dt: (b, n, H) after softplus and clamping; A, D: (H,)), the
+    output gate z (b, n, I), the convolution's pre-activation u of x's channels (b, n, I) and its weight (I, K)."""
+
+    x: torch.Tensor
+    C: torch.Tensor
+    B: torch.Tensor
+    dt: torch.Tensor
+    A: torch.Tensor
+    D: torch.Tensor
+    z: torch.Tensor
+    u: torch.Tensor
+    weight: torch.Tensor
+
+    def block(self, t0: int, t1: int) -> torch.Tensor:
+        """Rows [t0, t1) of the per-head SSD matrices (core.mixers.ssd_block), for core.mixers.fused_rows."""
+        return ops.ssd_block(self.C, self.B, self.dt, self.A, self.D, t0, t1)
+
+
+def mamba2_gates(module: nn.Module, hidden: torch.Tensor, mask: torch.Tensor | None = None) -> SSDGates:
+    """A Mamba-2 mixer's :class:`SSDGates` recomputed from its input ``hidden`` (b, n, d) as its torch path does."""
+    b, n, _ = hidden.shape
+    I, H, P, G, N = (module.intermediate_size, module.num_heads, module.head_dim, module.n_groups,
+                     module.ssm_state_size)
+    keep = _keep(hidden, mask)
+    gate, xbc, dt = module.in_proj(hidden * keep).split([I, module.conv_dim, H], dim=-1)
+    u = _causal_conv(module, xbc.transpose(1, 2)).transpose(1, 2)
+    x, B, C = (F.silu(u) * keep).split([I, G * N, G * N], dim=-1)
+    lo, hi = module.time_step_limit
+    return SSDGates(x=x.reshape(b, n, H, P), C=C.reshape(b, n, G, N).repeat_interleave(H // G, 2),
+                    B=B.reshape(b, n, G, N).repeat_interleave(H // G, 2),
+                    dt=torch.clamp(F.softplus(dt + module.dt_bias), lo, hi),
+                    A=-torch.exp(module.A_log.float()).to(hidden.dtype), D=module.D.to(hidden.dtype), z=gate,
+                    u=u[..., :I] * keep, weight=module.conv1d.weight[:I, 0])
+
+
+def _keep(hidden: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    if mask is None:
+        return torch.ones(*hidden.shape[:2], 1, dtype=hidden.dtype, device=hidden.device)
+    return mask[:, :, None].to(hidden.dtype)
+
+
 def _mamba2(module: nn.Module, hidden: torch.Tensor, mask: torch.Tensor | None, output: torch.Tensor) -> torch.Tensor:
     """Mamba2Mixer: x = SiLU(conv(x_in)) per channel, y = SSD(x) per head (core.mixers.ssd_matrix), out =
     out_proj(RMSNorm(y · SiLU(z))). Returns the fused (b, 1, n, n) matrix of x_in → y, the conv and the SiLU
     (its sigmoid held) folded per channel."""
-    b, n, _ = hidden.shape
-    I, H, P, G, N = (module.intermediate_size, module.num_heads, module.head_dim, module.n_groups,
-                     module.ssm_state_size)
-    keep = torch.ones(b, n, 1, dtype=hidden.dtype, device=hidden.device) if mask is None else mask[:, :, None].to(
-        hidden.dtype)
-    proj = module.in_proj(hidden * keep)
-    gate, xbc, dt = proj.split([I, module.conv_dim, H], dim=-1)
-    u = _causal_conv(module, xbc.transpose(1, 2)).transpose(1, 2)
-    act = F.silu(u) * keep
-    x, B, C = act.split([I, G * N, G * N], dim=-1)
-    lo, hi = module.time_step_limit
-    dt = torch.clamp(F.softplus(dt + module.dt_bias), lo, hi)
-    A = -torch.exp(module.A_log.float()).to(hidden.dtype)
-    M = ops.ssd_matrix(C.reshape(b, n, G, N).repeat_interleave(H // G, 2),
-                          B.reshape(b, n, G, N).repeat_interleave(H // G, 2), dt, A, module.D.to(hidden.dtype))
-    y = ops.mix(M, x.reshape(b, n, H, P)).reshape(b, n, I)
-    _check_reproduces(module, module.out_proj(module.norm(y, gate)), output)
-    gate_in = torch.sigmoid(u[..., :I]) * keep
-    return _normalised(_fold_conv(M, gate_in, module.conv1d.weight[:I, 0], P))
+    g = mamba2_gates(module, hidden, mask)
+    b, n, H, P = g.x.shape
+    M = ops.ssd_matrix(g.C, g.B, g.dt, g.A, g.D)
+    y = ops.mix(M, g.x).reshape(b, n, H * P)
+    _check_reproduces(module, module.out_proj(module.norm(y, g.z)), output)
+    gate_in = torch.sigmoid(g.u) * _keep(hidden, mask)
+    return _normalised(_fold_conv(M, gate_in, g.weight, P))
 
 
 def _mamba(module: nn.Module, hidden: torch.Tensor, mask: torch.Tensor | None, output: torch.Tensor) -> torch.Tensor:
@@ -265,8 +297,7 @@ def _mamba(module: nn.Module, hidden: torch.Tensor, mask: torch.Tensor | None, o
     matrix of x_in → y, the conv, the SiLU (its sigmoid held) and the output gate folded per channel."""
     b, n, _ = hidden.shape
     I, N, R = module.intermediate_size, module.ssm_state_size, module.time_step_rank
-    keep = torch.ones(b, n, 1, dtype=hidden.dtype, device=hidden.device) if mask is None else mask[:, :, None].to(
-        hidden.dtype)
+    keep = _keep(hidden, mask)
     x_in, z = module.in_proj(hidden * keep).chunk(2, dim=-1)
     u = _causal_conv(module, x_in.transpose(1, 2)).transpose(1, 2)
     x = F.silu(u) * keep
@@ -289,8 +320,7 @@ def _short_conv(module: nn.Module, hidden: torch.Tensor, mask: torch.Tensor | No
     """LFM2's gated short convolution: B, C, x = in_proj(h); y = out_proj(C · conv(B · x)). Returns the fused
     (b, 1, n, n) matrix of x → C · conv(B · x) per channel (core.mixers.conv_matrix, B and C as diagonals)."""
     b, n, _ = hidden.shape
-    keep = torch.ones(b, n, 1, dtype=hidden.dtype, device=hidden.device) if mask is None else mask[:, :, None].to(
-        hidden.dtype)
+    keep = _keep(hidden, mask)
     Bg, Cg, x = module.in_proj(hidden * keep).chunk(3, dim=-1)
     M = ops.conv_matrix(module.conv.weight[:, 0], n, pre=Bg * keep, post=Cg)  # (b, d, n, n)
     bias = 0 if module.conv.bias is None else module.conv.bias
