@@ -161,7 +161,10 @@ def test_fused_rows_equal_the_dense_fusion():
     Fd = mixers.fuse_channels(mixers.ssd_matrix(C, B, dt, A, D))
     torch.testing.assert_close(Fd.sum(-1), torch.ones(b, n, dtype=torch.float64))
     r = torch.rand(b, 2, n, dtype=torch.float64, generator=g_)
-    got = mixers.fused_rows(r, lambda t0, t1: mixers.ssd_block(C, B, dt, A, D, t0, t1), n, a=0.5, c=0.5, rows=4)
-    torch.testing.assert_close(got, r @ (0.5 * Fd + 0.5 * torch.eye(n, dtype=torch.float64)), atol=1e-12, rtol=0)
+    want = r @ (0.5 * Fd + 0.5 * torch.eye(n, dtype=torch.float64))
+    for causal in (False, True):
+        got = mixers.fused_rows(r, lambda t0, t1: mixers.ssd_block(C, B, dt, A, D, t0, t1, causal_cols=causal), n,
+                                a=0.5, c=0.5, rows=4)
+        torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
     with pytest.raises(ValueError, match="how"):
         mixers.fuse_channels(Fd[:, None], how="max")

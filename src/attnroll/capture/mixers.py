@@ -252,7 +252,7 @@ class SSDGates:
 
     def block(self, t0: int, t1: int) -> torch.Tensor:
         """Rows [t0, t1) of the per-head SSD matrices (core.mixers.ssd_block), for core.mixers.fused_rows."""
-        return ops.ssd_block(self.C, self.B, self.dt, self.A, self.D, t0, t1)
+        return ops.ssd_block(self.C, self.B, self.dt, self.A, self.D, t0, t1, causal_cols=True)
 
 
 def mamba2_gates(module: nn.Module, hidden: torch.Tensor, mask: torch.Tensor | None = None) -> SSDGates:

@@ -42,25 +42,28 @@ FUSIONS = ("abs_mean", "mean")
 BLOCK = 256
 
 
-def _decay(log_a: torch.Tensor, t0: int = 0, t1: int | None = None) -> torch.Tensor:
-    """exp(Σ_{k=s+1..t} log_a_k) for rows t in [t0, t1), columns s, 0 above the diagonal: (..., t1-t0, n) from
-    log_a (..., n)."""
+def _decay(log_a: torch.Tensor, t0: int = 0, t1: int | None = None, cols: int | None = None) -> torch.Tensor:
+    """exp(Σ_{k=s+1..t} log_a_k) for rows t in [t0, t1), columns s in [0, cols) (default all n), 0 above the
+    diagonal: (..., t1-t0, cols) from log_a (..., n)."""
     n = log_a.shape[-1]
     t1 = n if t1 is None else t1
+    cols = n if cols is None else cols
     cum = log_a.cumsum(-1)
-    seg = cum[..., t0:t1, None] - cum[..., None, :]
+    seg = cum[..., t0:t1, None] - cum[..., None, :cols]
     t = torch.arange(t0, t1, device=log_a.device)[:, None]
-    s = torch.arange(n, device=log_a.device)[None, :]
+    s = torch.arange(cols, device=log_a.device)[None, :]
     return torch.exp(seg.masked_fill(s > t, float("-inf")))
 
 
 def ssd_block(C: torch.Tensor, B: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, D: torch.Tensor | None,
-              t0: int, t1: int) -> torch.Tensor:
-    """Rows [t0, t1) of :func:`ssd_matrix`: (b, h, t1-t0, n)."""
+              t0: int, t1: int, causal_cols: bool = False) -> torch.Tensor:
+    """Rows [t0, t1) of :func:`ssd_matrix`: (b, h, t1-t0, n); with ``causal_cols`` only the columns [0, t1) that
+    can be non-zero, (b, h, t1-t0, t1) (what :func:`fused_rows` takes)."""
+    cols = t1 if causal_cols else C.shape[1]
     log_a = (dt * A).transpose(1, 2)  # (b, h, n)
-    L = _decay(log_a, t0, t1)
-    CB = torch.einsum("bthN,bshN->bhts", C[:, t0:t1], B)
-    M = L * CB * dt.transpose(1, 2)[:, :, None, :]
+    L = _decay(log_a, t0, t1, cols)
+    CB = torch.einsum("bthN,bshN->bhts", C[:, t0:t1], B[:, :cols])
+    M = L * CB * dt[:, :cols].transpose(1, 2)[:, :, None, :]
     if D is not None:
         idx = torch.arange(t0, t1, device=M.device)
         M[:, :, idx - t0, idx] += D.to(M.dtype)[None, :, None]
@@ -172,13 +175,14 @@ def fuse_channels(M: torch.Tensor, how: str = "abs_mean") -> torch.Tensor:
 def fused_rows(r: torch.Tensor, block: Callable[[int, int], torch.Tensor], n: int, *, a: float = 1.0,
                c: float = 0.0, rows: int = BLOCK) -> torch.Tensor:
     """r · (a·F + c·I) for relevance rows r (b, R, n), F the "abs_mean" fusion of a mixer whose rows [t0, t1)
-    of per-channel matrices ``block(t0, t1)`` gives ((b, ch, t1-t0, n)), computed ``rows`` output tokens at a
-    time: no (n, n) matrix is kept (memory O(rows·n·ch))."""
+    of per-channel matrices ``block(t0, t1)`` gives ((b, ch, t1-t0, w): its first w ≤ n columns, the rest 0, as a
+    causal mixer's block needs only w = t1), computed ``rows`` output tokens at a time: no (n, n) matrix is kept
+    (memory O(rows·n·ch))."""
     out = c * r
     for t0 in range(0, n, rows):
         t1 = min(n, t0 + rows)
-        F = block(t0, t1).abs().mean(1)  # (b, t1-t0, n)
+        F = block(t0, t1).abs().mean(1)  # (b, t1-t0, w)
         s = F.sum(-1, keepdim=True)
         F = F / torch.where(s > 0, s, torch.ones((), dtype=s.dtype, device=s.device))
-        out = out + a * (r[:, :, t0:t1] @ F)
+        out[:, :, : F.shape[-1]] += a * (r[:, :, t0:t1] @ F)
     return out
