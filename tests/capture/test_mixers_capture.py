@@ -15,9 +15,9 @@ from attnroll.capture.mixers import find_mixers
 
 from ..zoo import HYBRIDS, decoder, sharp
 
-FAST = ("jamba", "qwen3_next", "lfm2")
+FAST = ("jamba", "qwen3_next", "lfm2", "recurrent_gemma")
 #: Hybrids whose mixers attnroll composes (capture/mixers.py COMPOSED); the others are refused by default.
-COMPOSED = ("jamba", "bamba", "nemotron_h", "granitemoehybrid", "lfm2", "lfm3")
+COMPOSED = ("jamba", "bamba", "nemotron_h", "granitemoehybrid", "lfm2", "lfm3", "qwen3_next")
 #: The class each tiny hybrid's layer-0 mixer has (read off transformers' modeling files).
 MIXER_CLASS = {
     "jamba": "JambaMambaMixer", "bamba": "BambaMixer", "zamba": "ZambaMambaMixer", "zamba2": "Zamba2MambaMixer",
@@ -74,9 +74,9 @@ def test_attention_only_rolls_out_the_attention_layers_and_warns(model_type):
 
 
 def test_gradient_methods_refused_too_and_input_gradients_are_not():
-    model, inputs = decoder("qwen3_next"), _inputs()
+    model, inputs = decoder("recurrent_gemma"), _inputs()
     for method in ("grad_rollout", "gae", "raw", "flow"):
-        with pytest.raises(attnroll.UnsupportedModelError, match="Qwen3NextGatedDeltaNet"):
+        with pytest.raises(attnroll.UnsupportedModelError, match="RecurrentGemmaRecurrentBlock"):
             attnroll.explain(model, inputs, method=method)
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # no mixer warning for a method that reads no layer
@@ -286,3 +286,35 @@ def test_mamba2_gates_are_what_the_scan_reads(monkeypatch):
 
     torch.testing.assert_close(g.dt, torch.clamp(F.softplus(dt + kw["dt_bias"]), *kw["dt_limit"]))
     torch.testing.assert_close(g.C[:, :, 0], C[:, :, 0].to(g.C.dtype))
+
+
+def test_qwen3_next_layer_is_the_fused_jacobian_of_its_delta_rule(monkeypatch):
+    import importlib
+
+    from torch.autograd.functional import jacobian
+
+    mod = importlib.import_module("transformers.models.qwen3_next.modeling_qwen3_next")
+    real_rule, real_conv, calls = mod.torch_chunk_gated_delta_rule, mod.causal_conv1d_fn, []
+    monkeypatch.setattr(mod, "torch_chunk_gated_delta_rule",
+                        lambda *a, **k: calls.append(("rule", a, k)) or real_rule(*a, **k))
+    monkeypatch.setattr(mod, "causal_conv1d_fn", lambda *a, **k: calls.append(("conv", a, k)) or real_conv(*a, **k))
+    model = decoder("qwen3_next")  # float32: its experts' grouped product takes no float64
+    inputs = _inputs()
+    inputs["attention_mask"] = torch.ones_like(inputs["attention_mask"])
+    rec = attnroll.capture(model, inputs)
+    (_, (mixed, w, bias), ckw), (_, (q, k, _v), kw) = calls[0], calls[1]
+    net = model.model.layers[0].linear_attn
+    start = 2 * net.key_dim
+    sig = torch.sigmoid(real_conv(mixed, w, bias, activation=None))[:, start:].detach()
+
+    def path(v_in):  # transformers' own convolution and chunked delta rule, q, k, β, g and σ held
+        full = torch.cat([mixed[:, :start], v_in], 1)
+        v = (real_conv(full, w, bias, activation=None)[:, start:] * sig).transpose(1, 2)
+        out = real_rule(q, k, v.reshape(*v.shape[:2], net.num_v_heads, net.head_v_dim), **kw)[0]
+        return out.reshape(*v.shape[:2], -1)
+
+    J = jacobian(path, mixed[:, start:].detach().contiguous())  # (b, n, dv_all, b, dv_all, n)
+    b, n, d = J.shape[0], J.shape[1], J.shape[2]
+    per = torch.stack([torch.stack([J[i, :, c, i, c, :] for c in range(d)]) for i in range(b)])
+    total = per.abs().sum(1)
+    torch.testing.assert_close(rec.streams["self"][0][:, 0], total / total.sum(-1, keepdim=True), atol=1e-5, rtol=0)

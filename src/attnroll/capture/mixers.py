@@ -50,7 +50,7 @@ class MixerKind:
 #: The mixer kinds of the transformers families (the registry's ``TRANSFORMERS`` entry lists them), tried in order.
 KNOWN_MIXERS = (
     MixerKind(r"DeltaNet|DeltaAttention", "gated DeltaNet (linear attention with a delta-rule state)",
-              "Qwen3-Next, Qwen3.5, OLMo-Hybrid, Kimi-Linear, Bailing-Hybrid"),
+              "Qwen3.5, OLMo-Hybrid, Kimi-Linear, Bailing-Hybrid"),
     MixerKind(r"LightningAttention", "lightning attention (linear attention with a decaying state)", "MiniMax"),
     MixerKind(r"ShortConv", "short causal convolution (gated)", "other gated short convolutions"),
     MixerKind(r"RecurrentBlock|Rglru", "RG-LRU recurrent block (convolution + real-gated linear recurrence)",
@@ -178,13 +178,16 @@ def check_mixers(model: nn.Module, mode: str, method: str) -> list[Mixer]:
 # ------------------------------------------------------------------------------- composed mixers
 #: Mixer classes whose forward attnroll reads and composes (their matrix is checked against the layer's own
 #: output on every pass): the Mamba-2 mixers of Mamba2, Bamba, Nemotron-H and GraniteMoeHybrid, and the
-#: Mamba mixers of Mamba, Falcon-Mamba and Jamba, the gated short convolutions of LFM2 / LFM3. Not read: Falcon-H1 (its Mamba-2 mixer runs in parallel with
+#: Mamba mixers of Mamba, Falcon-Mamba and Jamba, the gated short convolutions of LFM2 / LFM3, Qwen3-Next's gated
+#: DeltaNet. Not read: Falcon-H1 (its Mamba-2 mixer runs in parallel with
 #: attention, with multipliers), Zamba (a mixer with several heads of its own), Zamba2 (attention blocks shared by
 #: several layers, run before the layer's mixer).
 MAMBA2_MIXERS = ("Mamba2Mixer", "BambaMixer", "NemotronHMamba2Mixer", "GraniteMoeHybridMambaLayer")
 #: The gated short convolutions of LFM2 / LFM3.
 CONV_MIXERS = ("Lfm2ShortConv", "Lfm3ShortConv")
-COMPOSED = (*MAMBA2_MIXERS, "MambaMixer", "FalconMambaMixer", "JambaMambaMixer", *CONV_MIXERS)
+#: The gated DeltaNets read with Qwen3-Next's layout (in_proj_qkvz / in_proj_ba, a convolution over q, k, v).
+DELTA_MIXERS = ("Qwen3NextGatedDeltaNet",)
+COMPOSED = (*MAMBA2_MIXERS, "MambaMixer", "FalconMambaMixer", "JambaMambaMixer", *CONV_MIXERS, *DELTA_MIXERS)
 #: Methods that compose these mixers' fused matrices (the dense record: one row-stochastic layer each).
 COMPOSING_METHODS = ("rollout", "raw", "flow")
 #: Relative tolerance of the check that the matrices reproduce the layer's output.
@@ -328,6 +331,37 @@ def _short_conv(module: nn.Module, hidden: torch.Tensor, mask: torch.Tensor | No
     return _normalised(M.abs().sum(1))
 
 
+def _l2(x: torch.Tensor) -> torch.Tensor:
+    """The delta rule's L2 normalisation: x / √(Σx² + 1e-6) (not max(‖x‖, eps))."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+
+
+def _gated_delta(module: nn.Module, hidden: torch.Tensor, mask: torch.Tensor | None,
+                 output: torch.Tensor) -> torch.Tensor:
+    """Qwen3-Next's gated DeltaNet: q, k, v = SiLU(conv(·)) of in_proj_qkvz's parts, q and k L2-normalised (q
+    scaled by 1/√d_k), β = σ(b), log α = −exp(A_log)·softplus(a + dt_bias); o = the delta rule
+    (core.mixers.delta_matrix per value head), out = out_proj(RMSNorm(o) · SiLU(z)). Returns the fused (b, 1, n, n)
+    matrix of v_in → o, the convolution and the SiLU (its sigmoid held) folded per value channel."""
+    b, n, _ = hidden.shape
+    keep = _keep(hidden, mask)
+    h = hidden * keep
+    q, k, v, z, bb, a = module.fix_query_key_value_ordering(module.in_proj_qkvz(h), module.in_proj_ba(h))
+    mixed = torch.cat([t.reshape(b, n, -1) for t in (q, k, v)], dim=-1)
+    u = _causal_conv(module, mixed.transpose(1, 2)).transpose(1, 2)
+    q, k, v = F.silu(u).split([module.key_dim, module.key_dim, module.value_dim], dim=-1)
+    Hv, Hk, dk, dv = module.num_v_heads, module.num_k_heads, module.head_k_dim, module.head_v_dim
+    q = _l2(q.reshape(b, n, Hk, dk)).repeat_interleave(Hv // Hk, 2) * dk ** -0.5
+    k = _l2(k.reshape(b, n, Hk, dk)).repeat_interleave(Hv // Hk, 2)
+    g = -module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias)
+    W = ops.delta_matrix(q, k, bb.sigmoid(), g.to(hidden.dtype))  # (b, Hv, n, n)
+    o = ops.mix(W, v.reshape(b, n, Hv, dv))
+    got = module.norm(o.reshape(-1, dv), z.reshape(-1, dv)).reshape(b, n, -1)
+    _check_reproduces(module, module.out_proj(got), output)
+    start = 2 * module.key_dim
+    gate_in = torch.sigmoid(u[..., start:]) * keep
+    return _normalised(_fold_conv(W, gate_in, module.conv1d.weight[start:, 0], dv))
+
+
 def mixer_matrix(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> torch.Tensor:
     """The fused (b, 1, n, n) token-to-token matrix of a composed mixer's forward (its forward hook's args,
     kwargs and output), checked to reproduce the layer's output; row-stochastic (the "abs_mean" fusion)."""
@@ -338,5 +372,6 @@ def mixer_matrix(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> t
     out = output[0] if isinstance(output, (tuple, list)) else output
     with torch.no_grad():
         name = type(module).__name__
-        read = _mamba2 if name in MAMBA2_MIXERS else _short_conv if name in CONV_MIXERS else _mamba
+        read = (_mamba2 if name in MAMBA2_MIXERS else _short_conv if name in CONV_MIXERS else
+                _gated_delta if name in DELTA_MIXERS else _mamba)
         return read(module, hidden.detach(), mask, out)

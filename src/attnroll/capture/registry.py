@@ -323,9 +323,10 @@ TRANSFORMERS = Family(
                prefix="0", readout="last real token; `rollout`, `raw`, `flow` compose it, the rest refuse it "
                                    "naming the mixer; dense only"),
         Models(models="transformers Jamba, Bamba, Nemotron-H, GraniteMoeHybrid (Mamba / Mamba-2 + attention), LFM2, "
-                      "LFM3 (gated short convolutions + attention)",
+                      "LFM3 (gated short convolutions + attention), Qwen3-Next (gated DeltaNet + attention)",
                streams="self: attention and mixer layers in execution order, each mixer's fused matrix (as above; "
-                       "LFM2: C · conv(B · x) per channel) repeated on every head", prefix="0",
+                       "LFM2: C · conv(B · x) per channel; Qwen3-Next: the delta rule per value head, its convolution "
+                       "folded) repeated on every head", prefix="0",
                readout="last real token; `rollout`, `raw`, `flow` compose it, the rest refuse it naming the mixer; "
                        "dense only"),
         Models(models="transformers T5, BART, Marian, VisionEncoderDecoder, SeamlessM4T `...ForTextToText`",
