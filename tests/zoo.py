@@ -268,3 +268,67 @@ DECODERS_MORE = ("mixtral", "diffllama")
 
 #: Every family of the zoo: transformers, timm, torch.
 FAMILIES = (*IMAGE, *TEXT_ONLY, "clip", *SEQ2SEQ_MODELS, *TIMM, *TORCH, *DECODERS_MORE)
+
+
+# ------------------------------------------------------------------------------- hybrid and state-space stacks
+_LINEAR_FULL = ["linear_attention", "full_attention"]
+_MAMBA2 = dict(mamba_n_heads=4, mamba_d_head=16, mamba_d_state=4, mamba_chunk_size=4)
+_DELTA = dict(linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2)
+
+#: Tiny hybrid decoders (transformers ``model_type`` -> config fields set after ``shrink``): layer 0 a token mixer
+#: other than softmax attention, the last layer attention (Zamba: hybrid layers around a shared attention block).
+HYBRIDS = {
+    "jamba": dict(num_hidden_layers=2, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+                  expert_layer_offset=1, num_experts=2, num_experts_per_tok=1, mamba_dt_rank=4, mamba_d_state=4),
+    "bamba": dict(num_hidden_layers=2, attn_layer_indices=[1], **_MAMBA2),
+    "zamba": dict(num_hidden_layers=3, attn_layer_period=2, attn_layer_offset=1, mamba_dt_rank=4, mamba_d_state=4,
+                  n_mamba_heads=2, layers_block_type=["linear_attention", "hybrid", "hybrid"],
+                  attention_hidden_size=64, attention_head_dim=16, mamba_expand=2),
+    "zamba2": dict(num_hidden_layers=2, layers_block_type=["linear_attention", "hybrid"], mamba_d_state=4,
+                   n_mamba_heads=4, mamba_headdim=16, chunk_size=4, num_mem_blocks=1, hybrid_layer_ids=[1],
+                   attention_hidden_size=64, attention_head_dim=16, mamba_expand=2),
+    "falcon_h1": dict(num_hidden_layers=2, mamba_d_ssm=64, **_MAMBA2),
+    "granitemoehybrid": dict(num_hidden_layers=2, layer_types=_LINEAR_FULL, num_local_experts=2,
+                             num_experts_per_tok=1, **_MAMBA2),
+    "nemotron_h": dict(num_hidden_layers=2, layers_block_type=_LINEAR_FULL, mamba_num_heads=4, mamba_head_dim=16,
+                       ssm_state_size=4, chunk_size=4, n_groups=1),
+    "lfm2": dict(num_hidden_layers=2, layer_types=["conv", "full_attention"], full_attn_idxs=[1]),
+    "lfm3": dict(num_hidden_layers=2, layer_types=["conv", "full_attention"]),
+    "recurrent_gemma": dict(num_hidden_layers=2, block_types=["recurrent", "attention"], lru_width=32,
+                            attention_window_size=16),
+    "kimi_linear": dict(num_hidden_layers=2, layer_types=_LINEAR_FULL, mlp_layer_types=["dense", "dense"],
+                        linear_head_dim=8, num_key_value_heads=4, head_dim=8),
+    "qwen3_next": dict(num_hidden_layers=2, layer_types=_LINEAR_FULL, linear_num_value_heads=4, num_experts=2,
+                       num_experts_per_tok=1, decoder_sparse_step=1, **_DELTA),
+    "qwen3_5_text": dict(num_hidden_layers=2, layer_types=_LINEAR_FULL, linear_num_value_heads=4, **_DELTA),
+    "olmo_hybrid": dict(num_hidden_layers=2, layer_types=_LINEAR_FULL, linear_num_value_heads=2, **_DELTA),
+}
+#: Tiny pure state-space decoders: ``model_type`` -> config fields set after ``shrink``.
+SSMS = {
+    "mamba": dict(num_hidden_layers=2, state_size=4, time_step_rank=4, expand=2),
+    "mamba2": dict(num_hidden_layers=2, num_heads=4, head_dim=16, state_size=4, n_groups=1, chunk_size=4, expand=2),
+    "falcon_mamba": dict(num_hidden_layers=2, state_size=4, time_step_rank=4, expand=2),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _built_decoder(model_type: str) -> torch.nn.Module:
+    T = pytest.importorskip("transformers")
+    cfg = shrink(T.AutoConfig.for_model(model_type))
+    for k, v in {**HYBRIDS, **SSMS}[model_type].items():
+        setattr(cfg, k, v)
+    torch.manual_seed(0)
+    return T.AutoModelForCausalLM.from_config(cfg).eval()
+
+
+def decoder(model_type: str) -> torch.nn.Module:
+    """A fresh copy (same weights every time) of the tiny hybrid or state-space decoder of ``model_type``
+    (:data:`HYBRIDS`, :data:`SSMS`), in eval mode."""
+    return copy.deepcopy(_built_decoder(model_type))
+
+
+#: Two state-space families in the zoo (the contract matrix runs every method on them): a pure Mamba-2 stack and a
+#: Jamba hybrid (a Mamba layer, then an attention layer).
+SSM_FAMILIES = ("mamba2", "jamba")
+OTHER_BUILDERS.update({name: (lambda k, name=name: decoder(name)) for name in SSM_FAMILIES})
+FAMILIES = (*FAMILIES, *SSM_FAMILIES)

@@ -16,6 +16,8 @@ import attnroll  # noqa: E402
 from attnroll import UnsupportedModelError  # noqa: E402
 from attnroll.capture import registry  # noqa: E402
 
+from ..zoo import shrink  # noqa: E402
+
 TEXT = dict(vocab_size=99, max_position_embeddings=64)
 COMMON = dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=2, intermediate_size=37)
 SEQ2SEQ = dict(vocab_size=99, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
@@ -46,8 +48,8 @@ CASES = {
     "rwkv": (lambda: T.RwkvModel(T.RwkvConfig(vocab_size=99, hidden_size=32, num_hidden_layers=2,
                                               attention_hidden_size=32, intermediate_size=37)),
              _ids, ("recurrent", "no attention matrices")),
-    "mamba": (lambda: T.MambaModel(T.MambaConfig(vocab_size=99, hidden_size=32, num_hidden_layers=2, state_size=4)),
-              _ids, ("state-space", "no attention matrices")),
+    "xlstm": (lambda: T.AutoModel.from_config(shrink(T.AutoConfig.for_model("xlstm"))),
+              _ids, ("recurrent", "no attention matrices")),
     "longformer": (lambda: T.LongformerModel(T.LongformerConfig(**COMMON, **TEXT, attention_window=4)),
                    _ids, ("sliding window", "global tokens", "no full token-to-token matrix")),
     "led": (lambda: T.LEDModel(T.LEDConfig(**SEQ2SEQ, attention_window=4, max_encoder_position_embeddings=64,

@@ -25,6 +25,7 @@ from . import diffllama
 from .hf_public import accepts_output_attentions, ask_for_attentions, eager_forwards, output_streams, validate_layers
 from .hf_vision import embeddings_of, input_size, mae_restore, patch_layout
 from .hooks import Adapter, Recorder, Site, make_sites, stream_names, supported_families
+from .mixers import composable_mixers, mixer_matrix
 from .record import AttentionRecord, ModelFacts, config_token_id, config_token_ids, resolve_readout
 from .st_pooling import pooling_of_folder
 from .transformers_private import (
@@ -139,6 +140,12 @@ class HFAdapter(Adapter):
                 "knows the transformers 5.x shape. Install a transformers 5.x release, or pass modules=/to_probs="
             ) from None
         order = {id(m): i for i, (_, m) in enumerate(model.named_modules())}
+        self.mixer_ids = {id(m) for _, m in composable_mixers(model)}
+        # a hybrid's mixer layers repeat their one fused matrix on every head of its attention layers (so that the
+        # stream's layers have one shape: head fusions leave it unchanged)
+        heads = getattr(config, "num_attention_heads", 1)
+        self.mixer_heads = heads if found and self.mixer_ids and isinstance(heads, int) and heads > 0 else 1
+        found += [(name, m, "attentions", 0) for name, m in composable_mixers(model)]
         found.sort(key=lambda f: order.get(id(f[1]), -1))
         self.index = {id(m): idx for _, m, _, idx in found}
         selfs = [f for f in found if f[2] == "attentions"]
@@ -168,7 +175,13 @@ class HFAdapter(Adapter):
             ask_for_attentions(stack, self.model)
         diffllama.install(stack, self.model)  # differential attention: its signed matrix is what the record holds
         self.install_pool_hooks(stack)
-        super().install(stack, recorder, sites)
+        super().install(stack, recorder, [s for s in sites if id(s.module) not in self.mixer_ids])
+        for site in sites:
+            if id(site.module) in self.mixer_ids:  # a composed token mixer: its matrix, from its inputs and output
+                handle = site.module.register_forward_hook(
+                    lambda m, a, k, o, site=site: recorder.store(
+                        site, mixer_matrix(m, a, k, o).expand(-1, self.mixer_heads, -1, -1)), with_kwargs=True)
+                stack.callback(handle.remove)
 
     def install_pool_hooks(self, stack: ExitStack, heads: list[tuple[str, nn.Module]] | None = None) -> None:
         """Hook attention-pooling heads (SigLIP's MAP head) for their probe's attention, the readout;
@@ -502,8 +515,11 @@ def hf_facts(model: nn.Module, family: str = "") -> ModelFacts:
         # Each tower's input: the first argument of the model's own feature function for it.
         stream_inputs = {s: first_argument(getattr(model, f"get_{k}_features")) for s, k in (("vision", "image"),
                                                                                             ("text", "text"))}
+    mixed = [type(m).__name__ for _, m in composable_mixers(model)][:1]
     return ModelFacts(
-        dense_only=_DENSE_ONLY.get(getattr(config, "model_type", ""), ""),
+        dense_only=_DENSE_ONLY.get(getattr(config, "model_type", ""), "") or (
+            f"its {mixed[0]} layers are composed as dense matrices (the matrix-free route recomputes softmax "
+            "attention from its kernel's queries and keys)" if mixed else ""),
         family=family or f"hf:{getattr(config, 'model_type', '')}",
         input_key=getattr(model, "main_input_name", None),
         keyword_call=True,

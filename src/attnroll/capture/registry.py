@@ -21,6 +21,7 @@ from .anatomy_parts import BlockKind
 from .cait import CaitAdapter, is_cait
 from .hf import HFAdapter, hf_facts, is_hf_model
 from .hooks import Adapter, set_supported_families
+from .mixers import KNOWN_MIXERS, MixerKind
 from .qwen_family import is_qwen_vl, qwen_facts, refuse_dense
 from .record import ModelFacts
 from .sentence_transformers import is_sentence_transformer, transformer_of
@@ -93,7 +94,10 @@ class Family:
     with the adapter); ``methods``: the method groups of :data:`METHOD_GROUPS` its models can be explained
     with; ``models``: its rows of README's family table; ``refused``: the models of this family it refuses,
     each with the reason, as README lists them; ``obstacles``: models refused before their adapter is built,
-    each with the message naming its own obstacle (README lists their ``readme`` after ``refused``)."""
+    each with the message naming its own obstacle (README lists their ``readme`` after ``refused``);
+    ``mixers``: the kinds of token mixer other than softmax attention its models may hold in their block stack
+    (:mod:`attnroll.capture.mixers` finds them by these and structurally; the methods refuse such a model unless
+    ``mixers="attention_only"``; README lists them after ``obstacles``)."""
 
     name: str
     detect: Callable[[nn.Module], bool]
@@ -106,6 +110,7 @@ class Family:
     models: tuple[Models, ...]
     refused: tuple[str, ...] = ()
     obstacles: tuple[Obstacle, ...] = ()
+    mixers: tuple[MixerKind, ...] = ()
 
     def __post_init__(self) -> None:
         unknown = [g for g in self.methods if g not in METHOD_GROUPS]
@@ -175,10 +180,15 @@ TRANSFORMERS_OBSTACLES = (
              reason="is a recurrent model (linear-attention RNN, a state-space-like recurrence): each layer carries a "
                     "running state from token to token instead of attending, so it has no attention matrices to "
                     "read or roll out."),
-    Obstacle(applies=of_types("mamba", "mamba2", "falcon_mamba", "xlstm"),
-             readme="Mamba / Mamba2 / Falcon-Mamba / xLSTM (state-space or recurrent, no attention)",
+    Obstacle(applies=of_types("xlstm"),
+             readme="xLSTM (recurrent, no attention)",
              reason="is a state-space / recurrent model: its layers carry a running state from token to token and "
                     "compute no attention, so it has no attention matrices to read or roll out."),
+    Obstacle(applies=of_types("minimax"), readme="MiniMax (lightning attention recorded as attention)",
+             reason="returns the blocks of its lightning-attention layers (linear attention over blocks of "
+                    "config.block_size tokens with a decaying state) as attention weights: they are over padded "
+                    "blocks, not a token-to-token softmax matrix, and its softmax layers alone would leave those "
+                    f"layers out; {_NO_MATRIX}."),
     Obstacle(applies=of_types("longformer", "led"), readme="Longformer / LED (sliding windows)",
              reason="attends in a sliding window around each token (config.attention_window) plus a few global "
                     "tokens: each layer returns the window's weights (n x window), and no full token-to-token "
@@ -375,6 +385,18 @@ TRANSFORMERS = Family(
                prefix="1 slot on the canvas: CLS and tile padding",
                readout="language: last real token; map on the original image (the unpadded tile grid): tiles put "
                        "back, the base view by area, newline tokens spread over the row they close"),
+        Models(models="transformers Mamba, Mamba2, Falcon-Mamba (state-space)",
+               streams="self: each mixer one layer, its per-channel matrices (causal conv, SiLU and output gate held "
+                       "at their values, scan) fused by the mean of |·|, rows normalised",
+               prefix="0", readout="last real token; `rollout`, `raw`, `flow` compose it, the rest refuse it "
+                                   "naming the mixer; dense only"),
+        Models(models="transformers Jamba, Bamba, Nemotron-H, GraniteMoeHybrid (Mamba / Mamba-2 + attention), LFM2, "
+                      "LFM3 (gated short convolutions + attention), Qwen3-Next (gated DeltaNet + attention)",
+               streams="self: attention and mixer layers in execution order, each mixer's fused matrix (as above; "
+                       "LFM2: C · conv(B · x) per channel; Qwen3-Next: the delta rule per value head, its convolution "
+                       "folded) repeated on every head", prefix="0",
+               readout="last real token; `rollout`, `raw`, `flow` compose it, the rest refuse it naming the mixer; "
+                       "dense only"),
         Models(models="transformers T5, BART, Marian, VisionEncoderDecoder, SeamlessM4T `...ForTextToText`",
                streams="encoder, decoder, cross",
                prefix="encoder from its embeddings (1 for a ViT encoder)", readout="decoder: last real token"),
@@ -387,6 +409,7 @@ TRANSFORMERS = Family(
         "ViLT (text tokens + image CLS + patches sampled in a random order in one sequence)",
     ),
     obstacles=TRANSFORMERS_OBSTACLES,
+    mixers=KNOWN_MIXERS,
 )
 
 CAIT = Family(
@@ -495,4 +518,6 @@ def table_rows() -> list[str]:
 
 def refusals() -> list[str]:
     """Every family's refused models with their reasons, in registry order."""
-    return [r for f in FAMILIES for r in (*f.refused, *(o.readme for o in f.obstacles))]
+    return [r for f in FAMILIES for r in (*f.refused, *(o.readme for o in f.obstacles), *(
+        f"{k.models} ({k.kind}; `mixers=\"attention_only\"` rolls out through their attention layers alone)"
+        for k in f.mixers))]

@@ -27,6 +27,8 @@ and a chunk of rows is mixed by one batched product per (example, head) over hea
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .value_aware import (
@@ -229,7 +231,7 @@ def block_shares(S: torch.Tensor, alpha: torch.Tensor, block: Block, *, rows: to
         z = _add_bias_(z.add_(S[:, R]), _attention_bias(block, alpha[:, :, R]), bias)
         for j in range(0, len(R), step):
             zj = z[:, j:j + step]
-            mlp = with_rows(block, lambda w, Rj=R[j:j + step]: w[:, Rj]).mlp  # a mixture's routing of these rows
+            mlp = with_rows(block, functools.partial(_take_rows, rows=R[j:j + step])).mlp  # a mixture's routing
             if block.pre_norm:
                 got = mlp_shares(zj, mlp, bias, norm=block.norm2).add_(zj)
             else:
@@ -353,3 +355,8 @@ def separate_bias_shares(x0: torch.Tensor, alphas: list[torch.Tensor], blocks: l
         y = (v * W[classes]).sum(-1) + (0 if b is None else b[classes])
         (g,) = torch.autograd.grad(y.sum(), x)
     return (g * x0).sum(-1), y.detach()
+
+
+def _take_rows(w: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """The rows ``rows`` of a per-token tensor (B, n, ...): a mixture of experts' routing of those tokens."""
+    return w[:, rows]

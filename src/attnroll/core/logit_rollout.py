@@ -139,9 +139,15 @@ def _mlp_back(m: Mlp | Routed, h: torch.Tensor, u: torch.Tensor,
     if isinstance(m, Routed):
         weights = m.bound().to(h.dtype)
         parts = [_mlp_back(e, h, u, rule) for e in m.experts]
-        back = None if rule != "linearised" else sum(weights[:, e, None] * p[0] for e, p in enumerate(parts))
-        return (back, sum(weights[:, e] * p[1] for e, p in enumerate(parts)),
-                sum(weights[:, e] * p[2] for e, p in enumerate(parts)))
+        back: torch.Tensor | None = None
+        bias_terms: torch.Tensor | float = 0.0
+        updates: torch.Tensor | float = 0.0
+        for e, p in enumerate(parts):
+            if rule == "linearised" and p[0] is not None:
+                back = weights[:, e, None] * p[0] if back is None else back + weights[:, e, None] * p[0]
+            bias_terms = bias_terms + weights[:, e] * p[1]
+            updates = updates + weights[:, e] * p[2]
+        return back, bias_terms, updates
     zeta, coef, const = mlp_terms(m, h)
     if rule == "linearised":
         up = u @ m.w2  # W2ᵀ u, (B, f)

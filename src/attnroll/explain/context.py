@@ -6,6 +6,7 @@ assembles the :class:`~attnroll.explain.explanation.Explanation` (composed over 
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -16,6 +17,7 @@ from .._modes import params_require_grad
 from ..capture import capture as _capture
 from ..capture import model_facts
 from ..capture.hf import is_hf_model
+from ..capture.mixers import check_mixers, describe
 from ..capture.outputs import main_logits
 from ..capture.readout import Readout, explained_positions, explained_readout, resolve_readout
 from ..capture.record import AttentionRecord, StreamInfo
@@ -58,6 +60,28 @@ class Context:
         if "facts" not in self.memo:
             self.memo["facts"] = model_facts(self.model, anatomy=False) if is_hf_model(self.model) else None
         return self.memo["facts"]
+
+    def check_mixers(self) -> None:
+        """Refuse (``mixers="compose"``) or record and warn about (``mixers="attention_only"``) the token mixers
+        other than softmax attention in the model's block stack (:mod:`attnroll.capture.mixers`), for the
+        methods that read its layers; found once per model and mode (``memo``)."""
+        mode = self.options.get("mixers") or "compose"
+        if not self.method.reads_layers:
+            return
+        key = ("mixers", mode)
+        if key not in self.memo:
+            self.memo[key] = describe(check_mixers(self.model, mode, self.method.name))
+        left_out = self.memo[key]
+        if left_out:
+            warnings.warn(
+                f"mixers='attention_only': method {self.method.name!r} rolls out through the attention layers of "
+                f"{type(self.model).__name__} alone, leaving out its {len(left_out)} other token mixers "
+                f"({'; '.join(left_out)}): a partial map", UserWarning, stacklevel=4)
+
+    def mixer_extra(self) -> dict:
+        """``{"mixers": "attention_only", "mixers_left_out": [...]}`` when the map leaves mixers out, else {}."""
+        left_out = self.memo.get(("mixers", self.options.get("mixers") or "compose"))
+        return {"mixers": "attention_only", "mixers_left_out": list(left_out)} if left_out else {}
 
     # -- capture ------------------------------------------------------------------------------------
     def record(self, fuse_heads: Any = None) -> AttentionRecord:
@@ -257,6 +281,7 @@ class Context:
             if layers is not None:
                 layers = torch.where(real, layers.cpu(), torch.zeros((), dtype=layers.dtype))
         full_row, layers, extra = finish_sinks(self, rec, stream, info, full_row, layers, extra or {})
+        extra = {**extra, **self.mixer_extra()}
         p = info.prefix if prefix is None else prefix
         stop = full_row.shape[-1] - info.suffix
         if isinstance(readout, (list, tuple)):

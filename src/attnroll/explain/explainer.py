@@ -101,6 +101,7 @@ class Prepared:
         if m.needs_grad:
             require_grad_mode(m.name)
         ctx = Context(self.model, inputs, target, m, opts, self.tokenizer, memo=self.memo)
+        ctx.check_mixers()
         if qwen_vl.applies(self.model):  # composed on its own matrix-free route (chunked vision attention)
             return qwen_vl.explain_qwen_vl(ctx, opts)
         return m.fn(ctx, **{k: v for k, v in opts.items() if k not in COMMON_OPTIONS})

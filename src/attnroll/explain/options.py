@@ -23,7 +23,11 @@ __all__ = ["COMMON_OPTIONS", "check_options", "check_values", "RULES"]
 #: position of a token-level target), and the readout (which rows, with what weights; overrides the model's).
 #: ``sinks``: "drop" (default) takes a decoder's measured attention sinks out of the map, their share recorded in
 #: ``Explanation.extra``; "keep" leaves them in (:mod:`attnroll.explain.sinks`).
-COMMON_OPTIONS = {"position": None, "readout": None, "sinks": "drop"}
+#: ``mixers``: "compose" (default) refuses a model whose block stack holds token mixers other than softmax attention
+#: that attnroll does not compose (Mamba, gated DeltaNet, short convolutions, RG-LRU; :mod:`attnroll.capture.mixers`);
+#: "attention_only" rolls out through its attention layers alone, recorded in ``Explanation.extra["mixers"]`` and
+#: warned about.
+COMMON_OPTIONS = {"position": None, "readout": None, "sinks": "drop", "mixers": "compose"}
 
 
 def _optional(rule: Callable[[str, Any], Any]) -> Callable[[str, Any], Any]:
@@ -84,6 +88,7 @@ RULES: dict[str, Callable[[str, Any], Any]] = {
     "stream": _optional(_stream),
     "position": _optional(_position),
     "sinks": lambda n, v: _checks.check_choice(n, v, ("drop", "keep")),
+    "mixers": lambda n, v: _checks.check_choice(n, v, ("compose", "attention_only")),
 }
 
 

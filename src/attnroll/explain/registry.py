@@ -31,6 +31,9 @@ class Method:
     reference: str = ""
     #: option name -> why it is refused and what to use instead (for options of other methods)
     refuse: dict[str, str] = field(default_factory=dict)
+    #: False for methods that read no layer's mixing (input gradients, the random control): the ``mixers=``
+    #: option's refusal of token mixers other than attention does not concern them
+    reads_layers: bool = True
 
 
 _REGISTRY: dict[str, Method] = {}
@@ -46,6 +49,7 @@ def register(
     cost: str = "",
     reference: str = "",
     refuse: dict[str, str] | None = None,
+    reads_layers: bool = True,
 ) -> Callable:
     """Decorator registering ``fn(ctx, **options) -> Explanation`` under ``name``."""
 
@@ -55,7 +59,8 @@ def register(
 
     def deco(fn: Callable) -> Callable:
         _REGISTRY[name] = Method(
-            name, fn, description, dict(options or {}), needs_grad, class_specific, cost, reference, dict(refuse or {})
+            name, fn, description, dict(options or {}), needs_grad, class_specific, cost, reference, dict(refuse or {}),
+            reads_layers,
         )
         return fn
 

@@ -152,7 +152,7 @@ def _run(ctx: Context, kind: str, n_steps: int = 50, internal_batch_size: Any = 
     return ctx.build(rec, row.to(torch.float32), None, s)
 
 
-_COMMON = dict(needs_grad=True, class_specific=True)
+_COMMON = dict(needs_grad=True, class_specific=True, reads_layers=False)
 
 
 @register(

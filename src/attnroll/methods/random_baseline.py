@@ -16,6 +16,7 @@ from ..explain.registry import register
     options={"seed": 0, "stream": None},
     cost="1 forward (for the token metadata)",
     reference="control baseline (e.g. Hooker et al., ROAR, 2019)",
+    reads_layers=False,
 )
 def random(ctx: Context, *, seed, stream):
     """full_row[b] ~ U[0, 1) from a generator seeded with seed + b (so example b's map does not depend on

@@ -1,0 +1,377 @@
+"""Token mixers other than softmax attention in a model's block stack (Mamba / Mamba-2 mixers, gated DeltaNet and
+other linear attention, short convolutions, RG-LRU recurrent blocks): found, named, and refused by the methods
+that would otherwise compose the attention layers alone and return a partial map without saying so.
+
+A mixer is found two ways, per family and generically:
+
+- by its class, from the families' known mixer kinds (:data:`KNOWN_MIXERS`, listed by the registry's entries:
+  Jamba, Bamba, Zamba, Zamba2, Falcon-H1, GraniteMoeHybrid, Nemotron-H, LFM2, RecurrentGemma, Kimi-Linear,
+  Qwen3-Next, Qwen3.5, OLMo-Hybrid, MiniMax, Bailing-Hybrid, ...);
+- structurally: a module inside a block of the stack that owns a 1-D convolution wider than one token (a
+  causal convolution over the sequence, which every Mamba, DeltaNet, LFM2 and RG-LRU block has), whatever its
+  class is called.
+
+The outermost such module below each block is the block's mixer; its kind is read from its parameters
+(a per-head decay ``A_log`` of one axis: Mamba-2 / SSD; of two axes: Mamba's selective SSM) or its class name.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import _checks
+from ..core import mixers as ops
+
+__all__ = ["Mixer", "MixerKind", "KNOWN_MIXERS", "MODES", "find_mixers", "check_mixers", "describe"]
+
+#: The ``mixers=`` option: "compose" (default) composes every token mixer, refusing a model whose mixers attnroll
+#: cannot compose; "attention_only" rolls out through the attention layers alone (a partial map, recorded in
+#: ``Explanation.extra["mixers"]`` and warned about).
+MODES = ("compose", "attention_only")
+
+
+@dataclass(frozen=True)
+class MixerKind:
+    """A known kind of token mixer: the class names it has (a regular expression searched in the class name),
+    how texts call it, and the models refused for it (README's refused row; those whose mixers are
+    :data:`COMPOSED` are composed instead)."""
+
+    pattern: str
+    kind: str
+    models: str
+
+
+#: The mixer kinds of the transformers families (the registry's ``TRANSFORMERS`` entry lists them), tried in order.
+KNOWN_MIXERS = (
+    MixerKind(r"DeltaNet|DeltaAttention", "gated DeltaNet (linear attention with a delta-rule state)",
+              "Qwen3.5, OLMo-Hybrid, Kimi-Linear, Bailing-Hybrid"),
+    MixerKind(r"LightningAttention", "lightning attention (linear attention with a decaying state)", "MiniMax"),
+    MixerKind(r"ShortConv", "short causal convolution (gated)", "other gated short convolutions"),
+    MixerKind(r"RecurrentBlock|Rglru", "RG-LRU recurrent block (convolution + real-gated linear recurrence)",
+              "RecurrentGemma"),
+    MixerKind(r"Mamba2Mixer|^(Bamba|FalconH1)Mixer$|^Zamba2MambaMixer$|^GraniteMoeHybridMambaLayer$",
+              "Mamba-2 (SSD) mixer", "Zamba2, Falcon-H1"),
+    MixerKind(r"Mamba(Mixer|Layer)$|MambaMixer", "Mamba (selective state-space) mixer", "Zamba"),
+)
+
+#: Class names the structural search never takes for a mixer: the blocks themselves (a hybrid layer holding a
+#: Mamba decoder layer names the Mamba mixer inside, not the decoder layer).
+_BLOCK_NAMES = re.compile(r"(DecoderLayer|HybridLayer|EncoderLayer)$")
+
+
+@dataclass(frozen=True)
+class Mixer:
+    """A token mixer of block ``layer`` of the stack: its path, class name and kind."""
+
+    layer: int
+    path: str
+    cls: str
+    kind: str
+
+    def describe(self) -> str:
+        return f"layer {self.layer}: {self.kind} ({self.cls} at {self.path})"
+
+
+def _owns_sequence_conv(module: nn.Module) -> bool:
+    return any(isinstance(c, nn.Conv1d) and c.kernel_size[0] > 1 for c in module.children())
+
+
+def _kind(module: nn.Module) -> str:
+    name = type(module).__name__
+    for known in KNOWN_MIXERS:
+        if re.search(known.pattern, name):
+            return known.kind
+    a_log = getattr(module, "A_log", None)
+    if a_log is not None and getattr(a_log, "ndim", 0) == 1:
+        return "Mamba-2 (SSD) mixer"
+    if a_log is not None and getattr(a_log, "ndim", 0) == 2:
+        return "Mamba (selective state-space) mixer"
+    return "token mixer (a convolution over the sequence)"
+
+
+def _is_candidate(module: nn.Module) -> bool:
+    name = type(module).__name__
+    if _BLOCK_NAMES.search(name):
+        return False
+    return _owns_sequence_conv(module) or any(re.search(k.pattern, name) for k in KNOWN_MIXERS)
+
+
+_STACK_NAMES = ("layers", "layer", "blocks", "h")
+
+
+def _stack(model: nn.Module) -> tuple[str, list[nn.Module]] | None:
+    """The block stack: the largest (by parameter count) nn.ModuleList named ``layers`` / ``layer`` / ``blocks`` /
+    ``h`` whose children are composite modules, of one type or several (a hybrid's attention and mixer layers);
+    else the largest such nn.ModuleList of any name; None when there is none."""
+    best: dict[bool, tuple[int, str, list[nn.Module]]] = {}
+    for path, mod in model.named_modules():
+        kids = list(mod.children()) if isinstance(mod, nn.ModuleList) else []
+        if not kids or not all(any(True for _ in k.children()) for k in kids):
+            continue
+        named = path.rsplit(".", 1)[-1] in _STACK_NAMES
+        size = sum(p.numel() for p in mod.parameters())
+        if named not in best or size > best[named][0]:
+            best[named] = (size, path, kids)
+    found = best.get(True) or best.get(False)
+    return None if found is None else (found[1], found[2])
+
+
+def find_mixers(model: nn.Module) -> list[Mixer]:
+    """The token mixers other than softmax attention in ``model``'s block stack, in layer order (outermost module
+    per finding; none for a model without a block stack)."""
+    found_stack = _stack(model)
+    if found_stack is None:
+        return []
+    stack, blocks = found_stack
+    found: list[Mixer] = []
+    for i, block in enumerate(blocks):
+        taken: list[str] = []
+        for path, mod in block.named_modules():
+            if not path or any(path.startswith(t + ".") for t in taken) or not _is_candidate(mod):
+                continue
+            taken.append(path)
+            found.append(Mixer(i, f"{stack}.{i}.{path}" if stack else f"{i}.{path}", type(mod).__name__, _kind(mod)))
+    return found
+
+
+def describe(mixers: list[Mixer]) -> list[str]:
+    """One line per mixer, as ``Explanation.extra["mixers_left_out"]`` records them."""
+    return [m.describe() for m in mixers]
+
+
+def check_mixers(model: nn.Module, mode: str, method: str) -> list[Mixer]:
+    """The model's token mixers other than softmax attention that ``method``'s map leaves out.
+
+    A mixer attnroll composes (:data:`COMPOSED`) is a layer of the record: methods of :data:`COMPOSING_METHODS`
+    compose it; any other method refuses the model naming it (UnsupportedModelError), whatever ``mode``. Other
+    mixers: with ``mode`` "compose" the model is refused naming the first one and the option that rolls out
+    through attention alone; with "attention_only" they are returned, for the caller to record and warn about."""
+    mode = _checks.check_choice("mixers", mode, MODES)
+    found = find_mixers(model)
+    composed = [m for m in found if m.cls in COMPOSED]
+    if composed and method not in COMPOSING_METHODS:
+        m = composed[0]
+        raise _checks.UnsupportedModelError(
+            f"{type(model).__name__} layer {m.layer} mixes tokens with a {m.kind} ({m.cls} at {m.path}), which "
+            f"method {method!r} does not compose (it reads attention heads, their gradients or value vectors that "
+            f"such a mixer does not have); methods that compose it: {', '.join(COMPOSING_METHODS)}"
+        )
+    left = [m for m in found if m.cls not in COMPOSED]
+    if left and mode == "compose":
+        m = left[0]
+        more = f" (and {len(left) - 1} more mixer layers)" if len(left) > 1 else ""
+        raise _checks.UnsupportedModelError(
+            f"{type(model).__name__} layer {m.layer} mixes tokens with a {m.kind} ({m.cls} at {m.path}){more}, "
+            f"which attnroll does not compose into method {method!r}'s map: the attention layers alone would leave "
+            "out how those layers move information between tokens. Pass mixers='attention_only' to roll out "
+            "through the attention layers alone (recorded in Explanation.extra['mixers'])."
+        )
+    return left
+
+
+# ------------------------------------------------------------------------------- composed mixers
+#: Mixer classes whose forward attnroll reads and composes (their matrix is checked against the layer's own
+#: output on every pass): the Mamba-2 mixers of Mamba2, Bamba, Nemotron-H and GraniteMoeHybrid, and the
+#: Mamba mixers of Mamba, Falcon-Mamba and Jamba, the gated short convolutions of LFM2 / LFM3, Qwen3-Next's gated
+#: DeltaNet. Not read: Falcon-H1 (its Mamba-2 mixer runs in parallel with
+#: attention, with multipliers), Zamba (a mixer with several heads of its own), Zamba2 (attention blocks shared by
+#: several layers, run before the layer's mixer).
+MAMBA2_MIXERS = ("Mamba2Mixer", "BambaMixer", "NemotronHMamba2Mixer", "GraniteMoeHybridMambaLayer")
+#: The gated short convolutions of LFM2 / LFM3.
+CONV_MIXERS = ("Lfm2ShortConv", "Lfm3ShortConv")
+#: The gated DeltaNets read with Qwen3-Next's layout (in_proj_qkvz / in_proj_ba, a convolution over q, k, v).
+DELTA_MIXERS = ("Qwen3NextGatedDeltaNet",)
+COMPOSED = (*MAMBA2_MIXERS, "MambaMixer", "FalconMambaMixer", "JambaMambaMixer", *CONV_MIXERS, *DELTA_MIXERS)
+#: Methods that compose these mixers' fused matrices (the dense record: one row-stochastic layer each).
+COMPOSING_METHODS = ("rollout", "raw", "flow")
+#: Relative tolerance of the check that the matrices reproduce the layer's output.
+_GUARD = 1e-4
+
+
+def composable_mixers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(qualified name, module) of the mixers attnroll composes, in module order."""
+    return [(name, m) for name, m in model.named_modules() if type(m).__name__ in COMPOSED]
+
+
+def _causal_conv(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The mixer's depthwise causal convolution of x (b, ch, n), before its activation."""
+    conv = module.conv1d
+    n = x.shape[-1]
+    return F.conv1d(x, conv.weight, conv.bias, padding=conv.weight.shape[-1] - 1, groups=x.shape[1])[..., :n]
+
+
+def _check_reproduces(module: nn.Module, got: torch.Tensor, output: torch.Tensor) -> None:
+    scale = output.detach().abs().max().clamp_min(1e-30)
+    err = (got - output.detach()).abs().max() / scale
+    if not torch.isfinite(err) or err > _GUARD:
+        import transformers
+
+        raise _checks.CaptureError(
+            f"attnroll's reading of {type(module).__name__} (its in_proj, causal convolution, scan and gate) does not "
+            f"reproduce the layer's output under transformers {transformers.__version__} (relative error "
+            f"{float(err):.2e}); this attnroll knows the transformers 5.x torch path of that mixer"
+        )
+
+
+def _fold_conv(M: torch.Tensor, gate_in: torch.Tensor, weight: torch.Tensor, heads_of: int) -> torch.Tensor:
+    """Σ_c |M_{h(c)} · diag(gate_in_c) · T_c| over channels, (b, n, n): M (b, H, n, n) per head (``heads_of``
+    channels each) or per channel (``heads_of`` = 1), gate_in (b, n, ch), weight (ch, K)."""
+    b, _, n, _ = M.shape
+    total = M.new_zeros(b, n, n)
+    T = ops.conv_matrix(weight.to(M.dtype), n)[0]  # (ch, n, n)
+    for h in range(M.shape[1]):
+        c0, c1 = h * heads_of, (h + 1) * heads_of
+        per = M[:, h, None] * gate_in[:, :, c0:c1].transpose(1, 2)[:, :, None, :]  # (b, P, n, n)
+        total += (per @ T[c0:c1]).abs().sum(1)
+    return total
+
+
+def _normalised(total: torch.Tensor) -> torch.Tensor:
+    s = total.sum(-1, keepdim=True)
+    return (total / torch.where(s > 0, s, torch.ones((), dtype=s.dtype, device=s.device)))[:, None]
+
+
+@dataclass
+class SSDGates:
+    """What a Mamba-2 mixer's scan read on one pass: its value x (b, n, H, P) after the convolution and SiLU, the
+    SSD gates (C, B: (b, n, H, N) repeated to heads; dt: (b, n, H) after softplus and clamping; A, D: (H,)), the
+    output gate z (b, n, I), the convolution's pre-activation u of x's channels (b, n, I) and its weight (I, K)."""
+
+    x: torch.Tensor
+    C: torch.Tensor
+    B: torch.Tensor
+    dt: torch.Tensor
+    A: torch.Tensor
+    D: torch.Tensor
+    z: torch.Tensor
+    u: torch.Tensor
+    weight: torch.Tensor
+
+    def block(self, t0: int, t1: int) -> torch.Tensor:
+        """Rows [t0, t1) of the per-head SSD matrices (core.mixers.ssd_block), for core.mixers.fused_rows."""
+        return ops.ssd_block(self.C, self.B, self.dt, self.A, self.D, t0, t1, causal_cols=True)
+
+
+def mamba2_gates(module: nn.Module, hidden: torch.Tensor, mask: torch.Tensor | None = None) -> SSDGates:
+    """A Mamba-2 mixer's :class:`SSDGates` recomputed from its input ``hidden`` (b, n, d) as its torch path does."""
+    b, n, _ = hidden.shape
+    I, H, P, G, N = (module.intermediate_size, module.num_heads, module.head_dim, module.n_groups,
+                     module.ssm_state_size)
+    keep = _keep(hidden, mask)
+    gate, xbc, dt = module.in_proj(hidden * keep).split([I, module.conv_dim, H], dim=-1)
+    u = _causal_conv(module, xbc.transpose(1, 2)).transpose(1, 2)
+    x, B, C = (F.silu(u) * keep).split([I, G * N, G * N], dim=-1)
+    lo, hi = module.time_step_limit
+    return SSDGates(x=x.reshape(b, n, H, P), C=C.reshape(b, n, G, N).repeat_interleave(H // G, 2),
+                    B=B.reshape(b, n, G, N).repeat_interleave(H // G, 2),
+                    dt=torch.clamp(F.softplus(dt + module.dt_bias), lo, hi),
+                    A=-torch.exp(module.A_log.float()).to(hidden.dtype), D=module.D.to(hidden.dtype), z=gate,
+                    u=u[..., :I] * keep, weight=module.conv1d.weight[:I, 0])
+
+
+def _keep(hidden: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    if mask is None:
+        return torch.ones(*hidden.shape[:2], 1, dtype=hidden.dtype, device=hidden.device)
+    return mask[:, :, None].to(hidden.dtype)
+
+
+def _mamba2(module: nn.Module, hidden: torch.Tensor, mask: torch.Tensor | None, output: torch.Tensor) -> torch.Tensor:
+    """Mamba2Mixer: x = SiLU(conv(x_in)) per channel, y = SSD(x) per head (core.mixers.ssd_matrix), out =
+    out_proj(RMSNorm(y · SiLU(z))). Returns the fused (b, 1, n, n) matrix of x_in → y, the conv and the SiLU
+    (its sigmoid held) folded per channel."""
+    g = mamba2_gates(module, hidden, mask)
+    b, n, H, P = g.x.shape
+    M = ops.ssd_matrix(g.C, g.B, g.dt, g.A, g.D)
+    y = ops.mix(M, g.x).reshape(b, n, H * P)
+    _check_reproduces(module, module.out_proj(module.norm(y, g.z)), output)
+    gate_in = torch.sigmoid(g.u) * _keep(hidden, mask)
+    return _normalised(_fold_conv(M, gate_in, g.weight, P))
+
+
+def _mamba(module: nn.Module, hidden: torch.Tensor, mask: torch.Tensor | None, output: torch.Tensor) -> torch.Tensor:
+    """MambaMixer / FalconMambaMixer: x = SiLU(conv(x_in)), y_d = SiLU(z_d) · selective scan_d(x) per channel
+    (core.mixers.selective_matrix; Falcon-Mamba normalises Δ, B, C first). Returns the fused (b, 1, n, n)
+    matrix of x_in → y, the conv, the SiLU (its sigmoid held) and the output gate folded per channel."""
+    b, n, _ = hidden.shape
+    N, R = module.ssm_state_size, module.time_step_rank
+    keep = _keep(hidden, mask)
+    x_in, z = module.in_proj(hidden * keep).chunk(2, dim=-1)
+    u = _causal_conv(module, x_in.transpose(1, 2)).transpose(1, 2)
+    x = F.silu(u) * keep
+    ts, B, C = module.x_proj(x).split([R, N, N], dim=-1)
+    for name, t in (("dt_layernorm", "ts"), ("b_layernorm", "B"), ("c_layernorm", "C")):
+        norm = getattr(module, name, None)
+        if norm is not None:
+            ts, B, C = (norm(v) if k == t else v for k, v in (("ts", ts), ("B", B), ("C", C)))
+    dt = F.softplus(ts @ module.dt_proj.weight.T + module.dt_proj.bias)
+    A = -torch.exp(module.A_log.float()).to(hidden.dtype)
+    M = ops.selective_matrix(C, B, dt, A, module.D.to(hidden.dtype))  # (b, I, n, n)
+    M = M * F.silu(z).transpose(1, 2)[:, :, :, None]  # the output gate, a diagonal on the rows
+    _check_reproduces(module, module.out_proj(ops.mix(M, x)), output)
+    gate_in = torch.sigmoid(u) * keep
+    return _normalised(_fold_conv(M, gate_in, module.conv1d.weight[:, 0], 1))
+
+
+def _short_conv(module: nn.Module, hidden: torch.Tensor, mask: torch.Tensor | None,
+                output: torch.Tensor) -> torch.Tensor:
+    """LFM2's gated short convolution: B, C, x = in_proj(h); y = out_proj(C · conv(B · x)). Returns the fused
+    (b, 1, n, n) matrix of x → C · conv(B · x) per channel (core.mixers.conv_matrix, B and C as diagonals)."""
+    b, n, _ = hidden.shape
+    keep = _keep(hidden, mask)
+    Bg, Cg, x = module.in_proj(hidden * keep).chunk(3, dim=-1)
+    M = ops.conv_matrix(module.conv.weight[:, 0], n, pre=Bg * keep, post=Cg)  # (b, d, n, n)
+    bias = 0 if module.conv.bias is None else module.conv.bias
+    _check_reproduces(module, module.out_proj(ops.mix(M, x) + Cg * bias), output)
+    return _normalised(M.abs().sum(1))
+
+
+def _l2(x: torch.Tensor) -> torch.Tensor:
+    """The delta rule's L2 normalisation: x / √(Σx² + 1e-6) (not max(‖x‖, eps))."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+
+
+def _gated_delta(module: nn.Module, hidden: torch.Tensor, mask: torch.Tensor | None,
+                 output: torch.Tensor) -> torch.Tensor:
+    """Qwen3-Next's gated DeltaNet: q, k, v = SiLU(conv(·)) of in_proj_qkvz's parts, q and k L2-normalised (q
+    scaled by 1/√d_k), β = σ(b), log α = −exp(A_log)·softplus(a + dt_bias); o = the delta rule
+    (core.mixers.delta_matrix per value head), out = out_proj(RMSNorm(o) · SiLU(z)). Returns the fused (b, 1, n, n)
+    matrix of v_in → o, the convolution and the SiLU (its sigmoid held) folded per value channel."""
+    b, n, _ = hidden.shape
+    keep = _keep(hidden, mask)
+    h = hidden * keep
+    q, k, v, z, bb, a = module.fix_query_key_value_ordering(module.in_proj_qkvz(h), module.in_proj_ba(h))
+    mixed = torch.cat([t.reshape(b, n, -1) for t in (q, k, v)], dim=-1)
+    u = _causal_conv(module, mixed.transpose(1, 2)).transpose(1, 2)
+    q, k, v = F.silu(u).split([module.key_dim, module.key_dim, module.value_dim], dim=-1)
+    Hv, Hk, dk, dv = module.num_v_heads, module.num_k_heads, module.head_k_dim, module.head_v_dim
+    q = _l2(q.reshape(b, n, Hk, dk)).repeat_interleave(Hv // Hk, 2) * dk ** -0.5
+    k = _l2(k.reshape(b, n, Hk, dk)).repeat_interleave(Hv // Hk, 2)
+    g = -module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias)
+    W = ops.delta_matrix(q, k, bb.sigmoid(), g.to(hidden.dtype))  # (b, Hv, n, n)
+    o = ops.mix(W, v.reshape(b, n, Hv, dv))
+    got = module.norm(o.reshape(-1, dv), z.reshape(-1, dv)).reshape(b, n, -1)
+    _check_reproduces(module, module.out_proj(got), output)
+    start = 2 * module.key_dim
+    gate_in = torch.sigmoid(u[..., start:]) * keep
+    return _normalised(_fold_conv(W, gate_in, module.conv1d.weight[start:, 0], dv))
+
+
+def mixer_matrix(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> torch.Tensor:
+    """The fused (b, 1, n, n) token-to-token matrix of a composed mixer's forward (its forward hook's args,
+    kwargs and output), checked to reproduce the layer's output; row-stochastic (the "abs_mean" fusion)."""
+    hidden = args[0] if args else kwargs["hidden_states"]
+    mask = kwargs.get("attention_mask")
+    if mask is not None and mask.ndim != 2:
+        mask = None
+    out = output[0] if isinstance(output, (tuple, list)) else output
+    with torch.no_grad():
+        name = type(module).__name__
+        read = (_mamba2 if name in MAMBA2_MIXERS else _short_conv if name in CONV_MIXERS else
+                _gated_delta if name in DELTA_MIXERS else _mamba)
+        return read(module, hidden.detach(), mask, out)
