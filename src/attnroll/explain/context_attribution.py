@@ -27,6 +27,7 @@ from ..core import operators
 from ..core import segments as seg
 from ..core import sinks as core_sinks
 from ..core.residual import residual_coefficients
+from ..viz.notebook import NotebookView, bars_html
 from . import matrix_free
 from .context import Context
 from .registry import method_info
@@ -36,7 +37,7 @@ METHODS = ("rollout", "gae", "grad_rollout")
 
 
 @dataclass
-class ContextAttribution:
+class ContextAttribution(NotebookView):
     """The prompt's units ranked by their share of the answer's relevance.
 
     Attributes:
@@ -76,6 +77,17 @@ class ContextAttribution:
             text = text if len(text) <= width else text[: width - 1] + "…"
             lines.append(f"{100 * u['share']:6.2f}%  {text}")
         return "\n".join(lines)
+
+    def _notebook_html(self) -> str:
+        top = max((u["share"] for u in self.units), default=0.0) or 1.0
+        rows = [(" ".join(u["text"].split()), u["share"] / top, f"{100 * u['share']:.2f}%") for u in self.ranked()]
+        notes = f"answer: {self.answer!r}; method {self.method}, units: {self.unit}"
+        if self.sinks:
+            notes += f"; attention sinks {self.sinks} ({100 * self.sink_share:.1f}% of the relevance) left out"
+        return bars_html("Which parts of the prompt the answer drew on", rows, notes)
+
+    def _plain_text(self) -> str:
+        return f"answer: {self.answer!r} ({self.method}, by {self.unit})\n{self.table()}"
 
 
 def context_attribution(
