@@ -16,7 +16,7 @@ from typing import Callable
 from torch import nn
 
 from .. import _checks
-from . import hf_anatomy, open_clip, timm, torch_mha
+from . import hf_anatomy, open_clip, timm, torch_mha, transformer_lens
 from .anatomy_parts import BlockKind
 from .cait import CaitAdapter, is_cait
 from .hf import HFAdapter, hf_facts, is_hf_model
@@ -356,6 +356,18 @@ TIMM = Family(
              "timm `global_pool='avgmax'` as a default readout (`readout='mean'` explains its mean half)"),
 )
 
+TRANSFORMER_LENS = Family(
+    name="transformer_lens", detect=transformer_lens.is_transformer_lens,
+    adapter=transformer_lens.TransformerLensAdapter,
+    supported="TransformerLens TransformerBridge (TransformerLens 4) and HookedTransformer models (read at "
+              "blocks.{i}.attn.hook_pattern)",
+    readout="the last real token (causal; hooks.Adapter.readout_spec)",
+    methods=("attention", "gradient"),
+    models=(Models(models="TransformerLens 4 `TransformerBridge`, `HookedTransformer`",
+                   streams="self (`blocks.{i}.attn.hook_pattern`)", prefix="0",
+                   readout="last real token (causal); inputs: token ids, or `{\"input\": ids, \"attention_mask\": m}`"),),
+)
+
 OPEN_CLIP = Family(
     name="open_clip", detect=open_clip.is_open_clip, adapter=open_clip.OpenClipAdapter,
     supported="open_clip CLIP / CustomTextCLIP with transformer towers, and their VisionTransformer / TextTransformer "
@@ -387,7 +399,8 @@ TORCH = Family(
 #: Every family, in the order ``capture`` tries them: sentence-transformers before the transformers model it
 #: wraps, Swin (transformers or timm) before both, CaiT before the other timm models, open_clip before the torch
 #: family (its towers are nn.MultiheadAttention too, but two streams with their own readouts).
-FAMILIES: tuple[Family, ...] = (SENTENCE_TRANSFORMERS, SWIN, TRANSFORMERS, CAIT, TIMM, OPEN_CLIP, TORCH)
+FAMILIES: tuple[Family, ...] = (SENTENCE_TRANSFORMERS, SWIN, TRANSFORMERS, CAIT, TIMM, TRANSFORMER_LENS, OPEN_CLIP,
+                                TORCH)
 
 #: Any other model: the generic path (``capture(model, inputs, modules=..., to_probs=...)``), README's row.
 GENERIC = Models(models="anything else", streams="`capture(model, inputs, modules=..., to_probs=...)`", prefix="0",
