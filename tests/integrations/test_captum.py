@@ -81,3 +81,6 @@ def test_captum_metrics_run_on_it():
     assert inf.shape == (3,) and sens.shape == (3,)
     assert all(math.isfinite(v) for v in [*inf.tolist(), *sens.tolist()])
     assert float(sens.max()) > 0  # the maps really move with the input
+    grad_attr = AttnrollAttribution(model, "gae")  # Captum calls it under torch.no_grad(): gradients still flow
+    sens_gae = sensitivity_max(grad_attr.attribute, x, target=0, n_perturb_samples=2, perturb_radius=0.01)
+    assert torch.isfinite(sens_gae).all()

@@ -68,8 +68,9 @@ class AttnrollAttribution(Attribution):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"inputs must be a tensor (or a tuple of one), got {_checks.describe(x)}")
         kind = _kind(x)
-        e = explain(self.model, self._model_inputs(x, kind, additional_forward_args), self.method,
-                    target=_target(target), **self.options)
+        with torch.enable_grad():  # as Captum's gradient methods: its metrics call them under torch.no_grad()
+            e = explain(self.model, self._model_inputs(x, kind, additional_forward_args), self.method,
+                        target=_target(target), **self.options)
         rel = _shaped(e, x, kind)
         return (rel,) if as_tuple else rel
 
