@@ -365,14 +365,16 @@ TRANSFORMER_LENS = Family(
     methods=("attention", "gradient"),
     models=(Models(models="TransformerLens 4 `TransformerBridge`, `HookedTransformer`",
                    streams="self (`blocks.{i}.attn.hook_pattern`)", prefix="0",
-                   readout="last real token (causal); inputs: token ids, or `{\"input\": ids, \"attention_mask\": m}`"),),
+                   readout="last real token (causal); inputs: token ids, or "
+                           "`{\"input\": ids, \"attention_mask\": m}`"),),
 )
 
 OPEN_CLIP = Family(
     name="open_clip", detect=open_clip.is_open_clip, adapter=open_clip.OpenClipAdapter,
     supported="open_clip CLIP / CustomTextCLIP with transformer towers, and their VisionTransformer / TextTransformer "
               "towers alone",
-    readout="vision: pool_type or the attention pooler; text: the pooled token (open_clip.OpenClipAdapter.readout_spec)",
+    readout="vision: pool_type or the attention pooler; text: the pooled token "
+            "(open_clip.OpenClipAdapter.readout_spec)",
     methods=("attention", "gradient"),
     models=(Models(
         models="open_clip `CLIP`, `CustomTextCLIP` (transformer towers); `VisionTransformer`, `TextTransformer` alone",

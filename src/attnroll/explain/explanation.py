@@ -202,7 +202,8 @@ class Explanation(NotebookView):
         try:
             return view(self).html
         except (ValueError, TypeError):
-            return f"<!DOCTYPE html><html><head><meta charset='utf-8'></head><body>{explanation_html(self)}</body></html>"
+            snippet = explanation_html(self)
+            return f"<!DOCTYPE html><html><head><meta charset='utf-8'></head><body>{snippet}</body></html>"
 
     def _plain_text(self) -> str:
         from ..viz.text import explanation_text

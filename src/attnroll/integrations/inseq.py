@@ -77,8 +77,8 @@ def register(method: str, name: str | None = None, **options: Any) -> str:
         raise ValueError(f"name must be a non-empty string, got {_checks.describe(name)}")
     if name in _REGISTERED or name in InternalsAttributionRegistry.available_classes():
         raise ValueError(f"an inseq attribution method called {name!r} is registered already; pick another name")
-    cls = type(f"Attnroll_{name}", (_AttnrollStep, InternalsAttributionRegistry), {"method_name": name, "attnroll_method": method,
-                                                     "attnroll_options": dict(options), "__module__": __name__})
+    body = {"method_name": name, "attnroll_method": method, "attnroll_options": dict(options), "__module__": __name__}
+    cls = type(f"Attnroll_{name}", (_AttnrollStep, InternalsAttributionRegistry), body)
     _REGISTERED[name] = cls
     return name
 

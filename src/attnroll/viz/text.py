@@ -179,7 +179,7 @@ def print_tokens(expl: Any, index: int | None = None, *, kind: str = "max", cons
         if console.is_terminal:
             console.print(tokens_text(expl, b, kind=kind, skip=skip))
         else:  # piped or written to a file: no colours reach it, so the scores are written out
-            console.print(tokens_plain(expl, b, kind=kind, skip=skip), markup=False, highlight=False)
+            console.print(tokens_plain(expl, b, kind=kind, skip=skip), markup=False, highlight=False, soft_wrap=True)
 
 
 def tokens_plain(expl: Any, index: int = 0, *, kind: str = "max", skip: Any = None) -> str:
