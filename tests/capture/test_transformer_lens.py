@@ -118,3 +118,4 @@ def test_padding_mask_and_the_bridge_left_as_it_was(bridge):
     assert {n: (len(m._forward_hooks), len(m._forward_pre_hooks), len(m._backward_hooks))
             for n, m in bridge.named_modules()} == hooks_before
     assert not any(p.grad is not None for p in bridge.parameters())
+

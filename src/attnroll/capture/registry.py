@@ -359,11 +359,10 @@ TIMM = Family(
 TRANSFORMER_LENS = Family(
     name="transformer_lens", detect=transformer_lens.is_transformer_lens,
     adapter=transformer_lens.TransformerLensAdapter,
-    supported="TransformerLens TransformerBridge (TransformerLens 4) and HookedTransformer models (read at "
-              "blocks.{i}.attn.hook_pattern)",
+    supported="TransformerLens 4 TransformerBridge models (read at blocks.{i}.attn.hook_pattern)",
     readout="the last real token (causal; hooks.Adapter.readout_spec)",
     methods=("attention", "gradient"),
-    models=(Models(models="TransformerLens 4 `TransformerBridge`, `HookedTransformer`",
+    models=(Models(models="TransformerLens 4 `TransformerBridge`",
                    streams="self (`blocks.{i}.attn.hook_pattern`)", prefix="0",
                    readout="last real token (causal); inputs: token ids, or "
                            "`{\"input\": ids, \"attention_mask\": m}`"),),

@@ -1,5 +1,5 @@
-"""TransformerLens adapter: a ``TransformerBridge`` (TransformerLens 4, wrapping a transformers model) and a
-``HookedTransformer`` are read at their own hook points, ``blocks.{i}.attn.hook_pattern`` (the attention
+"""TransformerLens adapter: a ``TransformerBridge`` (TransformerLens 4, wrapping a transformers model; 4.0
+removed ``HookedTransformer``) is read at its own hook points, ``blocks.{i}.attn.hook_pattern`` (the attention
 probabilities (B, H, n, n) every TransformerLens model exposes, the tensor its attention multiplies the values
 with, so gradients reach it too).
 
@@ -27,7 +27,7 @@ _PATTERN = re.compile(r"^blocks\.(\d+)\.attn\.hook_pattern$")
 
 
 def is_transformer_lens(model: nn.Module) -> bool:
-    """A TransformerLens model (``TransformerBridge``, ``HookedTransformer``, ...) with attention hook points."""
+    """A TransformerLens model (``TransformerBridge``) with attention hook points ``blocks.{i}.attn.hook_pattern``."""
     return type(model).__module__.startswith("transformer_lens.") and bool(_pattern_points(model))
 
 

@@ -5,6 +5,6 @@
 - :mod:`attnroll.integrations.inseq` (extra ``inseq``): attnroll methods registered as inseq attribution
   methods (``inseq.load_model(model, "attnroll_rollout", tokenizer=...)``).
 
-TransformerLens ``TransformerBridge`` and open_clip models need no facade: ``attnroll.explain`` reads them
+TransformerLens 4 ``TransformerBridge`` and open_clip models need no facade: ``attnroll.explain`` reads them
 through their capture adapters (``attnroll.capture.transformer_lens``, ``attnroll.capture.open_clip``).
 """
