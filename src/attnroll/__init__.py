@@ -37,6 +37,8 @@ _LAZY: dict[str, str | None] = {
     # long prompts: which parts of a decoder's context an answer relies on
     "context_attribution": ".explain.context_attribution",
     "ContextAttribution": ".explain.context_attribution",
+    "generation_attribution": ".explain.generation_attribution",
+    "GenerationAttribution": ".explain.generation_attribution",
     # scoring explanations: attnroll.evaluate.deletion(...), attnroll.evaluate.audit(...)
     "evaluate": None,
     # whole datasets, read back as a DataFrame
@@ -57,6 +59,7 @@ if _TYPE_CHECKING:  # what type checkers and editors see; at run time __getattr_
     from .core.sparsify import sparsify
     from .explain import Explainer, Explanation
     from .explain.context_attribution import ContextAttribution, context_attribution
+    from .explain.generation_attribution import GenerationAttribution, generation_attribution
 
 
 def __getattr__(name: str) -> object:

@@ -100,15 +100,15 @@ def test_vision_encoder_decoder_encoder_stream_has_its_prefix_and_grid():
 
 
 def test_vision_language_models_not_composed_are_refused_with_the_reason():
-    # LLaVA and PaliGemma are composed (tests/capture/test_vlm.py); VipLLaVA's projector reads features
-    # concatenated from several vision layers, so it is one of the VLMs the generic adapter refuses.
+    # LLaVA, PaliGemma and the families of capture/vlm_maps.py are composed (tests/capture/test_vlm*.py);
+    # LLaVA-NeXT-Video pools its video frames, so it is one of the VLMs refused with the reason.
     torch.manual_seed(0)
-    cfg = T.VipLlavaConfig(
+    cfg = T.LlavaNextVideoConfig(
         vision_config=T.CLIPVisionConfig(**C, **V),
         text_config=T.LlamaConfig(**C, vocab_size=99, max_position_embeddings=64, num_key_value_heads=2),
-        image_token_index=98,
+        image_token_index=98, video_token_index=97,
     )
-    model = T.VipLlavaForConditionalGeneration(cfg).eval()
+    model = T.LlavaNextVideoForConditionalGeneration(cfg).eval()
     before = snapshot(model)
     with pytest.raises(attnroll.UnsupportedModelError, match="vision-language model"):
         attnroll.capture(model, {"input_ids": torch.randint(3, 90, (1, 6))})

@@ -298,9 +298,10 @@ def test_a_batch_with_and_without_an_image_equals_its_single_prompts():
     assert text.grid is None and torch.allclose(both.extra["text_scores"][1], text.scores[0], atol=1e-5)
 
 
-def test_llava_next_is_refused_with_the_reason():
-    cfg = transformers.LlavaNextConfig(vision_config=transformers.CLIPVisionConfig(**VISION).to_dict(),
-                                       text_config=transformers.LlamaConfig(**TEXT).to_dict(), image_token_index=IMG)
-    model = transformers.LlavaNextForConditionalGeneration(cfg).eval()
+def test_llava_next_video_is_refused_with_the_reason():
+    cfg = transformers.LlavaNextVideoConfig(vision_config=transformers.CLIPVisionConfig(**VISION).to_dict(),
+                                            text_config=transformers.LlamaConfig(**TEXT).to_dict(),
+                                            image_token_index=IMG, video_token_index=IMG + 1)
+    model = transformers.LlavaNextVideoForConditionalGeneration(cfg).eval()
     with pytest.raises(UnsupportedModelError, match="any-resolution"):
         attnroll.capture(model)

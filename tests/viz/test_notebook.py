@@ -105,13 +105,29 @@ def test_context_attribution_shows_its_ranking():
     units = [{"text": "Paris is in France.", "span": (0, 19), "score": 3.0, "share": 0.75},
              {"text": "Cats <sleep>.", "span": (20, 33), "score": 1.0, "share": 0.25}]
     ca = ContextAttribution(prompt="Paris is in France. Cats <sleep>.", answer="France", answer_ids=[7],
-                            token_scores=torch.ones(4), units=units, total=4.0, method="rollout", unit="sentence")
+                            token_scores=torch.tensor([2.0, 1.0, 0.5, 0.5]), units=units, total=4.0, method="rollout",
+                            unit="sentence", tokens=["Paris", " is in France.", " Cats", " <sleep>."],
+                            token_units=[0, 0, 1, 1])
     page = page_of(ca._repr_html_())
-    assert offline(page) and "&lt;sleep&gt;" in page and "75.00%" in page and "25.00%" in page
-    assert page.index("Paris") < page.index("Cats")  # ranked, largest share first
+    assert page == ca.to_html(interactive=True) and offline(page)
     buf = io.StringIO()
     ca.show(file=buf)
     assert "75.00%  Paris is in France." in buf.getvalue() and "25.00%  Cats <sleep>." in buf.getvalue()
+
+
+def test_generation_attribution_shows_its_matrix():
+    from attnroll.explain.generation_attribution import GenerationAttribution
+
+    m = torch.tensor([[0.6, 0.4, 0.0], [0.2, 0.3, 0.5]])
+    ga = GenerationAttribution(prompt="a b", answer=" c d", answer_ids=[3, 4], matrix=m,
+                               tokens=["a", " b", " c", " d"], n_input=2, method="rollout")
+    page = page_of(ga._repr_html_())
+    assert page == ga.to_html() and offline(page)
+    buf = io.StringIO()
+    ga.show(file=buf)
+    out = buf.getvalue()
+    assert out.startswith("rollout: 2 generated token(s) over 3 sources") and ga.table() in out
+    assert "60.0%" in out and "50.0%" in out  # each row's largest source share
 
 
 def test_audit_report_shows_its_summary_and_report():

@@ -104,7 +104,8 @@ class HFAdapter(Adapter):
                 f"{type(model).__name__} ({self.model_type}) is a vision-language model: its image patches enter "
                 "the language model as tokens (config." + vlm_token + "), so the vision tower and the language "
                 "model would be merged into one stream and the image tokens could not be mapped back to the patch "
-                "grid. attnroll composes LLaVA and PaliGemma only (capture/vlm.py); explain the vision tower "
+                "grid. attnroll composes the VLM families of capture/vlm.py and capture/vlm_maps.py only; explain the "
+                "vision tower "
                 "(model.vision_tower / model.model.vision_tower) or the language model on its own. "
                 f"Supported: {supported_families()}"
             )

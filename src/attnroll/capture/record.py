@@ -28,8 +28,8 @@ STREAM_NAMES = ("self", "encoder", "decoder", "cross", "vision", "text", "langua
 
 @dataclass
 class StreamLink:
-    """Tokens of one stream that are another stream's output tokens, one to one (a VLM's image tokens: each
-    is one vision token, projected into the language model's embedding space).
+    """Tokens of one stream that are another stream's output tokens (a VLM's image tokens: each is one vision
+    token projected into the language model's embedding space, or a fixed linear mixture of several).
 
     K linked tokens; the k-th sits at (``example[k]``, ``position[k]``) of this stream and is token
     ``token[k]`` of item ``item[k]`` (the batch row of the source stream: an image) of stream ``source``.
@@ -39,6 +39,13 @@ class StreamLink:
         example, position, item, token: (K,) long tensors (see above).
         source_layers: how many layers of the source stream the linked tokens have passed through when they are
             read (LLaVA's ``vision_feature_layer``): a rollout of the source stream stops after that many.
+        weight: (K,) the share of the k-th token's relevance that goes to (item, token), or None (all 1): a
+            language token made of several vision tokens (pixel shuffle, patch merging, average pooling) is
+            listed once per source with weights summing to 1 (``capture.vlm_maps``).
+        layers: (K,) how many source layers the k-th entry has passed through, or None (all
+            ``source_layers``, then the largest): features read from several vision layers (VipLLaVA).
+        placement: where the source items lie on the user's images (:class:`Placement`), or None (each item is
+            one image on the source stream's own grid).
     """
 
     source: str
@@ -47,6 +54,33 @@ class StreamLink:
     item: torch.Tensor
     token: torch.Tensor
     source_layers: int
+    weight: torch.Tensor | None = None
+    layers: torch.Tensor | None = None
+    placement: Placement | None = None
+
+
+@dataclass
+class Placement:
+    """Where the source stream's tokens lie on the images the user gave, when its items are not those images
+    (tiles of one image, a resized copy of it): the k-th entry says that token ``token[k]`` of item ``item[k]``
+    covers a share ``weight[k]`` of cell ``cell[k]`` of image ``image[item[k]]``'s canvas (each placed token's
+    weights sum to 1). A canvas is ``prefix`` slots (tokens with no place on the image: CLS, tile padding)
+    followed by the ``grid`` (rows, cols) cells in raster order.
+
+    ``direct``: linked tokens of the explained stream that come from no source token but belong to a place on
+    the image (LLaVA-NeXT's learned newline token closing a row of tiles): (example, position, image, cell,
+    weight) tensors of one length; the token's share goes to those cells with those weights."""
+
+    image: torch.Tensor
+    item: torch.Tensor
+    token: torch.Tensor
+    cell: torch.Tensor
+    weight: torch.Tensor
+    grid: tuple[int, int]
+    prefix: int = 1
+    n_images: int = 1
+    direct: tuple[torch.Tensor, ...] | None = None
+    note: str = ""
 
 
 @dataclass

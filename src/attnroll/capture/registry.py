@@ -27,6 +27,8 @@ from .sentence_transformers import make_adapter as make_st_adapter
 from .swin import is_swin
 from .swin import make_adapter as make_swin_adapter
 from .vlm import vlm_adapter, vlm_facts
+from .vlm_maps import REFUSED_README as VLM_REFUSED
+from .vlm_maps import mapped_adapter, mapped_facts
 
 __all__ = ["Family", "Models", "Obstacle", "FAMILIES", "GENERIC", "METHOD_GROUPS", "SUPPORTED_FAMILIES", "family_of",
            "adapter_for", "facts_for", "block_kinds", "table_rows", "refusals", "refuse_known"]
@@ -115,11 +117,11 @@ class Family:
 
 # ------------------------------------------------------------------------------- glue for the entries
 def _transformers_adapter(model: nn.Module) -> Adapter:
-    return vlm_adapter(model) or HFAdapter(model)
+    return mapped_adapter(model) or vlm_adapter(model) or HFAdapter(model)
 
 
 def _transformers_facts(model: nn.Module) -> ModelFacts:
-    return vlm_facts(model) or hf_facts(model)
+    return mapped_facts(model) or vlm_facts(model) or hf_facts(model)
 
 
 def _st_adapter(model: nn.Module) -> Adapter:
@@ -262,7 +264,9 @@ TRANSFORMERS = Family(
     blocks=hf_anatomy.BLOCKS,
     supported="Hugging Face transformers: ViT, DeiT (incl. distilled ...WithTeacher), BEiT, DINOv2 (with "
               "registers), YOLOS, ViTMAE, AST, BERT-likes, GPT-2, Llama-family decoders, CLIP (vision and text "
-              "towers), T5, BART, Marian, VisionEncoderDecoder, LLaVA and PaliGemma (vision and language streams) "
+              "towers), T5, BART, Marian, VisionEncoderDecoder, LLaVA, LLaVA-NeXT, LLaVA-OneVision, PaliGemma, "
+              "VipLLaVA, Gemma 3, Idefics3, "
+              "SmolVLM, InternVL, Aya Vision, Mistral 3 (vision and language streams) "
               "(and other transformers models that declare attention outputs), plus families without a declaration "
               "through output_attentions=True (DeBERTa, MPNet, BLOOM, Falcon, GPT-Neo, RoFormer, XLM, ...)",
     readout="per model type and head (hf.HFAdapter.readout_spec; vision-language models: vlm.VLMAdapter)",
@@ -307,6 +311,19 @@ TRANSFORMERS = Family(
                readout="language: last real token; image tokens found from the model's own `image_token_id` and "
                        "linked one to one to the vision tokens the projector reads (LLaVA: `vision_feature_layer`, "
                        "`\"default\"` strategy drops the CLS)"),
+        Models(models="transformers VipLLaVA, Gemma 3, Idefics3, SmolVLM, InternVL, Aya Vision, Mistral 3 "
+                      "(vision-language, one image per prompt)",
+               streams="vision, language; each image token a fixed linear map of vision tokens, read off the "
+                       "model's own projector code (`capture/vlm_maps.py`)",
+               prefix="vision: 1 (CLIP, InternViT), 0 (SigLIP, Pixtral)",
+               readout="language: last real token; pixel shuffle / patch merging: 1/s² per merged vision token "
+                       "(a convention); Gemma 3's average pooling: its own weights; VipLLaVA: 1/J per read layer"),
+        Models(models="transformers LLaVA-NeXT, LLaVA-OneVision (vision-language, any-resolution tiles)",
+               streams="vision (batch = base view + tiles), language; tile tokens read off the model's own "
+                       "`pack_image_features` (`capture/vlm_tiles.py`)",
+               prefix="1 slot on the canvas: CLS and tile padding",
+               readout="language: last real token; map on the original image (the unpadded tile grid): tiles put "
+                       "back, the base view by area, newline tokens spread over the row they close"),
         Models(models="transformers T5, BART, Marian, VisionEncoderDecoder, SeamlessM4T `...ForTextToText`",
                streams="encoder, decoder, cross",
                prefix="encoder from its embeddings (1 for a ViT encoder)", readout="decoder: last real token"),
@@ -314,7 +331,8 @@ TRANSFORMERS = Family(
     refused=(
         "SegFormer / PVT / Hiera / Funnel / Canine (token count changes between layers)",
         "block-sparse BigBird", "Qwen2-VL / Qwen2.5-VL (its vision attention returns no weights)",
-        "LLaVA-NeXT / OneVision (any-resolution tiles with newline tokens: no one grid)",
+        "LLaVA-NeXT-Video (video frames pooled)",
+        *VLM_REFUSED,
         "DiffLlama (differential attention: softmax₁ − λ·softmax₂ is no row-stochastic matrix)",
         "ViLT (text tokens + image CLS + patches sampled in a random order in one sequence)",
     ),

@@ -51,8 +51,6 @@ _ANYRES = (
 REFUSED = {
     "qwen2_vl": _QWEN,
     "qwen2_5_vl": _QWEN + "; Qwen2.5-VL also attends inside windows in most vision layers",
-    "llava_next": _ANYRES,
-    "llava_onevision": _ANYRES,
     "llava_next_video": _ANYRES + " (and its video frames are pooled)",
 }
 
@@ -97,6 +95,11 @@ def vlm_facts(model: nn.Module) -> ModelFacts | None:
     """The transformers facts of a composed VLM, with the reason it needs the dense route; None otherwise."""
     if not is_vlm(model) or getattr(model.config, "model_type", "") not in COMPOSED:
         return None
+    return composed_facts(model)
+
+
+def composed_facts(model: nn.Module) -> ModelFacts:
+    """The transformers facts of a VLM whose streams attnroll composes (here or in ``capture.vlm_maps``)."""
     facts = hf_facts(model)
     facts.stream_inputs = {"vision": first_argument(model.get_image_features) or "pixel_values",
                            "language": getattr(model, "main_input_name", "input_ids")}
@@ -108,8 +111,12 @@ def vlm_facts(model: nn.Module) -> ModelFacts | None:
 def towers(model: nn.Module) -> tuple[str, str]:
     """Qualified module names of the vision tower and the language model."""
     names = {id(m): n for n, m in model.named_modules()}
-    base = model.model if hasattr(getattr(model, "model", None), "vision_tower") else model
-    return names[id(base.vision_tower)], names[id(base.language_model)]
+    for vision, language in (("vision_tower", "language_model"), ("vision_model", "text_model")):  # Idefics3
+        base = model.model if hasattr(getattr(model, "model", None), vision) else model
+        if hasattr(base, vision) and hasattr(base, language):
+            return names[id(getattr(base, vision))], names[id(getattr(base, language))]
+    raise _checks.UnsupportedModelError(f"{type(model).__name__}: no vision tower and language model found "
+                                        "(vision_tower / language_model or vision_model / text_model)")
 
 
 class VLMAdapter(HFAdapter):

@@ -7,7 +7,8 @@ Layout:
 - :mod:`._args`: parsing ``-o KEY=VALUE``, ``--target``, ``--methods`` and per-method options;
 - :mod:`._data`: reading images, text files and the generated datasets; loading ``--model`` (through
   :func:`attnroll.models.load_model`) with one-line errors;
-- one public module per command: ``explain``, ``demo``, ``methods``, ``evaluate``, ``audit``, ``sanity``.
+- one public module per command: ``explain``, ``view``, ``context``, ``demo``, ``methods``, ``evaluate``, ``audit``,
+  ``sanity``, ``batch``.
 
 **Adding a command** is writing one file, ``commands/<name>.py``::
 

@@ -92,6 +92,7 @@ def cli(debug: bool) -> None:
     attnroll explain cat.png --model DIR  explain an image with a local transformers model
     attnroll explain --text "..." --pair "..."   which words make two sentences similar
     attnroll view cat.png --model DIR     one interactive HTML page: layers, methods, heads, values
+    attnroll context --model DIR --prompt q.txt --passages docs.txt --generate 20   which passages an answer used
     attnroll methods                      the registered methods, with references
     attnroll evaluate                     score methods: deletion/insertion, perturbation AUC, localisation
     attnroll audit shapes shapes-marker   how reliance shifts between two checkpoints

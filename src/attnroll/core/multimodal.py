@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["source_weights", "split_mass", "push_through", "item_examples", "per_example", "unlinked"]
+__all__ = ["source_weights", "layer_groups", "place", "place_direct", "split_mass", "push_through", "item_examples",
+           "per_example", "unlinked"]
 
 
 def _check_link(row: torch.Tensor, example: torch.Tensor, position: torch.Tensor, item: torch.Tensor,
@@ -41,16 +42,57 @@ def _check_link(row: torch.Tensor, example: torch.Tensor, position: torch.Tensor
 
 
 def source_weights(row: torch.Tensor, example: torch.Tensor, position: torch.Tensor, item: torch.Tensor,
-                   token: torch.Tensor, n_items: int, n_source: int) -> torch.Tensor:
-    """W (n_items, n_source): the language share of each image token, placed at its (image, vision token)."""
+                   token: torch.Tensor, n_items: int, n_source: int,
+                   weight: torch.Tensor | None = None) -> torch.Tensor:
+    """W (n_items, n_source): the language share of each image token, placed at its (image, vision token);
+    with ``weight`` (K,) the k-th entry carries that fraction of its token's share (a language token made of
+    several vision tokens is listed once per source)."""
     _check_link(row, example, position, item, token)
     if item.numel() and (int(item.max()) >= n_items or int(token.max()) >= n_source or int(item.min()) < 0
                          or int(token.min()) < 0):
         raise ValueError(f"linked (item, token) pairs must lie inside ({n_items}, {n_source})")
     W = torch.zeros(n_items, n_source, dtype=row.dtype, device=row.device)
-    W.index_put_((item.to(row.device), token.to(row.device)), row[example.to(row.device), position.to(row.device)],
-                 accumulate=True)
+    vals = row[example.to(row.device), position.to(row.device)]
+    if weight is not None:
+        if tuple(weight.shape) != tuple(example.shape):
+            raise ValueError(f"weight must be (K,) = {tuple(example.shape)}, got {tuple(weight.shape)}")
+        vals = vals * weight.to(device=row.device, dtype=row.dtype)
+    W.index_put_((item.to(row.device), token.to(row.device)), vals, accumulate=True)
     return W
+
+
+def layer_groups(layers: torch.Tensor | None, default: int, count: int) -> list[tuple[int, torch.Tensor]]:
+    """[(k, indices)]: the link entries grouped by how many source layers they passed through (one group of
+    all ``count`` entries at ``default`` when ``layers`` is None), k ascending."""
+    if layers is None:
+        return [(default, torch.arange(count))]
+    return [(int(k), torch.nonzero(layers == k).reshape(-1)) for k in torch.unique(layers).tolist()]
+
+
+def place(M: torch.Tensor, image: torch.Tensor, item: torch.Tensor, token: torch.Tensor, cell: torch.Tensor,
+          weight: torch.Tensor, n_images: int, n_cells: int) -> torch.Tensor:
+    """(n_images, n_cells): the per-item maps M (N, n_v) put on the images' canvases; entry k sends share
+    ``weight[k]`` of M[item[k], token[k]] to cell ``cell[k]`` of image ``image[item[k]]``. ValueError when an
+    item token that holds relevance has no place (the canvas would lose mass)."""
+    placed = torch.zeros_like(M)
+    placed.index_put_((item, token), weight.to(M.dtype), accumulate=True)
+    lost = (M != 0) & ~torch.isclose(placed, torch.ones_like(placed), atol=1e-5)
+    if bool(lost.any()):
+        i, v = (int(t) for t in torch.nonzero(lost)[0])
+        raise ValueError(f"token {v} of item {i} holds relevance but its placement weights sum to "
+                         f"{float(placed[i, v]):.4g}, not 1")
+    out = torch.zeros(n_images, n_cells, dtype=M.dtype, device=M.device)
+    out.index_put_((image[item], cell), M[item, token] * weight.to(M.dtype), accumulate=True)
+    return out
+
+
+def place_direct(row: torch.Tensor, example: torch.Tensor, position: torch.Tensor, image: torch.Tensor,
+                 cell: torch.Tensor, weight: torch.Tensor, canvas: torch.Tensor) -> torch.Tensor:
+    """The canvas (n_images, n_cells) plus the shares of tokens placed straight on an image (no source token):
+    entry k sends ``weight[k]`` of row[example[k], position[k]] to cell ``cell[k]`` of image ``image[k]``."""
+    out = canvas.clone()
+    out.index_put_((image, cell), row[example, position] * weight.to(row.dtype), accumulate=True)
+    return out
 
 
 def split_mass(W: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

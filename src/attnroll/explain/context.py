@@ -19,8 +19,8 @@ from ..capture.hf import is_hf_model
 from ..capture.outputs import main_logits
 from ..capture.readout import Readout, explained_positions, explained_readout, resolve_readout
 from ..capture.record import AttentionRecord, StreamInfo
-from ..core import multimodal
 from .explanation import Explanation
+from .linked import compose_link
 from .memory import check_dense_memory
 from .registry import Method
 from .sinks import finish as finish_sinks
@@ -314,21 +314,16 @@ class Context:
         row = row.detach().to(torch.float32).cpu()
         if mask is not None:
             row = torch.where(mask.cpu().bool(), row, torch.zeros((), dtype=row.dtype))
-        shape = rec.stream_shape(link.source)
-        W = multimodal.source_weights(row, link.example, link.position, link.item, link.token, shape[0], shape[-1])
-        weights, totals = multimodal.split_mass(W)
-        src = source(link.source, Readout("weights", weights, f"the {stream} stream's shares of the image tokens"),
-                     link.source_layers)
-        M = multimodal.push_through(src.detach().to(torch.float32).cpu(), totals)
-        image = multimodal.per_example(M, multimodal.item_examples(link.example, link.item, shape[0]), row.shape[0])
-        text = multimodal.unlinked(row, link.example, link.position)
-        extra = {
-            "text_scores": text, "language_row": row, "image_share": image.sum(dim=-1), "text_share": text.sum(dim=-1),
-            "image_positions": [link.position[link.example == b].tolist() for b in range(row.shape[0])],
-        }
+        image, text, composed = compose_link(row, link, rec.stream_shape(link.source), source, stream)
+        extra = {"text_scores": text, "language_row": row, "image_share": image.sum(dim=-1),
+                 "text_share": text.sum(dim=-1), **composed}
         if layers is not None:
             extra["language_layers"] = layers
-        e = self.build(rec, image, readout, link.source, extra=extra, options=options)
+        P = link.placement
+        e = self.build(rec, image, readout, link.source, extra=extra, options=options,
+                       prefix=None if P is None else P.prefix)
+        if P is not None:
+            e.grid = P.grid
         e.tokens = self.info(rec, stream).tokens
         return e
 

@@ -20,15 +20,13 @@ from torch import nn
 
 from .. import _checks
 from .._callable import make_callable as _make_callable
-from ..capture import model_facts
-from ..capture.hf import is_hf_model
 from ..capture.recompute import capture_kernels
 from ..core import operators
 from ..core import segments as seg
 from ..core import sinks as core_sinks
 from ..core.residual import residual_coefficients
-from ..viz.notebook import NotebookView, bars_html
-from . import matrix_free
+from ..viz.notebook import NotebookView
+from . import matrix_free, prompts
 from .context import Context
 from .registry import method_info
 from .sinks import detect as detect_sinks
@@ -51,6 +49,11 @@ class ContextAttribution(NotebookView):
         sinks: the prompt positions found to be attention sinks (``attnroll.explain.sinks``); with
             ``sinks="drop"`` (the default) their relevance is left out of ``token_scores`` and the shares.
         sink_share: the sinks' share of the prompt's relevance before they were left out (kept or not).
+        tokens: the readable text of each input token (``token_scores``' positions: ``" Tower"``, not
+            ``"ĠTower"``); ``answer_tokens`` the same for the answer.
+        token_units: each input token's unit (an index into ``units``).
+        chat_template: whether the tokenizer's chat template was put around the prompt (then ``input_text``
+            is the text the model read, the user's prompt inside it; units still refer to ``prompt``).
     """
 
     prompt: str
@@ -64,6 +67,11 @@ class ContextAttribution(NotebookView):
     options: dict = field(default_factory=dict)
     sinks: list[int] = field(default_factory=list)
     sink_share: float = 0.0
+    tokens: list[str] = field(default_factory=list)
+    answer_tokens: list[str] = field(default_factory=list)
+    chat_template: bool = False
+    input_text: str = ""
+    token_units: list[int] = field(default_factory=list)
 
     def ranked(self) -> list[dict]:
         """The units sorted by share, largest first."""
@@ -78,16 +86,51 @@ class ContextAttribution(NotebookView):
             lines.append(f"{100 * u['share']:6.2f}%  {text}")
         return "\n".join(lines)
 
+    def to_dict(self) -> dict:
+        """Everything as JSON-able values (lists, numbers, strings); ``to_json`` writes it."""
+        return {"prompt": self.prompt, "answer": self.answer, "answer_ids": list(self.answer_ids),
+                "answer_tokens": list(self.answer_tokens), "method": self.method, "unit": self.unit,
+                "options": _jsonable(self.options), "chat_template": self.chat_template, "input_text": self.input_text,
+                "total": self.total, "sinks": list(self.sinks), "sink_share": self.sink_share,
+                "tokens": list(self.tokens), "token_units": list(self.token_units),
+                "token_scores": [float(v) for v in self.token_scores.tolist()],
+                "units": [{**u, "span": list(u["span"]) if u["span"] else None} for u in self.units]}
+
+    def to_json(self, path: Any = None, indent: int | None = 1) -> str:
+        """:meth:`to_dict` as JSON text; with ``path`` also written there (atomically)."""
+        import json
+
+        text = json.dumps(self.to_dict(), indent=indent, ensure_ascii=False)
+        if path is not None:
+            from .._io import atomic_write
+
+            atomic_write(path, text.encode("utf-8"))
+        return text
+
+    def to_html(self, path: Any = None, *, interactive: bool = True, title: str | None = None) -> str:
+        """The viewer page (``interactive=True``: the prompt's units ranked, each opening onto its tokens
+        coloured by relevance) or a compact HTML ranking without script; with ``path`` also written there."""
+        from ..viz.viewer.context import context_html
+
+        page = context_html(self.to_dict(), interactive=interactive, title=title)
+        if path is not None:
+            from .._io import atomic_write
+
+            atomic_write(path, page.encode("utf-8"))
+        return page
+
+    # In a notebook: the interactive page, sandboxed (NotebookView); show() prints the ranking elsewhere.
     def _notebook_html(self) -> str:
-        top = max((u["share"] for u in self.units), default=0.0) or 1.0
-        rows = [(" ".join(u["text"].split()), u["share"] / top, f"{100 * u['share']:.2f}%") for u in self.ranked()]
-        notes = f"answer: {self.answer!r}; method {self.method}, units: {self.unit}"
-        if self.sinks:
-            notes += f"; attention sinks {self.sinks} ({100 * self.sink_share:.1f}% of the relevance) left out"
-        return bars_html("Which parts of the prompt the answer drew on", rows, notes)
+        return self.to_html(interactive=True)
 
     def _plain_text(self) -> str:
         return f"answer: {self.answer!r} ({self.method}, by {self.unit})\n{self.table()}"
+
+
+def _jsonable(x: Any) -> Any:
+    from .explanation import jsonable
+
+    return jsonable(x)
 
 
 def context_attribution(
@@ -96,11 +139,12 @@ def context_attribution(
     prompt: str,
     *,
     generate: int | None = None,
-    answer: str | None = None,
+    answer: str | Sequence[int] | None = None,
     unit: str = "sentence",
     segments: Sequence[str] | None = None,
     method: str = "rollout",
     sinks: str = "drop",
+    chat_template: bool | None = None,
     **options: Any,
 ) -> ContextAttribution:
     """Attribute a decoder's answer to the parts of its prompt.
@@ -109,7 +153,8 @@ def context_attribution(
         model: a transformers decoder-only LM (GPT-2, Llama, Mistral, Gemma 2, ...), any attention kernel.
         tokenizer: its tokenizer (a fast one: character offsets place tokens in words and sentences).
         prompt: the prompt text.
-        generate: number of tokens to generate greedily as the answer; or give ``answer`` (text) instead.
+        generate: number of tokens to generate greedily as the answer; or give ``answer`` (text, or token ids
+            such as a :func:`~attnroll.explain.generation_attribution` result's ``answer_ids``) instead.
         unit: "token" | "word" | "sentence" (ignored when ``segments`` is given).
         segments: consecutive pieces of the prompt (e.g. retrieved passages), in order; text outside them
             goes to "(other)".
@@ -117,24 +162,24 @@ def context_attribution(
         sinks: "drop" (default): prompt tokens found to be attention sinks on the captured attention (the
             first token of most decoders; ``attnroll.explain.sinks``) get no share, their share of the
             relevance recorded in ``sink_share``; "keep": they keep it.
+        chat_template: None (default): put the tokenizer's chat template around the prompt (as the user's
+            message, with the assistant's turn opened) when the tokenizer has one and the prompt is not already
+            templated; True / False: always / never. Units and spans still refer to ``prompt``; the template's
+            own tokens (its text and special tokens) form the unit "(chat template)".
         **options: rollout's ``head_fusion``, ``alpha``, ``residual_mode``; ``start_layer``/``end_layer``.
 
     Returns:
         a :class:`ContextAttribution`; its units' shares add up to 1.
     """
-    if not _is_decoder_lm(model):
-        raise TypeError(f"model must be a transformers decoder-only language model, got {_checks.describe(model)}")
+    prompts.check_decoder(model, "context attribution")
     _checks.check_choice("method", method, METHODS)
     _checks.check_choice("sinks", sinks, ("drop", "keep"))
     if segments is None:
         _checks.check_choice("unit", unit, seg.UNITS)
-    if not isinstance(prompt, str) or not prompt.strip():
-        raise ValueError(f"prompt must be a non-empty string, got {prompt!r}")
-    enc = tokenizer(prompt, return_offsets_mapping=True, return_tensors="pt")
-    prompt_ids = enc["input_ids"][:, :]
-    offsets = [tuple(map(int, o)) for o in enc["offset_mapping"][0].tolist()]
-    answer_ids = _answer_ids(model, tokenizer, prompt_ids, generate, answer)
-    ids = torch.cat([prompt_ids, torch.tensor([answer_ids], dtype=prompt_ids.dtype)], dim=1)
+    enc = prompts.encode_prompt(tokenizer, prompt, chat_template)
+    prompt_ids, offsets = prompts.on_model(model, enc.ids), enc.offsets
+    answer_ids = prompts.answer_ids(model, tokenizer, prompt_ids, generate, answer)
+    ids = torch.cat([prompt_ids, torch.tensor([answer_ids], dtype=prompt_ids.dtype, device=prompt_ids.device)], dim=1)
     n_prompt, T = prompt_ids.shape[1], len(answer_ids)
     rows = [n_prompt - 1 + t for t in range(T)]  # the row that predicts answer token t
     R, layers = _relevance(model, tokenizer, ids, rows, answer_ids, method, options)  # (T, n)
@@ -144,10 +189,38 @@ def context_attribution(
     if sinks == "drop":
         scores = torch.where(found, torch.zeros(()), scores)  # not rescaled: the shares are relative anyway
     units = _units(prompt, offsets, scores, unit, segments)
+    owner = token_units(prompt, offsets, unit, segments)
+    template = [enc.templated and o == (0, 0) for o in offsets]  # the chat template's tokens
+    units, owner = _template_unit(units, owner, scores, template)
     text = tokenizer.decode(answer_ids, skip_special_tokens=True)
     return ContextAttribution(prompt, text, answer_ids, scores, units, float(scores.sum()), method,
                               "segments" if segments is not None else unit, {**options, "sinks": sinks},
-                              sinks=torch.nonzero(found).reshape(-1).tolist(), sink_share=float(share))
+                              sinks=torch.nonzero(found).reshape(-1).tolist(), sink_share=float(share),
+                              tokens=enc.pieces, answer_tokens=prompts.answer_pieces(tokenizer, answer_ids),
+                              chat_template=enc.templated, input_text=enc.text,
+                              token_units=owner)
+
+
+#: The unit of the chat template's tokens (its text around the user's prompt and its special tokens).
+TEMPLATE_UNIT = "(chat template)"
+
+
+def _template_unit(units: list[dict], owner: list[int], scores: torch.Tensor,
+                   template: list[bool]) -> tuple[list[dict], list[int]]:
+    """The chat template's tokens taken out of "(other)" into their own unit; every token's unit index."""
+    spans = [u for u in units if u["span"] is not None]
+    rest = [i for i, o in enumerate(owner) if o < 0 and not template[i]]
+    tmpl = [i for i, o in enumerate(owner) if o < 0 and template[i]]
+    if not tmpl:
+        return units, [o if o >= 0 else len(spans) for o in owner]
+    total = float(scores.sum())
+    out = list(spans)
+    for name, idx in (("(other)", rest), (TEMPLATE_UNIT, tmpl)):
+        if idx:
+            v = float(scores[idx].sum())
+            out.append({"text": name, "span": None, "score": v, "share": v / total if total > 0 else 0.0})
+    at = {"(other)": len(spans), TEMPLATE_UNIT: len(out) - 1}
+    return out, [o if o >= 0 else at[TEMPLATE_UNIT if template[i] else "(other)"] for i, o in enumerate(owner)]
 
 
 def sink_positions(layers: list, n: int) -> torch.Tensor:
@@ -155,32 +228,8 @@ def sink_positions(layers: list, n: int) -> torch.Tensor:
     return detect_sinks(layers, None, 1, n)[0][0]
 
 
-def _is_decoder_lm(model: Any) -> bool:
-    """A transformers model that generates text and is not an encoder-decoder."""
-    if not is_hf_model(model) or model_facts(model).encoder_decoder:
-        return False
-    from transformers import GenerationMixin
-
-    return isinstance(model, GenerationMixin)
-
-
-def _answer_ids(model, tokenizer, prompt_ids, generate, answer) -> list[int]:
-    if (generate is None) == (answer is None):
-        raise ValueError("give exactly one of generate=N (tokens to generate) and answer='text'")
-    if answer is not None:
-        ids = tokenizer(answer, add_special_tokens=False)["input_ids"]
-        if not ids:
-            raise ValueError(f"answer {answer!r} has no tokens")
-        return list(ids)
-    n = _checks.check_int("generate", generate)
-    if n < 1:
-        raise ValueError(f"generate must be >= 1 (tokens to generate), got {n}")
-    facts = model_facts(model)
-    pad = facts.pad_token_id if facts.pad_token_id is not None else (facts.eos_token_id or 0)
-    with torch.no_grad():
-        out = model.generate(prompt_ids, attention_mask=torch.ones_like(prompt_ids), max_new_tokens=n,
-                             do_sample=False, pad_token_id=pad)
-    return out[0, prompt_ids.shape[1]:].tolist()
+_is_decoder_lm = prompts.is_decoder_lm  # the shared helpers, under the names this module had
+_answer_ids = prompts.answer_ids
 
 
 def _relevance(model, tokenizer, ids, rows, answer_ids, method, options) -> torch.Tensor:
@@ -221,15 +270,24 @@ def _relevance(model, tokenizer, ids, rows, answer_ids, method, options) -> torc
     return R[0], layers
 
 
-def _units(prompt, offsets, scores, unit, given) -> list[dict]:
+def _spans(prompt, offsets, unit, given) -> list[tuple[int, int]]:
+    """The units' character spans in the prompt."""
     if given is not None:
-        spans = seg.segment_spans(prompt, given)
-    elif unit == "token":
-        spans = [o for o in offsets if o[1] > o[0]]
-    elif unit == "word":
-        spans = seg.word_spans(prompt)
-    else:
-        spans = seg.sentence_spans(prompt)
+        return seg.segment_spans(prompt, given)
+    if unit == "token":
+        return [o for o in offsets if o[1] > o[0]]
+    if unit == "word":
+        return seg.word_spans(prompt)
+    return seg.sentence_spans(prompt)
+
+
+def token_units(prompt: str, offsets, unit: str, given) -> list[int]:
+    """Each input token's unit (an index into the units, −1 for "(other)")."""
+    return seg.assign(offsets, prompt, _spans(prompt, offsets, unit, given))
+
+
+def _units(prompt, offsets, scores, unit, given) -> list[dict]:
+    spans = _spans(prompt, offsets, unit, given)
     owner = seg.assign(offsets, prompt, spans)
     sums, other = seg.aggregate(scores, owner, len(spans))
     total = float(scores.sum())

@@ -31,10 +31,12 @@ from ..explain import (
     take_rows,
 )
 from ..explain.context_attribution import ContextAttribution, context_attribution
+from ..explain.generation_attribution import GenerationAttribution, generation_attribution
 
 __all__ = ["explain", "Explainer", "Explanation", "methods", "method_info", "check_options", "register", "Method",
            "Context", "explain_batches", "iter_explanations", "BatchScores", "explain_targets", "batch_size_of",
-           "take_rows", "context_attribution", "ContextAttribution"]
+           "take_rows", "context_attribution", "ContextAttribution", "generation_attribution",
+           "GenerationAttribution"]
 
 #: The built-in method files, in the order of ``methods()``.
 _BUILT_IN = ("raw", "rollout", "per_head_rollout", "flow", "grad_rollout", "gae", "attn_gradcam", "encdec", "clip",

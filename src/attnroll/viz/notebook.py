@@ -20,7 +20,7 @@ import html
 import sys
 from typing import Any
 
-__all__ = ["NotebookView", "sandboxed_frame", "in_notebook", "bars_html"]
+__all__ = ["NotebookView", "sandboxed_frame", "in_notebook"]
 
 
 def sandboxed_frame(page: str, height: int = 420) -> str:
@@ -68,18 +68,3 @@ class NotebookView:
             return
         print(self._plain_text(), file=file or sys.stdout)
 
-
-def bars_html(title: str, rows: list[tuple[str, float, str]], notes: str = "") -> str:
-    """A small self-contained page: a heading and one row per item, ``(label, share in [0, 1], value text)``,
-    with a bar as long as the share. Used for rankings (context attribution units)."""
-    e = html.escape
-    body = "".join(
-        f"<tr><td class='v'>{e(value)}</td><td class='b'><div style='width:{max(0.0, min(1.0, share)) * 100:.1f}%'>"
-        f"</div></td><td>{e(label)}</td></tr>" for label, share, value in rows)
-    return ("<!DOCTYPE html><html><head><meta charset='utf-8'><style>body{font-family:sans-serif;margin:0.8em}"
-            "table{border-collapse:collapse}td{padding:2px 6px;vertical-align:top}td.v{text-align:right;"
-            "font-variant-numeric:tabular-nums;white-space:nowrap}td.b{width:160px}td.b div{background:#d7301f;"
-            "height:0.9em;margin-top:0.2em}</style></head><body>"
-            f"<h3 style='margin:0.2em 0'>{e(title)}</h3>"
-            + (f"<p style='color:#555;margin:0.2em 0'>{e(notes)}</p>" if notes else "")
-            + f"<table>{body}</table></body></html>")

@@ -290,9 +290,14 @@
 
   // ------------------------------------------------------------------ encoder-decoder matrix
   function matrixPanel(ex, host, say) {
+    // A decoder's generation attribution names its rows "generated token" and its sources run on into the
+    // generated tokens (from index first_generated on); an encoder-decoder's rows are target positions.
+    var gen = ex.row_label === "generated token", what = gen ? "generated token" : "target";
     var box = el("div", "panel matrix"), cap = el("div", "cap"), cv = el("canvas", "mat"),
-        tl = el("div", "cap", "target tokens (click one to see its map over the source):"), tgt = el("div", "toks tgt"),
-        sl = el("div", "cap", "source tokens:"), src = el("div", "toks"), scale = el("div", "scale");
+        tl = el("div", "cap", gen ? "generated tokens (click one to see its map over the prompt and the tokens generated before it):"
+                                  : "target tokens (click one to see its map over the source):"), tgt = el("div", "toks tgt"),
+        sl = el("div", "cap", gen ? "source tokens (the prompt, then the generated ones):" : "source tokens:"),
+        src = el("div", "toks"), scale = el("div", "scale");
     [cap, cv, tl, tgt, sl, src, scale].forEach(function (x) { box.appendChild(x); });
     host.appendChild(box);
     var P = ex.positions, nS = ex.tokens.length, sel = P.length - 1, skip = skipSet(ex);
@@ -302,12 +307,17 @@
     var tIdx = ex.target_tokens.map(function (_, i) { return i; });
     var srcStrip = tokenStrip(ex, ex.tokens, src, ex.tokens.map(function (_, i) { return i; }));
     var tgtStrip = tokenStrip(ex, ex.target_tokens, tgt, tIdx);
-    srcStrip.onChunk(function () { update(); }); tgtStrip.onChunk(function () { update(); });
+    srcStrip.onChunk(function (a, b) {
+      if (gen) for (var k = a; k < b; k++) if (+srcStrip.spans[k].dataset.i >= ex.first_generated) srcStrip.spans[k].classList.add("gen");
+      update();
+    });
+    tgtStrip.onChunk(function () { update(); });
     srcStrip.start(); tgtStrip.start();
     function m() { return ex.maps[M()] || null; }
     function update() {
       var e = m();
-      cap.textContent = M() + " · source × target (row = explained target position)";
+      cap.textContent = M() + (gen ? " · generated × source (row t = the prediction of generated token t)"
+                                   : " · source × target (row = explained target position)");
       if (!e) { scale.textContent = "not computed for this method"; return; }
       var R = rows(e.rows), all = [];
       for (var r = 0; r < R.count; r++) all.push(R.row(r));
@@ -321,7 +331,7 @@
         s.classList.toggle("sel", pos === sel); s.classList.toggle("click", pos >= 0);
         s.style.background = trow ? tokenBg(scaleOf(trow, false, null), tOf(scaleOf(trow, false, null), trow[k])) : "";
       });
-      scale.textContent = "matrix colour: " + fmt(sc.lo) + " → " + fmt(sc.hi) + " · selected target: " +
+      scale.textContent = "matrix colour: " + fmt(sc.lo) + " → " + fmt(sc.hi) + " · selected " + what + ": " +
         JSON.stringify(ex.target_tokens[P[sel]]) + " (position " + P[sel] + ")";
     }
     tgt.addEventListener("click", function (e) {
@@ -335,10 +345,11 @@
       var q = m(); if (!q) return;
       var r = cv.getBoundingClientRect(), c = Math.min(nS - 1, Math.floor((e.clientX - r.left) / r.width * nS)),
           t = Math.min(P.length - 1, Math.floor((e.clientY - r.top) / r.height * P.length));
-      say(M() + " · target " + JSON.stringify(ex.target_tokens[P[t]]) + " × source " + JSON.stringify(ex.tokens[c]) + ":", rows(q.rows).row(t)[c]);
+      say(M() + " · " + what + " " + JSON.stringify(ex.target_tokens[P[t]]) + " (#" + P[t] + ") × source " +
+          JSON.stringify(ex.tokens[c]) + " (#" + c + "):", rows(q.rows).row(t)[c]);
     });
     hoverTokens(src, ex, function () { var q = m(); return q ? { v: rows(q.rows).row(sel) } : null; },
-                function () { return M() + " · source of target #" + P[sel]; }, say);
+                function () { return M() + " · source of " + what + " #" + P[sel]; }, say);
     return { update: update };
   }
 
