@@ -62,7 +62,8 @@ def test_view_text_pair_with_options_and_name(bert_dir, tmp_path):
     (["--text", "a", "--pair", ""], "--pair is empty"),
     (["--pair", "b"], "--pair needs --text"),
     (["--text", "a", "-m", "rollout,nope"], "unknown ['nope']"),
-    (["--text", "a", "-o", "nope=1"], "none of the methods"),
+    (["--text", "a", "-m", "rollout,gae", "-o", "nope=1"], "none of the methods"),
+    (["--text", "a", "-o", "nope=1"], "no method takes nope="),
     (["--text", "a", "--name", "sub/page"], "--name must be a file name"),
 ])
 def test_view_usage_errors_are_one_line_and_write_nothing(args, words, tmp_path):

@@ -23,7 +23,9 @@ __all__ = ["COMMON_OPTIONS", "check_options", "check_values", "RULES"]
 #: position of a token-level target), and the readout (which rows, with what weights; overrides the model's).
 #: ``sinks``: "drop" (default) takes a decoder's measured attention sinks out of the map, their share recorded in
 #: ``Explanation.extra``; "keep" leaves them in (:mod:`attnroll.explain.sinks`).
-COMMON_OPTIONS = {"position": None, "readout": None, "sinks": "drop"}
+#: ``specials``: "drop" (default) leaves a text encoder's special tokens ([CLS], [SEP], <s>, ...) out of
+#: ``Explanation.scores``, their share recorded; "keep" leaves them in (:mod:`attnroll.explain.specials`).
+COMMON_OPTIONS = {"position": None, "readout": None, "sinks": "drop", "specials": "drop"}
 
 
 def _optional(rule: Callable[[str, Any], Any]) -> Callable[[str, Any], Any]:
@@ -84,6 +86,7 @@ RULES: dict[str, Callable[[str, Any], Any]] = {
     "stream": _optional(_stream),
     "position": _optional(_position),
     "sinks": lambda n, v: _checks.check_choice(n, v, ("drop", "keep")),
+    "specials": lambda n, v: _checks.check_choice(n, v, ("drop", "keep")),
 }
 
 
