@@ -3,6 +3,8 @@ against a naive recomputation from ``specials="keep"``, on the zoo's tiny BERT; 
 
 from __future__ import annotations
 
+from collections import UserDict
+
 import pytest
 import torch
 
@@ -34,9 +36,9 @@ def _bert_inputs():
     return {"input_ids": ids, "attention_mask": x["attention_mask"]}
 
 
-@pytest.mark.parametrize("method", ["rollout", "raw", "gae"])
-def test_drop_equals_keep_with_special_tokens_zeroed(method):
-    model, x = plain.model("bert"), _bert_inputs()
+@pytest.mark.parametrize("method, mapping", [("rollout", dict), ("raw", dict), ("gae", UserDict)])
+def test_drop_equals_keep_with_special_tokens_zeroed(method, mapping):
+    model, x = plain.model("bert"), mapping(_bert_inputs())  # UserDict: what a tokenizer's BatchEncoding is
     kept = attnroll.explain(model, x, method=method, tokenizer=Tok(), specials="keep")
     got = attnroll.explain(model, x, method=method, tokenizer=Tok())
     assert got.options["specials"] == "drop"

@@ -19,6 +19,7 @@ words and stay. Decoders (causal streams) are left as they are: their first toke
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -63,7 +64,7 @@ def apply(ctx: Any, info: Any, full_row: torch.Tensor, scores: torch.Tensor, sta
     (scores, extra). Other streams come back unchanged."""
     if info.kind != "text" or info.causal or "sinks" in extra or info.link is not None:
         return scores, extra
-    ids = ctx.inputs.get(info.input_key or "input_ids") if isinstance(ctx.inputs, dict) else None
+    ids = ctx.inputs.get(info.input_key or "input_ids") if isinstance(ctx.inputs, Mapping) else None
     special = special_mask(ids, ctx.tokenizer, ctx.model, full_row.shape[-1])
     if special is None:
         return scores, extra
