@@ -53,7 +53,7 @@ def test_view_text_pair_with_options_and_name(bert_dir, tmp_path):
     ex = data["examples"][0]
     assert ex["tokens"] == tok.convert_ids_to_tokens(enc["input_ids"][0])
     assert [ex["tokens"][i] for i in ex["skip"]] == ["[CLS]", "[SEP]", "[SEP]"]
-    raw = attnroll.explain(model, enc, "raw", layer=0)
+    raw = attnroll.explain(model, enc, "raw", layer=0, tokenizer=tok)  # the command's: [CLS] / [SEP] left out
     _close(ex["maps"]["raw"]["final"], raw.scores[0].double())
 
 
