@@ -26,7 +26,7 @@ comprehensiveness − sufficiency on validation (both are probability drops; lar
 
 Usage: python benchmarks/bench_text_defaults.py --snippets movieReviewSnippets_GroundTruth.txt [--val 100]
        [--held 200] [--enc 32] [--methods rollout,decompx] [--out benchmarks/text_defaults.json]
-(the figures in EVALUATION.md: --methods every method but integrated_gradients; 42 min at load 9-16)
+(the figures in EVALUATION.md: --methods every method but integrated_gradients; about an hour at load 9-16)
 """
 
 from __future__ import annotations
