@@ -229,9 +229,6 @@ class Worker:
 
         B, p = len(items), int(e.prefix)
         full = e.full_row.detach().to("cpu", torch.float32).numpy()
-        if "specials" in (e.extra or {}):  # a text encoder's special tokens left out of scores (explain.specials)
-            full = full.copy()
-            full[:, p:p + e.scores.shape[1]] = e.scores.detach().to("cpu", torch.float32).numpy()
         lengths = [full.shape[1]] * B if lengths is None else [int(v) for v in lengths]
         targets = e.target if isinstance(e.target, list) else [e.target] * B
         labels = getattr(self.lm, "labels", {}) or {}
