@@ -187,7 +187,7 @@ def test_a_damaged_shard_is_named_with_what_to_do(lm, tmp_path):
             call()
     from ..commands.test_cli import one_line_error, run
 
-    msg = one_line_error(run("batch", src, "--out", out), 1)
+    msg = one_line_error(run("batch", src, "--out", out, "-m", "rollout"), 1)  # run_batch's default method
     assert str(bad) in msg and "delete it" in msg
 
 

@@ -179,7 +179,7 @@ def test_text_classifier_reads_a_pair_as_one_input_from_a_csv_column(bert_dir, t
     tok = AutoTokenizer.from_pretrained(bert_dir)
     model = AutoModelForSequenceClassification.from_pretrained(bert_dir).eval()
     for (_, row), (q, a) in zip(df.iterrows(), [("the cat sat", "on the mat"), ("a dog ran", "the cat")]):
-        e = attnroll.explain(model, tok([q], [a], return_tensors="pt"), "gae", tokenizer=tok)
+        e = attnroll.explain(model, tok([q], [a], return_tensors="pt"), "gae", tokenizer=tok, specials="keep")
         np.testing.assert_allclose(np.asarray(row["scores"]), e.scores[0].numpy(), atol=1e-5)
         assert row["target"] == e.target[0] and list(row["tokens"]) == e.tokens[0]
     assert list(df["id"]) == ["row:0", "row:1"]

@@ -82,7 +82,7 @@ def test_a_jsonl_target_field_on_a_text_classifier(bert_dir, tmp_path):
     tok = AutoTokenizer.from_pretrained(bert_dir)
     model = AutoModelForSequenceClassification.from_pretrained(bert_dir).eval()
     for (_, row), (s, y) in zip(df.iterrows(), texts):
-        e = attnroll.explain(model, tok([s], return_tensors="pt"), "gae", target=y, tokenizer=tok)
+        e = attnroll.explain(model, tok([s], return_tensors="pt"), "gae", target=y, tokenizer=tok, specials="keep")
         assert row["target"] == e.target[0]
         np.testing.assert_allclose(np.asarray(row["scores"]), e.scores[0].numpy(), atol=1e-5)
 

@@ -94,7 +94,7 @@ def test_a_warning_before_a_failure_is_folded_into_the_one_error_line(monkeypatc
 
 def test_decompression_bomb_warning_is_one_line_on_success(monkeypatch, picture, tmp_path):
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 3000)  # 64x64 = 4096 pixels: above it, below twice it
-    res = run("explain", picture, "--model", "shapes", "--out", tmp_path / "out")
+    res = run("explain", picture, "--model", "shapes", "-m", "rollout", "--out", tmp_path / "out")
     assert res.exit_code == 0, res.output
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert lines and all(ln.startswith("warning: Image size (4096 pixels) exceeds limit") for ln in lines), lines
@@ -113,7 +113,7 @@ def test_decompression_bomb_warning_joins_a_later_error(monkeypatch, picture, tm
 def test_degenerate_images_keep_at_least_one_pixel(tmp_path, shape, size, expect):
     p = tmp_path / "strip.png"
     Image.fromarray(np.random.default_rng(1).integers(0, 256, shape + (3,), dtype=np.uint8)).save(p)
-    res = run("explain", p, "--model", "shapes", "--size", size, "--out", tmp_path / "out")
+    res = run("explain", p, "--model", "shapes", "-m", "rollout", "--size", size, "--out", tmp_path / "out")
     assert res.exit_code == 0, res.output
     with Image.open(tmp_path / "out" / "strip.rollout.png") as im:
         assert im.size == expect  # (W, H): the long side is --size, the short one its share, at least 1

@@ -42,10 +42,10 @@ def test_summary_failures_exit_code_and_resume(folder, tmp_path):
 
 def test_a_different_run_is_refused_then_overwritten(folder, tmp_path):
     out = tmp_path / "o"
-    assert run("batch", folder, "--out", out).exit_code == 3
-    msg = one_line_error(run("batch", folder, "--out", out, "-o", "alpha=0.8"), 2)
+    assert run("batch", folder, "--out", out, "-m", "rollout").exit_code == 3
+    msg = one_line_error(run("batch", folder, "--out", out, "-m", "rollout", "-o", "alpha=0.8"), 2)
     assert "different run (options:" in msg and "--overwrite" in msg
-    res = run("batch", folder, "--out", out, "-o", "alpha=0.8", "--overwrite")
+    res = run("batch", folder, "--out", out, "-m", "rollout", "-o", "alpha=0.8", "--overwrite")
     assert res.exit_code == 3 and '"alpha": 0.8' in read_batch(out)["options"][0]
 
 
@@ -68,8 +68,10 @@ def test_usage_errors_are_one_line(folder, tmp_path):
     assert "for --engine ray" in msg
     (tmp_path / "notes.docx").write_text("x")
     assert "unsupported file type '.docx'" in one_line_error(run("batch", tmp_path / "notes.docx", "--out", tmp_path / "o"), 2)
-    msg = one_line_error(run("batch", folder, "--out", tmp_path / "o", "-o", "alpah=1"), 2)
+    msg = one_line_error(run("batch", folder, "--out", tmp_path / "o", "-m", "rollout", "-o", "alpah=1"), 2)
     assert "none of the methods ['rollout'] takes alpah" in msg
+    msg = one_line_error(run("batch", folder, "--out", tmp_path / "o", "-o", "alpah=1"), 2)  # no -m
+    assert "no method takes alpah=" in msg
     assert not (tmp_path / "o").exists()
 
 

@@ -95,7 +95,7 @@ def test_explain_image_outputs_match_the_api(vit_dir, pictures, tmp_path):
 
 def test_explain_options_target_and_size(vit_dir, pictures, tmp_path):
     img = pictures / "im1.png"
-    res = run("explain", img, "--model", vit_dir, "-o", "alpha=0.9", "-o", "head_fusion=max", "--target", "fish",
+    res = run("explain", img, "--model", vit_dir, "-m", "rollout", "-o", "alpha=0.9", "-o", "head_fusion=max", "--target", "fish",
               "--format", "npz,png", "--size", "96", "--out", tmp_path)
     assert res.exit_code == 0, res.output
     model = T.ViTForImageClassification.from_pretrained(vit_dir).eval()
@@ -107,7 +107,7 @@ def test_explain_options_target_and_size(vit_dir, pictures, tmp_path):
 
 
 def test_explain_folder(vit_dir, pictures, tmp_path):
-    res = run("explain", pictures, "--model", vit_dir, "--out", tmp_path)
+    res = run("explain", pictures, "--model", vit_dir, "-m", "rollout", "--out", tmp_path)
     assert res.exit_code == 0, res.output
     assert sorted(os.listdir(tmp_path)) == [f"im{i}.rollout.png" for i in range(3)]
     assert "wrote 3 files" in res.output
@@ -115,7 +115,7 @@ def test_explain_folder(vit_dir, pictures, tmp_path):
 
 def test_explain_text_classifier(bert_dir, tmp_path):
     res = run("explain", "--text", "the cat sat on the mat", "--pair", "a dog ran", "--model", bert_dir,
-              "--format", "html,npz,json", "--out", tmp_path)
+              "-m", "rollout", "--format", "html,npz,json", "--out", tmp_path)
     assert res.exit_code == 0, res.output
     tok = T.AutoTokenizer.from_pretrained(bert_dir)
     model = T.BertForSequenceClassification.from_pretrained(bert_dir).eval()

@@ -35,7 +35,7 @@ def test_the_limit_is_the_tokenizer_s_else_the_config_s(bert_dir):
 
 @pytest.mark.parametrize("pair", [None, "a dog ran"])
 def test_explain_cuts_a_long_text_to_the_model_s_length_with_a_note(bert_dir, tmp_path, pair):
-    args = ["explain", "--text", LONG, "--model", bert_dir, "--format", "json", "--out", tmp_path]
+    args = ["explain", "--text", LONG, "--model", bert_dir, "-m", "rollout", "--format", "json", "--out", tmp_path]
     res = run(*args, *(["--pair", pair] if pair else []))
     assert res.exit_code == 0, res.output
     assert len(LONG) > 100_000
@@ -64,6 +64,6 @@ def test_view_cuts_a_long_text_too(bert_dir, tmp_path):
 
 
 def test_a_short_text_gets_no_note(bert_dir, tmp_path):
-    res = run("explain", "--text", "the cat sat on the mat", "--model", bert_dir, "--out", tmp_path)
+    res = run("explain", "--text", "the cat sat on the mat", "--model", bert_dir, "-m", "rollout", "--out", tmp_path)
     assert res.exit_code == 0, res.output
     assert "note:" not in res.stderr

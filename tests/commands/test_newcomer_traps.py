@@ -15,6 +15,7 @@ T = pytest.importorskip("transformers")
 
 import attnroll  # noqa: E402
 from attnroll.explain.explanation import Explanation  # noqa: E402
+from attnroll.explain import defaults  # noqa: E402
 
 from .test_cli import one_line_error, pictures, pixels, run, vit_dir  # noqa: E402,F401
 
@@ -28,12 +29,17 @@ def test_view_defaults_work_on_the_embedded_sentence_encoder(tmp_path):
     assert res.exit_code == 0, res.output
     assert "gae left out of the default methods" in res.stderr and "--pair" in res.stderr
     page = next(tmp_path.glob("*.view.html"))
-    assert read_payload(page.read_text(encoding="utf-8"))["methods"] == ["rollout"]
+    from attnroll.methods import method_info
+
+    alone = next(m for m in defaults.DEFAULTS["sentence encoder"].methods if not method_info(m).needs_grad)
+    assert read_payload(page.read_text(encoding="utf-8"))["methods"] == list(dict.fromkeys([alone, "rollout"]))
     # with a pair there is a scalar: the default list is whole
     res = run("view", "--text", "A man plays the guitar.", "--pair", "Someone makes music.", "--out", tmp_path,
               "--name", "pair")
     assert res.exit_code == 0, res.output
-    assert read_payload((tmp_path / "pair.html").read_text(encoding="utf-8"))["methods"] == ["rollout", "gae"]
+    first = defaults.DEFAULTS["sentence encoder"].methods[0]  # with a pair, the table's first applies
+    want = [first] + [m for m in ("rollout", "gae") if m != first]
+    assert read_payload((tmp_path / "pair.html").read_text(encoding="utf-8"))["methods"] == want
     assert "left out" not in res.stderr
 
 
@@ -43,7 +49,9 @@ def test_view_defaults_are_whole_for_a_classifier(bert_dir, tmp_path):
     res = run("view", "--text", "the cat sat", "--model", bert_dir, "--out", tmp_path)
     assert res.exit_code == 0, res.output
     page = next(tmp_path.glob("*.view.html"))
-    assert read_payload(page.read_text(encoding="utf-8"))["methods"] == ["rollout", "gae"]
+    first = defaults.DEFAULTS["text classifier"].methods[0]  # the measured default first, then the others
+    want = [first] + [m for m in ("rollout", "gae") if m != first]
+    assert read_payload(page.read_text(encoding="utf-8"))["methods"] == want
     assert "left out" not in res.stderr
 
 
@@ -112,10 +120,11 @@ def test_a_photo_without_model_says_it_is_the_toy_model(pictures, tmp_path):
     assert len(notes) == 1 and "shapes ViT" in notes[0] and "synthetic shapes" in notes[0] and "--model" in notes[0]
     from PIL import Image
 
-    name = json.loads((tmp_path / "im0.rollout.json").read_text())["model"]
+    m = defaults.DEFAULTS["image classifier"].methods[0]  # the default method, read from the one table
+    name = json.loads((tmp_path / f"im0.{m}.json").read_text())["model"]
     assert "shapes" in name
-    assert Image.open(tmp_path / "im0.rollout.png").text["attnroll:model"] == name
-    assert Explanation.load(tmp_path / "im0.rollout.npz").extra["model"] == name
+    assert Image.open(tmp_path / f"im0.{m}.png").text["attnroll:model"] == name
+    assert Explanation.load(tmp_path / f"im0.{m}.npz").extra["model"] == name
     res = run("explain", pictures / "im0.png", "--model", "shapes", "--format", "json", "--out", tmp_path / "s")
     assert res.exit_code == 0 and "note: no --model" not in res.stderr  # asked for by name: no note
     res = run("view", pictures / "im0.png", "--out", tmp_path / "v")

@@ -106,7 +106,7 @@ def test_explain_names_files_from_hostile_file_names_inside_out(tmp_path):
         files.append(p.rename(p.parent / n))
     out = tmp_path / "o"
     before = tree(tmp_path)
-    res = run("explain", *files, "--out", out, "--format", "png,json", "--top", "0")
+    res = run("explain", *files, "-m", "rollout", "--out", out, "--format", "png,json", "--top", "0")
     assert res.exit_code == 0, res.output
     assert only_under_out(tmp_path, before, out) == []
     want = sorted(f"{safe_name(Path(n).stem)}.rollout.{ext}" for n in names for ext in ("png", "json"))
@@ -138,7 +138,7 @@ def test_a_failure_row_keeps_the_hostile_id_as_it_was(tmp_path):
     write_shapes(tmp_path, 1)
     table = tmp_path / "t.csv"
     table.write_text("id,path\n../../../x,bad.png\n/abs,img000.png\n")
-    res = run("batch", table, "--column", "path", "--out", tmp_path / "o", "--png")
+    res = run("batch", table, "--column", "path", "--out", tmp_path / "o", "-m", "rollout", "--png")
     assert res.exit_code == 3, res.output
     assert list(read_failures(tmp_path / "o")["id"]) == ["../../../x"]
     assert os.listdir(tmp_path / "o" / "png") == [overlay_name("/abs", "rollout")]

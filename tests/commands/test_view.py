@@ -53,7 +53,7 @@ def test_view_text_pair_with_options_and_name(bert_dir, tmp_path):
     ex = data["examples"][0]
     assert ex["tokens"] == tok.convert_ids_to_tokens(enc["input_ids"][0])
     assert [ex["tokens"][i] for i in ex["skip"]] == ["[CLS]", "[SEP]", "[SEP]"]
-    raw = attnroll.explain(model, enc, "raw", layer=0)
+    raw = attnroll.explain(model, enc, "raw", layer=0, tokenizer=tok)  # the command's: [CLS] / [SEP] left out
     _close(ex["maps"]["raw"]["final"], raw.scores[0].double())
 
 
@@ -62,7 +62,8 @@ def test_view_text_pair_with_options_and_name(bert_dir, tmp_path):
     (["--text", "a", "--pair", ""], "--pair is empty"),
     (["--pair", "b"], "--pair needs --text"),
     (["--text", "a", "-m", "rollout,nope"], "unknown ['nope']"),
-    (["--text", "a", "-o", "nope=1"], "none of the methods"),
+    (["--text", "a", "-m", "rollout,gae", "-o", "nope=1"], "none of the methods"),
+    (["--text", "a", "-o", "nope=1"], "no method takes nope="),
     (["--text", "a", "--name", "sub/page"], "--name must be a file name"),
 ])
 def test_view_usage_errors_are_one_line_and_write_nothing(args, words, tmp_path):

@@ -34,7 +34,7 @@ def test_minilm_rollout_and_gae(minilm):
     tok, model = minilm
     enc = tok(["A man is playing a guitar.", "Stocks fell sharply on Monday after the report."],
               padding=True, return_tensors="pt")
-    e = attnroll.explain(model, enc, "rollout", tokenizer=tok, readout="cls")
+    e = attnroll.explain(model, enc, "rollout", tokenizer=tok, readout="cls", specials="keep")  # the whole row
     ref = M.eager(model)
     with torch.no_grad():
         atts = ref(**enc, output_attentions=True).attentions
@@ -60,7 +60,7 @@ def test_minilm_default_readout_is_the_mean_of_its_real_tokens_rows(minilm):
     tok, model = minilm
     texts = ["A man is playing a guitar.", "Stocks fell sharply on Monday after the report was published."]
     enc = tok(texts, padding=True, return_tensors="pt")
-    e = attnroll.explain(model, enc, "rollout", tokenizer=tok)
+    e = attnroll.explain(model, enc, "rollout", tokenizer=tok, specials="keep")  # the whole row, as computed here
     assert e.readout["kind"] == "mean" and "1_Pooling" in e.readout["source"] and e.positions is None
     ref = M.eager(model)
     for b in range(2):
@@ -94,7 +94,8 @@ def test_sentence_transformer_object_reads_its_pooling_module(minilm):
     e = attnroll.explain(st, feats, tokenizer=st.tokenizer)
     assert e.readout["kind"] == "mean" and "Pooling" in e.readout["source"]
     enc = {k: feats[k] for k in ("input_ids", "attention_mask", "token_type_ids")}
-    torch.testing.assert_close(e.scores, attnroll.explain(model, enc).scores, atol=1e-6, rtol=1e-5)
+    want = attnroll.explain(model, enc, tokenizer=st.tokenizer).scores  # the same [CLS] / [SEP] left out
+    torch.testing.assert_close(e.scores, want, atol=1e-6, rtol=1e-5)
 
     def target(o):
         return o["sentence_embedding"][:, 0]

@@ -17,6 +17,7 @@ import click
 
 from ._args import load_flags, load_safety_options, method_options, methods_list
 from ._data import echo_notes, load
+from ._default import announce, check_early, chosen_options, default_choice
 from ._group import cli
 from ._output import Failure, one_line, prepare_out
 
@@ -69,8 +70,9 @@ class _Bar:
 @click.option(
     "--out", type=click.Path(path_type=Path), required=True, help="Output folder (created; reruns resume it)."
 )
-@click.option("--method", "-m", "method_list", default="rollout", show_default=True,
-              help="Method(s), comma-separated: -m rollout,gae.")
+@click.option("--method", "-m", "method_list",
+              help="Method(s), comma-separated: -m rollout,gae [default: the measured default of the model's "
+                   "kind, attnroll.explain.defaults, see EVALUATION.md; printed].")
 @click.option("--option", "-o", "options", multiple=True, metavar="[METHOD.]KEY=VALUE",
               help="A method option, repeatable: -o alpha=0.9 (every method that takes it) or -o gae.position=0.")
 @click.option("--model", "model_spec", metavar="MODEL",
@@ -124,8 +126,11 @@ def batch_cmd(source, out, method_list, options, model_spec, weights, engine, nu
     from ..batch.engines import begin_ray, check_ray
     from ..batch.run import check_cpus_per_worker, check_num_gpus, check_shard_size
 
-    names = methods_list(method_list)
-    opts = method_options(options, names)
+    names = methods_list(method_list) if method_list is not None else None
+    opts = method_options(options, names) if names is not None else None
+    choice = None
+    if names is None:
+        check_early(options)
     if target is not None and target_column is not None:
         raise click.UsageError("--target and --target-column: give one (a class for every input, or one per input)")
     try:
@@ -150,6 +155,10 @@ def batch_cmd(source, out, method_list, options, model_spec, weights, engine, nu
     try:
         out = prepare_out(out)
         lm = load(model_spec, weights, items[0].kind)
+        if names is None:  # no -m: the kind's measured default, said on stderr once done
+            choice = default_choice(lm, text=items[0].text, pairs=any(i.pair is not None for i in items))
+            chosen = chosen_options(choice, options)
+            names, opts = [choice.method], ({choice.method: chosen} if chosen else {})
         bar = _progress_bar()
         argv = sys.argv[1:]
         command = shlex.join(["attnroll", *argv[argv.index("batch"):]]) if "batch" in argv else None
@@ -169,6 +178,7 @@ def batch_cmd(source, out, method_list, options, model_spec, weights, engine, nu
         if ray_start is not None:  # the model did not load, say: the runtime started for nothing stops
             ray_start.stop()
     echo_notes(model_spec, lm)
+    announce(choice)
     click.echo(result.summary())
     return SOME_FAILED if result.failed else 0
 

@@ -15,6 +15,7 @@ import click
 from .._names import safe_name
 from ._args import method_and_options, method_options, methods_list, parse_target
 from ._data import check_cmap, check_inputs, echo_notes, expand_images, input_options, load_for, read_image
+from ._default import announce, check_early, chosen_options, default_choice
 from ._group import cli
 from ._output import Failure, one_line, output_file, png_bytes, prepare_out, progress, save_npz, write
 from ._text import explain_text, shown
@@ -212,6 +213,13 @@ def _context_attribution(lm: Any, prompt: str, generate: int, method: str, opts:
     ]
 
 
+def _decoder_default() -> str:
+    """``--generate`` without ``-m``: the decoders' entry of the defaults table."""
+    from ..explain.defaults import DEFAULTS
+
+    return DEFAULTS["decoder"].methods[0]
+
+
 def _methods_and_options(method: str, options: tuple[str, ...]) -> tuple[list[str], dict[str, dict]]:
     """``-m`` (one method, or several comma-separated, as ``view`` / ``batch`` / ``evaluate`` take them) and
     the ``-o`` options of each: a usage error for an unknown method or an option no method takes."""
@@ -224,9 +232,10 @@ def _methods_and_options(method: str, options: tuple[str, ...]) -> tuple[list[st
 
 @cli.command("explain", short_help="Explain images or a text; write pictures / data, print top units.")
 @input_options
-@click.option("--method", "-m", default="rollout", show_default=True, metavar="METHOD[,METHOD...]",
+@click.option("--method", "-m", metavar="METHOD[,METHOD...]",
               help="A method from 'attnroll methods', or several comma-separated (-m rollout,gae): one output "
-                   "file per input, method and format.")
+                   "file per input, method and format [default: the measured default of the model's kind, "
+                   "attnroll.explain.defaults, see EVALUATION.md; printed].")
 @click.option("--option", "-o", "options", multiple=True, metavar="[METHOD.]KEY=VALUE",
               help="A method option, repeatable: -o alpha=0.9 -o head_fusion=max -o discard_ratio=0.9; with "
                    "several methods -o KEY=VALUE goes to every method that takes it, -o gae.alpha=0.9 to one.")
@@ -264,6 +273,7 @@ def explain_cmd(images, text, pair, model_spec, weights, method, options, target
       attnroll explain --model ./llama-local --text prompt.txt --generate 20 --unit sentence
     """
     if generate is not None:
+        method = method or _decoder_default()
         if "," in method:
             raise click.UsageError(f"--generate takes one method (rollout, gae or grad_rollout), got -m {method}")
         _generate(images, text, pair, target, formats, method, options, model_spec, weights, out, generate, unit,
@@ -272,7 +282,9 @@ def explain_cmd(images, text, pair, model_spec, weights, method, options, target
     if segments:
         raise click.UsageError("--segment needs --generate")
     kind = check_inputs(images, text, pair)
-    names, opts = _methods_and_options(method, options)
+    names, opts = _methods_and_options(method, options) if method is not None else (None, None)
+    if method is None:
+        check_early(options)
     formats = formats or (("png",) if kind == "image" else ("html",))
     if kind == "text" and "png" in formats:
         raise click.UsageError("--format png is for images; text gives html, json or npz")
@@ -285,6 +297,10 @@ def explain_cmd(images, text, pair, model_spec, weights, method, options, target
     out = prepare_out(out)
     lm = load_for(model_spec, weights, kind)
     tgt = parse_target(target, lm)
+    choice = None
+    if names is None:  # no -m: the kind's measured default, said on stderr once done
+        choice = default_choice(lm, text=text, pairs=pair is not None)
+        names, opts = [choice.method], {choice.method: chosen_options(choice, options)}
     written: list[Path] = []
     if kind == "text":
         for m in names:
@@ -299,4 +315,5 @@ def explain_cmd(images, text, pair, model_spec, weights, method, options, target
                     if bar is not None:
                         bar.advance(task)
     echo_notes(model_spec, lm)
+    announce(choice)
     click.echo(f"wrote {len(written)} file{'s' if len(written) != 1 else ''} to {out}/")

@@ -9,10 +9,12 @@ import click
 
 from ._args import method_options, methods_list, parse_target
 from ._data import check_inputs, echo_notes, expand_images, input_options, load_for, read_image
+from ._default import announce, check_early, default_choice
 from ._group import cli
 from ._output import output_file, prepare_out, write
 from ._text import explain_text, shown
 
+#: Methods the page shows beside the model kind's default (attnroll.explain.defaults), for comparison.
 DEFAULT_METHODS = {"image": "rollout,gae,per_head_rollout", "text": "rollout,gae"}
 
 
@@ -73,6 +75,12 @@ def _has_class_scores(lm: Any, text: str) -> bool:
         return main_logits(lm.model(**lm.tokenizer([text], return_tensors="pt"))) is not None
 
 
+def default_methods(lm: Any, kind: str, text: str | None, pair: str | None) -> tuple[list[str], Any]:
+    """No ``-m``: the model kind's measured default first, then :data:`DEFAULT_METHODS`; and the choice."""
+    choice = default_choice(lm, text=text, pairs=pair is not None)
+    return [choice.method] + [m for m in methods_list(DEFAULT_METHODS[kind]) if m != choice.method], choice
+
+
 def applicable_defaults(names: list[str], lm: Any, text: str | None, pair: str | None) -> tuple[list[str], str]:
     """The default methods that apply to this model, and the note that says what was left out ("" when
     nothing): a text model with no class scores and no ``--pair`` has no scalar for the gradient methods."""
@@ -105,8 +113,9 @@ def _page_name(name: str | None, stem: str) -> str:
 @cli.command("view", short_help="One interactive HTML page: layers, methods, heads, values under the pointer.")
 @input_options
 @click.option("--methods", "-m", "method_list", metavar="METHODS",
-              help="Comma-separated methods [default: rollout,gae,per_head_rollout for images, rollout,gae for text; "
-                   "gae is left out for a sentence encoder without --pair (no scalar to explain)].")
+              help="Comma-separated methods [default: the measured default of the model's kind (printed; "
+                   "attnroll.explain.defaults, see EVALUATION.md), then rollout,gae,per_head_rollout for images, "
+                   "rollout,gae for text; gae is left out for a sentence encoder without --pair (no scalar)].")
 @click.option("--option", "-o", "options", multiple=True, metavar="[METHOD.]KEY=VALUE",
               help="A method option, repeatable: -o alpha=0.9 (every method that takes it) or -o gae.alpha=0.9.")
 @click.option("--target", help="Class index or name to explain (default: the predicted class).")
@@ -129,8 +138,10 @@ def view_cmd(images, text, pair, model_spec, weights, method_list, options, targ
     from .explain import slug
 
     kind = check_inputs(images, text, pair)
-    names = methods_list(method_list or DEFAULT_METHODS[kind])
-    opts = with_layers(names, method_options(options, names))
+    names = methods_list(method_list) if method_list is not None else None
+    opts = with_layers(names, method_options(options, names)) if names is not None else None
+    if names is None:
+        check_early(options)
     files = expand_images(images) if kind == "image" else []
     for f in files:  # every input is checked before anything is written
         read_image(f)
@@ -139,9 +150,11 @@ def view_cmd(images, text, pair, model_spec, weights, method_list, options, targ
     out = prepare_out(out)
     lm = load_for(model_spec, weights, kind)
     tgt = parse_target(target, lm)
-    note = ""
+    note, choice = "", None
     if method_list is None:
+        names, choice = default_methods(lm, kind, text, pair)
         names, note = applicable_defaults(names, lm, text, pair)
+        opts = with_layers(names, method_options(options, names))
     if kind == "image":
         page = _image_page(files, lm, names, opts, tgt)
         stem = files[0].stem + (f"+{len(files) - 1}" if len(files) > 1 else "")
@@ -150,6 +163,7 @@ def view_cmd(images, text, pair, model_spec, weights, method_list, options, targ
         stem = slug(text)
     path = write(output_file(out, _page_name(name, stem)), page.html)
     echo_notes(model_spec, lm)
+    announce(choice)
     if note:  # after the work: a failure stays one error line
         click.echo(note, err=True)
     click.echo(f"wrote {path} ({page.nbytes:,} bytes; methods {', '.join(names)})")

@@ -26,6 +26,7 @@ from .linked import compose_link
 from .memory import check_dense_memory
 from .registry import Method
 from .sinks import finish as finish_sinks
+from .specials import apply as apply_specials
 from .target_scores import require_grad_mode, resolve_target
 
 __all__ = ["Context", "unread_layers", "CHAIN_METHODS"]
@@ -287,8 +288,9 @@ class Context:
         if isinstance(readout, (list, tuple)):
             readout = resolve_readout(list(readout), batch=full_row.shape[0], n=full_row.shape[-1], mask=mask,
                                       source="position")
+        scores, extra = apply_specials(self, info, full_row, full_row[:, p:stop].clone(), p, extra)
         return Explanation(
-            scores=full_row[:, p:stop].clone(),
+            scores=scores,
             full_row=full_row,
             layers=None if layers is None else layers.detach().to(torch.float32).cpu(),
             tokens=info.tokens,

@@ -27,7 +27,10 @@ __all__ = ["COMMON_OPTIONS", "check_options", "check_values", "RULES"]
 #: that attnroll does not compose (Mamba, gated DeltaNet, short convolutions, RG-LRU; :mod:`attnroll.capture.mixers`);
 #: "attention_only" rolls out through its attention layers alone, recorded in ``Explanation.extra["mixers"]`` and
 #: warned about.
-COMMON_OPTIONS = {"position": None, "readout": None, "sinks": "drop", "mixers": "compose"}
+#: ``specials``: "drop" (default) leaves a text encoder's special tokens ([CLS], [SEP], <s>, ...) out of
+#: ``Explanation.scores``, their share recorded; "keep" leaves them in (:mod:`attnroll.explain.specials`).
+COMMON_OPTIONS = {"position": None, "readout": None, "sinks": "drop", "specials": "drop",
+                  "mixers": "compose"}
 
 
 def _optional(rule: Callable[[str, Any], Any]) -> Callable[[str, Any], Any]:
@@ -89,6 +92,7 @@ RULES: dict[str, Callable[[str, Any], Any]] = {
     "position": _optional(_position),
     "sinks": lambda n, v: _checks.check_choice(n, v, ("drop", "keep")),
     "mixers": lambda n, v: _checks.check_choice(n, v, ("compose", "attention_only")),
+    "specials": lambda n, v: _checks.check_choice(n, v, ("drop", "keep")),
 }
 
 
