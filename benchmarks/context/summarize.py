@@ -32,8 +32,9 @@ def table(path: str) -> str:
     data = json.load(open(path))
     items = data["items"]
     loo_gold = sum(int(np.argmax(it["loo"])) in it["gold"] for it in items)
+    fb, lc = np.median([it["fwd_bwd_s"] for it in items]), np.median([it["loo_cost"] for it in items])
     lines = [f"{len(items)} prompts; LOO's top segment is the gold passage in {loo_gold}; median fwd+bwd "
-             f"{np.median([it['fwd_bwd_s'] for it in items]):.1f} s; LOO cost {np.median([it['loo_cost'] for it in items]):.1f}; "
+             f"{fb:.1f} s; LOO cost {lc:.1f}; "
              f"load {', '.join(' '.join(it['loadavg']) for it in items)}",
              "| method | top-1 = LOO | Spearman | drop k=1 | k=3 | k=5 | LDS | top-1 = gold | cost |",
              "|---|---|---|---|---|---|---|---|---|"]
