@@ -1,7 +1,7 @@
 """Markdown table of a results JSON written by ``run``: per method the share of prompts whose top segment is
 LOO's top, mean Spearman with the LOO drops, mean top-k log-prob drops, mean LDS, median cost.
 
-    PYTHONPATH=src python -m benchmarks.context.summarize benchmarks/context/results/qa_heldout.json
+    PYTHONPATH=src python -m benchmarks.context.summarize benchmarks/context/results/qa_heldout*.json
 """
 
 from __future__ import annotations
@@ -12,10 +12,14 @@ import sys
 import numpy as np
 
 
-def summary(path: str) -> list[dict]:
+def load(paths: list[str]) -> list[dict]:
+    """The prompts of one or more result files (e.g. one split run in parts with ``--start``)."""
+    return [it for p in paths for it in json.load(open(p))["items"]]
+
+
+def summary(paths: list[str]) -> list[dict]:
     """One dict per method with its mean figures over the prompts it ran on."""
-    data = json.load(open(path))
-    items = data["items"]
+    items = load(paths)
     names = list(dict.fromkeys(k for it in items for k in it["methods"]))
     out = []
     for name in names:
@@ -28,9 +32,8 @@ def summary(path: str) -> list[dict]:
     return out
 
 
-def table(path: str) -> str:
-    data = json.load(open(path))
-    items = data["items"]
+def table(paths: list[str]) -> str:
+    items = load(paths)
     loo_gold = sum(int(np.argmax(it["loo"])) in it["gold"] for it in items)
     fb, lc = np.median([it["fwd_bwd_s"] for it in items]), np.median([it["loo_cost"] for it in items])
     lines = [f"{len(items)} prompts; LOO's top segment is the gold passage in {loo_gold}; median fwd+bwd "
@@ -38,7 +41,7 @@ def table(path: str) -> str:
              f"load {', '.join(' '.join(it['loadavg']) for it in items)}",
              "| method | top-1 = LOO | Spearman | drop k=1 | k=3 | k=5 | LDS | top-1 = gold | cost |",
              "|---|---|---|---|---|---|---|---|---|"]
-    for r in summary(path):
+    for r in summary(paths):
         lines.append(f"| {r['method']} | {r['top1']}/{r['n']} | {r['spearman']:.2f} | {r['drop1']:.2f} | "
                      f"{r['drop3']:.2f} | {r['drop5']:.2f} | {r['lds']:.2f} | {r['gold_top1']}/{r['n']} | "
                      f"{r['cost']:.1f} |")
@@ -46,5 +49,4 @@ def table(path: str) -> str:
 
 
 if __name__ == "__main__":
-    for p in sys.argv[1:]:
-        print(table(p))
+    print(table(sys.argv[1:]))

@@ -89,7 +89,7 @@ def context_attribution(
     answer: str | None = None,
     unit: str = "sentence",
     segments: Sequence[str] | None = None,
-    method: str = "rollout",
+    method: str = "attn_grad",
     sinks: str = "drop",
     **options: Any,
 ) -> ContextAttribution:
@@ -103,9 +103,10 @@ def context_attribution(
         unit: "token" | "word" | "sentence" (ignored when ``segments`` is given).
         segments: consecutive pieces of the prompt (e.g. retrieved passages), in order; text outside them
             goes to "(other)".
-        method: "rollout" (default), "gae", "grad_rollout" or "attn_grad" (gradient × attention at the
-            answer's rows, summed over heads and layers, without rollout; options ``clamp``, ``start_layer``,
-            ``end_layer``).
+        method: "attn_grad" (default: gradient × attention at the answer's rows, summed over heads and
+            layers, without rollout; options ``clamp``, ``start_layer``, ``end_layer``), "gae", "grad_rollout"
+            or "rollout". The default is the measured choice on SmolLM2-135M-Instruct multi-passage QA
+            (EVALUATION.md, "Context attribution on SmolLM2-135M-Instruct"); rollout ranks passages poorly.
         sinks: "drop" (default): prompt tokens found to be attention sinks on the captured attention (the
             first token of most decoders; ``attnroll.explain.sinks``) get no share, their share of the
             relevance recorded in ``sink_share``; "keep": they keep it.
