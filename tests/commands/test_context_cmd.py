@@ -56,7 +56,8 @@ def test_passages_are_ranked_and_the_json_is_the_python_result(lm_dir, tmp_path)
               "--out", out)
     assert res.exit_code == 0, res.output
     files = sorted(p.name for p in out.iterdir())
-    assert len(files) == 2 and files[0].endswith(".context.rollout.html") and files[1].endswith(".context.rollout.json")
+    assert len(files) == 2 and files[0].endswith(".context.attn_grad.html")
+    assert files[1].endswith(".context.attn_grad.json")
     got = json.loads((out / files[1]).read_text())
     m, tok = loaded(lm_dir)
     ca = attnroll.context_attribution(m, tok, "\n\n".join(PASSAGES + [QUESTION]), answer="paris",
@@ -182,7 +183,7 @@ def test_smollm2_answers_with_its_chat_template(tmp_path):
     res = run("--model", "smollm2-135m-instruct", "--prompt", "Where does Bob live?", "--passages", passages,
               "--generate", 12, "--out", out)
     assert res.exit_code == 0, res.output
-    got = json.loads(next(out.glob("*.context.rollout.json")).read_text())
+    got = json.loads(next(out.glob("*.context.attn_grad.json")).read_text())
     assert got["chat_template"] is True and got["answer"].strip()
     assert sum(u["share"] for u in got["units"]) == pytest.approx(1.0, abs=1e-6)
     assert f"answer ({len(got['answer_ids'])} tokens): {got['answer']}" in res.stdout
@@ -191,11 +192,12 @@ def test_smollm2_answers_with_its_chat_template(tmp_path):
 def test_sinks_and_method_options_reach_the_library(lm_dir, tmp_path):
     out = tmp_path / "out"
     res = run("--model", lm_dir, "--prompt", PROMPT, "--answer", "paris is", "--sinks", "keep", "-o", "alpha=0.9",
-              "--unit", "token", "--out", out)
+              "-m", "rollout", "--unit", "token", "--out", out)
     assert res.exit_code == 0, res.output
     got = json.loads(next(out.glob("*.json")).read_text())
     m, tok = loaded(lm_dir)
-    ca = attnroll.context_attribution(m, tok, PROMPT, answer="paris is", sinks="keep", alpha=0.9, unit="token")
+    ca = attnroll.context_attribution(m, tok, PROMPT, answer="paris is", sinks="keep", alpha=0.9, unit="token",
+                                      method="rollout")
     assert got["options"] == {"alpha": 0.9, "sinks": "keep"}
     assert got["token_scores"] == pytest.approx(ca.token_scores.tolist(), abs=1e-6)
     bad = run("--model", lm_dir, "--prompt", PROMPT, "--answer", "paris", "-o", "discard_ratio=0.5", "--out", out)

@@ -55,13 +55,31 @@ def test_each_row_is_the_method_on_that_prefix_alone(family, method):
 def test_rollout_rows_sum_to_the_context_attribution():
     """rollout: the column sums over the prompt are context_attribution's token scores (same sweep, summed)."""
     m, tok = sharp.model("llama"), word_tokenizer()
-    ga = attnroll.generation_attribution(m, tok, PROMPT, answer="a dog ran in", sinks="keep")
-    ca = attnroll.context_attribution(m, tok, PROMPT, answer="a dog ran in", unit="token", sinks="keep")
+    ga = attnroll.generation_attribution(m, tok, PROMPT, answer="a dog ran in", sinks="keep", method="rollout")
+    ca = attnroll.context_attribution(m, tok, PROMPT, answer="a dog ran in", unit="token", sinks="keep",
+                                      method="rollout")
     torch.testing.assert_close(ga.matrix[:, : ga.n_input].sum(dim=0), ca.token_scores, atol=1e-5, rtol=0)
     rows = ga.matrix.sum(dim=1)
     torch.testing.assert_close(rows, torch.ones_like(rows), atol=1e-5, rtol=0)  # rollout rows are stochastic
-    gen = attnroll.generation_attribution(m, tok, PROMPT, generate=3)
+    gen = attnroll.generation_attribution(m, tok, PROMPT, generate=3, method="rollout")
     assert gen.matrix.shape == (3, gen.n_input + 2) and len(gen.answer_tokens) == 3
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_attn_grad_rows_are_context_attribution_of_each_token_on_its_prefix(family):
+    """attn_grad (the default): row t equals context_attribution's attn_grad scores of token t alone on the
+    prompt + earlier tokens (itself checked against an eager-attention computation in test_context_attn_grad)."""
+    m, tok = sharp.model(family), word_tokenizer()
+    words = "paris is the capital".split()
+    ga = attnroll.generation_attribution(m, tok, PROMPT, answer=" ".join(words), sinks="keep", batch_size=3)
+    assert ga.method == "attn_grad"
+    for t, w in enumerate(words):
+        prefix = " ".join([PROMPT, *words[:t]])
+        ca = attnroll.context_attribution(m, tok, prefix, answer=w, unit="token", sinks="keep", method="attn_grad")
+        n = ga.n_input + t
+        assert ca.token_scores.shape == (n,)
+        torch.testing.assert_close(ga.matrix[t, :n], ca.token_scores, atol=1e-5, rtol=1e-4)
+        assert float(ga.matrix[t, n:].abs().sum()) == 0.0
 
 
 def test_batch_size_does_not_change_the_rows():
@@ -106,7 +124,7 @@ def test_bad_arguments_name_what_was_wrong():
     with pytest.raises(ValueError, match="exactly one of generate"):
         attnroll.generation_attribution(m, tok, PROMPT)
     with pytest.raises(ValueError, match="no option 'clamp'"):
-        attnroll.generation_attribution(m, tok, PROMPT, generate=1, clamp="none")
+        attnroll.generation_attribution(m, tok, PROMPT, generate=1, method="rollout", clamp="none")
     with pytest.raises(ValueError, match="batch_size must be >= 1"):
         attnroll.generation_attribution(m, tok, PROMPT, generate=1, method="gae", batch_size=0)
     with pytest.raises(TypeError, match=r"decoder-only language model .*got BertForSequenceClassification \(bert\)$"):

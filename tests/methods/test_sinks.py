@@ -142,8 +142,8 @@ def test_context_attribution_drops_the_sink(sinking):
 
     prompt = "Ab cd. Ef gh. Ij kl."
     segs = ["Ab cd.", " Ef gh.", " Ij kl."]
-    d = context_attribution(sinking, Tok(), prompt, answer="xy", segments=segs)
-    k = context_attribution(sinking, Tok(), prompt, answer="xy", segments=segs, sinks="keep")
+    d = context_attribution(sinking, Tok(), prompt, answer="xy", segments=segs, method="rollout")
+    k = context_attribution(sinking, Tok(), prompt, answer="xy", segments=segs, sinks="keep", method="rollout")
     assert d.sinks == [0] and k.sinks == [0]
     assert float(d.token_scores[0]) == 0.0 and float(k.token_scores[0]) > 0
     assert abs(d.sink_share - float(k.token_scores[0] / k.token_scores.sum())) < 1e-5

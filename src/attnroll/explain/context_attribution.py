@@ -5,7 +5,9 @@
 every answer token's predicting row (the row of the token before it) back to the input with the matrix-free
 operators: ``rollout`` traces all rows in one right-to-left sweep; ``gae`` / ``grad_rollout`` weight the
 attention by the gradient of the answer's total log-probability Σ_t log p(answer_t | prefix) (one backward
-pass for the whole span). The relevance of each prompt token, summed over the answer tokens, is then summed
+pass for the whole span); ``attn_grad`` skips the rollout: each layer's mean over heads of (A ⊙ ∂y/∂A)^+ at
+the answer's predicting rows, summed over the layers (the direct read of the prompt, layer by layer). The
+relevance of each prompt token, summed over the answer tokens, is then summed
 within tokens, words, sentences or given segments (e.g. the retrieved passages of a RAG prompt); shares are
 relative to the prompt's total, so they add up to 1.
 """
@@ -31,7 +33,7 @@ from .context import Context
 from .registry import method_info
 from .sinks import detect as detect_sinks
 
-METHODS = ("rollout", "gae", "grad_rollout")
+METHODS = ("rollout", "gae", "grad_rollout", "attn_grad")
 
 
 @dataclass
@@ -142,7 +144,7 @@ def context_attribution(
     answer: str | Sequence[int] | None = None,
     unit: str = "sentence",
     segments: Sequence[str] | None = None,
-    method: str = "rollout",
+    method: str = "attn_grad",
     sinks: str = "drop",
     chat_template: bool | None = None,
     **options: Any,
@@ -158,7 +160,10 @@ def context_attribution(
         unit: "token" | "word" | "sentence" (ignored when ``segments`` is given).
         segments: consecutive pieces of the prompt (e.g. retrieved passages), in order; text outside them
             goes to "(other)".
-        method: "rollout" (default), "gae" or "grad_rollout".
+        method: "attn_grad" (default: gradient × attention at the answer's rows, summed over heads and
+            layers, without rollout; options ``clamp``, ``start_layer``, ``end_layer``), "gae", "grad_rollout"
+            or "rollout". The default is the measured choice on SmolLM2-135M-Instruct multi-passage QA
+            (EVALUATION.md, "Context attribution on SmolLM2-135M-Instruct"); rollout ranks passages poorly.
         sinks: "drop" (default): prompt tokens found to be attention sinks on the captured attention (the
             first token of most decoders; ``attnroll.explain.sinks``) get no share, their share of the
             relevance recorded in ``sink_share``; "keep": they keep it.
@@ -237,7 +242,8 @@ def _relevance(model, tokenizer, ids, rows, answer_ids, method, options) -> torc
     inputs = {"input_ids": ids}
     allowed = {"rollout": ("head_fusion", "alpha", "residual_mode", "start_layer", "end_layer"),
                "gae": ("start_layer", "end_layer"),
-               "grad_rollout": ("clamp", "alpha", "residual_mode", "start_layer", "end_layer")}[method]
+               "grad_rollout": ("clamp", "alpha", "residual_mode", "start_layer", "end_layer"),
+               "attn_grad": ("clamp", "start_layer", "end_layer")}[method]
     for k in options:
         if k not in allowed:
             raise ValueError(f"context attribution with method {method!r} has no option {k!r}; options: {allowed}")
@@ -252,7 +258,7 @@ def _relevance(model, tokenizer, ids, rows, answer_ids, method, options) -> torc
             logp = outputs.logits[:, r_idx].float().log_softmax(dim=-1)
             return logp[:, torch.arange(len(rows)), tok].sum(dim=-1)
 
-        ctx = Context(model, inputs, target, method_info(method), {}, tokenizer)
+        ctx = Context(model, inputs, target, method_info("gae" if method == "attn_grad" else method), {}, tokenizer)
         rec = matrix_free.grad_record(ctx, "recompute", None)
         rule = operators.weighted_probs(options.get("clamp", "per_head"))
         mode = "add" if method == "gae" else options.get("residual_mode", "renorm")
@@ -262,12 +268,25 @@ def _relevance(model, tokenizer, ids, rows, answer_ids, method, options) -> torc
     from ..core.rollout import layer_range
 
     start, end = layer_range(len(layers), options.get("start_layer", 0), options.get("end_layer"))
+    if method == "attn_grad":
+        return answer_rows_relevance(layers[start:end], rows, rule), layers
     if method == "rollout":  # the same refusal of non-stochastic rows (attention sinks) as explain's rollout
         matrix_free.check_stochastic(layers, start, end, options.get("head_fusion", "mean"), None)
     E = torch.zeros(1, len(rows), ids.shape[1], dtype=torch.float32, device=layers[0].q.device)
     E[0, torch.arange(len(rows)), torch.tensor(rows)] = 1.0
     R = operators.rollout_rows(layers, E, rule, a=a, c=c, renorm=mode == "renorm", start=start, end=end)
     return R[0], layers
+
+
+def answer_rows_relevance(layers: list, rows: list[int], rule) -> torch.Tensor:
+    """(T, n): Σ over ``layers`` of the block ``rule`` at the answer's predicting ``rows`` only, no rollout
+    (for "attn_grad": mean over heads of (A ⊙ ∂y/∂A)^+, each layer's direct read of the prompt)."""
+    n = layers[0].shape[3]
+    R = torch.zeros(len(rows), n, dtype=torch.float32, device=layers[0].q.device)
+    for lay in layers:
+        for i, r in enumerate(rows):
+            R[i] += rule(lay, r, r + 1, 0, n)[0, 0]
+    return R
 
 
 def _spans(prompt, offsets, unit, given) -> list[tuple[int, int]]:

@@ -42,11 +42,12 @@ from .sinks import detect as detect_sinks
 
 __all__ = ["GenerationAttribution", "generation_attribution", "METHODS"]
 
-METHODS = ("rollout", "gae", "grad_rollout")
+METHODS = ("rollout", "gae", "grad_rollout", "attn_grad")
 #: Each method's options (their defaults are context attribution's).
 OPTIONS = {"rollout": ("head_fusion", "alpha", "residual_mode", "start_layer", "end_layer"),
            "gae": ("start_layer", "end_layer"),
-           "grad_rollout": ("clamp", "alpha", "residual_mode", "start_layer", "end_layer")}
+           "grad_rollout": ("clamp", "alpha", "residual_mode", "start_layer", "end_layer"),
+           "attn_grad": ("clamp", "start_layer", "end_layer")}
 
 
 @dataclass
@@ -158,7 +159,7 @@ def generation_attribution(
     *,
     generate: int | None = None,
     answer: str | Sequence[int] | None = None,
-    method: str = "rollout",
+    method: str = "attn_grad",
     chat_template: bool | None = None,
     sinks: str = "drop",
     batch_size: int = 8,
@@ -170,7 +171,8 @@ def generation_attribution(
         model, tokenizer: a transformers decoder-only LM and its (fast) tokenizer.
         prompt: the prompt text; ``chat_template`` as for :func:`~attnroll.explain.context_attribution`.
         generate: tokens to generate greedily; or ``answer`` (text) to explain instead.
-        method: "rollout" (default), "gae" or "grad_rollout".
+        method: "attn_grad" (default), "rollout", "gae" or "grad_rollout"; attn_grad: gradient × attention at each
+            generated token's predicting row, summed over layers, no rollout: context attribution's default).
         sinks: "drop" (default): the columns of the attention sinks (found on the captured attention) are
             zeroed, their share recorded per row in ``sink_share``; "keep": left as they are.
         batch_size: gradient methods: how many generated tokens share one forward + backward pass (copies of
@@ -229,6 +231,17 @@ def _sweep(layers: list, rows: list[int], n: int, rule: Any, mode: str, alpha: f
     return R[:, 0] if per_copy else R[0]
 
 
+def _direct_rows(layers: list, rows: list[int], n: int, rule: Any, options: dict) -> torch.Tensor:
+    """attn_grad: copy b's row ``rows[b]`` of the block ``rule`` (mean over heads of (A ⊙ ∂y_b/∂A)^+), summed over
+    the layers, no rollout: (B, n)."""
+    start, end = layer_range(len(layers), options.get("start_layer", 0), options.get("end_layer"))
+    R = torch.zeros(len(rows), n, dtype=torch.float32, device=layers[0].q.device)
+    for lay in layers[start:end]:
+        for b, r in enumerate(rows):
+            R[b] += rule(lay, r, r + 1, 0, n)[b, 0].float()
+    return R
+
+
 def _rollout_rows(model: nn.Module, ids: torch.Tensor, rows: list[int], options: dict) -> tuple[torch.Tensor, list]:
     """rollout: one capture, all rows in one sweep."""
     rec = capture_kernels(model, {"input_ids": ids})
@@ -259,10 +272,14 @@ def _gradient_rows(model: nn.Module, tokenizer: Any, ids: torch.Tensor, rows: li
             logits = outputs.logits[torch.arange(len(r_idx)), r_idx].float()
             return logits.log_softmax(dim=-1)[torch.arange(len(r_idx)), t_idx]
 
-        ctx = Context(model, {"input_ids": ids.expand(B, -1).clone()}, target, method_info(method), {}, tokenizer)
+        info = method_info("gae" if method == "attn_grad" else method)
+        ctx = Context(model, {"input_ids": ids.expand(B, -1).clone()}, target, info, {}, tokenizer)
         rec = matrix_free.grad_record(ctx, "recompute", None)
         layers = matrix_free.layers_of(rec, "self" if "self" in rec.operators else rec.stream_names()[0])
-        out.append(_sweep(layers, r, ids.shape[1], rule, mode, alpha, options, per_copy=True).detach())
+        if method == "attn_grad":
+            out.append(_direct_rows(layers, r, ids.shape[1], rule, options).detach())
+        else:
+            out.append(_sweep(layers, r, ids.shape[1], rule, mode, alpha, options, per_copy=True).detach())
         first_layers = first_layers or layers
     return torch.cat(out), first_layers
 

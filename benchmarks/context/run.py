@@ -1,0 +1,96 @@
+"""Run the context-attribution protocol on SmolLM2-135M-Instruct and save the raw figures as JSON.
+
+    PYTHONPATH=src python -m benchmarks.context.run --split validation --count 12
+    PYTHONPATH=src python -m benchmarks.context.run --split heldout --count 24 --cc 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import numpy as np
+
+from . import methods, peers, protocol
+from .data import qa_set
+
+LDS = [16]
+
+
+def method_table(names: list[str]) -> dict:
+    """The baselines and peers among ``names``: name -> fn(model, tok, item) returning segment scores
+    (attnroll's methods are run by ``methods.attnroll_pooled``)."""
+    table = {
+        "last_attention": methods.last_layer_attention,
+        "attntrace_B30": lambda m, t, it: methods.attntrace(m, t, it, B=30),
+        "attntrace_B5": lambda m, t, it: methods.attntrace(m, t, it, B=5),
+        "contextcite_32": lambda m, t, it: peers.context_cite(m, t, it, 32),
+        "contextcite_256": lambda m, t, it: peers.context_cite(m, t, it, 256),
+    }
+    return {k: v for k, v in table.items() if k in names}
+
+
+def run_item(model, tok, item, names: list[str], cc: bool) -> dict:
+    """Every method's protocol figures on one prompt; costs relative to a forward+backward timed alongside."""
+    scorer = protocol.Scorer(model, tok, item)
+    t0 = time.perf_counter()
+    drops = protocol.loo(scorer)
+    loo_s = time.perf_counter() - t0
+    masks = protocol.lds_masks(len(item.segments), LDS[0])
+    table = method_table(names)
+    out = {"meta": item.meta, "answer": item.answer, "gold": item.gold, "loo": drops.tolist(),
+           "n_tokens": len(tok(item.prompt)["input_ids"]), "methods": {}}
+    fb = [protocol.fwd_bwd_seconds(model, tok, item)]
+    for name in names:
+        if name.startswith("contextcite") and not cc:
+            continue
+        t0 = time.perf_counter()
+        if name == "random":
+            scores = {name: np.random.default_rng(len(item.prompt)).random(len(item.segments))}
+        elif name in table:
+            scores = {name: table[name](model, tok, item)}
+        else:  # one attnroll call, pooled two ways (sum = the library's; top5 = mean of 5 largest tokens)
+            scores = methods.attnroll_pooled(model, tok, item, name)
+        dt = time.perf_counter() - t0
+        for key, s in scores.items():
+            res = protocol.evaluate(scorer, s, drops, masks)
+            out["methods"][key] = {**res, "seconds": dt, "scores": np.asarray(s, float).tolist()}
+    fb.append(protocol.fwd_bwd_seconds(model, tok, item))
+    base = float(np.median(fb))
+    for r in out["methods"].values():
+        r["cost"] = r["seconds"] / base
+    out.update(fwd_bwd_s=base, loo_cost=loo_s / base, loadavg=open("/proc/loadavg").read().split()[:3])
+    return out
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--split", choices=("validation", "heldout"), default="validation")
+    ap.add_argument("--count", type=int, default=12)
+    ap.add_argument("--start", type=int, default=0)
+    ap.add_argument("--methods", default="random,rollout,gae,grad_rollout,attn_grad,last_attention,"
+                                        "attntrace_B5,contextcite_32")
+    ap.add_argument("--cc", type=int, default=2, help="run ContextCite on the first N prompts only")
+    ap.add_argument("--passages", type=int, default=16)
+    ap.add_argument("--lds", type=int, default=16, help="held-out random 50%% ablations for LDS")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    from attnroll.models import load_model
+
+    lm = load_model("smollm2-135m-instruct")
+    names, LDS[0] = args.methods.split(","), args.lds
+    items = qa_set(lm.tokenizer, args.split, args.start + args.count, args.passages)[args.start:]
+    path = args.out or os.path.join(os.path.dirname(__file__), "results", f"qa_{args.split}.json")
+    rows = []
+    for i, item in enumerate(items):
+        rows.append(run_item(lm.model, lm.tokenizer, item, names, i < args.cc))
+        with open(path, "w") as f:
+            json.dump({"split": args.split, "methods": names, "items": rows}, f)
+        print(i, item.meta, {k: (v["top1"], round(v["spearman"], 2), round(v["cost"], 1))
+                             for k, v in rows[-1]["methods"].items()}, flush=True)
+
+
+if __name__ == "__main__":
+    main()
