@@ -73,3 +73,36 @@ def test_an_entry_that_does_not_apply_falls_through_and_says_why(vit_dir, monkey
     assert got.method == "raw" and "gae skipped: it needs a scalar" in got.note
     with pytest.raises(ValueError, match="no default method of the decoder entry applies"):
         defaults.choose(model, "decoder", scalar=False, table={"decoder": defaults.Default(("gae",), "t")})
+
+
+@pytest.fixture(scope="module")
+def gpt2_dir(tmp_path_factory):
+    """A tiny GPT-2 whose word-level tokenizer, like GPT-2's own, has no padding token."""
+    tokenizers = pytest.importorskip("tokenizers")
+    words = "<unk> <s> the cat sat on mat . a dog".split()
+    tk = tokenizers.Tokenizer(tokenizers.models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tk.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    tok = T.PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", eos_token="<s>")
+    torch.manual_seed(0)
+    cfg = T.GPT2Config(vocab_size=len(words), n_embd=32, n_layer=2, n_head=2, n_positions=64, bos_token_id=1,
+                       eos_token_id=1)
+    d = tmp_path_factory.mktemp("gpt2")
+    T.GPT2LMHeadModel(cfg).eval().save_pretrained(d)
+    tok.save_pretrained(d)
+    return d
+
+
+def test_a_decoder_gets_the_decoder_entry_though_its_tokenizer_has_no_padding_token(gpt2_dir, tmp_path):
+    """The decoder entry's first method (a gradient method: the predicted token's logit is the scalar to explain)
+    runs, though the tokenizer came without a padding token (before: transformers' "Asking to pad" error)."""
+    res = run("explain", "--model", gpt2_dir, "--text", "the cat sat on the mat", "--out", tmp_path,
+              "--format", "json")
+    assert res.exit_code == 0, res.output
+    first = defaults.DEFAULTS["decoder"].methods[0]
+    assert f"note: method {first}: the default for decoders" in res.stderr
+    assert res.stdout.startswith(f"text: {first} ")
+    from attnroll.models import load_model
+
+    tok = load_model(str(gpt2_dir)).tokenizer
+    enc = tok(["the cat sat on the mat", "a dog"], padding=True, return_tensors="pt")
+    assert enc["attention_mask"].sum(dim=1).tolist() == [6, 2] and tok.pad_token == tok.eos_token

