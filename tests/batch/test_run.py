@@ -156,7 +156,8 @@ def test_text_pairs_jsonl_and_tab_file_with_minilm(tmp_path):
             other = pooled(eb, model(**eb).last_hidden_state)
         ea = tok([a], return_tensors="pt")
         e = attnroll.explain(model, ea, "gae", lambda o: torch.cosine_similarity(pooled(ea, o.last_hidden_state),
-                                                                                 other, dim=-1), tokenizer=tok)
+                                                                                 other, dim=-1), tokenizer=tok,
+                             specials="keep")  # batch rows keep the whole row, special tokens included
         np.testing.assert_allclose(np.asarray(row["scores"]), e.scores[0].numpy(), rtol=0, atol=1e-5)
         assert list(row["tokens"]) == e.tokens[0] and row["tokens"][0] == "[CLS]"
         assert row["source"] == f"{a}\t{b}" and row["prediction"] is None or np.isnan(row["prediction"])

@@ -497,21 +497,28 @@ def llama4():
 
 
 @pytest.mark.parametrize("make, words", [(blip2, "Q-Former"), (mllama, "gated cross-attention layers"),
-                                         (llama4, "own Llama4ForConditionalGeneration forward does not run")])
+                                         (llama4, r"\(llama4\) is not composed")])
 def test_families_that_cannot_be_composed_are_refused_naming_their_obstacle(make, words):
     torch.manual_seed(0)
     with pytest.raises(attnroll.UnsupportedModelError, match=words):
         attnroll.capture(make().eval(), {"input_ids": torch.tensor([[1, 2, 3]])})
 
 
-def test_llama4_s_own_forward_still_fails_here():
-    """The refusal says transformers' own forward does not run; when it does, compose Llama 4 instead."""
+def test_llama4_is_refused_whether_or_not_transformers_own_forward_runs():
+    """transformers 5.24's own forward fails on Llama 4 ('image_outputs'); 5.25's runs. Either way attnroll refuses
+    it as not composed, on the inputs a user would give."""
     torch.manual_seed(0)
     model = llama4().eval()
     ids = torch.randint(3, 99, (1, 30))
     ids[0, 2:18] = IMG
-    with pytest.raises(AttributeError, match="image_outputs"), torch.no_grad():
-        model(input_ids=ids, pixel_values=torch.randn(1, 3, 32, 32), attention_mask=torch.ones_like(ids))
+    inputs = {"input_ids": ids, "pixel_values": torch.randn(1, 3, 32, 32), "attention_mask": torch.ones_like(ids)}
+    try:
+        with torch.no_grad():
+            model(**inputs)
+    except AttributeError as e:
+        assert "image_outputs" in str(e)
+    with pytest.raises(attnroll.UnsupportedModelError, match=r"\(llama4\) is not composed"):
+        attnroll.explain(model, inputs, "rollout")
 
 
 # ------------------------------------------------------------------------------- batches, gradients, state

@@ -170,9 +170,9 @@ REFUSED: dict[str, str] = {
     ),
     "llama4": (
         "is not composed: its vision encoder appends the class token after the patches and pixel-shuffles them into "
-        "its image tokens, but transformers' own Llama4ForConditionalGeneration forward does not run here (5.24: "
-        "'MoeCausalLMOutputWithPast' has no attribute 'image_outputs'), so no map could be checked against the "
-        "model; explain the language model on its own"
+        "its image tokens, a map attnroll has not yet checked against the model (transformers 5.24's own "
+        "Llama4ForConditionalGeneration forward does not run on a small config: 'MoeCausalLMOutputWithPast' has no "
+        "attribute 'image_outputs'; 5.25's does); explain the language model on its own"
     ),
 }
 
@@ -180,7 +180,8 @@ REFUSED: dict[str, str] = {
 REFUSED_README = (
     "BLIP-2 / InstructBLIP (a Q-Former's learned queries between the image and the language model)",
     "Mllama (the image enters through gated cross-attention layers, not tokens)",
-    "Llama 4 (transformers' own forward does not run on it)",
+    "Llama 4 (its pixel-shuffled image tokens not yet checked against the model; transformers 5.24's own forward "
+    "fails on it)",
 )
 
 
