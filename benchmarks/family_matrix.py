@@ -288,7 +288,9 @@ def classify(run, expect, layout, padding, native=None):
         return "wrong", "; ".join(problems)
     try:
         p = padding()
-    except (attnroll.UnsupportedModelError, CaptureError, ValueError) as e:
+    except attnroll.UnsupportedModelError as e:  # attnroll's own refusal, with its reason (e.g. a token mixer)
+        return "refused", f"explain: {str(e)[:200]}"
+    except (CaptureError, ValueError) as e:
         p = f"explain failed: {str(e)[:100]}"
     if p:
         return "wrong", p
