@@ -123,7 +123,7 @@ def test_cli_generate(tmp_path):
                                    "--out", str(out)])
     assert res.exit_code == 0, res.output
     assert res.output.startswith("answer (2 tokens): ")
-    written = json.loads(next(out.glob("*.context.rollout.json")).read_text())
+    written = json.loads(next(out.glob("*.context.attn_grad.json")).read_text())  # context attribution's default
     shares = [u["share"] for u in written["units"]]
     assert sum(shares) == pytest.approx(1.0, abs=1e-6) and len(shares) == 3
     top = max(written["units"], key=lambda u: u["share"])
