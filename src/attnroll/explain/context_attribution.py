@@ -278,14 +278,15 @@ def _relevance(model, tokenizer, ids, rows, answer_ids, method, options) -> torc
     return R[0], layers
 
 
-def answer_rows_relevance(layers: list, rows: list[int], rule) -> torch.Tensor:
+def answer_rows_relevance(layers: list, rows: list[int], rule, per_copy: bool = False) -> torch.Tensor:
     """(T, n): Σ over ``layers`` of the block ``rule`` at the answer's predicting ``rows`` only, no rollout
-    (for "attn_grad": mean over heads of (A ⊙ ∂y/∂A)^+, each layer's direct read of the prompt)."""
+    (for "attn_grad": mean over heads of (A ⊙ ∂y/∂A)^+, each layer's direct read of the prompt). ``per_copy``:
+    row i is read from example i of the batch (one gradient target per copy), else every row from example 0."""
     n = layers[0].shape[3]
     R = torch.zeros(len(rows), n, dtype=torch.float32, device=layers[0].q.device)
     for lay in layers:
         for i, r in enumerate(rows):
-            R[i] += rule(lay, r, r + 1, 0, n)[0, 0]
+            R[i] += rule(lay, r, r + 1, 0, n)[i if per_copy else 0, 0].float()
     return R
 
 

@@ -232,14 +232,11 @@ def _sweep(layers: list, rows: list[int], n: int, rule: Any, mode: str, alpha: f
 
 
 def _direct_rows(layers: list, rows: list[int], n: int, rule: Any, options: dict) -> torch.Tensor:
-    """attn_grad: copy b's row ``rows[b]`` of the block ``rule`` (mean over heads of (A ⊙ ∂y_b/∂A)^+), summed over
-    the layers, no rollout: (B, n)."""
+    """attn_grad: copy b's row ``rows[b]`` of the block ``rule`` summed over the layers, no rollout: (B, n)."""
+    from .context_attribution import answer_rows_relevance
+
     start, end = layer_range(len(layers), options.get("start_layer", 0), options.get("end_layer"))
-    R = torch.zeros(len(rows), n, dtype=torch.float32, device=layers[0].q.device)
-    for lay in layers[start:end]:
-        for b, r in enumerate(rows):
-            R[b] += rule(lay, r, r + 1, 0, n)[b, 0].float()
-    return R
+    return answer_rows_relevance(layers[start:end], rows, rule, per_copy=True)
 
 
 def _rollout_rows(model: nn.Module, ids: torch.Tensor, rows: list[int], options: dict) -> tuple[torch.Tensor, list]:
