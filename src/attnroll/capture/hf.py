@@ -25,7 +25,8 @@ from . import diffllama
 from .hf_public import accepts_output_attentions, ask_for_attentions, eager_forwards, output_streams, validate_layers
 from .hf_vision import embeddings_of, input_size, mae_restore, patch_layout
 from .hooks import Adapter, Recorder, Site, make_sites, stream_names, supported_families
-from .mixers import composable_mixers, mixer_matrix
+from .hybrids import mixer_matrix
+from .mixers import composable_mixers
 from .record import AttentionRecord, ModelFacts, config_token_id, config_token_ids, resolve_readout
 from .st_pooling import pooling_of_folder
 from .transformers_private import (

@@ -187,7 +187,12 @@ MAMBA2_MIXERS = ("Mamba2Mixer", "BambaMixer", "NemotronHMamba2Mixer", "GraniteMo
 CONV_MIXERS = ("Lfm2ShortConv", "Lfm3ShortConv")
 #: The gated DeltaNets read with Qwen3-Next's layout (in_proj_qkvz / in_proj_ba, a convolution over q, k, v).
 DELTA_MIXERS = ("Qwen3NextGatedDeltaNet",)
-COMPOSED = (*MAMBA2_MIXERS, "MambaMixer", "FalconMambaMixer", "JambaMambaMixer", *CONV_MIXERS, *DELTA_MIXERS)
+#: Mixers read by attnroll.capture.hybrids: Qwen3.5's and OLMo-Hybrid's gated DeltaNets, Kimi Linear's KDA,
+#: RecurrentGemma's recurrent block.
+HYBRID_MIXERS = ("Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet", "OlmoHybridGatedDeltaNet",
+                 "KimiLinearDeltaAttention", "RecurrentGemmaRecurrentBlock")
+COMPOSED = (*MAMBA2_MIXERS, "MambaMixer", "FalconMambaMixer", "JambaMambaMixer", *CONV_MIXERS, *DELTA_MIXERS,
+            *HYBRID_MIXERS)
 #: Methods that compose these mixers' fused matrices (the dense record: one row-stochastic layer each).
 COMPOSING_METHODS = ("rollout", "raw", "flow")
 #: Relative tolerance of the check that the matrices reproduce the layer's output.

@@ -123,18 +123,20 @@ def delta_matrix(q: torch.Tensor, k: torch.Tensor, beta: torch.Tensor, g: torch.
     """Gated DeltaNet as one matrix per head: o[:, t, h] = Σ_s W[:, h, t, s] v[:, s, h], with
     W[t, s] = β_s k_sᵀ [Π_{r=s+1..t} α_r (I − β_r k_r k_rᵀ)] q_t, α = exp(g).
 
-    q, k: (b, n, h, dk) as the recurrence reads them (normalised, q scaled); beta, g: (b, n, h). The state
-    update is S_t = α_t (I − β_t k_t k_tᵀ) S_{t−1} + β_t k_t v_tᵀ (the recurrence's delta rule) and o_t = S_tᵀ q_t.
-    Returns (b, h, n, n), lower triangular; O(n²·dk) per head."""
+    q, k: (b, n, h, dk) as the recurrence reads them (normalised, q scaled); beta: (b, n, h); g: (b, n, h), or
+    (b, n, h, dk) for a per-channel decay (Kimi Delta Attention: α_t = diag(exp g_t) on the key channels). The
+    state update is S_t = (I − β_t k_t k_tᵀ) diag(α_t) S_{t−1} + β_t k_t v_tᵀ (the recurrence's delta rule; a scalar
+    α_t commutes) and o_t = S_tᵀ q_t. Returns (b, h, n, n), lower triangular; O(n²·dk) per head."""
     b, n, h, dk = q.shape
     W = q.new_zeros(b, h, n, n)
     U = q.new_zeros(b, h, n, dk)  # U[t] = Π_{r=s+1..t} α_r (I − β_r k_r k_rᵀ) q_t while s runs down
     qh, kh, bh, ah = q.transpose(1, 2), k.transpose(1, 2), beta.transpose(1, 2), g.exp().transpose(1, 2)
+    ah = ah[..., None] if g.ndim == 3 else ah  # (b, h, n, 1) per head or (b, h, n, dk) per key channel
     for s in range(n - 1, -1, -1):
         U[:, :, s] = qh[:, :, s]
         proj = U @ kh[:, :, s, :, None]  # (b, h, n, 1): k_sᵀ U[t]
         W[:, :, :, s] = bh[:, :, s, None] * proj[..., 0]
-        U = ah[:, :, s, None, None] * (U - bh[:, :, s, None, None] * proj * kh[:, :, s, None, :])
+        U = ah[:, :, s, None, :] * (U - bh[:, :, s, None, None] * proj * kh[:, :, s, None, :])
     return W
 
 

@@ -1,0 +1,174 @@
+"""Readers of the hybrid layouts beyond :mod:`attnroll.capture.mixers`: the gated DeltaNets of Qwen3.5 and
+OLMo-Hybrid, Kimi Linear's KDA (a delta rule with a per-channel decay), RecurrentGemma's RG-LRU recurrent block,
+Falcon-H1's Mamba-2 mixer (run in parallel with attention in the same layer) and the Mamba / Mamba-2 mixers of
+Zamba and Zamba2 (whose shared attention block feeds the mixer's input).
+
+Each reader recomputes its layer's output from the forward hook's inputs, with the data-dependent gates held, as
+one matrix per channel / head (:mod:`attnroll.core.mixers`), checks that it reproduces the layer's real output,
+and returns the fused row-stochastic (b, 1, n, n) matrix of the layer's value-like input → mixed output.
+
+Where two token-mixing paths meet in one sum (Falcon-H1's attention + SSD branches; Zamba's hidden state + the
+shared block's projected output at the mixer's input), the paths are weighted per output token by the norm of
+each path's contribution to that sum (:func:`norm_weights`): w_i[t] = ‖y_i[t]‖ / Σ_j ‖y_j[t]‖.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..core import mixers as ops
+from . import mixers as base
+from .mixers import _causal_conv, _check_reproduces, _fold_conv, _keep, _l2, _normalised
+
+__all__ = ["READERS", "mixer_matrix", "norm_weights"]
+
+
+def norm_weights(*parts: torch.Tensor) -> list[torch.Tensor]:
+    """Per output token, each path's share of a sum of paths (b, n, d) each: ‖y_i[t]‖ / Σ_j ‖y_j[t]‖, (b, n, 1)
+    each (equal shares where every path is zero)."""
+    norms = [p.detach().to(torch.float64).norm(dim=-1, keepdim=True) for p in parts]
+    total = sum(norms)
+    ok = total > 0
+    return [torch.where(ok, nm / torch.where(ok, total, torch.ones_like(total)), torch.full_like(nm, 1 / len(parts)))
+            for nm in norms]
+
+
+# ------------------------------------------------------------------------------- delta rules
+def _delta(module: nn.Module, hidden: torch.Tensor, mask: torch.Tensor | None, output: torch.Tensor,
+           parts: Callable[[torch.Tensor], tuple]) -> torch.Tensor:
+    """The layout-independent part of a gated DeltaNet / KDA reader. ``parts(h)`` gives, from the masked input h,
+    the convolution's input (b, n, 2·key_dim + value_dim: q, k, v), β (b, n, Hv), the log decay g ((b, n, Hv) or
+    (b, n, H, dk)) and ``finish(o)``: the layer's output from the delta rule's output o (b, n, Hv, dv)."""
+    b, n, _ = hidden.shape
+    keep = _keep(hidden, mask)
+    mixed, beta, g, finish = parts(hidden * keep)
+    u = _causal_conv(module, mixed.transpose(1, 2)).transpose(1, 2)
+    dk = getattr(module, "head_k_dim", None) or module.head_dim
+    key_dim = getattr(module, "key_dim", None) or module.qkv_dim
+    q, k, v = F.silu(u).split([key_dim, key_dim, mixed.shape[-1] - 2 * key_dim], dim=-1)
+    Hv = beta.shape[-1]
+    Hk = key_dim // dk
+    q = _l2(q.reshape(b, n, Hk, dk)).repeat_interleave(Hv // Hk, 2) * dk ** -0.5
+    k = _l2(k.reshape(b, n, Hk, dk)).repeat_interleave(Hv // Hk, 2)
+    W = ops.delta_matrix(q, k, beta.to(hidden.dtype), g.to(hidden.dtype))  # (b, Hv, n, n)
+    dv = v.shape[-1] // Hv
+    _check_reproduces(module, finish(ops.mix(W, v.reshape(b, n, Hv, dv))), output)
+    start = 2 * key_dim
+    gate_in = torch.sigmoid(u[..., start:]) * keep
+    return _normalised(_fold_conv(W, gate_in, module.conv1d.weight[start:, 0], dv))
+
+
+def _qwen3_5(module: nn.Module, hidden: torch.Tensor, mask: torch.Tensor | None, output: torch.Tensor) -> torch.Tensor:
+    """Qwen3.5's gated DeltaNet: Qwen3-Next's delta rule with separate in_proj_qkv / in_proj_z / in_proj_b /
+    in_proj_a projections; out = out_proj(RMSNorm(o) · SiLU(z))."""
+
+    def parts(h: torch.Tensor) -> tuple:
+        g = -module.A_log.float().exp() * F.softplus(module.in_proj_a(h).float() + module.dt_bias)
+        z = module.in_proj_z(h)
+        dv = module.head_v_dim
+
+        def finish(o: torch.Tensor) -> torch.Tensor:
+            y = module.norm(o.reshape(-1, dv), z.reshape(-1, dv)).reshape(*h.shape[:2], -1)
+            return module.out_proj(y)
+
+        return module.in_proj_qkv(h), module.in_proj_b(h).sigmoid(), g, finish
+
+    return _delta(module, hidden, mask, output, parts)
+
+
+def _olmo_hybrid(module: nn.Module, hidden: torch.Tensor, mask: torch.Tensor | None,
+                 output: torch.Tensor) -> torch.Tensor:
+    """OLMo-Hybrid's gated DeltaNet: separate q / k / v / a / b projections, β doubled when negative eigenvalues
+    are allowed, out = o_proj(RMSNorm(o) · SiLU(g_proj(h)))."""
+
+    def parts(h: torch.Tensor) -> tuple:
+        beta = module.b_proj(h).sigmoid() * (2.0 if module.allow_neg_eigval else 1.0)
+        g = -module.A_log.float().exp() * F.softplus(module.a_proj(h).float() + module.dt_bias)
+        gate, dv = module.g_proj(h), module.head_v_dim
+
+        def finish(o: torch.Tensor) -> torch.Tensor:
+            y = module.o_norm(o.reshape(-1, dv), gate.reshape(-1, dv)).reshape(*h.shape[:2], -1)
+            return module.o_proj(y)
+
+        mixed = torch.cat([module.q_proj(h), module.k_proj(h), module.v_proj(h)], dim=-1)
+        return mixed, beta, g, finish
+
+    return _delta(module, hidden, mask, output, parts)
+
+
+def _kimi_delta(module: nn.Module, hidden: torch.Tensor, mask: torch.Tensor | None,
+                output: torch.Tensor) -> torch.Tensor:
+    """Kimi Linear's KDA: the delta rule with a per-key-channel decay (its forget gate, (b, n, H, dk)), β = σ(b),
+    out = o_proj(RMSNorm(o) · σ(g_b(g_a(h)))) per head."""
+
+    def parts(h: torch.Tensor) -> tuple:
+        shape = (*h.shape[:2], -1, module.head_dim)
+        gate = module.g_b_proj(module.g_a_proj(h)).view(shape)
+
+        def finish(o: torch.Tensor) -> torch.Tensor:
+            return module.o_proj(module.o_norm(o, gate).reshape(*h.shape[:2], -1))
+
+        mixed = torch.cat([module.q_proj(h), module.k_proj(h), module.v_proj(h)], dim=-1)
+        return mixed, torch.sigmoid(module.b_proj(h)), module.forget_gate(h), finish
+
+    return _delta(module, hidden, mask, output, parts)
+
+
+# ------------------------------------------------------------------------------- RG-LRU
+def _rg_lru(module: nn.Module, hidden: torch.Tensor, position_ids: torch.Tensor | None,
+            output: torch.Tensor) -> torch.Tensor:
+    """RecurrentGemma's recurrent block: x = conv(linear_x(h)) per channel; the RG-LRU h_t = a_t h_{t−1} +
+    √(1 − a_t²) · i_t · x_t (a_t = exp(−8 r_t softplus(Λ)), the input gate i_t and recurrence gate r_t read from x
+    and held; a_t = 0 and no normalisation where the position restarts at 0); out = linear_out(h · GeLU(linear_y)).
+    Returns the fused (b, 1, n, n) matrix of linear_x(h) → h · GeLU(linear_y) (core.mixers.lru_matrix after
+    core.mixers.conv_matrix, the output branch a diagonal on the rows)."""
+    b, n, _ = hidden.shape
+    lru = module.rg_lru
+    y = module.act_fn(module.linear_y(hidden))
+    x_in = module.linear_x(hidden)
+    x = module.conv_1d(x_in.transpose(1, 2))[..., :n].transpose(1, 2)
+    H, w = lru.num_attention_heads, lru.block_width
+    act = x.reshape(b, n, H, w)
+    i_gate = torch.sigmoid(torch.einsum("bnhi,hij->bnhj", act, lru.input_gate_weight) + lru.input_gate_bias)
+    r_gate = torch.sigmoid(torch.einsum("bnhi,hij->bnhj", act, lru.recurrent_gate_weight) + lru.recurrent_gate_bias)
+    log_a = (-8.0 * r_gate.reshape(b, n, -1) * F.softplus(lru.recurrent_param)).to(hidden.dtype)
+    if position_ids is None:
+        position_ids = torch.arange(n, device=hidden.device)[None].expand(b, n)
+    reset = (position_ids == 0)[:, :, None].expand_as(log_a)
+    scale = i_gate.reshape(b, n, -1) * torch.where(reset, torch.ones_like(log_a), torch.sqrt(1 - torch.exp(2 * log_a)))
+    M = ops.lru_matrix(log_a.masked_fill(reset, 0.0), scale)  # (b, d, n, n)
+    restarts = reset[..., 0].to(torch.int64).cumsum(1)  # a restart at r cuts every path from s < r to t ≥ r
+    M = M * (restarts[:, None, :, None] == restarts[:, None, None, :])
+    M = M * y.transpose(1, 2)[:, :, :, None]
+    _check_reproduces(module, module.linear_out(ops.mix(M, x)), output)  # the conv's bias: a constant of x
+    return _normalised(_fold_conv(M, torch.ones_like(x), module.conv_1d.weight[:, 0], 1))
+
+
+#: Mixer class -> reader(module, hidden, mask or position ids, output), for the classes this module reads.
+READERS: dict[str, Callable[..., torch.Tensor]] = {
+    "Qwen3_5GatedDeltaNet": _qwen3_5, "Qwen3_5MoeGatedDeltaNet": _qwen3_5, "OlmoHybridGatedDeltaNet": _olmo_hybrid,
+    "KimiLinearDeltaAttention": _kimi_delta, "RecurrentGemmaRecurrentBlock": _rg_lru,
+}
+#: Readers that take the block's position ids (a restart at position 0 resets the recurrence) instead of a mask.
+_BY_POSITION = ("RecurrentGemmaRecurrentBlock",)
+
+
+def mixer_matrix(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> torch.Tensor:
+    """The fused (b, 1, n, n) matrix of a composed mixer's forward (its forward hook's args, kwargs and output):
+    this module's readers, else :func:`attnroll.capture.mixers.mixer_matrix`."""
+    name = type(module).__name__
+    if name not in READERS:
+        return base.mixer_matrix(module, args, kwargs, output)
+    hidden = args[0] if args else kwargs.get("hidden_states", kwargs.get("input_states"))
+    if name in _BY_POSITION:
+        extra = args[1] if len(args) > 1 else kwargs.get("position_ids")
+    else:
+        extra = kwargs.get("attention_mask")
+        extra = extra if extra is None or extra.ndim == 2 else None
+    out = output[0] if isinstance(output, (tuple, list)) else output
+    with torch.no_grad():
+        return READERS[name](module, hidden.detach(), extra, out)
