@@ -25,7 +25,7 @@ from . import diffllama
 from .hf_public import accepts_output_attentions, ask_for_attentions, eager_forwards, output_streams, validate_layers
 from .hf_vision import embeddings_of, input_size, mae_restore, patch_layout
 from .hooks import Adapter, Recorder, Site, make_sites, stream_names, supported_families
-from .hybrids import mixer_matrix
+from .hybrids import Wiring, mixer_matrix
 from .mixers import composable_mixers
 from .record import AttentionRecord, ModelFacts, config_token_id, config_token_ids, resolve_readout
 from .st_pooling import pooling_of_folder
@@ -141,12 +141,16 @@ class HFAdapter(Adapter):
                 "knows the transformers 5.x shape. Install a transformers 5.x release, or pass modules=/to_probs="
             ) from None
         order = {id(m): i for i, (_, m) in enumerate(model.named_modules())}
-        self.mixer_ids = {id(m) for _, m in composable_mixers(model)}
+        self.wiring = Wiring(model)  # parallel branches and shared blocks: no site of their own (capture/hybrids.py)
+        found = [f for f in found if id(f[1]) not in self.wiring.not_sites]
+        mixers = [(name, m) for name, m in composable_mixers(model) if id(m) not in self.wiring.not_sites]
+        self.mixer_ids = {id(m) for _, m in mixers}
         # a hybrid's mixer layers repeat their one fused matrix on every head of its attention layers (so that the
         # stream's layers have one shape: head fusions leave it unchanged)
         heads = getattr(config, "num_attention_heads", 1)
-        self.mixer_heads = heads if found and self.mixer_ids and isinstance(heads, int) and heads > 0 else 1
-        found += [(name, m, "attentions", 0) for name, m in composable_mixers(model)]
+        self.mixer_heads = heads if (found or self.wiring.shared) and self.mixer_ids and isinstance(
+            heads, int) and heads > 0 else 1
+        found += [(name, m, "attentions", 0) for name, m in mixers]
         found.sort(key=lambda f: order.get(id(f[1]), -1))
         self.index = {id(m): idx for _, m, _, idx in found}
         selfs = [f for f in found if f[2] == "attentions"]
@@ -180,9 +184,11 @@ class HFAdapter(Adapter):
         for site in sites:
             if id(site.module) in self.mixer_ids:  # a composed token mixer: its matrix, from its inputs and output
                 handle = site.module.register_forward_hook(
-                    lambda m, a, k, o, site=site: recorder.store(
-                        site, mixer_matrix(m, a, k, o).expand(-1, self.mixer_heads, -1, -1)), with_kwargs=True)
+                    lambda m, a, k, o, site=site: recorder.store(site, self.wiring.mixer(
+                        m, mixer_matrix(m, a, k, o)).expand(-1, self.mixer_heads, -1, -1)), with_kwargs=True)
                 stack.callback(handle.remove)
+        self.wiring.install(lambda m, fn, pre=False: stack.callback((m.register_forward_pre_hook if pre else
+                                                                     m.register_forward_hook)(fn, with_kwargs=True).remove))
 
     def install_pool_hooks(self, stack: ExitStack, heads: list[tuple[str, nn.Module]] | None = None) -> None:
         """Hook attention-pooling heads (SigLIP's MAP head) for their probe's attention, the readout;
@@ -211,7 +217,8 @@ class HFAdapter(Adapter):
     def extract(self, site: Site, args: tuple, output: Any) -> Any:
         if isinstance(output, (tuple, list)):
             idx = self.index[id(site.module)]
-            return output[idx] if -len(output) <= idx < len(output) else None
+            probs = output[idx] if -len(output) <= idx < len(output) else None
+            return self.wiring.attention(site.module, probs, output) if self.wiring else probs
         return output
 
     def facts(self) -> ModelFacts:

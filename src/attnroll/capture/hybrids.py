@@ -148,10 +148,60 @@ def _rg_lru(module: nn.Module, hidden: torch.Tensor, position_ids: torch.Tensor 
     return _normalised(_fold_conv(M, torch.ones_like(x), module.conv_1d.weight[:, 0], 1))
 
 
+
+# ------------------------------------------------------------------------------- Mamba-2 / Mamba layouts
+class _FalconInput:
+    """A Falcon-H1 mixer seen as a Mamba-2 mixer: its in_proj with the μP multipliers (the input's
+    ``ssm_in_multiplier``, the projection's ``mup_vector``) and its output gate (a grouped RMSNorm, or SiLU(z) alone
+    when the mixer has no norm) as Mamba2Mixer's."""
+
+    def __init__(self, module: nn.Module):
+        self._m = module
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._m, name)
+
+    def in_proj(self, h: torch.Tensor) -> torch.Tensor:
+        return self._m.in_proj(h * self._m.ssm_in_multiplier) * self._m.mup_vector.to(h.dtype)
+
+    def norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        return self._m.norm(y, z) if self._m.mamba_rms_norm else y * F.silu(z)
+
+
+def _falcon_h1(module: nn.Module, hidden: torch.Tensor, mask: torch.Tensor | None,
+               output: torch.Tensor) -> torch.Tensor:
+    """Falcon-H1's Mamba-2 mixer: Mamba2Mixer's reading (attnroll.capture.mixers) of its μP-scaled projection."""
+    return base._mamba2(_FalconInput(module), hidden, mask, output)
+
+
+def _zamba_mamba(module: nn.Module, hidden: torch.Tensor, mask: torch.Tensor | None,
+                 output: torch.Tensor) -> torch.Tensor:
+    """Zamba's multi-head Mamba mixer: in_proj's channels interleave x and z; x = SiLU(conv(x_in)); per Mamba head
+    its own x_proj / dt_proj / A / D make a selective scan over its channels (core.mixers.selective_matrix),
+    y = scan(x) · SiLU(z), out = out_proj(y). Returns the fused (b, 1, n, n) matrix of x_in → y, the conv and the
+    SiLU (its sigmoid held) folded per channel."""
+    b, n, _ = hidden.shape
+    keep = _keep(hidden, mask)
+    x_in, z = module.in_proj(hidden * keep).reshape(b, n, -1, 2).unbind(-1)
+    u = _causal_conv(module, x_in.transpose(1, 2)).transpose(1, 2)
+    x = F.silu(u) * keep
+    Hm, P, R, N = module.n_mamba_heads, module.mamba_head_dim, module.time_step_rank, module.ssm_state_size
+    per_head = []
+    for h in range(Hm):
+        ts, B, C = (x[..., h * P:(h + 1) * P] @ module.x_proj_weight[h].T).split([R, N, N], dim=-1)
+        dt = F.softplus(ts @ module.dt_proj_weight[h].T + module.dt_proj_bias[h])
+        A = -torch.exp(module.A_log[h].float()).to(hidden.dtype)
+        per_head.append(ops.selective_matrix(C, B, dt, A, module.D[h].to(hidden.dtype)))
+    M = torch.cat(per_head, dim=1) * F.silu(z).transpose(1, 2)[:, :, :, None]  # (b, I, n, n), the gate on the rows
+    _check_reproduces(module, module.out_proj(ops.mix(M, x)), output)
+    return _normalised(_fold_conv(M, torch.sigmoid(u) * keep, module.conv1d.weight[:, 0], 1))
+
+
 #: Mixer class -> reader(module, hidden, mask or position ids, output), for the classes this module reads.
 READERS: dict[str, Callable[..., torch.Tensor]] = {
     "Qwen3_5GatedDeltaNet": _qwen3_5, "Qwen3_5MoeGatedDeltaNet": _qwen3_5, "OlmoHybridGatedDeltaNet": _olmo_hybrid,
-    "KimiLinearDeltaAttention": _kimi_delta, "RecurrentGemmaRecurrentBlock": _rg_lru,
+    "KimiLinearDeltaAttention": _kimi_delta, "RecurrentGemmaRecurrentBlock": _rg_lru, "FalconH1Mixer": _falcon_h1,
+    "ZambaMambaMixer": _zamba_mamba, "Zamba2MambaMixer": base._mamba2,
 }
 #: Readers that take the block's position ids (a restart at position 0 resets the recurrence) instead of a mask.
 _BY_POSITION = ("RecurrentGemmaRecurrentBlock",)
@@ -172,3 +222,62 @@ def mixer_matrix(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> t
     out = output[0] if isinstance(output, (tuple, list)) else output
     with torch.no_grad():
         return READERS[name](module, hidden.detach(), extra, out)
+
+
+
+# ------------------------------------------------------------------------------- how the paths meet
+class Wiring:
+    """The hybrid layers in which a mixer is not one layer of its own: Falcon-H1's decoder layer runs its Mamba-2
+    mixer and its attention in parallel on the same input and adds their outputs (with multipliers) to the
+    residual: the layer's matrix is w_a·A_h + w_m·M per head (its record is the attention's site; the mixer is no
+    site of its own). Zamba's / Zamba2's hybrid layer runs a shared attention block on [h, embeddings], projects
+    its output T and feeds norm(h + T) to the layer's mixer, whose output is added to h: the layer's matrix is
+    M·(w_h·I + w_T·A_h) per head (its record is the mixer's site; the shared attention, run by several layers, is
+    no site). The w are :func:`norm_weights` of the summed paths, per output token."""
+
+    def __init__(self, model: nn.Module):
+        self.parallel: dict[int, tuple[nn.Module, nn.Module]] = {}  # id(attention) -> (mixer, decoder layer)
+        self.shared: dict[int, tuple[nn.Module, nn.Module]] = {}  # id(mixer) -> (hybrid layer, shared attention)
+        for mod in model.modules():
+            name = type(mod).__name__
+            if name == "FalconH1DecoderLayer":
+                self.parallel[id(mod.self_attn)] = (mod.mamba, mod)
+            elif name in ("ZambaHybridLayer", "Zamba2HybridLayer"):
+                block = getattr(mod, "shared_transf", None) or mod.shared_transformer
+                self.shared[id(mod.mamba_decoder.mamba)] = (mod, block.self_attn)
+        self.not_sites = {id(m) for m, _ in self.parallel.values()} | {id(a) for _, a in self.shared.values()}
+        self.stash: dict[Any, Any] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self.parallel or self.shared)
+
+    def install(self, hook: Callable[..., Any]) -> None:
+        """Hook what the combinations read: ``hook(module, fn, pre=False)`` registers fn as a forward (pre-)hook
+        with kwargs and arranges its removal."""
+        for mixer, layer in self.parallel.values():
+            hook(mixer, lambda m, a, k, o, layer=layer: self.stash.__setitem__(
+                id(m), (mixer_matrix(m, a, k, o), o.detach() * layer.ssm_out_multiplier)))
+        for mixer_id, (layer, attn) in self.shared.items():
+            hook(layer, lambda m, a, k, key=mixer_id: self.stash.__setitem__("current", key), pre=True)
+            hook(attn, lambda m, a, k, o: self.stash.__setitem__(("attn", self.stash.get("current")), o[1].detach()))
+            hook(layer.mamba_decoder, lambda m, a, k, key=mixer_id: self.stash.__setitem__(("paths", key), (
+                a[0] if a else k["hidden_states"], k["transformer_hidden_states"])), pre=True)
+
+    def attention(self, module: nn.Module, probs: Any, output: Any) -> Any:
+        """A parallel layer's matrix from its attention's probabilities (b, H, n, n) and output."""
+        if id(module) not in self.parallel or probs is None:
+            return probs
+        mixer, layer = self.parallel[id(module)]
+        M, y_m = self.stash.pop(id(mixer))
+        w_m, w_a = norm_weights(y_m, output[0].detach() * layer.attn_out_multiplier)
+        return (w_a[:, None] * probs + w_m[:, None] * M).to(probs.dtype)
+
+    def mixer(self, module: nn.Module, M: torch.Tensor) -> torch.Tensor:
+        """A shared-attention hybrid layer's matrix from its mixer's fused matrix M (b, 1, n, n)."""
+        if id(module) not in self.shared:
+            return M
+        A = self.stash.pop(("attn", id(module)))
+        h, T = self.stash.pop(("paths", id(module)))
+        w_h, w_T = norm_weights(h, T)
+        eye = torch.eye(M.shape[-1], dtype=M.dtype, device=M.device)
+        return M @ (w_h[:, None].to(M.dtype) * eye + w_T[:, None].to(M.dtype) * A.to(M.dtype))

@@ -188,9 +188,10 @@ CONV_MIXERS = ("Lfm2ShortConv", "Lfm3ShortConv")
 #: The gated DeltaNets read with Qwen3-Next's layout (in_proj_qkvz / in_proj_ba, a convolution over q, k, v).
 DELTA_MIXERS = ("Qwen3NextGatedDeltaNet",)
 #: Mixers read by attnroll.capture.hybrids: Qwen3.5's and OLMo-Hybrid's gated DeltaNets, Kimi Linear's KDA,
-#: RecurrentGemma's recurrent block.
+#: RecurrentGemma's recurrent block, Falcon-H1's parallel Mamba-2 mixer, Zamba's / Zamba2's Mamba / Mamba-2 mixers.
 HYBRID_MIXERS = ("Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet", "OlmoHybridGatedDeltaNet",
-                 "KimiLinearDeltaAttention", "RecurrentGemmaRecurrentBlock")
+                 "KimiLinearDeltaAttention", "RecurrentGemmaRecurrentBlock", "FalconH1Mixer", "ZambaMambaMixer",
+                 "Zamba2MambaMixer")
 COMPOSED = (*MAMBA2_MIXERS, "MambaMixer", "FalconMambaMixer", "JambaMambaMixer", *CONV_MIXERS, *DELTA_MIXERS,
             *HYBRID_MIXERS)
 #: Methods that compose these mixers' fused matrices (the dense record: one row-stochastic layer each).
