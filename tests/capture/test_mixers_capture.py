@@ -1,6 +1,7 @@
-"""Token mixers other than softmax attention (capture/mixers.py): hybrid stacks are refused by default naming the
-mixer, ``mixers="attention_only"`` rolls out through their attention layers alone, warned about and recorded;
-models without such mixers are unaffected; methods that read no layer ignore them."""
+"""Token mixers other than softmax attention (capture/mixers.py): a hybrid stack whose mixer attnroll does not compose
+is refused by default naming the mixer (shown here by taking each tiny hybrid's mixer class out of the composed ones),
+``mixers="attention_only"`` rolls out through their attention layers alone, warned about and recorded; models
+without such mixers are unaffected; methods that read no layer ignore them."""
 
 from __future__ import annotations
 
@@ -16,8 +17,12 @@ from attnroll.capture.mixers import find_mixers
 from ..zoo import HYBRIDS, decoder, sharp
 
 FAST = ("jamba", "qwen3_next", "lfm2", "recurrent_gemma")
-#: Hybrids whose mixers attnroll composes (capture/mixers.py COMPOSED); the others are refused by default.
-COMPOSED = ("jamba", "bamba", "nemotron_h", "granitemoehybrid", "lfm2", "lfm3", "qwen3_next")
+#: Hybrids whose mixers attnroll composes (capture/mixers.py COMPOSED, capture/hybrids.py): every tiny hybrid.
+COMPOSED = ("jamba", "bamba", "nemotron_h", "granitemoehybrid", "lfm2", "lfm3", "qwen3_next", "qwen3_5_text",
+            "olmo_hybrid", "kimi_linear", "recurrent_gemma", "falcon_h1", "zamba", "zamba2")
+#: Hybrids whose mixer is not one layer of its own (capture/hybrids.py Wiring: Falcon-H1's parallel branches,
+#: Zamba's shared attention block), tested in tests/capture/test_hybrids_capture.py.
+WIRED = ("falcon_h1", "zamba", "zamba2")
 #: The class each tiny hybrid's layer-0 mixer has (read off transformers' modeling files).
 MIXER_CLASS = {
     "jamba": "JambaMambaMixer", "bamba": "BambaMixer", "zamba": "ZambaMambaMixer", "zamba2": "Zamba2MambaMixer",
@@ -30,8 +35,18 @@ MIXER_CLASS = {
 
 
 def _hybrids(composed: bool = False) -> list:
+    """Every tiny hybrid (``composed=False``: each made uncomposed by :func:`_uncompose`), or the composed ones
+    whose mixer is a layer of its own."""
     return [pytest.param(t, marks=() if t in FAST else (pytest.mark.slow,)) for t in HYBRIDS
-            if (t in COMPOSED) == composed]
+            if not composed or (t in COMPOSED and t not in WIRED)]
+
+
+def _uncompose(monkeypatch, model_type: str) -> None:
+    """Take ``model_type``'s mixer class out of the composed ones: the model's mixer is then one attnroll does not
+    compose (as a new family's would be)."""
+    import attnroll.capture.mixers as mixers
+
+    monkeypatch.setattr(mixers, "COMPOSED", tuple(c for c in mixers.COMPOSED if c != MIXER_CLASS[model_type]))
 
 
 def _inputs(n: int = 6) -> dict:
@@ -42,11 +57,15 @@ def _inputs(n: int = 6) -> dict:
 
 
 def test_every_hybrid_is_listed():
-    assert set(MIXER_CLASS) == set(HYBRIDS) and set(COMPOSED) < set(HYBRIDS)
+    from attnroll.capture.mixers import COMPOSED as CLASSES
+
+    assert set(MIXER_CLASS) == set(HYBRIDS) and set(COMPOSED) == set(HYBRIDS)
+    assert {MIXER_CLASS[t] for t in COMPOSED} <= set(CLASSES)
 
 
 @pytest.mark.parametrize("model_type", _hybrids())
-def test_hybrid_refused_by_default_naming_its_mixer(model_type):
+def test_hybrid_refused_by_default_naming_its_mixer(model_type, monkeypatch):
+    _uncompose(monkeypatch, model_type)
     model = decoder(model_type)
     with pytest.raises(attnroll.UnsupportedModelError) as err:
         attnroll.explain(model, _inputs(), method="rollout")
@@ -56,7 +75,8 @@ def test_hybrid_refused_by_default_naming_its_mixer(model_type):
 
 
 @pytest.mark.parametrize("model_type", _hybrids())
-def test_attention_only_rolls_out_the_attention_layers_and_warns(model_type):
+def test_attention_only_rolls_out_the_attention_layers_and_warns(model_type, monkeypatch):
+    _uncompose(monkeypatch, model_type)
     model, inputs = decoder(model_type), _inputs()
     with pytest.warns(UserWarning, match="attention_only.*partial map"):
         e = attnroll.explain(model, inputs, method="rollout", mixers="attention_only", sinks="keep")
@@ -73,8 +93,12 @@ def test_attention_only_rolls_out_the_attention_layers_and_warns(model_type):
     torch.testing.assert_close(e.full_row, want * inputs["attention_mask"], atol=1e-5, rtol=1e-5)
 
 
-def test_gradient_methods_refused_too_and_input_gradients_are_not():
+def test_gradient_methods_refused_too_and_input_gradients_are_not(monkeypatch):
     model, inputs = decoder("recurrent_gemma"), _inputs()
+    for method in ("grad_rollout", "gae"):  # composed mixers: methods that read heads' gradients refuse them
+        with pytest.raises(attnroll.UnsupportedModelError, match="RecurrentGemmaRecurrentBlock"):
+            attnroll.explain(model, inputs, method=method)
+    _uncompose(monkeypatch, "recurrent_gemma")
     for method in ("grad_rollout", "gae", "raw", "flow"):
         with pytest.raises(attnroll.UnsupportedModelError, match="RecurrentGemmaRecurrentBlock"):
             attnroll.explain(model, inputs, method=method)

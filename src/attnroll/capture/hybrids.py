@@ -240,6 +240,9 @@ class Wiring:
         self.shared: dict[int, tuple[nn.Module, nn.Module]] = {}  # id(mixer) -> (hybrid layer, shared attention)
         for mod in model.modules():
             name = type(mod).__name__
+            mixer = getattr(mod, "mamba", None) or getattr(getattr(mod, "mamba_decoder", None), "mamba", None)
+            if type(mixer).__name__ not in base.COMPOSED:
+                continue
             if name == "FalconH1DecoderLayer":
                 self.parallel[id(mod.self_attn)] = (mod.mamba, mod)
             elif name in ("ZambaHybridLayer", "Zamba2HybridLayer"):

@@ -1,0 +1,172 @@
+"""The hybrid layouts of capture/hybrids.py: each mixer's fused matrix is the fused Jacobian (gates held) of its
+value path through transformers' own convolution and scan functions, float64; the parallel (Falcon-H1) and
+shared-attention (Zamba, Zamba2) layers are the norm-weighted sums of their paths as wired in the model's code; the
+composed rollout equals a naive product of those layers computed here from the model's own tensors."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+from torch.autograd.functional import jacobian
+
+import attnroll
+from attnroll.capture.hybrids import mixer_matrix
+
+from ..zoo import decoder
+
+#: The seven families of capture/hybrids.py (zoo model types) and the class of their mixers.
+SEVEN = {
+    "zamba": "ZambaMambaMixer", "zamba2": "Zamba2MambaMixer", "falcon_h1": "FalconH1Mixer",
+    "recurrent_gemma": "RecurrentGemmaRecurrentBlock", "qwen3_5_text": "Qwen3_5GatedDeltaNet",
+    "olmo_hybrid": "OlmoHybridGatedDeltaNet", "kimi_linear": "KimiLinearDeltaAttention",
+}
+#: Modeling module of each family and the scan / delta-rule function its mixer calls there (None: RG-LRU's method).
+RULE = {"zamba": "mamba_selective_scan", "zamba2": "mamba2_chunk_scan", "falcon_h1": "mamba2_chunk_scan",
+        "qwen3_5_text": "torch_chunk_gated_delta_rule", "olmo_hybrid": "torch_chunk_gated_delta_rule",
+        "kimi_linear": "chunk_kimi_delta_attention", "recurrent_gemma": None}
+FAST = ("zamba2", "falcon_h1", "kimi_linear", "recurrent_gemma")
+
+
+def _params() -> list:
+    return [pytest.param(t, marks=() if t in FAST else (pytest.mark.slow,)) for t in SEVEN]
+
+
+def _inputs(n: int = 7, pad: bool = True) -> dict:
+    ids = torch.randint(3, 99, (2, n), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    if pad:
+        mask[1, -2:] = 0
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def _module(model_type: str):
+    name = {"qwen3_5_text": "qwen3_5"}.get(model_type, model_type)
+    return importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+
+
+def _fused(J_per_channel: torch.Tensor) -> torch.Tensor:
+    """(b, c, n, n) per-channel Jacobians -> Σ_c |J_c|, rows divided by their sums."""
+    total = J_per_channel.abs().sum(1)
+    return total / total.sum(-1, keepdim=True)
+
+
+def _diag_jacobian(path, x: torch.Tensor) -> torch.Tensor:
+    """x (b, c, n) -> y (b, n, c) per channel: J[b, c, t, s] = ∂y[b, t, c] / ∂x[b, c, s]."""
+    J = jacobian(path, x.detach().contiguous())  # (b, n, c, b, c, n)
+    b, c = x.shape[0], x.shape[1]
+    return torch.stack([torch.stack([J[i, :, k, i, k, :] for k in range(c)]) for i in range(b)])
+
+
+def _references(model_type: str, calls: list, mixers: list) -> list[torch.Tensor]:
+    """Per mixer layer, the fused Jacobian of its value input -> scan output, gates held at the recorded values."""
+    mod = _module(model_type)
+    conv, rule = mod.causal_conv1d_fn.__wrapped_real__, getattr(mod, RULE[model_type]).__wrapped_real__
+    convs = [c for c in calls if c[0] == "conv"]
+    rules = [c for c in calls if c[0] == "rule"]
+    per_layer = len(rules) // len(convs)
+    out = []
+    for i, mixer in enumerate(mixers):
+        (_, a, k), layer_rules = convs[i], rules[i * per_layer:(i + 1) * per_layer]
+        xbc, w, bias = a[0], a[1] if len(a) > 1 else k["weight"], a[2] if len(a) > 2 else k.get("bias")
+        if model_type == "zamba":
+            start, stop = 0, mixer.intermediate_size
+        elif RULE[model_type] == "mamba2_chunk_scan":
+            start, stop = 0, mixer.intermediate_size
+        else:
+            start, stop = xbc.shape[1] - (mixer.value_dim if hasattr(mixer, "value_dim") else mixer.qkv_dim), None
+        sig = torch.sigmoid(conv(xbc, w, bias, activation=None))[:, start:stop].detach()
+
+        def path(v_in, xbc=xbc, w=w, bias=bias, sig=sig, layer_rules=layer_rules, start=start, stop=stop):
+            full = torch.cat([xbc[:, :start], v_in, xbc[:, stop:] if stop else xbc[:, :0]], 1)
+            x = conv(full, w, bias, activation=None)[:, start:stop] * sig  # (b, c, n)
+            return _scan(model_type, rule, x, layer_rules, mixer)
+
+        out.append(_fused(_diag_jacobian(path, xbc[:, start:stop])))
+    return out
+
+
+def _scan(model_type: str, rule, x: torch.Tensor, layer_rules: list, mixer) -> torch.Tensor:
+    """The recorded scan(s) of one layer applied to a new value x (b, c, n); returns (b, n, c)."""
+    b, c, n = x.shape
+    if model_type == "zamba":  # one selective scan per Mamba head, its output gate held
+        P = mixer.mamba_head_dim
+        ys = [rule(x[:, h * P:(h + 1) * P], *a[1:], **k) for h, (_, a, k) in enumerate(layer_rules)]
+        return torch.cat([y[0] if isinstance(y, tuple) else y for y in ys], 1).transpose(1, 2)
+    (_, a, k), = layer_rules
+    if RULE[model_type] == "mamba2_chunk_scan":
+        y = rule(x.transpose(1, 2).reshape(b, n, mixer.num_heads, -1), *a[1:], **k)
+    else:  # delta rules: (q, k, v, ...) with v (b, n, H, dv)
+        y = rule(a[0], a[1], x.transpose(1, 2).reshape(*a[2].shape), *a[3:], **k)
+    return (y[0] if isinstance(y, tuple) else y).reshape(b, n, c)
+
+
+def _record_calls(monkeypatch, model_type: str) -> list:
+    mod, calls = _module(model_type), []
+    for kind, name in (("conv", "causal_conv1d_fn"), ("rule", RULE[model_type])):
+        real = getattr(mod, name)
+        spy = (lambda *a, real=real, kind=kind, **k: calls.append((kind, a, k)) or real(*a, **k))
+        spy.__wrapped_real__ = real
+        monkeypatch.setattr(mod, name, spy)
+    return calls
+
+
+def _readers(model, cls: str) -> tuple[list, list]:
+    """Hooks computing capture/hybrids.mixer_matrix on every mixer of class ``cls``: (modules, matrices)."""
+    mixers = [m for m in model.modules() if type(m).__name__ == cls]
+    got: list = []
+    handles = [m.register_forward_hook(lambda mod, a, k, o: got.append(mixer_matrix(mod, a, k, o)), with_kwargs=True)
+               for m in mixers]
+    return mixers, got, handles
+
+
+def _rg_lru_references(model, inputs) -> tuple[list, list]:
+    """RecurrentGemma: the fused Jacobian of linear_x(h) -> RG-LRU(conv(·)) · GeLU(linear_y(h)) through the block's
+    own convolution and the RG-LRU's own scan, the gates (and √(1 − a²) normalisation) held as recorded."""
+    mixers, got, handles = _readers(model, SEVEN["recurrent_gemma"])
+    seen: dict = {}
+    for i, m in enumerate(mixers):
+        handles.append(m.linear_x.register_forward_hook(lambda mod, a, o, i=i: seen.__setitem__(("x", i), o)))
+        handles.append(m.linear_y.register_forward_hook(lambda mod, a, o, i=i: seen.__setitem__(("y", i), o)))
+        handles.append(m.conv_1d.register_forward_hook(lambda mod, a, o, i=i: seen.__setitem__(("c", i), o)))
+        real = m.rg_lru._rnn_scan
+        m.rg_lru._rnn_scan = lambda *a, i=i, real=real, **k: seen.__setitem__(("scan", i), k) or real(*a, **k)
+    with torch.no_grad():
+        model(**inputs)
+    for h in handles:
+        h.remove()
+    refs = []
+    for i, m in enumerate(mixers):
+        k, n = seen[("scan", i)], seen[("x", i)].shape[1]
+        conv_out = seen[("c", i)][..., :n].transpose(1, 2)
+        scale = (k["hidden_states"] / conv_out).detach()
+        y = m.act_fn(seen[("y", i)]).detach()
+        real = type(m.rg_lru)._rnn_scan
+
+        def path(x_in, m=m, k=k, scale=scale, y=y, real=real, n=n):
+            x = m.conv_1d(x_in)[..., :n].transpose(1, 2) * scale
+            return real(m.rg_lru, x, k["recurrent_gate"], k["reset"], None)[0] * y
+
+        refs.append(_fused(_diag_jacobian(path, seen[("x", i)].transpose(1, 2))))
+        del m.rg_lru._rnn_scan
+    return refs, got
+
+
+@pytest.mark.parametrize("model_type", _params())
+def test_each_mixer_is_the_fused_jacobian_of_its_layer(model_type, monkeypatch):
+    model = decoder(model_type).double()
+    inputs = _inputs(pad=False)
+    if model_type == "recurrent_gemma":
+        refs, got = _rg_lru_references(model, inputs)
+    else:
+        calls = _record_calls(monkeypatch, model_type)
+        mixers, got, handles = _readers(model, SEVEN[model_type])
+        with torch.no_grad():
+            model(**inputs)
+        for h in handles:
+            h.remove()
+        refs = _references(model_type, calls, mixers)
+    assert len(got) == len(refs) >= 1
+    for mine, ref in zip(got, refs):
+        torch.testing.assert_close(mine[:, 0], ref, atol=1e-5, rtol=0)
