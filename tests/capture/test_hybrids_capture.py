@@ -170,3 +170,88 @@ def test_each_mixer_is_the_fused_jacobian_of_its_layer(model_type, monkeypatch):
     assert len(got) == len(refs) >= 1
     for mine, ref in zip(got, refs):
         torch.testing.assert_close(mine[:, 0], ref, atol=1e-5, rtol=0)
+
+
+# ------------------------------------------------------------------------------- parallel and shared layers
+def _norm_share(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a's share of a + b per token (b, n, 1): ‖a_t‖ / (‖a_t‖ + ‖b_t‖)."""
+    na, nb = a.double().norm(dim=-1, keepdim=True), b.double().norm(dim=-1, keepdim=True)
+    return na / (na + nb)
+
+
+def _wired_layers(model_type: str, model, inputs) -> tuple[list, attnroll.AttentionRecord, list]:
+    """The record of ``model`` and, from hooks of this test on the same pass, each layer's matrix (b, H, n, n) as the
+    model's code wires its paths: Falcon-H1 w_a·A + w_m·M, Zamba M·(w_h·I + w_T·A) on hybrid layers, M alone on
+    the others (M: capture/hybrids.mixer_matrix of the layer's mixer, checked above against its Jacobian); also the
+    weight of the attention path of each layer that has one."""
+    seen: list = []
+    shares: list = []
+    handles = []
+    if model_type == "falcon_h1":
+        for layer in model.model.layers:
+            layer.ssm_out_multiplier *= 300.0  # the tiny model's SSD branch is ~1e-3 of its attention branch
+            handles.append(layer.mamba.register_forward_hook(lambda m, a, k, o, layer=layer: seen.append(
+                ("m", mixer_matrix(m, a, k, o), o * layer.ssm_out_multiplier)), with_kwargs=True))
+            handles.append(layer.self_attn.register_forward_hook(lambda m, a, o, layer=layer: seen.append(
+                ("a", o[1], o[0] * layer.attn_out_multiplier))))
+    else:
+        for layer in model.model.layers:
+            if hasattr(layer, "mamba_decoder"):
+                with torch.no_grad():  # the tiny model's projected shared-block output is ~1e-2 of the hidden state
+                    layer.linear.weight.mul_(100.0)
+            mamba = getattr(layer, "mamba_decoder", layer)
+            handles.append(mamba.register_forward_pre_hook(lambda m, a, k: seen.append(
+                ("paths", a[0] if a else k["hidden_states"], k.get("transformer_hidden_states"))), with_kwargs=True))
+            handles.append(mamba.mamba.register_forward_hook(
+                lambda m, a, k, o: seen.append(("m", mixer_matrix(m, a, k, o))), with_kwargs=True))
+        shared = {id(m): m for layer in model.model.layers if hasattr(layer, "mamba_decoder")
+                  for m in [getattr(layer, "shared_transf", None) or layer.shared_transformer]}
+        for block in shared.values():
+            handles.append(block.self_attn.register_forward_hook(lambda m, a, o: seen.append(("a", o[1]))))
+    rec = attnroll.capture(model, inputs)
+    for h in handles:
+        h.remove()
+    layers = []
+    if model_type == "falcon_h1":
+        for (_, M, y_m), (_, A, y_a) in zip(seen[0::2], seen[1::2]):
+            w_a = _norm_share(y_a, y_m)[:, None]
+            layers.append(w_a * A.double() + (1 - w_a) * M.double())
+            shares.append(w_a)
+        return layers, rec, shares
+    attn = iter([s[1] for s in seen if s[0] == "a"])
+    for (_, h, T), (_, M) in zip([s for s in seen if s[0] == "paths"], [s for s in seen if s[0] == "m"]):
+        if T is None:
+            layers.append(M.double())
+            continue
+        w_h = _norm_share(h, T)[:, None]
+        eye = torch.eye(M.shape[-1], dtype=torch.float64)
+        layers.append(M.double() @ (w_h * eye + (1 - w_h) * next(attn).double()))
+        shares.append(1 - w_h)
+    return layers, rec, shares
+
+
+@pytest.mark.parametrize("model_type", ["falcon_h1", "zamba", "zamba2"])
+def test_parallel_and_shared_layers_are_their_paths_weighted_by_norm(model_type):
+    model, inputs = decoder(model_type), _inputs(pad=False)
+    want, rec, shares = _wired_layers(model_type, model, inputs)
+    got = rec.streams["self"]
+    assert len(got) == len(want) == len(model.model.layers)
+    H = model.config.num_attention_heads
+    for g, w in zip(got, want):
+        assert g.shape[1] == H
+        torch.testing.assert_close(g.double(), w.expand(-1, H, -1, -1), atol=1e-5, rtol=0)
+        torch.testing.assert_close(g.sum(-1).double(), torch.ones(g.shape[:-1], dtype=torch.float64), atol=1e-5,
+                                   rtol=0)
+    # the attention path really enters: a weight strictly between 0 and 1 on every token of every such layer
+    assert shares and all(bool(((w > 0.01) & (w < 0.99)).all()) for w in shares), [float(w.min()) for w in shares]
+    # the composed rollout is the naive product of (I + mean_h L) / 2 over the layers, first layer first
+    e = attnroll.explain(model, inputs, method="rollout", sinks="keep")
+    n = inputs["input_ids"].shape[1]
+    R = torch.eye(n, dtype=torch.float64).expand(2, n, n)
+    for w in want:
+        R = (0.5 * w.mean(1) + 0.5 * torch.eye(n, dtype=torch.float64)) @ R
+    torch.testing.assert_close(e.full_row.double(), R[:, -1], atol=1e-5, rtol=0)
+    for method in ("raw", "flow"):
+        assert torch.isfinite(attnroll.explain(model, inputs, method=method).full_row).all()
+    with pytest.raises(attnroll.UnsupportedModelError, match=SEVEN[model_type]):
+        attnroll.explain(model, inputs, method="gae")
