@@ -332,3 +332,9 @@ def decoder(model_type: str) -> torch.nn.Module:
 SSM_FAMILIES = ("mamba2", "jamba")
 OTHER_BUILDERS.update({name: (lambda k, name=name: decoder(name)) for name in SSM_FAMILIES})
 FAMILIES = (*FAMILIES, *SSM_FAMILIES)
+
+#: Two hybrids whose mixer is not a layer of its own, in the contract matrix too: Falcon-H1 (attention and a Mamba-2
+#: mixer in parallel in each layer) and Zamba2 (a shared attention block feeding the next Mamba-2 mixer).
+WIRED_FAMILIES = ("falcon_h1", "zamba2")
+OTHER_BUILDERS.update({name: (lambda k, name=name: decoder(name)) for name in WIRED_FAMILIES})
+FAMILIES = (*FAMILIES, *WIRED_FAMILIES)

@@ -141,16 +141,7 @@ class HFAdapter(Adapter):
                 "knows the transformers 5.x shape. Install a transformers 5.x release, or pass modules=/to_probs="
             ) from None
         order = {id(m): i for i, (_, m) in enumerate(model.named_modules())}
-        self.wiring = Wiring(model)  # parallel branches and shared blocks: no site of their own (capture/hybrids.py)
-        found = [f for f in found if id(f[1]) not in self.wiring.not_sites]
-        mixers = [(name, m) for name, m in composable_mixers(model) if id(m) not in self.wiring.not_sites]
-        self.mixer_ids = {id(m) for _, m in mixers}
-        # a hybrid's mixer layers repeat their one fused matrix on every head of its attention layers (so that the
-        # stream's layers have one shape: head fusions leave it unchanged)
-        heads = getattr(config, "num_attention_heads", 1)
-        self.mixer_heads = heads if (found or self.wiring.shared) and self.mixer_ids and isinstance(
-            heads, int) and heads > 0 else 1
-        found += [(name, m, "attentions", 0) for name, m in mixers]
+        found = self._with_mixers(found)
         found.sort(key=lambda f: order.get(id(f[1]), -1))
         self.index = {id(m): idx for _, m, _, idx in found}
         selfs = [f for f in found if f[2] == "attentions"]
@@ -168,6 +159,21 @@ class HFAdapter(Adapter):
             # The public path: the model's own output_attentions=True on the eager path.
             self.from_outputs = True
             self.family = f"hf:{self.model_type} (output_attentions)"
+
+    def _with_mixers(self, found: list) -> list:
+        """The attention sites ``found`` with the composed token mixers added as sites of their own, less the
+        modules that are part of another site's layer (capture/hybrids.py Wiring: parallel branches, shared
+        blocks)."""
+        self.wiring = Wiring(self.model)
+        found = [f for f in found if id(f[1]) not in self.wiring.not_sites]
+        mixers = [(name, m) for name, m in composable_mixers(self.model) if id(m) not in self.wiring.not_sites]
+        self.mixer_ids = {id(m) for _, m in mixers}
+        # a hybrid's mixer layers repeat their one fused matrix on every head of its attention layers (so that the
+        # stream's layers have one shape: head fusions leave it unchanged)
+        heads = getattr(self.model.config, "num_attention_heads", 1)
+        self.mixer_heads = heads if (found or self.wiring.shared) and self.mixer_ids and isinstance(
+            heads, int) and heads > 0 else 1
+        return found + [(name, m, "attentions", 0) for name, m in mixers]
 
     def sites(self) -> list[Site]:
         return self._sites
@@ -218,7 +224,8 @@ class HFAdapter(Adapter):
         if isinstance(output, (tuple, list)):
             idx = self.index[id(site.module)]
             probs = output[idx] if -len(output) <= idx < len(output) else None
-            return self.wiring.attention(site.module, probs, output) if self.wiring else probs
+            wiring = getattr(self, "wiring", None)
+            return wiring.attention(site.module, probs, output) if wiring else probs
         return output
 
     def facts(self) -> ModelFacts:

@@ -39,8 +39,8 @@ MODES = ("compose", "attention_only")
 @dataclass(frozen=True)
 class MixerKind:
     """A known kind of token mixer: the class names it has (a regular expression searched in the class name),
-    how texts call it, and the models refused for it (README's refused row; those whose mixers are
-    :data:`COMPOSED` are composed instead)."""
+    how texts call it, and the models refused for it (README's refused row; "" when every family of that kind
+    attnroll knows is :data:`COMPOSED`)."""
 
     pattern: str
     kind: str
@@ -50,14 +50,13 @@ class MixerKind:
 #: The mixer kinds of the transformers families (the registry's ``TRANSFORMERS`` entry lists them), tried in order.
 KNOWN_MIXERS = (
     MixerKind(r"DeltaNet|DeltaAttention", "gated DeltaNet (linear attention with a delta-rule state)",
-              "Qwen3.5, OLMo-Hybrid, Kimi-Linear, Bailing-Hybrid"),
+              "Bailing-Hybrid"),
     MixerKind(r"LightningAttention", "lightning attention (linear attention with a decaying state)", "MiniMax"),
     MixerKind(r"ShortConv", "short causal convolution (gated)", "other gated short convolutions"),
-    MixerKind(r"RecurrentBlock|Rglru", "RG-LRU recurrent block (convolution + real-gated linear recurrence)",
-              "RecurrentGemma"),
+    MixerKind(r"RecurrentBlock|Rglru", "RG-LRU recurrent block (convolution + real-gated linear recurrence)", ""),
     MixerKind(r"Mamba2Mixer|^(Bamba|FalconH1)Mixer$|^Zamba2MambaMixer$|^GraniteMoeHybridMambaLayer$",
-              "Mamba-2 (SSD) mixer", "Zamba2, Falcon-H1"),
-    MixerKind(r"Mamba(Mixer|Layer)$|MambaMixer", "Mamba (selective state-space) mixer", "Zamba"),
+              "Mamba-2 (SSD) mixer", ""),
+    MixerKind(r"Mamba(Mixer|Layer)$|MambaMixer", "Mamba (selective state-space) mixer", ""),
 )
 
 #: Class names the structural search never takes for a mixer: the blocks themselves (a hybrid layer holding a
@@ -179,9 +178,8 @@ def check_mixers(model: nn.Module, mode: str, method: str) -> list[Mixer]:
 #: Mixer classes whose forward attnroll reads and composes (their matrix is checked against the layer's own
 #: output on every pass): the Mamba-2 mixers of Mamba2, Bamba, Nemotron-H and GraniteMoeHybrid, and the
 #: Mamba mixers of Mamba, Falcon-Mamba and Jamba, the gated short convolutions of LFM2 / LFM3, Qwen3-Next's gated
-#: DeltaNet. Not read: Falcon-H1 (its Mamba-2 mixer runs in parallel with
-#: attention, with multipliers), Zamba (a mixer with several heads of its own), Zamba2 (attention blocks shared by
-#: several layers, run before the layer's mixer).
+#: DeltaNet; and those of :data:`HYBRID_MIXERS`, read by attnroll.capture.hybrids (Falcon-H1's mixer runs in
+#: parallel with attention, Zamba's / Zamba2's follow a shared attention block: capture/hybrids.py Wiring).
 MAMBA2_MIXERS = ("Mamba2Mixer", "BambaMixer", "NemotronHMamba2Mixer", "GraniteMoeHybridMambaLayer")
 #: The gated short convolutions of LFM2 / LFM3.
 CONV_MIXERS = ("Lfm2ShortConv", "Lfm3ShortConv")

@@ -397,6 +397,20 @@ TRANSFORMERS = Family(
                        "folded) repeated on every head", prefix="0",
                readout="last real token; `rollout`, `raw`, `flow` compose it, the rest refuse it naming the mixer; "
                        "dense only"),
+        Models(models="transformers Qwen3.5, OLMo-Hybrid (gated DeltaNet + attention), Kimi-Linear (KDA: a delta "
+                      "rule with a per-channel decay + attention), RecurrentGemma (RG-LRU blocks + local attention)",
+               streams="self: attention and mixer layers in execution order (`capture/hybrids.py`), each mixer's "
+                       "fused matrix (the delta rule per value head, its convolution folded; RecurrentGemma: the "
+                       "convolution, then the RG-LRU with its gates held, the GeLU branch a diagonal) on every head",
+               prefix="0", readout="last real token; `rollout`, `raw`, `flow` compose it, the rest refuse it naming "
+                                   "the mixer; dense only"),
+        Models(models="transformers Falcon-H1 (attention and Mamba-2 in parallel in each layer), Zamba, Zamba2 "
+                      "(Mamba / Mamba-2 layers fed by a shared attention block)",
+               streams="self: one layer per decoder layer (`capture/hybrids.py` Wiring): Falcon-H1 w_a·A_h + "
+                       "w_m·M_SSD; Zamba's hybrid layers M·(w_h·I + w_T·A_h); weights per token by the norm of each "
+                       "summed path (multipliers included)", prefix="0",
+               readout="last real token; `rollout`, `raw`, `flow` compose it, the rest refuse it naming the mixer; "
+                       "dense only"),
         Models(models="transformers T5, BART, Marian, VisionEncoderDecoder, SeamlessM4T `...ForTextToText`",
                streams="encoder, decoder, cross",
                prefix="encoder from its embeddings (1 for a ViT encoder)", readout="decoder: last real token"),
@@ -552,4 +566,4 @@ def refusals() -> list[str]:
     """Every family's refused models with their reasons, in registry order."""
     return [r for f in FAMILIES for r in (*f.refused, *(o.readme for o in f.obstacles), *(
         f"{k.models} ({k.kind}; `mixers=\"attention_only\"` rolls out through their attention layers alone)"
-        for k in f.mixers))]
+        for k in f.mixers if k.models))]
