@@ -255,3 +255,13 @@ def test_parallel_and_shared_layers_are_their_paths_weighted_by_norm(model_type)
         assert torch.isfinite(attnroll.explain(model, inputs, method=method).full_row).all()
     with pytest.raises(attnroll.UnsupportedModelError, match=SEVEN[model_type]):
         attnroll.explain(model, inputs, method="gae")
+
+
+@pytest.mark.parametrize("model_type", _params())
+def test_padding_on_the_right_changes_nothing_on_the_real_tokens(model_type):
+    model, inputs = decoder(model_type), _inputs()
+    for method in ("rollout", "raw", "flow"):
+        e = attnroll.explain(model, inputs, method=method, sinks="keep")
+        alone = attnroll.explain(model, {k: v[1:, :5] for k, v in inputs.items()}, method=method, sinks="keep")
+        assert e.full_row[1, -2:].abs().max() == 0
+        torch.testing.assert_close(alone.full_row[0], e.full_row[1, :5], atol=1e-5, rtol=1e-5)
