@@ -139,6 +139,28 @@ def test_delta_matrix_is_the_gated_delta_rule():
     torch.testing.assert_close(mixers.mix(W, v), rule(v), atol=ATOL, rtol=0)
 
 
+def test_delta_matrix_with_a_per_channel_decay_is_kimi_delta_attention():
+    mod = importlib.import_module("transformers.models.kimi_linear.modeling_kimi_linear")
+    g_ = torch.Generator().manual_seed(4)
+    b, n, h, dk, dv = 2, 6, 2, 4, 3
+    q, k = (F.normalize(torch.randn(b, n, h, dk, dtype=torch.float64, generator=g_), dim=-1) for _ in range(2))
+    v = torch.randn(b, n, h, dv, dtype=torch.float64, generator=g_)
+    beta = torch.rand(b, n, h, dtype=torch.float64, generator=g_)
+    g = -2 * torch.rand(b, n, h, dk, dtype=torch.float64, generator=g_)  # a decay per key channel
+
+    def rule(vv):  # KDA's own recurrence (it computes in float32)
+        return mod.recurrent_kimi_delta_attention(q, k, vv, g, beta, None, False)[0].double()
+
+    W = mixers.delta_matrix(q * dk ** -0.5, k, beta, g)
+    J = jacobian(rule, v)
+    for i in range(b):
+        for hh in range(h):
+            torch.testing.assert_close(J[i, :, hh, 0, i, :, hh, 0], W[i, hh], atol=ATOL, rtol=0)
+    # a per-channel decay that is the same on every channel is the per-head gated DeltaNet
+    same = mixers.delta_matrix(q, k, beta, g[..., :1].expand(-1, -1, -1, dk))
+    torch.testing.assert_close(same, mixers.delta_matrix(q, k, beta, g[..., 0]), atol=1e-12, rtol=0)
+
+
 def test_lru_matrix_is_the_diagonal_recurrence():
     g_ = torch.Generator().manual_seed(4)
     b, n, d = 2, 6, 3
