@@ -260,9 +260,10 @@ class Wiring:
         for mixer, layer in self.parallel.values():
             hook(mixer, lambda m, a, k, o, layer=layer: self.stash.__setitem__(
                 id(m), (mixer_matrix(m, a, k, o), o.detach() * layer.ssm_out_multiplier)))
-        for mixer_id, (layer, attn) in self.shared.items():
-            hook(layer, lambda m, a, k, key=mixer_id: self.stash.__setitem__("current", key), pre=True)
+        for attn in {id(a): a for _, a in self.shared.values()}.values():  # a shared block: its every call
             hook(attn, lambda m, a, k, o: self.stash.__setitem__(("attn", self.stash.get("current")), o[1].detach()))
+        for mixer_id, (layer, _) in self.shared.items():
+            hook(layer, lambda m, a, k, key=mixer_id: self.stash.__setitem__("current", key), pre=True)
             hook(layer.mamba_decoder, lambda m, a, k, key=mixer_id: self.stash.__setitem__(("paths", key), (
                 a[0] if a else k["hidden_states"], k["transformer_hidden_states"])), pre=True)
 
