@@ -191,9 +191,11 @@ def test_state_space_stacks_compose(model_type):
     # padding on the right of a causal stack changes nothing on the real tokens
     alone = attnroll.explain(model, {k: v[1:, :4] for k, v in inputs.items()}, method="rollout", sinks="keep")
     torch.testing.assert_close(alone.full_row[0], e.full_row[1, :4], atol=1e-5, rtol=1e-5)
-    for method in ("grad_rollout", "gae", "alti"):
+    for method in ("attn_gradcam", "alti"):  # grad_rollout and gae compose it: test_mixers_grad.py
         with pytest.raises(attnroll.UnsupportedModelError, match="Mixer"):
             attnroll.explain(model, inputs, method=method)
+    for method in ("grad_rollout", "gae"):
+        assert torch.isfinite(attnroll.explain(model, inputs, method=method).full_row).all()
 
 
 def test_xlstm_still_refused():
@@ -229,10 +231,10 @@ def test_composed_hybrids_interleave_mixers_and_attention_in_execution_order(mod
     last = inputs["attention_mask"].sum(-1) - 1
     want = torch.stack([R[b, int(last[b])] for b in range(2)]).to(torch.float32)
     torch.testing.assert_close(e.full_row, want * inputs["attention_mask"], atol=1e-5, rtol=1e-5)
-    for method in ("raw", "flow"):
+    for method in ("raw", "flow", "grad_rollout", "gae"):
         assert torch.isfinite(attnroll.explain(model, inputs, method=method).full_row).all()
     with pytest.raises(attnroll.UnsupportedModelError, match=MIXER_CLASS[model_type]):
-        attnroll.explain(model, inputs, method="gae")
+        attnroll.explain(model, inputs, method="attn_gradcam")
 
 
 def test_lfm2_layer_is_the_fused_jacobian_of_its_gated_convolution():

@@ -25,7 +25,7 @@ from . import diffllama
 from .hf_public import accepts_output_attentions, ask_for_attentions, eager_forwards, output_streams, validate_layers
 from .hf_vision import embeddings_of, input_size, mae_restore, patch_layout
 from .hooks import Adapter, Recorder, Site, make_sites, stream_names, supported_families
-from .mixers import composable_mixers, mixer_matrix
+from .mixers import WEIGHTED, composable_mixers, mixer_matrix, mixer_reading
 from .record import AttentionRecord, ModelFacts, config_token_id, config_token_ids, resolve_readout
 from .st_pooling import pooling_of_folder
 from .transformers_private import (
@@ -176,12 +176,23 @@ class HFAdapter(Adapter):
         diffllama.install(stack, self.model)  # differential attention: its signed matrix is what the record holds
         self.install_pool_hooks(stack)
         super().install(stack, recorder, [s for s in sites if id(s.module) not in self.mixer_ids])
+        self.mixer_weighted: dict[tuple[str, int], Any] = {}
         for site in sites:
             if id(site.module) in self.mixer_ids:  # a composed token mixer: its matrix, from its inputs and output
                 handle = site.module.register_forward_hook(
-                    lambda m, a, k, o, site=site: recorder.store(
-                        site, mixer_matrix(m, a, k, o).expand(-1, self.mixer_heads, -1, -1)), with_kwargs=True)
+                    lambda m, a, k, o, site=site: self._store_mixer(recorder, site, m, a, k, o), with_kwargs=True)
                 stack.callback(handle.remove)
+
+    def _store_mixer(self, recorder: Recorder, site: Site, m: nn.Module, a: tuple, k: dict, o: Any) -> None:
+        """A composed mixer's fused matrix, repeated on the stream's heads; with gradients kept (and a mixer
+        whose gradient-weighted matrix attnroll computes), also its output and weighting
+        (``record.extra["mixer_weighted"]``, read by ``Context.grad_record``)."""
+        if recorder.keep_grad and type(m).__name__ in WEIGHTED:
+            fused, self.mixer_weighted[(site.stream, site.layer)] = mixer_reading(m, a, k, o)
+            fused.requires_grad_(True)  # a leaf of the record's graph: the gradient is taken at the mixer's output
+        else:
+            fused = mixer_matrix(m, a, k, o)
+        recorder.store(site, fused.expand(-1, self.mixer_heads, -1, -1))
 
     def install_pool_hooks(self, stack: ExitStack, heads: list[tuple[str, nn.Module]] | None = None) -> None:
         """Hook attention-pooling heads (SigLIP's MAP head) for their probe's attention, the readout;
@@ -288,6 +299,8 @@ class HFAdapter(Adapter):
 
     # ------------------------------------------------------------------------------------- metadata
     def metadata(self, record: AttentionRecord, inputs: dict[str, Any]) -> None:
+        if getattr(self, "mixer_weighted", None):
+            record.extra["mixer_weighted"], self.mixer_weighted = self.mixer_weighted, {}
         if getattr(self.model.config, "attention_type", None) == "block_sparse":
             self._refuse_block_sparse(record)
         for stream, layers in record.streams.items():
