@@ -168,3 +168,43 @@ def test_fused_rows_equal_the_dense_fusion():
         torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
     with pytest.raises(ValueError, match="how"):
         mixers.fuse_channels(Fd[:, None], how="max")
+
+
+@pytest.mark.parametrize("scale", [0.3, 40.0])
+def test_ssd_block_rows_equal_the_matrix_rows(scale):
+    """The blocks after the first take the columns before them as a rank-N product (decays factored at the block's
+    start); with strong decays (scale 40: most entries underflow) and with a positive rate (no factoring)."""
+    g_ = torch.Generator().manual_seed(6)
+    b, n, h, N = 2, 13, 3, 4
+    C, B = (torch.randn(b, n, h, N, dtype=torch.float64, generator=g_) for _ in range(2))
+    dt = F.softplus(torch.randn(b, n, h, dtype=torch.float64, generator=g_))
+    D = torch.randn(h, dtype=torch.float64, generator=g_)
+    for A in (-scale * torch.rand(h, dtype=torch.float64, generator=g_), torch.tensor([0.2, -0.1, -0.3]).double()):
+        M = mixers.ssd_matrix(C, B, dt, A, D)
+        for t0, t1 in ((0, 5), (5, 9), (9, 13), (12, 13)):
+            torch.testing.assert_close(mixers.ssd_block(C, B, dt, A, D, t0, t1), M[:, :, t0:t1], atol=1e-12,
+                                       rtol=1e-12)
+            torch.testing.assert_close(mixers.ssd_block(C, B, dt, A, D, t0, t1, causal_cols=True),
+                                       M[:, :, t0:t1, :t1], atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize("scale", [0.3, 40.0])
+def test_ssd_rows_forms_equal_the_dense_fusions(scale):
+    """``ssd_rows`` (|·| fusion, per-head factored blocks) and ``ssd_signed_rows`` (signed mean, a reverse scan in
+    linear time) against the dense fusions of ``ssd_matrix``; a positive rate takes their fallbacks."""
+    g_ = torch.Generator().manual_seed(7)
+    b, n, h, N = 2, 23, 3, 4
+    C, B = (torch.randn(b, n, h, N, dtype=torch.float64, generator=g_) for _ in range(2))
+    dt = F.softplus(torch.randn(b, n, h, dtype=torch.float64, generator=g_))
+    D = torch.randn(h, dtype=torch.float64, generator=g_)
+    r = torch.rand(b, 2, n, dtype=torch.float64, generator=g_)
+    I = torch.eye(n, dtype=torch.float64)
+    for A in (-scale * torch.rand(h, dtype=torch.float64, generator=g_), torch.tensor([0.2, -0.1, -0.3]).double()):
+        M = mixers.ssd_matrix(C, B, dt, A, D)
+        want_abs = r @ (0.5 * mixers.fuse_channels(M) + 0.5 * I)
+        want_signed = r @ (0.7 * mixers.fuse_channels(M, "mean") + 0.3 * I)
+        for rows in (4, 7, 64):
+            got = mixers.ssd_rows(r, C, B, dt, A, D, a=0.5, c=0.5, rows=rows)
+            torch.testing.assert_close(got, want_abs, atol=1e-12, rtol=0)
+            got = mixers.ssd_signed_rows(r, C, B, dt, A, D, a=0.7, c=0.3, chunk=rows)
+            torch.testing.assert_close(got, want_signed, atol=1e-10, rtol=0)

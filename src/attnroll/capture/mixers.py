@@ -472,3 +472,21 @@ def mixer_reading(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> 
         return W if clamp == "per_head" else W.clamp(min=0)
 
     return fused, (out, weigh)
+
+
+# ------------------------------------------------------------------------------- rows-only mixers
+#: Mixer classes with a rows-only form (the matrix-free route of ``rollout``): the Mamba-2 mixers.
+ROWS_MIXERS = MAMBA2_MIXERS
+
+
+def rows_layer(module: nn.Module, args: tuple, kwargs: dict, heads: int = 1) -> ops.SSDRows:
+    """A Mamba-2 mixer's layer of the matrix-free row sweep (core.mixers.SSDRows) from its forward hook's args and
+    kwargs: its gates, O(n·d) kept; the same fused matrix as :func:`mixer_matrix`, applied row block by row block."""
+    hidden = args[0] if args else kwargs["hidden_states"]
+    mask = kwargs.get("attention_mask")
+    if mask is not None and mask.ndim != 2:
+        mask = None
+    with torch.no_grad():
+        g = mamba2_gates(module, hidden.detach(), mask)
+        return ops.SSDRows(g.C, g.B, g.dt, g.A, g.D, torch.sigmoid(g.u) * _keep(hidden, mask), g.weight,
+                           heads=heads)
