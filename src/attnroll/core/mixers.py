@@ -314,18 +314,25 @@ class SSDRows:
         return self.C.device
 
     def block(self, t0: int, t1: int) -> torch.Tensor:
-        """Σ_c |K_c| for output rows [t0, t1) and columns [0, t1): (b, t1-t0, t1)."""
+        """Σ_c |K_c| for output rows [t0, t1) and columns [0, t1): (b, t1-t0, t1). Per head, channel c's entry is
+        K_c[t, s] = Σ_k M_h[t, s + k] · σ_c[s + k] · w_c[K-1-k]: one small product per column s over the K taps
+        (the head's rows shifted by k against the P channels' tap weights), then |·| summed over the channels."""
         M = ssd_block(self.C, self.B, self.dt, self.A, self.D, t0, t1, causal_cols=True)  # (b, H, rows, t1)
-        H, K = M.shape[1], self.weight.shape[-1]
+        b, H, R, _ = M.shape
+        K = self.weight.shape[-1]
         P = self.gate_in.shape[-1] // H
-        total = M.new_zeros(M.shape[0], t1 - t0, t1)
+        g = self.gate_in[:, :t1].to(M.dtype)  # (b, t1, H·P)
+        w = self.weight.to(M.dtype).flip(-1)  # w[:, k] = weight[:, K-1-k]
+        total = M.new_zeros(b, R, t1)
         for h in range(H):
             c0, c1 = h * P, (h + 1) * P
-            X = M[:, h, None] * self.gate_in[:, :t1, c0:c1].transpose(1, 2)[:, :, None, :]  # (b, P, rows, t1)
-            Kc = X * self.weight[c0:c1, K - 1].to(X.dtype)[None, :, None, None]
-            for k in range(1, min(K, t1)):  # (X · T_c)[·, s] = Σ_k X[·, s + k] w_c[K-1-k]
-                Kc[..., : t1 - k] += X[..., k:] * self.weight[c0:c1, K - 1 - k].to(X.dtype)[None, :, None, None]
-            total += Kc.abs_().sum(1)
+            shifted = M.new_zeros(b, R, t1, K)  # shifted[..., s, k] = M_h[:, :, s + k] (0 past the block's end)
+            coef = M.new_zeros(b, t1, K, P)  # coef[:, s, k, c] = σ_c[s + k] · w_c[K-1-k]
+            for k in range(min(K, t1)):
+                shifted[:, :, : t1 - k, k] = M[:, h, :, k:]
+                coef[:, : t1 - k, k] = g[:, k:, c0:c1] * w[c0:c1, k]
+            Kc = torch.einsum("brsk,bskc->brsc", shifted, coef)  # (b, rows, t1, P)
+            total += Kc.abs_().sum(-1)
         return total
 
     def apply_rows(self, r: torch.Tensor, *, a: float, c: float, renorm: bool = False,
