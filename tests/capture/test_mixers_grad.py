@@ -75,7 +75,8 @@ def _weighted(K: torch.Tensor, G: torch.Tensor, clamp: str) -> torch.Tensor:
     return Q.clamp(min=0).mean(1) if clamp == "per_head" else Q.mean(1).clamp(min=0)
 
 
-@pytest.mark.parametrize("model_type", ["mamba2", "jamba", "mamba", "lfm2", "qwen3_next", "nemotron_h"])
+@pytest.mark.parametrize("model_type", ["mamba2", "jamba", "mamba", "lfm2", "qwen3_next", "nemotron_h", "falcon_mamba",
+                                        "bamba", "granitemoehybrid", "lfm3"])
 @pytest.mark.parametrize("clamp", ["per_head", "after_mean"])
 def test_mixer_weighting_is_autograd_through_explicit_channel_matrices(model_type, clamp):
     model, inputs = _double(model_type), _inputs()
