@@ -20,7 +20,10 @@ head or channel (the layer's Jacobian with those gates detached):
 A mixer and the layers it feeds are composed through :func:`compose` (per channel: a convolution then the SSM).
 The per-channel / per-head matrices become one token-to-token matrix per layer with :func:`fuse_channels`
 (the method choice, see docs/methods.md). :func:`fused_rows` gives the same fused matrix applied to relevance
-rows, one block of output tokens at a time (memory O(block·n) per channel group, no (n, n) per channel kept).
+rows, one block of output tokens at a time (memory O(block·n) per channel group, no (n, n) per channel kept);
+:func:`ssd_rows` does so for the SSD matrices with each block's earlier columns one rank-N product per head,
+:func:`ssd_signed_rows` sweeps the signed head mean in linear time, and :class:`SSDRows` is a Mamba-2 mixer (its
+convolution folded) as a layer of the matrix-free row sweep (``core.operators.apply_layer``).
 
 Torch only; every input is a tensor of the forward pass (float64 for exactness checks).
 """
