@@ -6,12 +6,15 @@ transformers' torch path), one prompt of n tokens:
   gates       the same forward with attnroll's hooks reading every mixer's SSD gates (capture/mixers.py
               ``mamba2_gates``: in_proj, convolution, softplus; O(n·d) per layer kept);
   rows        rollout of the last token's row down the stack from those gates, one block of 256 output tokens at a
-              time (core/mixers.py ``fused_rows`` over ``ssd_block``: the per-head SSD matrices fused by the mean of
-              |·|, rows normalised, residual blend 0.5; the causal convolution is stated apart, not folded), never
-              holding an n×n matrix.
+              time (core/mixers.py ``ssd_rows``: the per-head SSD matrices fused by the mean of |·|, rows
+              normalised, residual blend 0.5; each head's columns before the block one rank-N product, added into
+              Σ_h |M_h| head by head; the causal convolution is stated apart, not folded), never holding an n×n
+              matrix: O(n²·h) entries per layer, exact;
+  signed      the same sweep with the signed head mean instead (``ssd_signed_rows``: a reverse scan, O(n·N·h)
+              per layer; heads' signed entries may cancel, see docs/methods.md).
 Reported: median seconds over --repeat rounds (calls alternating), ratios to the forward, and the peak memory
-the rows step allocates above its inputs (tracemalloc does not see torch; we read the largest block it holds:
-O(block·n·heads)). The machine load (/proc/loadavg) is printed with the figures.
+the rows step allocates above its inputs (tracemalloc does not see torch; we state the largest blocks it holds:
+Σ_h |M_h| and one head's block, 2·block·n floats). The machine load (/proc/loadavg) is printed with the figures.
 
 Usage: python benchmarks/bench_mixers.py [--n 8192] [--layers 8] [--repeat 3] [--threads 2]
 """
@@ -52,13 +55,16 @@ def gates_forward(model, ids):
     return out, kept
 
 
-def rows(kept, n: int, block: int) -> torch.Tensor:
-    """The last token's rollout row, from the top layer down."""
+def rows(kept, n: int, block: int, signed: bool = False) -> torch.Tensor:
+    """The last token's rollout row, from the top layer down (|·| fusion, or the signed head mean)."""
     r = torch.zeros(1, 1, n)
     r[0, 0, n - 1] = 1.0
     with torch.no_grad():
         for g in reversed(kept):
-            r = mixers.fused_rows(r, g.block, n, a=0.5, c=0.5, rows=block)
+            if signed:
+                r = mixers.ssd_signed_rows(r, g.C, g.B, g.dt, g.A, g.D, a=0.5, c=0.5)
+            else:
+                r = mixers.ssd_rows(r, g.C, g.B, g.dt, g.A, g.D, a=0.5, c=0.5, rows=block)
     return r
 
 
@@ -73,7 +79,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model = build(args.layers)
     ids = torch.randint(3, 99, (1, args.n), generator=torch.Generator().manual_seed(0))
-    times: dict[str, list[float]] = {"forward": [], "gates": [], "rows": []}
+    times: dict[str, list[float]] = {"forward": [], "gates": [], "rows": [], "signed": []}
     _, kept = gates_forward(model, ids)  # warm-up
     for _ in range(args.repeat):
         t = time.perf_counter()
@@ -86,17 +92,21 @@ def main() -> None:
         t = time.perf_counter()
         r = rows(kept, args.n, args.block)
         times["rows"].append(time.perf_counter() - t)
+        t = time.perf_counter()
+        rs = rows(kept, args.n, args.block, signed=True)
+        times["signed"].append(time.perf_counter() - t)
     med = {k: statistics.median(v) for k, v in times.items()}
     heads = kept[0].C.shape[2]
-    block_mb = args.block * args.n * heads * 4 / 2**20
+    block_mb = 2 * args.block * args.n * 4 / 2**20
     gates_mb = sum(sum(t.numel() * t.element_size() for t in (g.x, g.C, g.B, g.dt, g.z, g.u)) for g in kept) / 2**20
     print(f"Mamba-2, hidden 64, {args.layers} layers, {heads} heads, n = {args.n}, {args.threads} threads, "
           f"median of {args.repeat}; load {open('/proc/loadavg').read().split()[:3]}")
-    for k in ("forward", "gates", "rows"):
+    for k in ("forward", "gates", "rows", "signed"):
         print(f"  {k:8s} {med[k]:8.3f} s  {med[k] / med['forward']:6.2f}x")
-    print(f"  rollout (gates + rows) / forward: {(med['gates'] + med['rows']) / med['forward']:.2f}x")
-    print(f"  kept gates {gates_mb:.1f} MiB (linear in n); largest rows block {block_mb:.1f} MiB (block x n x heads)")
-    print(f"  row sums to {float(r.sum()):.6f}")
+    print(f"  rollout (gates + rows) / forward: {(med['gates'] + med['rows']) / med['forward']:.2f}x; signed "
+          f"(gates + signed) / forward: {(med['gates'] + med['signed']) / med['forward']:.2f}x")
+    print(f"  kept gates {gates_mb:.1f} MiB (linear in n); largest rows blocks {block_mb:.1f} MiB (2 x block x n)")
+    print(f"  row sums to {float(r.sum()):.6f} (|·|), {float(rs.sum()):.6f} (signed; min entry {float(rs.min()):.3g})")
 
 
 if __name__ == "__main__":

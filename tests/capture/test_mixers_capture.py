@@ -12,6 +12,7 @@ import torch
 
 import attnroll
 from attnroll.core.rollout import rollout
+from attnroll.capture import mixers as _mixers
 from attnroll.capture.mixers import find_mixers
 
 from ..zoo import HYBRIDS, decoder, sharp
@@ -215,9 +216,11 @@ def test_state_space_stacks_compose(model_type):
     # padding on the right of a causal stack changes nothing on the real tokens
     alone = attnroll.explain(model, {k: v[1:, :4] for k, v in inputs.items()}, method="rollout", sinks="keep")
     torch.testing.assert_close(alone.full_row[0], e.full_row[1, :4], atol=1e-5, rtol=1e-5)
-    for method in ("grad_rollout", "gae", "alti"):
+    for method in ("attn_gradcam", "alti"):  # grad_rollout and gae compose it: test_mixers_grad.py
         with pytest.raises(attnroll.UnsupportedModelError, match="Mixer"):
             attnroll.explain(model, inputs, method=method)
+    for method in ("grad_rollout", "gae"):
+        assert torch.isfinite(attnroll.explain(model, inputs, method=method).full_row).all()
 
 
 def test_xlstm_still_refused():
@@ -253,10 +256,15 @@ def test_composed_hybrids_interleave_mixers_and_attention_in_execution_order(mod
     last = inputs["attention_mask"].sum(-1) - 1
     want = torch.stack([R[b, int(last[b])] for b in range(2)]).to(torch.float32)
     torch.testing.assert_close(e.full_row, want * inputs["attention_mask"], atol=1e-5, rtol=1e-5)
-    for method in ("raw", "flow"):
+    weighted = all(type(m).__name__ in _mixers.WEIGHTED for m in model.modules()
+                   if type(m).__name__ in _mixers.COMPOSED)
+    for method in ("raw", "flow") + (("grad_rollout", "gae") if weighted else ()):
         assert torch.isfinite(attnroll.explain(model, inputs, method=method).full_row).all()
+    if not weighted:  # a mixer whose gradient-weighted matrix is not written: refused naming it
+        with pytest.raises(attnroll.UnsupportedModelError, match="grad_rollout' does not compose"):
+            attnroll.explain(model, inputs, method="grad_rollout")
     with pytest.raises(attnroll.UnsupportedModelError, match=MIXER_CLASS[model_type]):
-        attnroll.explain(model, inputs, method="gae")
+        attnroll.explain(model, inputs, method="attn_gradcam")
 
 
 def test_lfm2_layer_is_the_fused_jacobian_of_its_gated_convolution():

@@ -190,3 +190,73 @@ def test_fused_rows_equal_the_dense_fusion():
         torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
     with pytest.raises(ValueError, match="how"):
         mixers.fuse_channels(Fd[:, None], how="max")
+
+
+@pytest.mark.parametrize("scale", [0.3, 40.0])
+def test_ssd_block_rows_equal_the_matrix_rows(scale):
+    """The blocks after the first take the columns before them as a rank-N product (decays factored at the block's
+    start); with strong decays (scale 40: most entries underflow) and with a positive rate (no factoring)."""
+    g_ = torch.Generator().manual_seed(6)
+    b, n, h, N = 2, 13, 3, 4
+    C, B = (torch.randn(b, n, h, N, dtype=torch.float64, generator=g_) for _ in range(2))
+    dt = F.softplus(torch.randn(b, n, h, dtype=torch.float64, generator=g_))
+    D = torch.randn(h, dtype=torch.float64, generator=g_)
+    for A in (-scale * torch.rand(h, dtype=torch.float64, generator=g_), torch.tensor([0.2, -0.1, -0.3]).double()):
+        M = mixers.ssd_matrix(C, B, dt, A, D)
+        for t0, t1 in ((0, 5), (5, 9), (9, 13), (12, 13)):
+            torch.testing.assert_close(mixers.ssd_block(C, B, dt, A, D, t0, t1), M[:, :, t0:t1], atol=1e-12,
+                                       rtol=1e-12)
+            torch.testing.assert_close(mixers.ssd_block(C, B, dt, A, D, t0, t1, causal_cols=True),
+                                       M[:, :, t0:t1, :t1], atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize("scale", [0.3, 40.0])
+def test_ssd_rows_forms_equal_the_dense_fusions(scale):
+    """``ssd_rows`` (|·| fusion, per-head factored blocks) and ``ssd_signed_rows`` (signed mean, a reverse scan in
+    linear time) against the dense fusions of ``ssd_matrix``; a positive rate takes their fallbacks."""
+    g_ = torch.Generator().manual_seed(7)
+    b, n, h, N = 2, 23, 3, 4
+    C, B = (torch.randn(b, n, h, N, dtype=torch.float64, generator=g_) for _ in range(2))
+    dt = F.softplus(torch.randn(b, n, h, dtype=torch.float64, generator=g_))
+    D = torch.randn(h, dtype=torch.float64, generator=g_)
+    r = torch.rand(b, 2, n, dtype=torch.float64, generator=g_)
+    I = torch.eye(n, dtype=torch.float64)
+    for A in (-scale * torch.rand(h, dtype=torch.float64, generator=g_), torch.tensor([0.2, -0.1, -0.3]).double()):
+        M = mixers.ssd_matrix(C, B, dt, A, D)
+        want_abs = r @ (0.5 * mixers.fuse_channels(M) + 0.5 * I)
+        want_signed = r @ (0.7 * mixers.fuse_channels(M, "mean") + 0.3 * I)
+        for rows in (4, 7, 64):
+            got = mixers.ssd_rows(r, C, B, dt, A, D, a=0.5, c=0.5, rows=rows)
+            torch.testing.assert_close(got, want_abs, atol=1e-12, rtol=0)
+            got = mixers.ssd_signed_rows(r, C, B, dt, A, D, a=0.7, c=0.3, chunk=rows)
+            torch.testing.assert_close(got, want_signed, atol=1e-10, rtol=0)
+
+
+def test_ssd_rows_layer_equals_the_folded_dense_fusion():
+    """``SSDRows`` (the matrix-free route's Mamba-2 layer) against the dense Σ_c |S_h(c) · diag(g_c) · T_c|, rows
+    normalised, for blocks shorter than the kernel, with padding and with the renormalised residual."""
+    g_ = torch.Generator().manual_seed(8)
+    b, n, h, N, P, K = 2, 9, 2, 3, 2, 4
+    C, B = (torch.randn(b, n, h, N, dtype=torch.float64, generator=g_) for _ in range(2))
+    dt = F.softplus(torch.randn(b, n, h, dtype=torch.float64, generator=g_))
+    A, D = -torch.rand(h, dtype=torch.float64, generator=g_), torch.randn(h, dtype=torch.float64, generator=g_)
+    gate = torch.rand(b, n, h * P, dtype=torch.float64, generator=g_)
+    w = torch.randn(h * P, K, dtype=torch.float64, generator=g_)
+    S = mixers.ssd_matrix(C, B, dt, A, D)[:, torch.arange(h * P) // P]  # (b, C, n, n)
+    total = ((S * gate.transpose(1, 2)[:, :, None, :]) @ mixers.conv_matrix(w, n)[0]).abs().sum(1)
+    Fd = total / total.sum(-1, keepdim=True)
+    r = torch.rand(b, 2, n, dtype=torch.float64, generator=g_)
+    I = torch.eye(n, dtype=torch.float64)
+    for rows in (2, 4, 16):
+        lay = mixers.SSDRows(C, B, dt, A, D, gate, w, heads=3, rows=rows)
+        assert lay.shape == (b, 3, n, n)
+        torch.testing.assert_close(lay.apply_rows(r, a=0.5, c=0.5), r @ (0.5 * Fd + 0.5 * I), atol=1e-12, rtol=0)
+        want = r @ ((0.3 * Fd + 0.2 * I) / 0.5)  # renorm: rows of a·F + c·I divided by a + c
+        torch.testing.assert_close(lay.apply_rows(r, a=0.3, c=0.2, renorm=True), want, atol=1e-12, rtol=0)
+    mask = torch.ones(b, n, dtype=torch.bool)
+    mask[1, -3:] = False
+    Fm = total * mask[:, None, :]
+    Fm = Fm / Fm.sum(-1, keepdim=True)
+    got = mixers.SSDRows(C, B, dt, A, D, gate, w, rows=4).apply_rows(r * mask[:, None], a=0.5, c=0.5, mask=mask)
+    want = (r * mask[:, None]) @ (0.5 * Fm + 0.5 * I * mask[:, None, :])
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=0)

@@ -26,7 +26,7 @@ from .hf_public import accepts_output_attentions, ask_for_attentions, eager_forw
 from .hf_vision import embeddings_of, input_size, mae_restore, patch_layout
 from .hooks import Adapter, Recorder, Site, make_sites, stream_names, supported_families
 from .hybrids import Wiring, mixer_matrix
-from .mixers import composable_mixers
+from .mixers import ROWS_MIXERS, WEIGHTED, composable_mixers, mixer_reading
 from .record import AttentionRecord, ModelFacts, config_token_id, config_token_ids, resolve_readout
 from .st_pooling import pooling_of_folder
 from .transformers_private import (
@@ -187,14 +187,25 @@ class HFAdapter(Adapter):
         diffllama.install(stack, self.model)  # differential attention: its signed matrix is what the record holds
         self.install_pool_hooks(stack)
         super().install(stack, recorder, [s for s in sites if id(s.module) not in self.mixer_ids])
+        self.mixer_weighted: dict[tuple[str, int], Any] = {}
         for site in sites:
             if id(site.module) in self.mixer_ids:  # a composed token mixer: its matrix, from its inputs and output
                 handle = site.module.register_forward_hook(
-                    lambda m, a, k, o, site=site: recorder.store(site, self.wiring.mixer(
-                        m, mixer_matrix(m, a, k, o)).expand(-1, self.mixer_heads, -1, -1)), with_kwargs=True)
+                    lambda m, a, k, o, site=site: self._store_mixer(recorder, site, m, a, k, o), with_kwargs=True)
                 stack.callback(handle.remove)
-        self.wiring.install(lambda m, fn, pre=False: stack.callback((m.register_forward_pre_hook if pre else
-                                                                     m.register_forward_hook)(fn, with_kwargs=True).remove))
+        self.wiring.install(lambda m, fn, pre=False: stack.callback(
+            (m.register_forward_pre_hook if pre else m.register_forward_hook)(fn, with_kwargs=True).remove))
+
+    def _store_mixer(self, recorder: Recorder, site: Site, m: nn.Module, a: tuple, k: dict, o: Any) -> None:
+        """A composed mixer's fused matrix, repeated on the stream's heads; with gradients kept (and a mixer
+        whose gradient-weighted matrix attnroll computes), also its output and weighting
+        (``record.extra["mixer_weighted"]``, read by ``Context.grad_record``)."""
+        if recorder.keep_grad and type(m).__name__ in WEIGHTED and id(m) not in self.wiring.shared:
+            fused, self.mixer_weighted[(site.stream, site.layer)] = mixer_reading(m, a, k, o)
+            fused.requires_grad_(True)  # a leaf of the record's graph: the gradient is taken at the mixer's output
+        else:
+            fused = self.wiring.mixer(m, mixer_matrix(m, a, k, o))
+        recorder.store(site, fused.expand(-1, self.mixer_heads, -1, -1))
 
     def install_pool_hooks(self, stack: ExitStack, heads: list[tuple[str, nn.Module]] | None = None) -> None:
         """Hook attention-pooling heads (SigLIP's MAP head) for their probe's attention, the readout;
@@ -303,6 +314,8 @@ class HFAdapter(Adapter):
 
     # ------------------------------------------------------------------------------------- metadata
     def metadata(self, record: AttentionRecord, inputs: dict[str, Any]) -> None:
+        if getattr(self, "mixer_weighted", None):
+            record.extra["mixer_weighted"], self.mixer_weighted = self.mixer_weighted, {}
         if getattr(self.model.config, "attention_type", None) == "block_sparse":
             self._refuse_block_sparse(record)
         for stream, layers in record.streams.items():
@@ -530,7 +543,7 @@ def hf_facts(model: nn.Module, family: str = "") -> ModelFacts:
         # Each tower's input: the first argument of the model's own feature function for it.
         stream_inputs = {s: first_argument(getattr(model, f"get_{k}_features")) for s, k in (("vision", "image"),
                                                                                             ("text", "text"))}
-    mixed = [type(m).__name__ for _, m in composable_mixers(model)][:1]
+    mixed = [type(m).__name__ for _, m in composable_mixers(model) if type(m).__name__ not in ROWS_MIXERS][:1]
     return ModelFacts(
         dense_only=_DENSE_ONLY.get(getattr(config, "model_type", ""), "") or (
             f"its {mixed[0]} layers are composed as dense matrices (the matrix-free route recomputes softmax "

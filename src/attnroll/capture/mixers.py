@@ -154,12 +154,14 @@ def check_mixers(model: nn.Module, mode: str, method: str) -> list[Mixer]:
     mode = _checks.check_choice("mixers", mode, MODES)
     found = find_mixers(model)
     composed = [m for m in found if m.cls in COMPOSED]
-    if composed and method not in COMPOSING_METHODS:
-        m = composed[0]
+    weighted = method in GRADIENT_METHODS and all(m.cls in WEIGHTED for m in composed)
+    if composed and method not in COMPOSING_METHODS and not weighted:
+        m = next((m for m in composed if m.cls not in WEIGHTED), composed[0])
         raise _checks.UnsupportedModelError(
             f"{type(model).__name__} layer {m.layer} mixes tokens with a {m.kind} ({m.cls} at {m.path}), which "
             f"method {method!r} does not compose (it reads attention heads, their gradients or value vectors that "
-            f"such a mixer does not have); methods that compose it: {', '.join(COMPOSING_METHODS)}"
+            f"such a mixer does not have); methods that compose it: "
+            f"{', '.join(COMPOSING_METHODS + (GRADIENT_METHODS if m.cls in WEIGHTED else ()))}"
         )
     left = [m for m in found if m.cls not in COMPOSED]
     if left and mode == "compose":
@@ -223,17 +225,49 @@ def _check_reproduces(module: nn.Module, got: torch.Tensor, output: torch.Tensor
         )
 
 
-def _fold_conv(M: torch.Tensor, gate_in: torch.Tensor, weight: torch.Tensor, heads_of: int) -> torch.Tensor:
-    """Σ_c |M_{h(c)} · diag(gate_in_c) · T_c| over channels, (b, n, n): M (b, H, n, n) per head (``heads_of``
-    channels each) or per channel (``heads_of`` = 1), gate_in (b, n, ch), weight (ch, K)."""
-    b, _, n, _ = M.shape
-    total = M.new_zeros(b, n, n)
-    T = ops.conv_matrix(weight.to(M.dtype), n)[0]  # (ch, n, n)
-    for h in range(M.shape[1]):
-        c0, c1 = h * heads_of, (h + 1) * heads_of
-        per = M[:, h, None] * gate_in[:, :, c0:c1].transpose(1, 2)[:, :, None, :]  # (b, P, n, n)
-        total += (per @ T[c0:c1]).abs().sum(1)
+@dataclass
+class MixerParts:
+    """A composed mixer's reading, per channel c: y[:, :, c] = K_c · x_in[:, :, c] (+ what no token gives: a
+    convolution bias), K_c = M_{h(c)} · diag(gate_in_c) · T_c with M (b, H, n, n) per head (``heads_of`` channels
+    each; per channel when 1), T_c the causal convolution of ``weight`` (C, K) and gate_in (b, n, C) the SiLU's
+    sigmoid held; without ``weight`` K_c = M_c. ``post`` maps y (b, n, C) to the module's output."""
+
+    M: torch.Tensor
+    heads_of: int
+    x_in: torch.Tensor
+    y: torch.Tensor
+    post: Any
+    gate_in: torch.Tensor | None = None
+    weight: torch.Tensor | None = None
+
+
+def _fold(p: MixerParts, g_y: torch.Tensor | None = None, clamp: str = "per_head") -> torch.Tensor:
+    """Σ_c |K_c| over channels, (b, n, n); with the gradient g_y (b, n, C) of a target with respect to y, the
+    gradient-weighted Σ_c (K_c ⊙ ∂y/∂K_c)^+ (``clamp`` "per_head": each channel's positive part) or
+    Σ_c K_c ⊙ ∂y/∂K_c (``clamp`` "after_mean", the caller clamps), ∂y/∂K_c[t, s] = g_y[t, c] · x_in[s, c]."""
+    b, G, n, _ = p.M.shape
+    total = p.M.new_zeros(b, n, n)
+    T = None if p.weight is None else ops.conv_matrix(p.weight.to(p.M.dtype), n)[0]  # (C, n, n)
+    step = p.heads_of if T is not None or p.heads_of > 1 else G  # per head; all channels at once without a conv
+    for c0 in range(0, G * p.heads_of, step):
+        c1 = c0 + step
+        if T is None:
+            K = p.M[:, c0:c1] if p.heads_of == 1 else p.M[:, c0 // p.heads_of, None].expand(-1, step, -1, -1)
+        else:
+            h = c0 // p.heads_of
+            K = (p.M[:, h, None] * p.gate_in[:, :, c0:c1].transpose(1, 2)[:, :, None, :]) @ T[c0:c1]
+        if g_y is None:
+            total += K.abs().sum(1)
+            continue
+        Q = K * g_y[:, :, c0:c1].transpose(1, 2)[..., :, None] * p.x_in[:, :, c0:c1].transpose(1, 2)[..., None, :]
+        total += (Q.clamp(min=0) if clamp == "per_head" else Q).sum(1)
     return total
+
+
+def _fold_conv(M: torch.Tensor, gate_in: torch.Tensor, weight: torch.Tensor, heads_of: int) -> torch.Tensor:
+    """Σ_c |M_{h(c)} · diag(gate_in_c) · T_c| over channels, (b, n, n): :func:`_fold` for a reading whose value and
+    output are not needed (no gradient weighting); M (b, H, n, n), gate_in (b, n, ch), weight (ch, K)."""
+    return _fold(MixerParts(M, heads_of, x_in=gate_in, y=gate_in, post=None, gate_in=gate_in, weight=weight))
 
 
 def _normalised(total: torch.Tensor) -> torch.Tensor:
@@ -289,19 +323,34 @@ def _mamba2(module: nn.Module, hidden: torch.Tensor, mask: torch.Tensor | None, 
     """Mamba2Mixer: x = SiLU(conv(x_in)) per channel, y = SSD(x) per head (core.mixers.ssd_matrix), out =
     out_proj(RMSNorm(y · SiLU(z))). Returns the fused (b, 1, n, n) matrix of x_in → y, the conv and the SiLU
     (its sigmoid held) folded per channel."""
+    return _normalised(_fold(_mamba2_parts(module, hidden, mask, output)))
+
+
+def _mamba2_parts(module: nn.Module, hidden: torch.Tensor, mask: torch.Tensor | None,
+                  output: torch.Tensor) -> "MixerParts":
+    """:class:`MixerParts` of a Mamba2Mixer (see :func:`_mamba2`), checked to reproduce its output."""
     g = mamba2_gates(module, hidden, mask)
     b, n, H, P = g.x.shape
     M = ops.ssd_matrix(g.C, g.B, g.dt, g.A, g.D)
     y = ops.mix(M, g.x).reshape(b, n, H * P)
-    _check_reproduces(module, module.out_proj(module.norm(y, g.z)), output)
-    gate_in = torch.sigmoid(g.u) * _keep(hidden, mask)
-    return _normalised(_fold_conv(M, gate_in, g.weight, P))
+    post = lambda y: module.out_proj(module.norm(y, g.z))  # noqa: E731
+    _check_reproduces(module, post(y), output)
+    keep = _keep(hidden, mask)
+    x_in = module.in_proj(hidden * keep)[..., g.z.shape[-1]:g.z.shape[-1] + H * P]
+    return MixerParts(M=M, heads_of=P, x_in=x_in, y=y, post=post, gate_in=torch.sigmoid(g.u) * keep,
+                      weight=g.weight)
 
 
 def _mamba(module: nn.Module, hidden: torch.Tensor, mask: torch.Tensor | None, output: torch.Tensor) -> torch.Tensor:
     """MambaMixer / FalconMambaMixer: x = SiLU(conv(x_in)), y_d = SiLU(z_d) · selective scan_d(x) per channel
     (core.mixers.selective_matrix; Falcon-Mamba normalises Δ, B, C first). Returns the fused (b, 1, n, n)
     matrix of x_in → y, the conv, the SiLU (its sigmoid held) and the output gate folded per channel."""
+    return _normalised(_fold(_mamba_parts(module, hidden, mask, output)))
+
+
+def _mamba_parts(module: nn.Module, hidden: torch.Tensor, mask: torch.Tensor | None,
+                 output: torch.Tensor) -> "MixerParts":
+    """:class:`MixerParts` of a MambaMixer / FalconMambaMixer (see :func:`_mamba`), checked against its output."""
     b, n, _ = hidden.shape
     N, R = module.ssm_state_size, module.time_step_rank
     keep = _keep(hidden, mask)
@@ -317,22 +366,30 @@ def _mamba(module: nn.Module, hidden: torch.Tensor, mask: torch.Tensor | None, o
     A = -torch.exp(module.A_log.float()).to(hidden.dtype)
     M = ops.selective_matrix(C, B, dt, A, module.D.to(hidden.dtype))  # (b, I, n, n)
     M = M * F.silu(z).transpose(1, 2)[:, :, :, None]  # the output gate, a diagonal on the rows
-    _check_reproduces(module, module.out_proj(ops.mix(M, x)), output)
-    gate_in = torch.sigmoid(u) * keep
-    return _normalised(_fold_conv(M, gate_in, module.conv1d.weight[:, 0], 1))
+    y = ops.mix(M, x)
+    _check_reproduces(module, module.out_proj(y), output)
+    return MixerParts(M=M, heads_of=1, x_in=x_in, y=y, post=module.out_proj, gate_in=torch.sigmoid(u) * keep,
+                      weight=module.conv1d.weight[:, 0])
 
 
 def _short_conv(module: nn.Module, hidden: torch.Tensor, mask: torch.Tensor | None,
                 output: torch.Tensor) -> torch.Tensor:
     """LFM2's gated short convolution: B, C, x = in_proj(h); y = out_proj(C · conv(B · x)). Returns the fused
     (b, 1, n, n) matrix of x → C · conv(B · x) per channel (core.mixers.conv_matrix, B and C as diagonals)."""
+    return _normalised(_fold(_short_conv_parts(module, hidden, mask, output)))
+
+
+def _short_conv_parts(module: nn.Module, hidden: torch.Tensor, mask: torch.Tensor | None,
+                      output: torch.Tensor) -> "MixerParts":
+    """:class:`MixerParts` of a gated short convolution (see :func:`_short_conv`), checked against its output."""
     b, n, _ = hidden.shape
     keep = _keep(hidden, mask)
     Bg, Cg, x = module.in_proj(hidden * keep).chunk(3, dim=-1)
     M = ops.conv_matrix(module.conv.weight[:, 0], n, pre=Bg * keep, post=Cg)  # (b, d, n, n)
     bias = 0 if module.conv.bias is None else module.conv.bias
-    _check_reproduces(module, module.out_proj(ops.mix(M, x) + Cg * bias), output)
-    return _normalised(M.abs().sum(1))
+    y = ops.mix(M, x) + Cg * bias
+    _check_reproduces(module, module.out_proj(y), output)
+    return MixerParts(M=M, heads_of=1, x_in=x, y=y, post=module.out_proj)
 
 
 def _l2(x: torch.Tensor) -> torch.Tensor:
@@ -346,6 +403,12 @@ def _gated_delta(module: nn.Module, hidden: torch.Tensor, mask: torch.Tensor | N
     scaled by 1/√d_k), β = σ(b), log α = −exp(A_log)·softplus(a + dt_bias); o = the delta rule
     (core.mixers.delta_matrix per value head), out = out_proj(RMSNorm(o) · SiLU(z)). Returns the fused (b, 1, n, n)
     matrix of v_in → o, the convolution and the SiLU (its sigmoid held) folded per value channel."""
+    return _normalised(_fold(_gated_delta_parts(module, hidden, mask, output)))
+
+
+def _gated_delta_parts(module: nn.Module, hidden: torch.Tensor, mask: torch.Tensor | None,
+                       output: torch.Tensor) -> "MixerParts":
+    """:class:`MixerParts` of Qwen3-Next's gated DeltaNet (see :func:`_gated_delta`), checked against its output."""
     b, n, _ = hidden.shape
     keep = _keep(hidden, mask)
     h = hidden * keep
@@ -358,12 +421,13 @@ def _gated_delta(module: nn.Module, hidden: torch.Tensor, mask: torch.Tensor | N
     k = _l2(k.reshape(b, n, Hk, dk)).repeat_interleave(Hv // Hk, 2)
     g = -module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias)
     W = ops.delta_matrix(q, k, bb.sigmoid(), g.to(hidden.dtype))  # (b, Hv, n, n)
-    o = ops.mix(W, v.reshape(b, n, Hv, dv))
-    got = module.norm(o.reshape(-1, dv), z.reshape(-1, dv)).reshape(b, n, -1)
-    _check_reproduces(module, module.out_proj(got), output)
+    o = ops.mix(W, v.reshape(b, n, Hv, dv)).reshape(b, n, Hv * dv)
+    post = lambda o: module.out_proj(  # noqa: E731
+        module.norm(o.reshape(-1, dv), z.reshape(-1, dv)).reshape(b, n, -1))
+    _check_reproduces(module, post(o), output)
     start = 2 * module.key_dim
-    gate_in = torch.sigmoid(u[..., start:]) * keep
-    return _normalised(_fold_conv(W, gate_in, module.conv1d.weight[start:, 0], dv))
+    return MixerParts(M=W, heads_of=dv, x_in=mixed[..., start:], y=o, post=post,
+                      gate_in=torch.sigmoid(u[..., start:]) * keep, weight=module.conv1d.weight[start:, 0])
 
 
 def mixer_matrix(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> torch.Tensor:
@@ -379,3 +443,60 @@ def mixer_matrix(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> t
         read = (_mamba2 if name in MAMBA2_MIXERS else _short_conv if name in CONV_MIXERS else
                 _gated_delta if name in DELTA_MIXERS else _mamba)
         return read(module, hidden.detach(), mask, out)
+
+
+# ------------------------------------------------------------------------------- gradient-weighted mixers
+#: Methods that compose a mixer's gradient-weighted matrix (:func:`mixer_reading`), for the classes of
+#: :data:`WEIGHTED`: Ā = mean_c((K_c ⊙ ∂y/∂K_c)^+) per layer, Chefer's rule on the mixer's per-channel matrices.
+GRADIENT_METHODS = ("grad_rollout", "gae")
+_PARTS = {**{c: _mamba2_parts for c in MAMBA2_MIXERS}, "MambaMixer": _mamba_parts, "FalconMambaMixer": _mamba_parts,
+          "JambaMambaMixer": _mamba_parts, **{c: _short_conv_parts for c in CONV_MIXERS},
+          **{c: _gated_delta_parts for c in DELTA_MIXERS}}
+#: Mixer classes whose gradient-weighted matrix attnroll computes.
+WEIGHTED = tuple(_PARTS)
+
+
+def mixer_reading(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> tuple[torch.Tensor, Any]:
+    """A composed mixer's fused (b, 1, n, n) matrix (as :func:`mixer_matrix`) and ``(out, weigh)``: the module's
+    output tensor (differentiate the target with respect to it) and ``weigh(g_out, clamp)`` -> (b, n, n), the
+    layer's gradient-weighted matrix from that gradient g_out (b, n, d):
+
+    Ā = mean_c((K_c ⊙ G_c)^+) ("per_head") or (mean_c(K_c ⊙ G_c))^+ ("after_mean"), K_c the channel's matrix of
+    x_in → y (:class:`MixerParts`) and G_c[t, s] = ∂target/∂K_c[t, s] = (∂target/∂y)[t, c] · x_in[s, c], with
+    ∂target/∂y the vector-Jacobian product of the module's own output map (``MixerParts.post``) at y."""
+    hidden = args[0] if args else kwargs["hidden_states"]
+    mask = kwargs.get("attention_mask")
+    if mask is not None and mask.ndim != 2:
+        mask = None
+    out = output[0] if isinstance(output, (tuple, list)) else output
+    with torch.no_grad():
+        parts = _PARTS[type(module).__name__](module, hidden.detach(), mask, out)
+        fused = _normalised(_fold(parts))
+
+    def weigh(g_out: torch.Tensor, clamp: str) -> torch.Tensor:
+        with torch.enable_grad():
+            y = parts.y.detach().requires_grad_(True)
+            (g_y,) = torch.autograd.grad(parts.post(y), y, g_out.to(y.dtype))
+        with torch.no_grad():
+            W = _fold(parts, g_y, clamp) / parts.y.shape[-1]
+        return W if clamp == "per_head" else W.clamp(min=0)
+
+    return fused, (out, weigh)
+
+
+# ------------------------------------------------------------------------------- rows-only mixers
+#: Mixer classes with a rows-only form (the matrix-free route of ``rollout``): the Mamba-2 mixers.
+ROWS_MIXERS = MAMBA2_MIXERS
+
+
+def rows_layer(module: nn.Module, args: tuple, kwargs: dict, heads: int = 1) -> ops.SSDRows:
+    """A Mamba-2 mixer's layer of the matrix-free row sweep (core.mixers.SSDRows) from its forward hook's args and
+    kwargs: its gates, O(n·d) kept; the same fused matrix as :func:`mixer_matrix`, applied row block by row block."""
+    hidden = args[0] if args else kwargs["hidden_states"]
+    mask = kwargs.get("attention_mask")
+    if mask is not None and mask.ndim != 2:
+        mask = None
+    with torch.no_grad():
+        g = mamba2_gates(module, hidden.detach(), mask)
+        return ops.SSDRows(g.C, g.B, g.dt, g.A, g.D, torch.sigmoid(g.u) * _keep(hidden, mask), g.weight,
+                           heads=heads)

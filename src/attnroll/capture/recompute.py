@@ -39,6 +39,7 @@ from .._modes import submodules
 from ..core.operators import FusedLayer, KernelInputs, attend_mean, fusable, mean_probs, whole_size
 from .hf import HFAdapter, pool_heads
 from .hooks import Adapter, Capture, Site
+from .mixers import rows_layer
 from .readout import is_causal
 from .registry import refuse_known
 from .transformers_private import attn_implementation, sdpa_kernel, wrap_attention_interface
@@ -215,6 +216,13 @@ class KernelAdapter(Adapter):
         wrap_attention_interface(stack, wrap)
         self.inner.install_pool_hooks(stack, self.pools)
         self._recorder = recorder
+        for site in sites:  # Mamba-2 mixers: their gates, for the rows-only form (core.mixers.SSDRows)
+            if id(site.module) in self.inner.mixer_ids:
+                handle = site.module.register_forward_hook(
+                    lambda m, a, k, o, site=site: recorder.store(
+                        site, rows_layer(m, a, k, self.inner.mixer_heads), o[0] if isinstance(o, tuple) else o)
+                    if recorder.active else None, with_kwargs=True)
+                stack.callback(handle.remove)
 
     def _wrapper(self, kernel: Callable, impl: str, recorder: KernelRecorder) -> Callable:
         # Over another session's wrapper, the arguments are read by the model's kernel's own signature.

@@ -20,7 +20,10 @@ head or channel (the layer's Jacobian with those gates detached):
 A mixer and the layers it feeds are composed through :func:`compose` (per channel: a convolution then the SSM).
 The per-channel / per-head matrices become one token-to-token matrix per layer with :func:`fuse_channels`
 (the method choice, see docs/methods.md). :func:`fused_rows` gives the same fused matrix applied to relevance
-rows, one block of output tokens at a time (memory O(block·n) per channel group, no (n, n) per channel kept).
+rows, one block of output tokens at a time (memory O(block·n) per channel group, no (n, n) per channel kept);
+:func:`ssd_rows` does so for the SSD matrices with each block's earlier columns one rank-N product per head,
+:func:`ssd_signed_rows` sweeps the signed head mean in linear time, and :class:`SSDRows` is a Mamba-2 mixer (its
+convolution folded) as a layer of the matrix-free row sweep (``core.operators.apply_layer``).
 
 Torch only; every input is a tensor of the forward pass (float64 for exactness checks).
 """
@@ -32,7 +35,8 @@ from typing import Callable
 import torch
 
 __all__ = ["ssd_matrix", "selective_matrix", "conv_matrix", "delta_matrix", "lru_matrix", "compose", "mix",
-           "fuse_channels", "fused_rows", "FUSIONS", "ssd_block", "BLOCK"]
+           "fuse_channels", "fused_rows", "FUSIONS", "ssd_block", "ssd_rows",
+           "ssd_signed_rows", "SSDRows", "BLOCK"]
 
 #: How per-channel matrices become one per layer: "abs_mean" (default: the mean of |M_c| over channels, each
 #: row divided by its sum, so that rollout's residual blend applies as to attention), "mean" (the signed mean,
@@ -58,12 +62,31 @@ def _decay(log_a: torch.Tensor, t0: int = 0, t1: int | None = None, cols: int | 
 def ssd_block(C: torch.Tensor, B: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, D: torch.Tensor | None,
               t0: int, t1: int, causal_cols: bool = False) -> torch.Tensor:
     """Rows [t0, t1) of :func:`ssd_matrix`: (b, h, t1-t0, n); with ``causal_cols`` only the columns [0, t1) that
-    can be non-zero, (b, h, t1-t0, t1) (what :func:`fused_rows` takes)."""
-    cols = t1 if causal_cols else C.shape[1]
+    can be non-zero, (b, h, t1-t0, t1) (what :func:`fused_rows` takes).
+
+    The columns before the block are a rank-N product per head (the SSD's semiseparable structure): for s < t0 ≤ t,
+    exp(Σ_{k=s+1..t} Δ_k A) = exp(cum_t − cum_{t0−1}) · exp(cum_{t0−1} − cum_s), both factors ≤ 1 when every
+    Δ·A ≤ 0 (Mamba-2's A is negative), so M[t, s] = (C_t e_t)·(B_s Δ_s e'_s): one matrix product, no exponential
+    per entry. The block's own columns take the direct form (its decays could overflow a factor)."""
+    b, n, h, _ = C.shape
+    cols = t1 if causal_cols else n
     log_a = (dt * A).transpose(1, 2)  # (b, h, n)
-    L = _decay(log_a, t0, t1, cols)
-    CB = torch.einsum("bthN,bshN->bhts", C[:, t0:t1], B[:, :cols])
-    M = L * CB * dt[:, :cols].transpose(1, 2)[:, :, None, :]
+    if t0 == 0 or bool((log_a > 0).any()):
+        L = _decay(log_a, t0, t1, cols)
+        CB = torch.einsum("bthN,bshN->bhts", C[:, t0:t1], B[:, :cols])
+        M = L * CB * dt[:, :cols].transpose(1, 2)[:, :, None, :]
+    else:
+        cum = log_a.cumsum(-1)
+        ref = cum[..., t0 - 1: t0]
+        left = C[:, t0:t1].transpose(1, 2) * torch.exp(cum[..., t0:t1] - ref)[..., None]  # (b, h, rows, N)
+        right = (B[:, :t0] * dt[:, :t0, :, None]).transpose(1, 2) * torch.exp(ref - cum[..., :t0])[..., None]
+        M = C.new_zeros(b, h, t1 - t0, cols)
+        M[..., :t0] = left @ right.transpose(-1, -2)
+        seg = cum[..., t0:t1, None] - cum[..., None, t0:t1]
+        t = torch.arange(t1 - t0, device=C.device)
+        L = torch.exp(seg.masked_fill(t[None, :] > t[:, None], float("-inf")))
+        CB = torch.einsum("bthN,bshN->bhts", C[:, t0:t1], B[:, t0:t1])
+        M[..., t0:t1] = L * CB * dt[:, t0:t1].transpose(1, 2)[:, :, None, :]
     if D is not None:
         idx = torch.arange(t0, t1, device=M.device)
         M[:, :, idx - t0, idx] += D.to(M.dtype)[None, :, None]
@@ -179,12 +202,165 @@ def fused_rows(r: torch.Tensor, block: Callable[[int, int], torch.Tensor], n: in
     """r · (a·F + c·I) for relevance rows r (b, R, n), F the "abs_mean" fusion of a mixer whose rows [t0, t1)
     of per-channel matrices ``block(t0, t1)`` gives ((b, ch, t1-t0, w): its first w ≤ n columns, the rest 0, as a
     causal mixer's block needs only w = t1), computed ``rows`` output tokens at a time: no (n, n) matrix is kept
-    (memory O(rows·n·ch))."""
+    (memory O(rows·n·ch)). Blocks whose rows carry no relevance are skipped; ``block`` returns a fresh tensor
+    (it is overwritten)."""
     out = c * r
     for t0 in range(0, n, rows):
         t1 = min(n, t0 + rows)
-        F = block(t0, t1).abs().mean(1)  # (b, t1-t0, w)
-        s = F.sum(-1, keepdim=True)
-        F = F / torch.where(s > 0, s, torch.ones((), dtype=s.dtype, device=s.device))
-        out[:, :, : F.shape[-1]] += a * (r[:, :, t0:t1] @ F)
+        rr = r[:, :, t0:t1]
+        if not bool(rr.any()):
+            continue
+        F = block(t0, t1).abs_().sum(1)  # (b, t1-t0, w): the channel mean up to a factor the rows' sums remove
+        s = F.sum(-1)[:, None, :]
+        wt = rr / torch.where(s > 0, s, torch.ones((), dtype=s.dtype, device=s.device))
+        out[:, :, : F.shape[-1]] += a * (wt @ F)
     return out
+
+
+def ssd_rows(r: torch.Tensor, C: torch.Tensor, B: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
+             D: torch.Tensor | None, *, a: float = 1.0, c: float = 0.0, rows: int = BLOCK) -> torch.Tensor:
+    """:func:`fused_rows` of the SSD matrices (``fused_rows(r, lambda t0, t1: ssd_block(..., causal_cols=True), n)``),
+    computed without an (h, rows, n) block: per block of output rows, each head's columns before the block are one
+    rank-N matrix product (decays factored at the block's start, as :func:`ssd_block`), added into Σ_h |M_h| one
+    head at a time; the block's own columns take the direct form. Memory O(rows·n); falls back to
+    :func:`fused_rows` when some Δ·A > 0 (a factor could overflow)."""
+    b, n, h, _ = C.shape
+    log_a = (dt * A).transpose(1, 2)  # (b, h, n)
+    if bool((log_a > 0).any()):
+        return fused_rows(r, lambda t0, t1: ssd_block(C, B, dt, A, D, t0, t1, causal_cols=True), n, a=a, c=c,
+                          rows=rows)
+    cum = log_a.cumsum(-1)
+    Ch, Bh = C.transpose(1, 2), (B * dt[..., None]).transpose(1, 2)  # (b, h, n, N)
+    one = torch.ones((), dtype=r.dtype, device=r.device)
+    out = c * r
+    for t0 in range(0, n, rows):
+        t1 = min(n, t0 + rows)
+        rr = r[:, :, t0:t1]
+        if not bool(rr.any()):
+            continue
+        Fd = ssd_block(C[:, t0:t1], B[:, t0:t1], dt[:, t0:t1], A, D, 0, t1 - t0).abs_().sum(1)  # (b, rows, rows)
+        total = Fd.sum(-1)
+        Fl = None
+        if t0 > 0:
+            ref = cum[..., t0 - 1: t0]
+            left = Ch[:, :, t0:t1] * torch.exp(cum[..., t0:t1] - ref)[..., None]
+            right = Bh[:, :, :t0] * torch.exp(ref - cum[..., :t0])[..., None]
+            for k in range(h):
+                P = (left[:, k] @ right[:, k].transpose(-1, -2)).abs_()  # (b, rows, t0)
+                Fl = P if Fl is None else Fl.add_(P)
+            assert Fl is not None  # h >= 1 heads
+            total = total + Fl.sum(-1)
+        wt = rr / torch.where(total > 0, total, one)[:, None, :]
+        out[:, :, t0:t1] += a * (wt @ Fd)
+        if Fl is not None:
+            out[:, :, :t0] += a * (wt @ Fl)
+    return out
+
+
+def ssd_signed_rows(r: torch.Tensor, C: torch.Tensor, B: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
+                    D: torch.Tensor | None, *, a: float = 1.0, c: float = 0.0, chunk: int = 256) -> torch.Tensor:
+    """r · (a·F + c·I) with F = mean_h M_h, the signed ("mean") fusion of the SSD matrices, in time linear in n:
+    (r·M_h)[s] = Δ_s B_s · u_s + D_h r_s with u_s = Σ_{t ≥ s} r_t C_t exp(cum_t − cum_s), a reverse scan of an
+    N-vector per head and row, ``chunk`` tokens at a time (the chunk's own (chunk, chunk) block direct, the
+    state from the tokens after it carried with its decay). Memory O(n·N·h). Heads' signed entries cancel in
+    the mean (see docs/methods.md): exact for that fusion, not for "abs_mean"."""
+    b, n, h, N = C.shape
+    log_a = (dt * A).transpose(1, 2)  # (b, h, n)
+    out = c * r
+    if bool((log_a > 0).any()):  # a growing state: the direct blocks (no factor is bounded)
+        for t0 in range(0, n, chunk):
+            t1 = min(n, t0 + chunk)
+            out[:, :, :t1] += a * (r[:, :, t0:t1] @ ssd_block(C, B, dt, A, D, t0, t1, causal_cols=True).mean(1))
+        return out
+    cum = log_a.cumsum(-1)
+    Ch, Bh = C.transpose(1, 2), (B * dt[..., None]).transpose(1, 2)  # (b, h, n, N)
+    dmean = 0.0 if D is None else float(D.double().mean())
+    z = r.new_zeros(b, r.shape[1], h, N)  # Σ_{t ≥ t1} r_t C_t exp(cum_t − cum_{t1−1}), per row and head
+    for t1 in range(n, 0, -chunk):
+        t0 = max(0, t1 - chunk)
+        cb = cum[..., t0:t1]
+        q = torch.arange(t1 - t0, device=r.device)
+        L = torch.exp((cb[..., :, None] - cb[..., None, :]).masked_fill(q[None, :] > q[:, None], float("-inf")))
+        W = L * (Ch[:, :, t0:t1] @ Bh[:, :, t0:t1].transpose(-1, -2))  # (b, h, Q, Q): rows t, columns s
+        part = torch.einsum("brt,bhts->brhs", r[:, :, t0:t1], W)
+        part += torch.einsum("brhN,bhsN->brhs", z, Bh[:, :, t0:t1]) * torch.exp(cb[..., -1:] - cb)[:, None]
+        out[:, :, t0:t1] += a * (part.mean(2) + dmean * r[:, :, t0:t1])
+        if t0 > 0:
+            ref = cum[..., t0 - 1: t0]
+            z = z * torch.exp(cb[..., -1:] - ref)[:, None] + torch.einsum(
+                "brt,bhtN->brhN", r[:, :, t0:t1], Ch[:, :, t0:t1] * torch.exp(cb - ref)[..., None])
+    return out
+
+
+class SSDRows:
+    """A Mamba-2 mixer as a layer of the matrix-free row sweep (``core.operators.apply_layer`` dispatches to
+    :meth:`apply_rows`): its fused matrix F = normalise_rows(Σ_c |S_{h(c)} · diag(gate_in_c) · T_c|) (the
+    convolution of ``weight`` and the SiLU's σ(u) folded per channel, as the dense record's layer) applied to
+    relevance rows one block of output tokens at a time, never an (n, n) matrix (memory O(rows·n·P)).
+
+    C, B: (b, n, H, N); dt: (b, n, H); A, D: (H,); gate_in: (b, n, H·P); weight: (H·P, K); ``heads``: the head
+    count the stream's layers report (``shape``), for a hybrid's attention layers."""
+
+    sinks = None  # what the row methods' checks read of an attention layer
+    mask = None
+    causal = True
+    is_causal_model = True
+
+    def __init__(self, C, B, dt, A, D, gate_in, weight, heads: int = 1, rows: int = 64):
+        self.C, self.B, self.dt, self.A, self.D = C, B, dt, A, D
+        self.gate_in, self.weight, self.heads, self.rows = gate_in, weight, heads, rows
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        b, n = self.C.shape[:2]
+        return b, self.heads, n, n
+
+    @property
+    def device(self) -> torch.device:
+        return self.C.device
+
+    def block(self, t0: int, t1: int) -> torch.Tensor:
+        """Σ_c |K_c| for output rows [t0, t1) and columns [0, t1): (b, t1-t0, t1). Per head, channel c's entry is
+        K_c[t, s] = Σ_k M_h[t, s + k] · σ_c[s + k] · w_c[K-1-k]: one small product per column s over the K taps
+        (the head's rows shifted by k against the P channels' tap weights), then |·| summed over the channels."""
+        M = ssd_block(self.C, self.B, self.dt, self.A, self.D, t0, t1, causal_cols=True)  # (b, H, rows, t1)
+        b, H, R, _ = M.shape
+        K = self.weight.shape[-1]
+        P = self.gate_in.shape[-1] // H
+        g = self.gate_in[:, :t1].to(M.dtype)  # (b, t1, H·P)
+        w = self.weight.to(M.dtype).flip(-1)  # w[:, k] = weight[:, K-1-k]
+        total = M.new_zeros(b, R, t1)
+        for h in range(H):
+            c0, c1 = h * P, (h + 1) * P
+            shifted = M.new_zeros(b, R, t1, K)  # shifted[..., s, k] = M_h[:, :, s + k] (0 past the block's end)
+            coef = M.new_zeros(b, t1, K, P)  # coef[:, s, k, c] = σ_c[s + k] · w_c[K-1-k]
+            for k in range(min(K, t1)):
+                shifted[:, :, : t1 - k, k] = M[:, h, :, k:]
+                coef[:, : t1 - k, k] = g[:, k:, c0:c1] * w[c0:c1, k]
+            Kc = torch.einsum("brsk,bskc->brsc", shifted, coef)  # (b, rows, t1, P)
+            total += Kc.abs_().sum(-1)
+        return total
+
+    def apply_rows(self, r: torch.Tensor, *, a: float, c: float, renorm: bool = False,
+                   mask: torch.Tensor | None = None) -> torch.Tensor:
+        """r · diag(1/s)·(a·F + c·I) for rows r (b, R, n): F restricted to the real tokens of ``mask`` (b, n) (padded
+        columns 0, rows renormalised over the real ones; the identity on real tokens), ``renorm`` dividing each row
+        by s_i = a·Σ_j F_ij + c·[i real] (s = 1 without)."""
+        n = r.shape[-1]
+        real = torch.ones(r.shape[0], n, dtype=r.dtype, device=r.device) if mask is None else mask.to(r.dtype)
+        out = torch.zeros_like(r)
+        one = torch.ones((), dtype=r.dtype, device=r.device)
+        for t0 in range(0, n, self.rows):
+            t1 = min(n, t0 + self.rows)
+            rr = r[:, :, t0:t1] * real[:, None, t0:t1]
+            if not bool(rr.any()):
+                continue
+            F = self.block(t0, t1).to(r.dtype) * real[:, None, :t1]
+            sums = F.sum(-1)  # (b, rows)
+            F = F / torch.where(sums > 0, sums, one)[..., None]
+            if renorm:
+                s = a * (sums > 0).to(r.dtype) + c * real[:, t0:t1]
+                rr = rr / torch.where(s > 0, s, one)[:, None, :]
+            out[:, :, t0:t1] += c * rr
+            out[:, :, :t1] += a * (rr @ F)
+        return out

@@ -291,6 +291,8 @@ def apply_layer(
     s_i = a·Σ_j P_ij + c·[i real] (a zero sum gives a zero row). Blocks whose rows carry no relevance are
     skipped. A :class:`FusedLayer` (probabilities fused during the forward) is applied as one product.
     """
+    if hasattr(layer, "apply_rows"):  # a token mixer other than attention (core.mixers.SSDRows)
+        return layer.apply_rows(r, a=a, c=c, renorm=renorm, mask=mask)
     B, H, nq, nk = layer.shape
     if r.shape[-1] != nq:
         raise ValueError(f"relevance rows have {r.shape[-1]} entries, the layer has {nq} queries")

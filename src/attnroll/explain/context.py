@@ -106,12 +106,16 @@ class Context:
                     )
                 _checks.check_finite(f"the attention of {type(self.model).__name__} (stream {s!r}, layer {i})", x)
 
-    def grad_record(self, streams: list[str] | None = None, scores: Callable | None = None):
+    def grad_record(self, streams: list[str] | None = None, scores: Callable | None = None,
+                    clamp: str = "per_head"):
         """Forward with autograd, the target scores y (B,), and dy/dA for every layer of ``streams``.
 
         Returns (record, {stream: [A_l detached]}, {stream: [dy/dA_l]}), layers in layer-index order (the
         order of the attention modules in the model, never hook order). ``scores(record) -> (B,)`` replaces
-        the default target resolution (CLIP, encoder-decoders)."""
+        the default target resolution (CLIP, encoder-decoders). A composed token mixer's layer
+        (``record.extra["mixer_weighted"]``) comes as its gradient-weighted matrix (B, 1, n, n) (``clamp``: where
+        its positive part is taken, capture/mixers.py ``mixer_reading``) with a gradient of ones, so that
+        ``gradient_weighted`` gives that matrix back."""
         require_grad_mode(self.method.name)
         check_dense_memory(self.model, self.inputs, self.method.name, keep_grad=True)
         with params_require_grad(self.model, partly=True):
@@ -125,7 +129,7 @@ class Context:
         branches = rec.extra.get("branches", {})
         # A layer the adapter rebuilt from the model's own tensor (Swin windows, CaiT class rows) is
         # differentiated through that tensor; lift() puts the gradient in the layer's layout.
-        native = rec.extra.get("native", {})
+        native = {**rec.extra.get("native", {}), **rec.extra.get("mixer_weighted", {})}
         parts = [(s, i, branches.get((s, i)) or [native[(s, i)][0] if (s, i) in native else t])
                  for s in names for i, t in enumerate(rec.streams[s])]
         flat = [p for _, _, ps in parts for p in ps]
@@ -140,7 +144,10 @@ class Context:
                 unreached.append(f"{s} layer {i}")
             gs = [torch.zeros_like(p) if g is None else g for p, g in zip(ps, gs)]
             g = torch.cat([g.detach() for g in gs], dim=1) if len(gs) > 1 else gs[0].detach()
-            out_g[s].append(native[(s, i)][1](g) if (s, i) in native else g)
+            if (s, i) in rec.extra.get("mixer_weighted", {}):
+                out_a[s][i] = native[(s, i)][1](g, clamp)[:, None]
+                g = torch.ones_like(out_a[s][i])
+            out_g[s].append(native[(s, i)][1](g) if (s, i) in rec.extra.get("native", {}) else g)
         if unreached:
             raise _checks.CaptureError(
                 f"method {self.method.name!r}: the gradient of the target never reaches the captured attention of "

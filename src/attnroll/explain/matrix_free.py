@@ -19,6 +19,7 @@ from .. import _checks
 from .._checks import UnsupportedModelError
 from .._modes import params_require_grad
 from ..capture import CaptureError
+from ..capture.mixers import composable_mixers
 from ..capture.recompute import KeptCapture, capture_kernels
 from ..core import operators
 from ..core.rollout import LayerPipeline, layer_range
@@ -39,6 +40,9 @@ def choose(ctx: Context, attention: Any, refusal: str | None) -> bool:
     facts = ctx.facts()
     supported = facts is not None and not facts.encoder_decoder
     dense_only = facts.dense_only if supported else ""
+    if supported and not dense_only and ctx.method.name != "rollout" and composable_mixers(ctx.model):
+        dense_only = (f"method {ctx.method.name!r} reads attention rows or gradients, which its token mixers "
+                      "(composed as dense matrices) do not have; `rollout` sweeps them rows-only")
     if attention == "recompute":
         if dense_only:
             raise ValueError(f"attention='recompute' cannot be used for {type(ctx.model).__name__}: {dense_only}; "

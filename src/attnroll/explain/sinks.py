@@ -38,6 +38,11 @@ def attention_rows(layers: list[Any], queries: torch.Tensor) -> torch.Tensor:
             out.append((a.mean(dim=1) if a.ndim == 4 else a).to(torch.float32).cpu())
         elif isinstance(lay, operators.FusedLayer):
             out.append(lay.probs[:, queries].to(torch.float32).cpu())
+        elif hasattr(lay, "apply_rows"):  # a token mixer's rows-only layer (core.mixers.SSDRows): one-hot rows
+            B, _, _, nk = lay.shape
+            hot = torch.zeros(B, len(rows), nk, dtype=torch.float32, device=lay.device)
+            hot[:, torch.arange(len(rows)), queries.to(lay.device)] = 1.0
+            out.append(lay.apply_rows(hot, a=1.0, c=0.0).cpu())
         else:
             out.append(operators.attention_rows(lay, rows).mean(dim=1).to(torch.float32).cpu())
     return torch.stack(out)

@@ -48,7 +48,7 @@ def grad_rollout(ctx: Context, *, clamp, stream, return_layers, protect_prefix, 
         if out is not None:
             return out
     s0 = ctx.options.get("stream")
-    rec, atts, grads = ctx.grad_record([s0] if s0 else None)
+    rec, atts, grads = ctx.grad_record([s0] if s0 else None, clamp=clamp)
     s = ctx.stream(rec)
     W = gradient_weighted(atts[s], grads[s], clamp)
     pos = ctx.readout(rec, s)
