@@ -350,3 +350,36 @@ def test_qwen3_next_layer_is_the_fused_jacobian_of_its_delta_rule(monkeypatch):
     per = torch.stack([torch.stack([J[i, :, c, i, c, :] for c in range(d)]) for i in range(b)])
     total = per.abs().sum(1)
     torch.testing.assert_close(rec.streams["self"][0][:, 0], total / total.sum(-1, keepdim=True), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("model_type", ["bamba", "jamba", "qwen3_next"])
+def test_attention_only_leaves_out_composed_mixers_too(model_type):
+    """mixers="attention_only" on a hybrid whose mixers attnroll composes rolls out through the attention layers
+    alone (recorded, warned): equal to the rollout of the captured record's attention layers, not the full stack."""
+    model, inputs = decoder(model_type), _inputs()
+    rec = attnroll.capture(model, inputs)
+    mixer_layers = {i for s, i in rec.extra["mixer_layers"]}
+    attention = [a.to(torch.float64).mean(1) for i, a in enumerate(rec.streams["self"]) if i not in mixer_layers]
+    assert mixer_layers and attention
+    R = rollout(attention, head_fusion=None, attention_mask=inputs["attention_mask"])
+    last = inputs["attention_mask"].sum(-1) - 1
+    want = torch.stack([R[b, int(last[b])] for b in range(2)]).to(torch.float32) * inputs["attention_mask"]
+    with pytest.warns(UserWarning, match="attention_only.*partial map"):
+        e = attnroll.explain(model, inputs, method="rollout", mixers="attention_only", sinks="keep",
+                             attention="dense")
+    torch.testing.assert_close(e.full_row, want, atol=1e-5, rtol=1e-5)
+    with pytest.warns(UserWarning, match="attention_only"):  # the default route (rows-only for Mamba-2) as well
+        default = attnroll.explain(model, inputs, method="rollout", mixers="attention_only", sinks="keep")
+    torch.testing.assert_close(default.full_row, want, atol=1e-5, rtol=1e-5)
+    assert e.extra["mixers"] == "attention_only" and len(e.extra["mixers_left_out"]) == len(mixer_layers)
+    full = attnroll.explain(model, inputs, method="rollout", sinks="keep", attention="dense")
+    assert "mixers" not in full.extra and not torch.allclose(full.full_row, e.full_row, atol=1e-4)
+    with pytest.warns(UserWarning, match="attention_only"):  # the gradient path drops them as well
+        g = attnroll.explain(model, inputs, method="attn_gradcam", mixers="attention_only")
+    assert torch.isfinite(g.full_row).all()
+
+
+def test_attention_only_refuses_layers_that_join_mixer_and_attention():
+    model = decoder("falcon_h1")
+    with pytest.raises(attnroll.UnsupportedModelError, match="attention_only.*one matrix"):
+        attnroll.explain(model, _inputs(), method="rollout", mixers="attention_only")

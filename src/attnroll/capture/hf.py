@@ -188,6 +188,7 @@ class HFAdapter(Adapter):
         self.install_pool_hooks(stack)
         super().install(stack, recorder, [s for s in sites if id(s.module) not in self.mixer_ids])
         self.mixer_weighted: dict[tuple[str, int], Any] = {}
+        self.mixer_layers: set[tuple[str, int]] = set()
         for site in sites:
             if id(site.module) in self.mixer_ids:  # a composed token mixer: its matrix, from its inputs and output
                 handle = site.module.register_forward_hook(
@@ -200,6 +201,7 @@ class HFAdapter(Adapter):
         """A composed mixer's fused matrix, repeated on the stream's heads; with gradients kept (and a mixer
         whose gradient-weighted matrix attnroll computes), also its output and weighting
         (``record.extra["mixer_weighted"]``, read by ``Context.grad_record``)."""
+        self.mixer_layers.add((site.stream, site.layer))
         if recorder.keep_grad and type(m).__name__ in WEIGHTED and id(m) not in self.wiring.shared:
             fused, self.mixer_weighted[(site.stream, site.layer)] = mixer_reading(m, a, k, o)
             fused.requires_grad_(True)  # a leaf of the record's graph: the gradient is taken at the mixer's output
@@ -316,6 +318,8 @@ class HFAdapter(Adapter):
     def metadata(self, record: AttentionRecord, inputs: dict[str, Any]) -> None:
         if getattr(self, "mixer_weighted", None):
             record.extra["mixer_weighted"], self.mixer_weighted = self.mixer_weighted, {}
+        if getattr(self, "mixer_layers", None):  # which layers are composed mixers (mixers="attention_only" drops them)
+            record.extra["mixer_layers"], self.mixer_layers = sorted(self.mixer_layers), set()
         if getattr(self.model.config, "attention_type", None) == "block_sparse":
             self._refuse_block_sparse(record)
         for stream, layers in record.streams.items():

@@ -150,10 +150,20 @@ def check_mixers(model: nn.Module, mode: str, method: str) -> list[Mixer]:
     A mixer attnroll composes (:data:`COMPOSED`) is a layer of the record: methods of :data:`COMPOSING_METHODS`
     compose it; any other method refuses the model naming it (UnsupportedModelError), whatever ``mode``. Other
     mixers: with ``mode`` "compose" the model is refused naming the first one and the option that rolls out
-    through attention alone; with "attention_only" they are returned, for the caller to record and warn about."""
+    through attention alone; with "attention_only" they are returned, for the caller to record and warn about.
+    With "attention_only" the composed mixers are returned too (their layers are dropped from the record:
+    ``record.extra["mixer_layers"]``), except those joined with attention in one layer (:data:`WIRED`), refused."""
     mode = _checks.check_choice("mixers", mode, MODES)
     found = find_mixers(model)
     composed = [m for m in found if m.cls in COMPOSED]
+    if mode == "attention_only" and composed:  # the composed mixers are left out as well: attention alone
+        wired = next((m for m in composed if m.cls in WIRED), None)
+        if wired is not None:
+            raise _checks.UnsupportedModelError(
+                f"mixers='attention_only' cannot leave out {type(model).__name__}'s {wired.kind} ({wired.cls} at "
+                f"{wired.path}): its layers sum the mixer and attention paths into one matrix (capture/hybrids.py), "
+                "so there is no attention-only layer to roll out; use mixers='compose'")
+        return found
     weighted = method in GRADIENT_METHODS and all(m.cls in WEIGHTED for m in composed)
     if composed and method not in COMPOSING_METHODS and not weighted:
         m = next((m for m in composed if m.cls not in WEIGHTED), composed[0])
@@ -192,6 +202,8 @@ DELTA_MIXERS = ("Qwen3NextGatedDeltaNet",)
 HYBRID_MIXERS = ("Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet", "OlmoHybridGatedDeltaNet",
                  "KimiLinearDeltaAttention", "RecurrentGemmaRecurrentBlock", "FalconH1Mixer", "ZambaMambaMixer",
                  "Zamba2MambaMixer")
+#: Composed mixers whose layer joins attention in one matrix (parallel branches, a shared attention block).
+WIRED = ("FalconH1Mixer", "ZambaMambaMixer", "Zamba2MambaMixer")
 COMPOSED = (*MAMBA2_MIXERS, "MambaMixer", "FalconMambaMixer", "JambaMambaMixer", *CONV_MIXERS, *DELTA_MIXERS,
             *HYBRID_MIXERS)
 #: Methods that compose these mixers' fused matrices (the dense record: one row-stochastic layer each).

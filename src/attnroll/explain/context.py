@@ -88,9 +88,21 @@ class Context:
     def record(self, fuse_heads: Any = None) -> AttentionRecord:
         """Capture the attention of one forward pass (no gradients), resolving the target for the record."""
         check_dense_memory(self.model, self.inputs, self.method.name, fused=fuse_heads is not None)
-        self.rec = _capture(self.model, self.inputs, fuse_heads=fuse_heads, tokenizer=self.tokenizer)
+        self.rec = self.drop_mixers(_capture(self.model, self.inputs, fuse_heads=fuse_heads, tokenizer=self.tokenizer))
         self.check_attention(self.rec)
         return self.rec
+
+    def drop_mixers(self, rec: AttentionRecord) -> AttentionRecord:
+        """With ``mixers="attention_only"``, the record without its composed mixers' layers (the adapter lists them
+        in ``extra["mixer_layers"]``): the attention layers alone, as the option says; else ``rec`` unchanged."""
+        layers = rec.extra.get("mixer_layers")
+        if (self.options.get("mixers") or "compose") != "attention_only" or not layers:
+            return rec
+        drop = set(map(tuple, layers))
+        for s in {s for s, _ in drop}:
+            rec.streams[s] = [a for i, a in enumerate(rec.streams[s]) if (s, i) not in drop]
+        rec.extra.pop("mixer_weighted", None)
+        return rec
 
     def check_attention(self, rec: AttentionRecord) -> None:
         """Refuse NaN / infinite attention at real tokens (what every method reads); padded query rows may
@@ -119,7 +131,7 @@ class Context:
         require_grad_mode(self.method.name)
         check_dense_memory(self.model, self.inputs, self.method.name, keep_grad=True)
         with params_require_grad(self.model, partly=True):
-            rec = _capture(self.model, self.inputs, keep_grad=True, tokenizer=self.tokenizer)
+            rec = self.drop_mixers(_capture(self.model, self.inputs, keep_grad=True, tokenizer=self.tokenizer))
         self.rec = rec
         self.check_attention(rec)
         names = list(rec.streams) if streams is None else streams

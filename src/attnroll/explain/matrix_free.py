@@ -40,6 +40,8 @@ def choose(ctx: Context, attention: Any, refusal: str | None) -> bool:
     facts = ctx.facts()
     supported = facts is not None and not facts.encoder_decoder
     dense_only = facts.dense_only if supported else ""
+    if supported and not dense_only and composable_mixers(ctx.model) and ctx.options.get("mixers") == "attention_only":
+        dense_only = "mixers='attention_only' drops its composed mixer layers from the dense record"
     if supported and not dense_only and ctx.method.name != "rollout" and composable_mixers(ctx.model):
         dense_only = (f"method {ctx.method.name!r} reads attention rows or gradients, which its token mixers "
                       "(composed as dense matrices) do not have; `rollout` sweeps them rows-only")
