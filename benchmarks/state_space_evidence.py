@@ -21,13 +21,14 @@ import argparse
 import sys
 from typing import Any
 
+import numpy as np
 import torch
 
 import attnroll
 from attnroll.core.flow import attention_flow
 from attnroll.core.rollout import rollout
 from attnroll.evaluate import evaluate_methods
-from attnroll.models import evidence, load_model
+from attnroll.models import evidence, load_model, state_space
 
 METHODS = ("rollout", "raw", "flow")
 
@@ -61,9 +62,12 @@ def record_maps(model: Any, inputs: dict, layers: list[int] | None, method: str,
     return out * (am.bool() & ~inputs["special_tokens_mask"].bool())
 
 
-def evaluate(name: str, n: int) -> tuple[Any, Any, dict]:
-    """(full-stack EvaluationResult, attention-only EvaluationResult or None, facts) for model ``name``."""
+def evaluate(name: str, n: int, folder: str | None = None) -> tuple[Any, Any, dict]:
+    """(full-stack EvaluationResult, attention-only EvaluationResult or None, facts) for model ``name`` (its
+    weights from ``folder``, default the shipped ones)."""
     lm = load_model(name)
+    if folder is not None:
+        lm.model, lm.tokenizer = state_space.load_state_space_model(name, folder)
     ex = evidence.make_examples(n, evidence.TEST_SEED)
     enc, masks = evidence.encode(lm.tokenizer, ex)
     keep = {m: {"sinks": "keep"} for m in METHODS}
@@ -79,7 +83,20 @@ def evaluate(name: str, n: int) -> tuple[Any, Any, dict]:
     check = record_maps(lm.model, enc, None, "rollout")
     ref = explain_rollout(lm.model, enc)
     facts["full_stack_matches_record"] = float((check - ref).abs().max())
+    facts["paired"] = paired(full, only)
     return full, only, facts
+
+
+def paired(full: Any, only: Any) -> dict[str, str]:
+    """Per method and metric: the mean of (full stack − attention only) over the same sentences ± its standard
+    error (the sign of a better full stack: + where higher is better)."""
+    out = {}
+    for m in METHODS:
+        for k in ("comprehensiveness", "evidence_pointing"):
+            d = full.per_example[m][k] - only.per_example[m][k]
+            d = d[np.isfinite(d)]
+            out[f"{m}.{k}"] = f"{d.mean():+.3f} ± {d.std(ddof=1) / np.sqrt(d.size):.3f}"
+    return out
 
 
 def explain_rollout(model: Any, enc: dict) -> torch.Tensor:
@@ -108,10 +125,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--n", type=int, default=200, help="held-out sentences")
     p.add_argument("--model", action="append", choices=["bamba-evidence", "mamba2-evidence"],
                    help="model (repeatable; default both)")
+    p.add_argument("--weights", default=None, help="a folder of weights to use instead of the shipped ones")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     for name in args.model or ["bamba-evidence", "mamba2-evidence"]:
-        full, only, facts = evaluate(name, args.n)
+        full, only, facts = evaluate(name, args.n, args.weights)
         print(f"\n{name}: {facts}\n")
         print(table(full, only))
     return 0

@@ -102,3 +102,17 @@ def test_missing_weights_name_the_recipe(tmp_path):
         state_space.load_state_space_model("bamba-evidence", tmp_path)
     with pytest.raises(ValueError, match="name must be one of"):
         state_space.load_state_space_model("mamba3")
+
+
+@pytest.mark.slow  # trains twice (a few steps)
+def test_training_is_reproducible(tmp_path):
+    from tests.models._tools import load_tool
+
+    train = load_tool("train/train_state_space.py")
+    args = ["--model", "mamba2-evidence", "--steps", "2", "--train-size", "64", "--test-size", "16",
+            "--batch-size", "4"]
+    for d in ("a", "b"):
+        assert train.main([*args, "--out", str(tmp_path / d)]) == 0
+    assert (tmp_path / "a/model.safetensors").read_bytes() == (tmp_path / "b/model.safetensors").read_bytes()
+    card = (tmp_path / "a/MODEL_CARD.md").read_text()
+    assert "2 AdamW steps of 4 sentences" in card and "| all | 16 |" in card
