@@ -116,3 +116,47 @@ def test_training_is_reproducible(tmp_path):
     assert (tmp_path / "a/model.safetensors").read_bytes() == (tmp_path / "b/model.safetensors").read_bytes()
     card = (tmp_path / "a/MODEL_CARD.md").read_text()
     assert "2 AdamW steps of 4 sentences" in card and "| all | 16 |" in card
+
+
+@pytest.mark.slow  # the CLI end to end
+def test_cli_evaluate_reads_the_evidence_sentences_by_default(tmp_path):
+    """``attnroll evaluate --model bamba-evidence`` scores the generated sentences with their evidence masks, as the
+    library does on the same sentences."""
+    pytest.importorskip("click")
+    import csv
+    import io
+
+    from attnroll.evaluate import evaluate_methods
+    from tests.commands.test_cli import run
+
+    res = run("evaluate", "--model", "bamba-evidence", "--n", 6, "--seed", 5, "--methods", "rollout,random",
+              "-o", "rollout.sinks=keep", "--out", tmp_path)
+    assert res.exit_code == 0, res.output
+    rows = {r["method"]: r for r in csv.DictReader(io.StringIO((tmp_path / "evaluation.csv").read_text()))}
+    lm = load_model("bamba-evidence")
+    ex = evidence.make_examples(6, 5)
+    enc, masks = evidence.encode(lm.tokenizer, ex)
+    want = evaluate_methods(lm.model, enc, ["rollout", "random"], masks=masks, labels=ex.labels,
+                            method_options={"rollout": {"sinks": "keep"}})
+    for m in ("rollout", "random"):
+        for k in ("comprehensiveness", "evidence_pointing", "evidence_mass"):
+            assert float(rows[m][k]) == pytest.approx(want.values[m][k], rel=1e-5, abs=1e-9), (m, k)
+
+
+@pytest.mark.slow  # a Jacobian through transformers' scan, per layer
+def test_mamba2_evidence_layers_are_the_fused_jacobians_of_its_scan(monkeypatch):
+    """On the trained pure Mamba-2 model, each captured layer equals the fused Jacobian of transformers' own
+    convolution and scan functions (the independent reading of tests/capture/test_mixers_capture.py)."""
+    import copy
+
+    from tests.capture.test_mixers_capture import _scan_jacobian_fused
+
+    model = copy.deepcopy(load_model("mamba2-evidence").model).double()
+    tok = state_space.word_tokenizer(state_space.vocabulary())
+    enc = tok([evidence.make_examples(1, 4).words[0][:7]], is_split_into_words=True, return_tensors="pt")
+    inputs = {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
+    rec = attnroll.capture(model, inputs)
+    want = _scan_jacobian_fused(model, inputs, monkeypatch)
+    assert len(rec.streams["self"]) == len(want) == 3
+    for got, ref in zip(rec.streams["self"], want):
+        torch.testing.assert_close(got[:, 0], ref, atol=1e-8, rtol=0)

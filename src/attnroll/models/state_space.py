@@ -55,8 +55,10 @@ class LastTokenClassifier:
 
         kwargs.pop("labels", None)
         out = super().forward(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
-        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
-        last = mask.sum(dim=1) - 1
+        if attention_mask is None:
+            last = torch.full((out.logits.shape[0],), out.logits.shape[1] - 1, device=out.logits.device)
+        else:
+            last = attention_mask.sum(dim=1) - 1
         return SequenceClassifierOutput(logits=out.logits[torch.arange(out.logits.shape[0]), last])
 
 
