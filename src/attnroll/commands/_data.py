@@ -239,7 +239,8 @@ def data_for(model_spec: str | None, data: str) -> str:
     sentences ("evidence") when ``--data`` was left at its default; generated sentences for an embedded image
     model are a usage error."""
     src = click.get_current_context().get_parameter_source("data")
-    if model_spec == "minilm-evidence" and src is click.core.ParameterSource.DEFAULT:
+    trained_on_evidence = ("minilm-evidence", "bamba-evidence", "mamba2-evidence")
+    if model_spec in trained_on_evidence and src is click.core.ParameterSource.DEFAULT:
         return "evidence"
     if data in TEXT_DATASETS and model_spec in DATASETS:  # the embedded image models share the data's names
         raise click.UsageError(f"--data {data}: generated sentences, for a text classifier (--model minilm-evidence)")

@@ -149,14 +149,14 @@ def _metrics_help() -> str:
 
 @cli.command("evaluate", short_help="Score methods with perturbation and localisation metrics.")
 @click.option("--model", "model_spec", metavar="MODEL", default="shapes", show_default=True,
-              help="shapes | shapes-marker | minilm-evidence (embedded; the last a text classifier) | a local "
-                   "transformers image or text classifier folder.")
+              help="shapes | shapes-marker | minilm-evidence | bamba-evidence | mamba2-evidence (embedded; the "
+                   "last three text classifiers) | a local transformers image or text classifier folder.")
 @click.option("--methods", "-m", "method_list", default="rollout,flow,gae,grad_rollout,raw,integrated_gradients,random",
               show_default=True, help="Comma-separated methods to compare.")
 @click.option("--data", default="shapes", show_default=True,
               help="shapes | shapes-marker (generated, with object masks) | a folder of images (no masks: "
                    "perturbation metrics only) | for a text classifier: evidence (generated sentences with "
-                   "evidence tokens; the default with --model minilm-evidence) or a text file, one example per "
+                   "evidence tokens; the default with the embedded text classifiers) or a text file, one example per "
                    "line.")
 @click.option("--n", "n", default=200, show_default=True, type=click.IntRange(1), help="How many images (sentences).")
 @click.option("--seed", default=12345, show_default=True, type=click.IntRange(0),

@@ -6,6 +6,9 @@
 - :mod:`attnroll.models.spurious`: a class-coded corner marker for those images (``add_marker``) and a copy
   of the shapes ViT fine-tuned to follow it (``load_marker_model``), the test case of checkpoint audits; its
   fine-tuning script is ``tools/train/finetune_marker.py`` (in the source repository).
+- :mod:`attnroll.models.state_space`: a small attention + Mamba-2 hybrid (``bamba-evidence``) and a Mamba-2 model
+  (``mamba2-evidence``) trained from scratch on the evidence sentences of :mod:`attnroll.models.evidence`; their
+  training script is ``tools/train/train_state_space.py`` (in the source repository).
 
 - :mod:`attnroll.models.loading`: :func:`load_model` loads any supported model from a name or a folder
   (the embedded ones, a local transformers folder, a timm architecture with a weights file) into a

