@@ -31,6 +31,7 @@ from torch import nn
 from .. import _checks
 from .record import AttentionRecord, ModelFacts, Placement, StreamLink
 from .vlm import VLMAdapter, composed_facts, image_token_id, is_vlm
+from .vlm_split import flat_ints, layout_given, split_placement
 from .vlm_tiles import anyres_map
 
 __all__ = ["COMPOSED", "REFUSED", "mapped_adapter", "mapped_facts", "MappedVLMAdapter", "tagged_groups",
@@ -253,10 +254,25 @@ class MappedVLMAdapter(VLMAdapter):
         F = torch.zeros(N, A.shape[0], N, n_v - first)
         for i in range(N):
             F[i, :, i] = A
-        placed = self.placement(record, inputs)
+        placed = self.split(inputs, N, n_v, first, A.shape[0]) if layout_given(inputs, self.model_type) else (
+            self.placement(record, inputs))
         if isinstance(placed, str):
             return placed
         return F.reshape(N * A.shape[0], N, n_v - first), placed, []
+
+    def split(self, inputs: dict[str, Any], N: int, n_v: int, first: int, per_view: int) -> Placement | str:
+        """The placement of split images' tiles and global views (``capture.vlm_split``): the views of each image
+        from rows= / cols= (rows × cols + 1, or 1), else one image per prompt (its image tokens / ``per_view``)."""
+        if inputs.get("rows") is not None and inputs.get("cols") is not None:
+            views = [r * c + 1 if r * c > 1 else 1 for r, c in zip(flat_ints(inputs["rows"], "rows"),
+                                                                  flat_ints(inputs["cols"], "cols"))]
+        else:
+            counts = (inputs["input_ids"] == image_token_id(self.model.config)).sum(dim=1).tolist()
+            views = [int(c) // per_view for c in counts if c]
+        if sum(views) != N:
+            return (f"the tile layout means {sum(views)} view(s) ({views} per image), but the vision tower ran on {N}: "
+                    "rows= / cols= (or image_sizes=) must describe the images of this call")
+        return split_placement(self.model_type, inputs, views, n_v, first)
 
     def placement(self, record: AttentionRecord, inputs: dict[str, Any]) -> Placement | str | None:
         """Where the vision items lie on the user's images; None when each item is one image on its own grid."""
@@ -293,26 +309,27 @@ class MappedVLMAdapter(VLMAdapter):
             return (f"{where.shape[0]} image tokens in input_ids, but the model's projector makes {F.shape[0]} "
                     f"image features from the {F.shape[1]} vision item(s): the tokens do not match the features")
         link = link_entries(where, F, parts)
+        link.placement = placed
         several = self.several_items(link)
         if several:
             return several
         if placed is not None and newlines:
             placed.direct = direct_entries(where.cpu(), newlines, placed.prefix)
-        link.placement = placed
         return link
 
 
     def several_items(self, link: StreamLink) -> str:
         """The reason a prompt's image tokens come from several vision items of a family that maps one item per
         image ("" when none does): tiles of one image, whose layout the inputs do not give, or several images."""
-        if self.model_type in ANYRES or self.model_type == "mistral3":
+        if self.model_type in ANYRES or self.model_type == "mistral3" or link.placement is not None:
             return ""
         for b in link.example.unique().tolist():
             items = link.item[link.example == b].unique()
             if items.numel() > 1:
                 return (f"prompt {b}'s image tokens come from {items.numel()} vision items: tiles of one image (image "
                         f"splitting) or several images. {TILING.get(self.model_type, '')}The inputs do not say how "
-                        "tiles lie on the image, so one item per prompt is mapped: explain one image at a time, "
+                        f"tiles lie on the image: pass {LAYOUT_KEYS.get(self.model_type, 'one image at a time')} "
+                        "with the inputs to put the tiles back on the image, or explain one image at a time, "
                         "without tiles")
         return ""
 
@@ -327,6 +344,15 @@ TILING = {
                 "view). ",
     "aya_vision": "Aya Vision crops images into tiles plus a thumbnail (processor crop_to_patches=False gives one "
                   "view). ",
+}
+
+
+#: What the caller passes to say how each image's tiles lie (``capture.vlm_split``).
+LAYOUT_KEYS = {
+    "idefics3": "rows= and cols= (the image processor's own, return_row_col_info=True)",
+    "smolvlm": "rows= and cols= (the image processor's own, return_row_col_info=True)",
+    "internvl": "image_sizes= (each image's (height, width)) or rows= and cols=",
+    "aya_vision": "image_sizes= (each image's (height, width)) or rows= and cols=",
 }
 
 
