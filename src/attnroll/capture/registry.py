@@ -31,6 +31,7 @@ from .swin import make_adapter as make_swin_adapter
 from .vlm import vlm_adapter, vlm_facts
 from .vlm_maps import REFUSED_README as VLM_REFUSED
 from .vlm_maps import mapped_adapter, mapped_facts
+from .qformer import qformer_adapter, qformer_facts
 
 __all__ = ["Family", "Models", "Obstacle", "FAMILIES", "GENERIC", "METHOD_GROUPS", "SUPPORTED_FAMILIES", "family_of",
            "adapter_for", "facts_for", "block_kinds", "table_rows", "refusals", "refuse_known"]
@@ -123,11 +124,11 @@ class Family:
 
 # ------------------------------------------------------------------------------- glue for the entries
 def _transformers_adapter(model: nn.Module) -> Adapter:
-    return mapped_adapter(model) or vlm_adapter(model) or HFAdapter(model)
+    return qformer_adapter(model) or mapped_adapter(model) or vlm_adapter(model) or HFAdapter(model)
 
 
 def _transformers_facts(model: nn.Module) -> ModelFacts:
-    return mapped_facts(model) or vlm_facts(model) or hf_facts(model)
+    return qformer_facts(model) or mapped_facts(model) or vlm_facts(model) or hf_facts(model)
 
 
 def _st_adapter(model: nn.Module) -> Adapter:

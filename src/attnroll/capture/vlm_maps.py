@@ -159,8 +159,6 @@ _QFORMER = (
 )
 #: VLM families refused, with the obstacle each meets (model_type -> the sentence after the model's name).
 REFUSED: dict[str, str] = {
-    "blip-2": _QFORMER.format(q="its", text=""),
-    "instructblip": _QFORMER.format(q="its", text=" and to the instruction"),
     "instructblipvideo": _QFORMER.format(q="its", text=" and to the instruction, per video frame"),
     "mllama": (
         "feeds the image to the language model through gated cross-attention layers "
