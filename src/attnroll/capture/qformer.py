@@ -50,6 +50,14 @@ def is_qformer_vlm(model: nn.Module) -> bool:
 
 
 def qformer_adapter(model: nn.Module) -> "QFormerAdapter | None":
+    """The adapter of BLIP-2 / InstructBLIP (None for any other model); UnsupportedModelError when the config has
+    no image token id (the image tokens could not be found)."""
+    cfg = getattr(model, "config", None)
+    if getattr(cfg, "model_type", "") in QFORMER_TYPES and hasattr(model, "qformer") and image_token_id(cfg) is None:
+        raise _checks.UnsupportedModelError(
+            f"{type(model).__name__} ({cfg.model_type}) reads the image through a Q-Former whose query outputs replace "
+            "the image tokens of input_ids, but config.image_token_index is None: the image tokens cannot be found. "
+            "Load a checkpoint whose processor inserts image tokens (config.image_token_index set)")
     return QFormerAdapter(model) if is_qformer_vlm(model) else None
 
 

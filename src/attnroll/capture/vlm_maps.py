@@ -150,16 +150,15 @@ READ_RULES.update({
 
 COMPOSED = tuple(READ_RULES)
 
-_QFORMER = (
-    "reads the image through a Q-Former: {q} learned query tokens attend to each other{text} and cross-attend to "
-    "the vision tokens in every cross_attention_frequency-th layer, and the language model sees the queries' "
-    "outputs, never a vision token. attnroll does not compose the Q-Former's cross-attention (the queries keep a "
-    "share of their learned embeddings, which is neither the image nor the prompt) and refuses rather than drop "
-    "that share; explain the vision tower (model.vision_model) or the language model on its own"
+_QFORMER_VIDEO = (
+    "reads every video frame through a Q-Former and concatenates the frames' query outputs: attnroll composes the "
+    "Q-Former stage of one image per prompt (BLIP-2, InstructBLIP: capture/qformer.py), not the frames of a video "
+    "(they would need one map per frame); explain the vision tower (model.vision_model) or the language model on "
+    "its own"
 )
 #: VLM families refused, with the obstacle each meets (model_type -> the sentence after the model's name).
 REFUSED: dict[str, str] = {
-    "instructblipvideo": _QFORMER.format(q="its", text=" and to the instruction, per video frame"),
+    "instructblipvideo": _QFORMER_VIDEO,
     "mllama": (
         "feeds the image to the language model through gated cross-attention layers "
         "(text_config.cross_attention_layers) that read every tile's vision tokens from every text position: the "
@@ -177,7 +176,7 @@ REFUSED: dict[str, str] = {
 
 #: README's items for the refusals above.
 REFUSED_README = (
-    "BLIP-2 / InstructBLIP (a Q-Former's learned queries between the image and the language model)",
+    "InstructBLIP-Video (a Q-Former per video frame, frames concatenated)",
     "Mllama (the image enters through gated cross-attention layers, not tokens)",
     "Llama 4 (its pixel-shuffled image tokens not yet checked against the model; transformers 5.24's own forward "
     "fails on it)",
