@@ -163,3 +163,28 @@ def test_a_layout_that_does_not_match_the_views_is_refused():
     del inp["rows"], inp["cols"]
     with pytest.raises(ValueError, match="rows= and cols="):
         attnroll.explain(model, inp, "rollout")
+
+
+@pytest.mark.parametrize("name, method", [("smolvlm", "gae"), ("aya_vision", "grad_rollout")])
+def test_gradient_methods_put_split_tiles_back_and_shares_add_to_the_rows_total(name, method):
+    model = build(name)
+    inp = split_inputs(name)
+    e = attnroll.explain(model, inp, method, target=5)
+    total = float(e.extra["language_row"][0].sum())
+    assert float(e.extra["image_share"][0] + e.extra["text_share"][0]) == pytest.approx(total, rel=1e-5)
+    assert e.grid == attnroll.capture(model, inp).info["language"].link.placement.grid
+    assert float(e.extra["image_share"][0]) > 0 and float(e.scores.abs().sum()) > 0
+
+
+def test_a_batch_of_split_images_equals_its_single_prompts():
+    """Two prompts, each one image of the same layout (image_sizes per image): each prompt's map is its own."""
+    model = build("internvl")
+    one = split_inputs("internvl")
+    two = split_inputs("internvl", image=torch.rand(3, H0, W0, generator=torch.Generator().manual_seed(4)))
+    both = {"input_ids": torch.cat([one["input_ids"], two["input_ids"]]),
+            "attention_mask": torch.cat([one["attention_mask"], two["attention_mask"]]),
+            "pixel_values": torch.cat([one["pixel_values"], two["pixel_values"]]),
+            "image_sizes": torch.tensor([[H0, W0], [H0, W0]])}
+    e = attnroll.explain(model, both, "rollout")
+    for b, alone in enumerate((one, two)):
+        assert torch.allclose(attnroll.explain(model, alone, "rollout").scores[0], e.scores[b], atol=1e-5)

@@ -306,19 +306,19 @@ class MappedVLMAdapter(VLMAdapter):
             return (f"{where.shape[0]} image tokens in input_ids, but the model's projector makes {F.shape[0]} "
                     f"image features from the {F.shape[1]} vision item(s): the tokens do not match the features")
         link = link_entries(where, F, parts)
-        link.placement = placed
-        several = self.several_items(link)
+        several = "" if layout_given(inputs, self.model_type) else self.several_items(link)
         if several:
             return several
         if placed is not None and newlines:
             placed.direct = direct_entries(where.cpu(), newlines, placed.prefix)
+        link.placement = placed
         return link
 
 
     def several_items(self, link: StreamLink) -> str:
         """The reason a prompt's image tokens come from several vision items of a family that maps one item per
         image ("" when none does): tiles of one image, whose layout the inputs do not give, or several images."""
-        if self.model_type in ANYRES or self.model_type == "mistral3" or link.placement is not None:
+        if self.model_type in ANYRES or self.model_type == "mistral3":
             return ""
         for b in link.example.unique().tolist():
             items = link.item[link.example == b].unique()
