@@ -196,3 +196,20 @@ def test_gradient_methods_compose_through_the_qformer_and_shares_add_to_the_rows
     total = float(x["language_row"][0].sum())
     got = x["image_share"] + x["text_share"] + x["queries_share"] + x["instruction_share"]
     assert float(got[0]) == pytest.approx(total, rel=1e-5) and float(x["image_share"][0]) > 0
+
+
+def test_a_batch_equals_its_single_prompts_and_the_explanation_saves(tmp_path):
+    """Two prompts, each with its image and a padded instruction: each prompt's map and shares are its own."""
+    model = build("instructblip")
+    one, two = prompt("instructblip", seed=1), prompt("instructblip", seed=2)
+    two["qformer_attention_mask"] = torch.tensor([[1, 1, 1, 0, 0]])
+    both = {k: torch.cat([one[k], two[k]]) for k in one}
+    e = attnroll.explain(model, both, "rollout")
+    for b, alone in enumerate((one, two)):
+        a = attnroll.explain(model, alone, "rollout")
+        for key in ("queries_share", "instruction_share", "image_share", "text_share"):
+            assert float(a.extra[key][0]) == pytest.approx(float(e.extra[key][b]), abs=1e-5)
+        assert torch.allclose(a.scores[0], e.scores[b], atol=1e-5)
+    assert float(e.extra["instruction_scores"][1, 3:].abs().sum()) == 0  # padding gets nothing
+    back = attnroll.Explanation.load(e.save(tmp_path / "qformer.npz"))
+    assert torch.equal(back.extra["queries_scores"], e.extra["queries_scores"]) and back.grid == e.grid
