@@ -46,6 +46,9 @@ class StreamLink:
             ``source_layers``, then the largest): features read from several vision layers (VipLLaVA).
         placement: where the source items lie on the user's images (:class:`Placement`), or None (each item is
             one image on the source stream's own grid).
+        kept: shares of linked tokens that stay on sources outside both streams (:class:`KeptShare`: a
+            Q-Former's learned queries, the instruction it reads); the weights of a token plus its kept shares
+            sum to 1.
     """
 
     source: str
@@ -57,6 +60,19 @@ class StreamLink:
     weight: torch.Tensor | None = None
     layers: torch.Tensor | None = None
     placement: Placement | None = None
+    kept: tuple["KeptShare", ...] = ()
+
+
+@dataclass
+class KeptShare:
+    """The part of linked tokens' relevance that stays on ``m`` sources of neither stream: row k of ``share``
+    (K, m) is the share of the token at (``example[k]``, ``position[k]``) on each source. ``name`` keys the
+    Explanation's ``extra[name + "_share"]`` (B,) and ``extra[name + "_scores"]`` (B, m)."""
+
+    name: str
+    example: torch.Tensor
+    position: torch.Tensor
+    share: torch.Tensor
 
 
 @dataclass

@@ -31,6 +31,7 @@ from .swin import make_adapter as make_swin_adapter
 from .vlm import vlm_adapter, vlm_facts
 from .vlm_maps import REFUSED_README as VLM_REFUSED
 from .vlm_maps import mapped_adapter, mapped_facts
+from .qformer import qformer_adapter, qformer_facts
 
 __all__ = ["Family", "Models", "Obstacle", "FAMILIES", "GENERIC", "METHOD_GROUPS", "SUPPORTED_FAMILIES", "family_of",
            "adapter_for", "facts_for", "block_kinds", "table_rows", "refusals", "refuse_known"]
@@ -123,11 +124,11 @@ class Family:
 
 # ------------------------------------------------------------------------------- glue for the entries
 def _transformers_adapter(model: nn.Module) -> Adapter:
-    return mapped_adapter(model) or vlm_adapter(model) or HFAdapter(model)
+    return qformer_adapter(model) or mapped_adapter(model) or vlm_adapter(model) or HFAdapter(model)
 
 
 def _transformers_facts(model: nn.Module) -> ModelFacts:
-    return mapped_facts(model) or vlm_facts(model) or hf_facts(model)
+    return qformer_facts(model) or mapped_facts(model) or vlm_facts(model) or hf_facts(model)
 
 
 def _st_adapter(model: nn.Module) -> Adapter:
@@ -312,7 +313,7 @@ TRANSFORMERS = Family(
               "registers), YOLOS, ViTMAE, AST, BERT-likes, GPT-2, Llama-family decoders, CLIP (vision and text "
               "towers), T5, BART, Marian, VisionEncoderDecoder, LLaVA, LLaVA-NeXT, LLaVA-OneVision, PaliGemma, "
               "VipLLaVA, Gemma 3, Idefics3, "
-              "SmolVLM, InternVL, Aya Vision, Mistral 3 (vision and language streams) "
+              "SmolVLM, InternVL, Aya Vision, Mistral 3, BLIP-2, InstructBLIP (vision and language streams) "
               "(and other transformers models that declare attention outputs), plus families without a declaration "
               "through output_attentions=True (DeBERTa, MPNet, BLOOM, Falcon, GPT-Neo, RoFormer, XLM, ...)",
     readout="per model type and head (hf.HFAdapter.readout_spec; vision-language models: vlm.VLMAdapter)",
@@ -378,7 +379,16 @@ TRANSFORMERS = Family(
                        "model's own projector code (`capture/vlm_maps.py`)",
                prefix="vision: 1 (CLIP, InternViT), 0 (SigLIP, Pixtral)",
                readout="language: last real token; pixel shuffle / patch merging: 1/s² per merged vision token "
-                       "(a convention); Gemma 3's average pooling: its own weights; VipLLaVA: 1/J per read layer"),
+                       "(a convention); Gemma 3's average pooling: its own weights; VipLLaVA: 1/J per read layer; "
+                       "image splitting (Idefics3 / SmolVLM `rows=` `cols=`, InternVL / Aya Vision `image_sizes=`): "
+                       "tiles and the global view put back on the original image (`capture/vlm_split.py`)"),
+        Models(models="transformers BLIP-2, InstructBLIP (vision-language through a Q-Former, one image per prompt)",
+               streams="vision, qformer (the queries' (+ instruction's) self-attention), language; the Q-Former's "
+                       "cross-attention kept beside them (`capture/qformer.py`)",
+               prefix="vision: 1 (CLS)",
+               readout="language: last real token; each image token (a query) rolled out through the Q-Former "
+                       "(self- and cross-attention, residual ½), its learned-query and instruction parts kept as "
+                       "`extra[\"queries_share\"]` / `[\"instruction_share\"]`"),
         Models(models="transformers LLaVA-NeXT, LLaVA-OneVision (vision-language, any-resolution tiles)",
                streams="vision (batch = base view + tiles), language; tile tokens read off the model's own "
                        "`pack_image_features` (`capture/vlm_tiles.py`)",

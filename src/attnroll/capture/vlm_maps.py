@@ -31,6 +31,7 @@ from torch import nn
 from .. import _checks
 from .record import AttentionRecord, ModelFacts, Placement, StreamLink
 from .vlm import VLMAdapter, composed_facts, image_token_id, is_vlm
+from .vlm_split import flat_ints, layout_given, split_placement
 from .vlm_tiles import anyres_map
 
 __all__ = ["COMPOSED", "REFUSED", "mapped_adapter", "mapped_facts", "MappedVLMAdapter", "tagged_groups",
@@ -149,18 +150,15 @@ READ_RULES.update({
 
 COMPOSED = tuple(READ_RULES)
 
-_QFORMER = (
-    "reads the image through a Q-Former: {q} learned query tokens attend to each other{text} and cross-attend to "
-    "the vision tokens in every cross_attention_frequency-th layer, and the language model sees the queries' "
-    "outputs, never a vision token. attnroll does not compose the Q-Former's cross-attention (the queries keep a "
-    "share of their learned embeddings, which is neither the image nor the prompt) and refuses rather than drop "
-    "that share; explain the vision tower (model.vision_model) or the language model on its own"
+_QFORMER_VIDEO = (
+    "reads every video frame through a Q-Former and concatenates the frames' query outputs: attnroll composes the "
+    "Q-Former stage of one image per prompt (BLIP-2, InstructBLIP: capture/qformer.py), not the frames of a video "
+    "(they would need one map per frame); explain the vision tower (model.vision_model) or the language model on "
+    "its own"
 )
 #: VLM families refused, with the obstacle each meets (model_type -> the sentence after the model's name).
 REFUSED: dict[str, str] = {
-    "blip-2": _QFORMER.format(q="its", text=""),
-    "instructblip": _QFORMER.format(q="its", text=" and to the instruction"),
-    "instructblipvideo": _QFORMER.format(q="its", text=" and to the instruction, per video frame"),
+    "instructblipvideo": _QFORMER_VIDEO,
     "mllama": (
         "feeds the image to the language model through gated cross-attention layers "
         "(text_config.cross_attention_layers) that read every tile's vision tokens from every text position: the "
@@ -178,7 +176,7 @@ REFUSED: dict[str, str] = {
 
 #: README's items for the refusals above.
 REFUSED_README = (
-    "BLIP-2 / InstructBLIP (a Q-Former's learned queries between the image and the language model)",
+    "InstructBLIP-Video (a Q-Former per video frame, frames concatenated)",
     "Mllama (the image enters through gated cross-attention layers, not tokens)",
     "Llama 4 (its pixel-shuffled image tokens not yet checked against the model; transformers 5.24's own forward "
     "fails on it)",
@@ -253,10 +251,25 @@ class MappedVLMAdapter(VLMAdapter):
         F = torch.zeros(N, A.shape[0], N, n_v - first)
         for i in range(N):
             F[i, :, i] = A
-        placed = self.placement(record, inputs)
+        placed = self.split(inputs, N, n_v, first, A.shape[0]) if layout_given(inputs, self.model_type) else (
+            self.placement(record, inputs))
         if isinstance(placed, str):
             return placed
         return F.reshape(N * A.shape[0], N, n_v - first), placed, []
+
+    def split(self, inputs: dict[str, Any], N: int, n_v: int, first: int, per_view: int) -> Placement | str:
+        """The placement of split images' tiles and global views (``capture.vlm_split``): the views of each image
+        from rows= / cols= (rows × cols + 1, or 1), else one image per prompt (its image tokens / ``per_view``)."""
+        if inputs.get("rows") is not None and inputs.get("cols") is not None:
+            views = [r * c + 1 if r * c > 1 else 1 for r, c in zip(flat_ints(inputs["rows"], "rows"),
+                                                                  flat_ints(inputs["cols"], "cols"))]
+        else:
+            counts = (inputs["input_ids"] == image_token_id(self.model.config)).sum(dim=1).tolist()
+            views = [int(c) // per_view for c in counts if c]
+        if sum(views) != N:
+            return (f"the tile layout means {sum(views)} view(s) ({views} per image), but the vision tower ran on {N}: "
+                    "rows= / cols= (or image_sizes=) must describe the images of this call")
+        return split_placement(self.model_type, inputs, views, n_v, first)
 
     def placement(self, record: AttentionRecord, inputs: dict[str, Any]) -> Placement | str | None:
         """Where the vision items lie on the user's images; None when each item is one image on its own grid."""
@@ -293,7 +306,7 @@ class MappedVLMAdapter(VLMAdapter):
             return (f"{where.shape[0]} image tokens in input_ids, but the model's projector makes {F.shape[0]} "
                     f"image features from the {F.shape[1]} vision item(s): the tokens do not match the features")
         link = link_entries(where, F, parts)
-        several = self.several_items(link)
+        several = "" if layout_given(inputs, self.model_type) else self.several_items(link)
         if several:
             return several
         if placed is not None and newlines:
@@ -312,7 +325,8 @@ class MappedVLMAdapter(VLMAdapter):
             if items.numel() > 1:
                 return (f"prompt {b}'s image tokens come from {items.numel()} vision items: tiles of one image (image "
                         f"splitting) or several images. {TILING.get(self.model_type, '')}The inputs do not say how "
-                        "tiles lie on the image, so one item per prompt is mapped: explain one image at a time, "
+                        f"tiles lie on the image: pass {LAYOUT_KEYS.get(self.model_type, 'one image at a time')} "
+                        "with the inputs to put the tiles back on the image, or explain one image at a time, "
                         "without tiles")
         return ""
 
@@ -327,6 +341,15 @@ TILING = {
                 "view). ",
     "aya_vision": "Aya Vision crops images into tiles plus a thumbnail (processor crop_to_patches=False gives one "
                   "view). ",
+}
+
+
+#: What the caller passes to say how each image's tiles lie (``capture.vlm_split``).
+LAYOUT_KEYS = {
+    "idefics3": "rows= and cols= (the image processor's own, return_row_col_info=True)",
+    "smolvlm": "rows= and cols= (the image processor's own, return_row_col_info=True)",
+    "internvl": "image_sizes= (each image's (height, width)) or rows= and cols=",
+    "aya_vision": "image_sizes= (each image's (height, width)) or rows= and cols=",
 }
 
 

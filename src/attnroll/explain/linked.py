@@ -41,18 +41,19 @@ def compose_link(row: torch.Tensor, link: StreamLink, shape: tuple[int, ...], so
     """(image (B, units), text (B, n_l), extra): the per-prompt image map (on the source grid, or on the
     placement's canvas), the text positions' shares and what the Explanation records of the composition."""
     M = item_maps(row, link, shape, source, stream)
+    kept = kept_shares(row, link)
     P = link.placement
     positions = [link.position[link.example == b] for b in range(row.shape[0])]
     if P is None:
         owners = multimodal.item_examples(link.example, link.item, shape[0])
         text = multimodal.unlinked(row, link.example, link.position)
         return multimodal.per_example(M, owners, row.shape[0]), text, {
-            "image_positions": [torch.unique(p).tolist() for p in positions]}
+            "image_positions": [torch.unique(p).tolist() for p in positions], **kept}
     n_cells = P.prefix + P.grid[0] * P.grid[1]
     canvas = multimodal.place(M, P.image, P.item, P.token, P.cell, P.weight, P.n_images, n_cells)
     owners = multimodal.item_examples(link.example, P.image[link.item], P.n_images)
     text = multimodal.unlinked(row, link.example, link.position)
-    extra: dict = {}
+    extra: dict = dict(kept)
     if P.direct is not None:
         ex, pos, img, cell, w = P.direct
         canvas = multimodal.place_direct(row, ex, pos, img, cell, w, canvas)
@@ -65,6 +66,17 @@ def compose_link(row: torch.Tensor, link: StreamLink, shape: tuple[int, ...], so
     extra["image_positions"] = [torch.unique(p).tolist() for p in positions]
     extra["placement"] = P.note
     return multimodal.per_example(canvas, owners, row.shape[0]), text, extra
+
+
+def kept_shares(row: torch.Tensor, link: StreamLink) -> dict:
+    """extra[name + "_scores"] (B, m) and extra[name + "_share"] (B,) of each share the link keeps on sources of
+    neither stream (``StreamLink.kept``: a Q-Former's learned queries, its instruction)."""
+    out: dict = {}
+    for k in link.kept:
+        vals = row[k.example, k.position][:, None] * k.share.to(row.dtype)
+        scores = torch.zeros(row.shape[0], k.share.shape[-1], dtype=row.dtype).index_add_(0, k.example, vals)
+        out[k.name + "_scores"], out[k.name + "_share"] = scores, scores.sum(dim=-1)
+    return out
 
 
 def _direct_owner(example: torch.Tensor, image: torch.Tensor, g: int) -> int | None:
