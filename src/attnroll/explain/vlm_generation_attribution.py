@@ -331,8 +331,11 @@ def _copies(model: nn.Module, inputs: dict, rows: list[int], ans: list[int], tok
             size: int) -> list[Explanation]:
     """gae / grad_rollout: per chunk of ``size`` generated tokens, the inputs copied once per token, copy b's
     target log p(answer_b | its prefix) at its row; one forward + backward per chunk."""
+    from ..capture.vlm_maps import ONE_VISION_SEQUENCE
     from .explainer import explain
 
+    if getattr(getattr(model, "config", None), "model_type", "") in ONE_VISION_SEQUENCE:
+        size = 1  # all images of a call are one vision sequence: one prompt (one copy) per call
     out = []
     for lo in range(0, len(rows), size):
         r, tk = rows[lo:lo + size], ans[lo:lo + size]
