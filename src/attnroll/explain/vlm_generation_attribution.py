@@ -69,6 +69,8 @@ class VLMGenerationAttribution(NotebookView):
             share of the row.
         image_share, text_share: (T,) the row's share on the images / on the text positions; their sum is the
             row's total (1 for rollout).
+        unplaced_share: (T,) the part of ``image_share`` that the vision tower leaves on tokens with no place on
+            the image (LLaVA's CLS token, tile padding); the maps hold the rest.
         tokens: readable text of the n_input + T tokens (the prompt as the model read it, then the answer).
         n_input: the prompt's token count (image tokens included).
         method, options: how it was made.
@@ -82,6 +84,7 @@ class VLMGenerationAttribution(NotebookView):
     image_maps: list[list[torch.Tensor]]
     image_share: torch.Tensor
     text_share: torch.Tensor
+    unplaced_share: torch.Tensor
     tokens: list[str]
     n_input: int
     method: str
@@ -128,6 +131,7 @@ class VLMGenerationAttribution(NotebookView):
                 "image_positions": list(self.image_positions),
                 "image_share": [float(v) for v in self.image_share.tolist()],
                 "text_share": [float(v) for v in self.text_share.tolist()],
+                "unplaced_share": [float(v) for v in self.unplaced_share.tolist()],
                 "matrix": [[float(v) for v in row] for row in self.matrix.tolist()],
                 "image_maps": [[m.tolist() for m in maps] for maps in self.image_maps]}
 
@@ -358,7 +362,8 @@ def _repeat(inputs: dict, B: int) -> dict:
 def _take(e: Explanation, b: int) -> dict:
     """Copy b of a batched Explanation: its maps, language row and shares."""
     return {"maps": _maps_of(e, b), "row": e.extra["language_row"][b], "image_share": float(e.extra["image_share"][b]),
-            "text_share": float(e.extra["text_share"][b]), "positions": e.extra["image_positions"][b]}
+            "text_share": float(e.extra["text_share"][b]), "positions": e.extra["image_positions"][b],
+            "unplaced": float(e.full_row[b, : e.prefix].sum()) if "image_maps" not in e.extra else 0.0}
 
 
 def _maps_of(e: Explanation, b: int) -> list[torch.Tensor]:
@@ -385,7 +390,7 @@ def _collect(expls: list, ans: list[int], rows: list[int], n_input: int, tok: An
     return VLMGenerationAttribution(
         answer, list(ans), matrix, sorted(set(parts[0]["positions"])), [p["maps"] for p in parts],
         torch.tensor([p["image_share"] for p in parts]), torch.tensor([p["text_share"] for p in parts]),
-        tokens, n_input, method, dict(options), None if images is None else list(_as_list(images)))
+        torch.tensor([p["unplaced"] for p in parts]), tokens, n_input, method, dict(options), None if images is None else list(_as_list(images)))
 
 
 def _pieces(tok: Any, ids: list[int]) -> list[str]:
