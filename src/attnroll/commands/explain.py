@@ -256,7 +256,9 @@ def _methods_and_options(method: str, options: tuple[str, ...]) -> tuple[list[st
               help="Weight of the map over the image.")
 @click.option("--generate", type=click.IntRange(1), metavar="N",
               help="Decoders: generate N tokens after the prompt (--text: a text or a file) and rank the prompt's "
-                   "parts by their share of the answer (context attribution).")
+                   "parts by their share of the answer (context attribution). With IMAGE... and a vision-language "
+                   "model: explain each generated token over the images and the prompt (a viewer page: click an "
+                   "answer token for its map over each image).")
 @click.option("--unit", type=click.Choice(["token", "word", "sentence"]), default="sentence", show_default=True,
               help="With --generate: the prompt's units.")
 @click.option("--segment", "segments", multiple=True, metavar="TEXT",
@@ -275,7 +277,18 @@ def explain_cmd(images, text, pair, model_spec, weights, method, options, target
       attnroll explain cat.jpg --model vit_small_patch16_224 --weights vit_s.safetensors
       attnroll explain --text "A man plays guitar." --pair "Someone makes music." -m gae
       attnroll explain --model ./llama-local --text prompt.txt --generate 20 --unit sentence
+      attnroll explain photo.jpg --model ./llava-local --text "What is in the picture?" --generate 12
     """
+    if generate is not None and images:  # a vision-language model's answer, per generated token over the images
+        from ._vlm_answer import check_vlm_request, explain_vlm_answer
+
+        if segments:
+            raise click.UsageError("--segment is for a text prompt's parts; with IMAGE... leave it out")
+        method = check_vlm_request(images, text, pair, target, method, formats)
+        written = explain_vlm_answer(images, text, method, options, model_spec, weights, out, generate,
+                                     formats or ("html",), top)
+        click.echo(f"wrote {len(written)} file{'s' if len(written) != 1 else ''} to {out}/")
+        return
     if generate is not None:
         method = method or _decoder_default()
         if "," in method:
