@@ -15,6 +15,7 @@ from .._names import safe_name
 from ._args import method_and_options
 from ._data import echo_notes, expand_images, load, read_image
 from ._output import Failure, one_line, output_file, prepare_out, write
+from ._text import slug
 
 #: The methods of a VLM's answer, the default first (rollout: one sweep for all tokens; the map of a
 #: classifier's measured default, attn_grad, has no vision-tower composition).
@@ -41,8 +42,6 @@ def explain_vlm_answer(images: tuple, text: str, method: str, options: tuple[str
                        name: str | None = None) -> list[Path]:
     """Load, generate, attribute; print the answer and each token's share on the images; write the files."""
     from ..explain.vlm_generation_attribution import vlm_generation_attribution
-    from .explain import slug
-
     opts = method_and_options(method, options)
     files = expand_images(images)
     pics = [read_image(f) for f in files]

@@ -6,7 +6,6 @@ from __future__ import annotations
 import base64
 import html
 import json
-import re
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,7 @@ from ._data import check_cmap, check_inputs, echo_notes, expand_images, input_op
 from ._default import announce, check_early, chosen_options, default_choice
 from ._group import cli
 from ._output import Failure, one_line, output_file, png_bytes, prepare_out, progress, save_npz, write
-from ._text import explain_text, shown
+from ._text import explain_text, shown, slug
 
 FORMATS = ("png", "html", "json", "npz")
 
@@ -77,12 +76,6 @@ def _image_html(title: str, overlay_img: Any, expl: Any, lm: Any) -> str:
         f"<img alt='overlay' style='image-rendering:auto;max-width:100%' src='data:image/png;base64,{data}'>"
         f"{expl.to_html(0)}</body></html>\n"
     )
-
-
-def slug(text: str, words: int = 5) -> str:
-    """The first ``words`` words of a text, lower case, joined by "-" (a file name stem)."""
-    s = "-".join(re.findall(r"[a-z0-9]+", text.lower())[:words])
-    return s or "text"
 
 
 def distinct_stems(files: list[Path]) -> None:
