@@ -165,10 +165,25 @@ def test_mistral3_two_images_keep_apart():
     first, second = extra["image_maps"][0]
     assert first.shape == (8, 12) and second.shape == (4, 4)
     assert float(first.abs().sum()) == 0.0 and float(second.sum()) == pytest.approx(1.0, abs=1e-5)
+    e = attnroll.explain(model, inp, "rollout")  # explain itself: one map per image, each its tokens' share
+    maps, lang = e.extra["image_maps"][0], e.extra["language_row"][0]
+    assert [tuple(m.shape) for m in maps] == [(8, 12), (4, 4)] and e.grid is None
+    assert float(maps[0].sum()) == pytest.approx(float(lang[2:26].sum()), abs=1e-5)
+    assert float(maps[1].sum()) == pytest.approx(float(lang[28:32].sum()), abs=1e-5)
+    assert e.extra["image_grids"] == [[[8, 12], [4, 4]]] and e.scores.shape == (1, 96 + 16)
     _, _, ident = compose_link(row, link, rec.stream_shape("vision"), lambda s, r, k: r.weights, "language")
     want = torch.zeros(4, 4)
     want[0:2, 2:4] = 0.25
     torch.testing.assert_close(ident["image_maps"][0][1], want, atol=1e-6, rtol=0)
+
+
+def test_mistral3_with_several_prompts_in_one_call_is_refused_naming_why():
+    model = F.build("mistral3")
+    one = F.prompt("mistral3")
+    two = {"input_ids": one["input_ids"].repeat(2, 1), "attention_mask": one["attention_mask"].repeat(2, 1),
+           "pixel_values": one["pixel_values"].repeat(2, 1, 1, 1), "image_sizes": one["image_sizes"].repeat(2, 1)}
+    with pytest.raises(ValueError, match="one vision sequence.*explain one prompt at a time"):
+        attnroll.explain(model, two, "rollout")
 
 
 def test_the_result_as_a_dict_a_table_and_json(tmp_path):

@@ -299,6 +299,9 @@ class MappedVLMAdapter(VLMAdapter):
     def several_items(self, link: StreamLink) -> str:
         """The reason a prompt's image tokens come from several vision items of a family that maps one item per
         image ("" when none does): tiles of one image, whose layout the inputs do not give, or several images."""
+        if self.model_type in ONE_VISION_SEQUENCE and link.example.unique().numel() > 1:
+            return (f"{type(self.model).__name__} runs the images of all prompts of a call as one vision sequence, so "
+                    "they cannot be told apart per prompt: explain one prompt at a time (its images each get a map)")
         if self.model_type in ANYRES or self.model_type == "mistral3":
             return ""
         for b in link.example.unique().tolist():
