@@ -113,7 +113,8 @@ def explain_qwen_vl(ctx: Context, opts: dict) -> Explanation:
 
 def explain_qwen_vl_rows(ctx: Context, opts: dict, rows: list[int]) -> list[Explanation]:
     """One Explanation per language row in ``rows`` of prompt 0 (rollout / raw: no target gradient), from one
-    capture and one sweep of the language model for all rows; each equals ``position=`` that row."""
+    capture, one sweep of the language model and one of the vision tower for all rows; each equals
+    ``position=`` that row."""
     _refuse(ctx, opts)
     name = ctx.method.name
     if name not in ("rollout", "raw"):
@@ -124,7 +125,9 @@ def explain_qwen_vl_rows(ctx: Context, opts: dict, rows: list[int]) -> list[Expl
     E = torch.zeros(1, len(rows), n)
     E[0, torch.arange(len(rows)), torch.tensor(rows)] = 1.0
     R = _language_rows(rec, E, rule, a, c, renorm, name, opts)
-    carry = None if rec.geometry is None else _vision_fn(rec, rule, a, c, renorm, raw=name == "raw")
+    V = None
+    if rec.geometry is not None:  # every row's vision relevance in one chunked sweep of the tower
+        V = _vision_fn(rec, rule, a, c, renorm, raw=name == "raw")(R[0][:, rec.position[rec.example == 0]])
     out = []
     for t, r in enumerate(rows):
         readout = resolve_readout([r], batch=1, n=n, mask=rec.mask, source="the language model's next-token logit "
@@ -132,8 +135,8 @@ def explain_qwen_vl_rows(ctx: Context, opts: dict, rows: list[int]) -> list[Expl
         with torch.no_grad():
             _, target = resolve_target(rec.outputs, ctx.target, positions=[r])
         row = R[:1, t]
-        out.append(_text(ctx, rec, row, readout, target) if carry is None else
-                   _build(ctx, rec, row, readout, target, carry))
+        out.append(_text(ctx, rec, row, readout, target) if V is None else
+                   _build(ctx, rec, row, readout, target, lambda W, v=V[t]: v))
     return out
 
 
@@ -176,21 +179,25 @@ def _language_rows(rec: QwenRecord, E: torch.Tensor, rule: Any, a: float, c: flo
 
 
 def _vision_fn(rec: QwenRecord, rule: Any, a: float, c: float, renorm: bool, raw: bool) -> Any:
-    """f(W (K,) shares of the merged tokens) -> (N,) relevance of the vision tokens, original order."""
+    """f(W (K,) shares of the merged tokens) -> (N,) relevance of the vision tokens, original order; W (R, K):
+    R rows in one sweep -> (R, N)."""
 
     def carry(W: torch.Tensor) -> torch.Tensor:
+        one = W.ndim == 1
+        W = W[None] if one else W
         geo, layers = rec.geometry, vision_layers(rec)
         L = len(layers)
         reads = [L - 1, *[k for k in rec.deepstack if 0 <= k < L]]  # the layers each merger reads after
         N = geo.tower_of.numel()
         dev = layers[0].chunks[0].layer.device
-        base = spread(W[None].to(dev, torch.float32) / len(reads), geo.units.to(dev), N)[None]  # (1, 1, N)
+        base = spread(W.to(dev, torch.float32) / len(reads), geo.units.to(dev), N)[None]  # (1, R, N)
         if raw:  # each merger's part through the attention of the layer it reads
             v = sum(apply_chunked(base, layers[k], rule, a=1.0, c=0.0) for k in reads)
         else:
             v = chunked_rows(layers, base, rule, a=a, c=c, renorm=renorm,
                              inject={k: base for k in reads[1:]})
-        return v[0, 0].detach().float().cpu()[geo.tower_of]
+        out = v[0].detach().float().cpu()[:, geo.tower_of]
+        return out[0] if one else out
 
     return carry
 
