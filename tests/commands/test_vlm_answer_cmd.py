@@ -78,7 +78,8 @@ def test_explain_generate_with_an_image_writes_the_page_and_the_json(vlm_dir, pi
     assert res.exit_code == 0, res.output
     assert "answer (3 tokens)" in res.output and "images" in res.output
     files = sorted(p.name for p in out.iterdir())
-    assert files == ["photo.what-is-in-the-picture.answer.rollout.html", "photo.what-is-in-the-picture.answer.rollout.json"]
+    stem = "photo.what-is-in-the-picture.answer.rollout"
+    assert files == [f"{stem}.html", f"{stem}.json"]
     rec = json.loads((out / files[1]).read_text())
     lm = attnroll.models.load_model(vlm_dir)
     inp = lm.prompt_inputs([Image.open(picture).convert("RGB")], "what is in the picture ?")

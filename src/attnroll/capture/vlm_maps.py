@@ -33,8 +33,8 @@ from .record import AttentionRecord, ModelFacts, Placement, StreamLink
 from .vlm import VLMAdapter, composed_facts, image_token_id, is_vlm
 from .vlm_tiles import anyres_map
 
-__all__ = ["COMPOSED", "REFUSED", "ONE_VISION_SEQUENCE", "pixtral_views", "mapped_adapter", "mapped_facts", "MappedVLMAdapter", "tagged_groups",
-           "read_input"]
+__all__ = ["COMPOSED", "REFUSED", "ONE_VISION_SEQUENCE", "pixtral_views", "mapped_adapter", "mapped_facts",
+           "MappedVLMAdapter", "tagged_groups", "read_input"]
 
 
 class _Stop(Exception):

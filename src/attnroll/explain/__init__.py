@@ -24,9 +24,9 @@ from .context_attribution import ContextAttribution
 from .explainer import Explainer, Prepared, explain
 from .explanation import Explanation
 from .generation_attribution import GenerationAttribution
-from .vlm_generation_attribution import VLMGenerationAttribution
 from .options import check_options
 from .registry import Method, method_info, methods, register
+from .vlm_generation_attribution import VLMGenerationAttribution
 
 __all__ = ["explain", "Explainer", "Explanation", "methods", "method_info", "check_options", "register", "Method",
            "Context", "Prepared", "explain_batches", "iter_explanations", "BatchScores", "explain_targets",

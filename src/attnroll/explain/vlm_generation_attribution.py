@@ -163,8 +163,9 @@ class VLMGenerationAttribution(NotebookView):
         return self.to_html()
 
     def _plain_text(self) -> str:
-        return (f"{self.method}: {len(self.answer_ids)} generated token(s) over {len(self.image_maps[0]) if self.image_maps else 0}"
-                f" image(s) and {self.matrix.shape[1]} source positions\n" + self.table())
+        images = len(self.image_maps[0]) if self.image_maps else 0
+        return (f"{self.method}: {len(self.answer_ids)} generated token(s) over {images} image(s) and "
+                f"{self.matrix.shape[1]} source positions\n" + self.table())
 
 
 def vlm_generation_attribution(
@@ -390,7 +391,8 @@ def _collect(expls: list, ans: list[int], rows: list[int], n_input: int, tok: An
     return VLMGenerationAttribution(
         answer, list(ans), matrix, sorted(set(parts[0]["positions"])), [p["maps"] for p in parts],
         torch.tensor([p["image_share"] for p in parts]), torch.tensor([p["text_share"] for p in parts]),
-        torch.tensor([p["unplaced"] for p in parts]), tokens, n_input, method, dict(options), None if images is None else list(_as_list(images)))
+        torch.tensor([p["unplaced"] for p in parts]), tokens, n_input, method, dict(options),
+        None if images is None else _as_list(images))
 
 
 def _pieces(tok: Any, ids: list[int]) -> list[str]:
@@ -401,7 +403,7 @@ def _pieces(tok: Any, ids: list[int]) -> list[str]:
 
 
 def _as_list(images: Any) -> list:
-    return images if isinstance(images, (list, tuple)) else [images]
+    return list(images) if isinstance(images, (list, tuple)) else [images]
 
 
 _make_callable(__name__)  # attnroll._callable: the module is callable as its function of the same name
