@@ -40,7 +40,8 @@ CASES = {
     "mistral3": (lambda: F.build("mistral3"), lambda m: mistral3_two_images()),
     "llava_next": (lambda: F.build_anyres("llava_next"), lambda m: F.anyres_inputs("llava_next", m)),
     "llava_onevision": (lambda: F.build_anyres("llava_onevision"), lambda m: F.anyres_inputs("llava_onevision", m)),
-    **{f: (lambda f=f: F.build(f), lambda m, f=f: F.prompt(f)) for f in ("vipllava", "smolvlm", "internvl", "aya_vision")},
+    **{f: (lambda f=f: F.build(f), lambda m, f=f: F.prompt(f))
+       for f in ("vipllava", "smolvlm", "internvl", "aya_vision")},
     "qwen2_vl": (Q.qwen2, lambda m: Q.prompt(m)),
     "qwen2_5_vl": (Q.qwen25, lambda m: Q.prompt(m, grids=((1, 8, 8), (1, 4, 8)))),
     "qwen3_vl": (Q.qwen3, lambda m: Q.prompt(m)),
