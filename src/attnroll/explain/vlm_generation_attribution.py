@@ -51,8 +51,8 @@ __all__ = ["VLMGenerationAttribution", "vlm_generation_attribution", "METHODS", 
 #: The methods: rollout in one sweep, the gradient methods by batched copies.
 METHODS = ("rollout", "gae", "grad_rollout")
 #: Per-token inputs a prompt may carry besides input_ids / attention_mask, and the value a generated token gets
-#: (None: the prompt's last value repeated, as transformers' generation does; PaliGemma's generated tokens are
-#: its causal suffix, 1).
+#: (None: the prompt's last value repeated, as transformers' generation does, unless the family says otherwise:
+#: ``capture.vlm.GENERATED_TOKEN_TYPE``).
 _PER_TOKEN = {"token_type_ids": None, "mm_token_type_ids": 0}
 
 
@@ -254,11 +254,13 @@ def answer_inputs(model: nn.Module, inputs: dict, ids: Sequence[int]) -> dict:
     if isinstance(inputs.get("attention_mask"), torch.Tensor):
         m = inputs["attention_mask"]
         out["attention_mask"] = torch.cat([m, m.new_ones(1, k)], dim=1)
-    suffix = getattr(getattr(model, "config", None), "model_type", "") == "paligemma"
+    from ..capture.vlm import GENERATED_TOKEN_TYPE
+
+    own = GENERATED_TOKEN_TYPE.get(getattr(getattr(model, "config", None), "model_type", ""))
     for key, fill in _PER_TOKEN.items():
         v = inputs.get(key)
         if isinstance(v, torch.Tensor) and v.ndim == 2:
-            val = 1 if suffix and key == "token_type_ids" else (v[:, -1:] if fill is None else fill)
+            val = own if own is not None and key == "token_type_ids" else (v[:, -1:] if fill is None else fill)
             out[key] = torch.cat([v, (v.new_zeros(1, k) + val)], dim=1)
     return out
 
