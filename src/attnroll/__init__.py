@@ -39,6 +39,8 @@ _LAZY: dict[str, str | None] = {
     "ContextAttribution": ".explain.context_attribution",
     "generation_attribution": ".explain.generation_attribution",
     "GenerationAttribution": ".explain.generation_attribution",
+    "vlm_generation_attribution": ".explain.vlm_generation_attribution",
+    "VLMGenerationAttribution": ".explain.vlm_generation_attribution",
     # scoring explanations: attnroll.evaluate.deletion(...), attnroll.evaluate.audit(...)
     "evaluate": None,
     # whole datasets, read back as a DataFrame
@@ -60,6 +62,7 @@ if _TYPE_CHECKING:  # what type checkers and editors see; at run time __getattr_
     from .explain import Explainer, Explanation
     from .explain.context_attribution import ContextAttribution, context_attribution
     from .explain.generation_attribution import GenerationAttribution, generation_attribution
+    from .explain.vlm_generation_attribution import VLMGenerationAttribution, vlm_generation_attribution
 
 
 def __getattr__(name: str) -> object:

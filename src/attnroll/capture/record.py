@@ -85,7 +85,11 @@ class Placement:
 
     ``direct``: linked tokens of the explained stream that come from no source token but belong to a place on
     the image (LLaVA-NeXT's learned newline token closing a row of tiles): (example, position, image, cell,
-    weight) tensors of one length; the token's share goes to those cells with those weights."""
+    weight) tensors of one length; the token's share goes to those cells with those weights.
+
+    ``views``: several images laid one after another on one canvas (Mistral 3 runs all images of a call as one
+    vision sequence): their (rows, cols) grids in order, the cells after the prefix being image 0's in raster
+    order, then image 1's, ...; the composed map is split into one map per image (``extra["image_maps"]``)."""
 
     image: torch.Tensor
     item: torch.Tensor
@@ -97,6 +101,7 @@ class Placement:
     n_images: int = 1
     direct: tuple[torch.Tensor, ...] | None = None
     note: str = ""
+    views: list[tuple[int, int]] | None = None
 
 
 @dataclass

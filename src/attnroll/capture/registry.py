@@ -22,6 +22,7 @@ from .cait import CaitAdapter, is_cait
 from .hf import HFAdapter, hf_facts, is_hf_model
 from .hooks import Adapter, set_supported_families
 from .mixers import KNOWN_MIXERS, MixerKind
+from .qformer import qformer_adapter, qformer_facts
 from .qwen_family import is_qwen_vl, qwen_facts, refuse_dense
 from .record import ModelFacts
 from .sentence_transformers import is_sentence_transformer, transformer_of
@@ -31,7 +32,6 @@ from .swin import make_adapter as make_swin_adapter
 from .vlm import vlm_adapter, vlm_facts
 from .vlm_maps import REFUSED_README as VLM_REFUSED
 from .vlm_maps import mapped_adapter, mapped_facts
-from .qformer import qformer_adapter, qformer_facts
 
 __all__ = ["Family", "Models", "Obstacle", "FAMILIES", "GENERIC", "METHOD_GROUPS", "SUPPORTED_FAMILIES", "family_of",
            "adapter_for", "facts_for", "block_kinds", "table_rows", "refusals", "refuse_known"]

@@ -46,6 +46,10 @@ REFUSED = {
     "llava_next_video": _ANYRES + " (and its video frames are pooled)",
 }
 
+#: token_type_ids of a generated token where it is not the prompt's last value repeated (transformers'
+#: generation): PaliGemma's answer is the causal suffix after its bidirectional prefix, 1.
+GENERATED_TOKEN_TYPE = {"paligemma": 1}
+
 #: The refusal of StreamInfo.link_reason when composition is not possible.
 _NO_IDS = "the prompt was given as inputs_embeds: the image tokens are found from input_ids (config.image_token_id)"
 

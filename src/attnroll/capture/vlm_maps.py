@@ -34,8 +34,8 @@ from .vlm import VLMAdapter, composed_facts, image_token_id, is_vlm
 from .vlm_split import flat_ints, layout_given, split_placement
 from .vlm_tiles import anyres_map
 
-__all__ = ["COMPOSED", "REFUSED", "mapped_adapter", "mapped_facts", "MappedVLMAdapter", "tagged_groups",
-           "read_input"]
+__all__ = ["COMPOSED", "REFUSED", "ONE_VISION_SEQUENCE", "pixtral_views", "mapped_adapter", "mapped_facts",
+           "MappedVLMAdapter", "tagged_groups", "read_input"]
 
 
 class _Stop(Exception):
@@ -140,6 +140,9 @@ READ_RULES = {
     "mistral3": "hidden_states[vision_feature_layer], patch-merged (spatial_merge_size unfold): 1/s² each; all "
                 "images in one vision sequence",
 }
+
+#: Families that run every image of a call (of all its prompts) as one vision sequence: one prompt per call.
+ONE_VISION_SEQUENCE = ("mistral3",)
 
 #: Families whose vision items are a base view and tiles of each image (capture/vlm_tiles.py).
 ANYRES = ("llava_next", "llava_onevision")
@@ -277,16 +280,7 @@ class MappedVLMAdapter(VLMAdapter):
             return padded_views(inputs, self.model.config.vision_config.patch_size)
         if self.model_type != "mistral3":
             return None
-        sizes = inputs.get("image_sizes")
-        p = self.model.config.vision_config.patch_size
-        if not isinstance(sizes, torch.Tensor) or sizes.shape[0] != 1:
-            return ("Mistral 3 runs all images of a call as one vision sequence; explain one image at a time "
-                    "(image_sizes must hold one (height, width))")
-        h, w = int(sizes[0, 0]) // p, int(sizes[0, 1]) // p
-        n = h * w
-        return Placement(image=torch.zeros(1, dtype=torch.long), item=torch.zeros(n, dtype=torch.long),
-                         token=torch.arange(n), cell=torch.arange(n), weight=torch.ones(n), grid=(h, w), prefix=0,
-                         note="the image's patch grid (image_sizes / patch_size)")
+        return pixtral_views(inputs.get("image_sizes"), self.model.config.vision_config.patch_size)
 
     def link(self, record: AttentionRecord, inputs: dict[str, Any]) -> StreamLink | str | None:
         if "vision" not in record.streams:
@@ -318,6 +312,9 @@ class MappedVLMAdapter(VLMAdapter):
     def several_items(self, link: StreamLink) -> str:
         """The reason a prompt's image tokens come from several vision items of a family that maps one item per
         image ("" when none does): tiles of one image, whose layout the inputs do not give, or several images."""
+        if self.model_type in ONE_VISION_SEQUENCE and link.example.unique().numel() > 1:
+            return (f"{type(self.model).__name__} runs the images of all prompts of a call as one vision sequence, so "
+                    "they cannot be told apart per prompt: explain one prompt at a time (its images each get a map)")
         if self.model_type in ANYRES or self.model_type == "mistral3":
             return ""
         for b in link.example.unique().tolist():
@@ -380,6 +377,22 @@ def padded_views(inputs: dict[str, Any], patch: int) -> Placement | str | None:
                      token=torch.arange(H * W).repeat(N), cell=cell.repeat(N), weight=torch.ones(N * H * W),
                      grid=(h, w), prefix=1, n_images=N,
                      note="the image's own patches (pixel_attention_mask); slot 0: the padding patches")
+
+
+def pixtral_views(sizes: Any, patch: int) -> Placement | str:
+    """Mistral 3 / Pixtral: the images of a call are one vision sequence, each image's patches in raster order
+    on its own (height, width) // patch grid (``image_sizes``), one image after another; one image is mapped
+    on its grid, several as ``Placement.views`` (one map per image)."""
+    if not isinstance(sizes, torch.Tensor) or sizes.ndim != 2 or sizes.shape[-1] != 2 or sizes.shape[0] < 1:
+        return "Mistral 3 needs image_sizes (one (height, width) per image) to place its patches on the images"
+    grids = [(int(h) // patch, int(w) // patch) for h, w in sizes.tolist()]
+    n = sum(h * w for h, w in grids)
+    one = len(grids) == 1
+    return Placement(image=torch.zeros(1, dtype=torch.long), item=torch.zeros(n, dtype=torch.long),
+                     token=torch.arange(n), cell=torch.arange(n), weight=torch.ones(n),
+                     grid=grids[0] if one else (1, n), prefix=0, views=None if one else grids,
+                     note="the image's patch grid (image_sizes / patch_size)" if one else
+                     "each image's patch grid (image_sizes / patch_size), the images one vision sequence")
 
 
 def direct_entries(where: torch.Tensor, newlines: list, prefix: int) -> tuple[torch.Tensor, ...]:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import click
 
-__all__ = ["explain_text", "encode", "max_tokens", "shown"]
+__all__ = ["explain_text", "encode", "max_tokens", "shown", "slug"]
 
 #: What tokenizers say when they know no length limit (transformers' VERY_LARGE_INTEGER is above it).
 _NO_LIMIT = 10**9
@@ -83,3 +84,9 @@ def explain_text(lm: Any, text: str, pair: str | None, method: str, options: dic
         out[label] = explain(lm.model, ea, method, _cosine_target(lm, ea["attention_mask"], b), tokenizer=tok,
                              **options)
     return out
+
+
+def slug(text: str, words: int = 5) -> str:
+    """The first ``words`` words of a text, lower case, joined by "-" (a file name stem)."""
+    s = "-".join(re.findall(r"[a-z0-9]+", text.lower())[:words])
+    return s or "text"

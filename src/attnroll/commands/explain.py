@@ -6,7 +6,6 @@ from __future__ import annotations
 import base64
 import html
 import json
-import re
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,7 @@ from ._data import check_cmap, check_inputs, echo_notes, expand_images, input_op
 from ._default import announce, check_early, chosen_options, default_choice
 from ._group import cli
 from ._output import Failure, one_line, output_file, png_bytes, prepare_out, progress, save_npz, write
-from ._text import explain_text, shown
+from ._text import explain_text, shown, slug
 
 FORMATS = ("png", "html", "json", "npz")
 
@@ -77,12 +76,6 @@ def _image_html(title: str, overlay_img: Any, expl: Any, lm: Any) -> str:
         f"<img alt='overlay' style='image-rendering:auto;max-width:100%' src='data:image/png;base64,{data}'>"
         f"{expl.to_html(0)}</body></html>\n"
     )
-
-
-def slug(text: str, words: int = 5) -> str:
-    """The first ``words`` words of a text, lower case, joined by "-" (a file name stem)."""
-    s = "-".join(re.findall(r"[a-z0-9]+", text.lower())[:words])
-    return s or "text"
 
 
 def distinct_stems(files: list[Path]) -> None:
@@ -256,7 +249,9 @@ def _methods_and_options(method: str, options: tuple[str, ...]) -> tuple[list[st
               help="Weight of the map over the image.")
 @click.option("--generate", type=click.IntRange(1), metavar="N",
               help="Decoders: generate N tokens after the prompt (--text: a text or a file) and rank the prompt's "
-                   "parts by their share of the answer (context attribution).")
+                   "parts by their share of the answer (context attribution). With IMAGE... and a vision-language "
+                   "model: explain each generated token over the images and the prompt (a viewer page: click an "
+                   "answer token for its map over each image).")
 @click.option("--unit", type=click.Choice(["token", "word", "sentence"]), default="sentence", show_default=True,
               help="With --generate: the prompt's units.")
 @click.option("--segment", "segments", multiple=True, metavar="TEXT",
@@ -275,7 +270,18 @@ def explain_cmd(images, text, pair, model_spec, weights, method, options, target
       attnroll explain cat.jpg --model vit_small_patch16_224 --weights vit_s.safetensors
       attnroll explain --text "A man plays guitar." --pair "Someone makes music." -m gae
       attnroll explain --model ./llama-local --text prompt.txt --generate 20 --unit sentence
+      attnroll explain photo.jpg --model ./llava-local --text "What is in the picture?" --generate 12
     """
+    if generate is not None and images:  # a vision-language model's answer, per generated token over the images
+        from ._vlm_answer import check_vlm_request, explain_vlm_answer
+
+        if segments:
+            raise click.UsageError("--segment is for a text prompt's parts; with IMAGE... leave it out")
+        method = check_vlm_request(images, text, pair, target, method, formats)
+        written = explain_vlm_answer(images, text, method, options, model_spec, weights, out, generate,
+                                     formats or ("html",), top)
+        click.echo(f"wrote {len(written)} file{'s' if len(written) != 1 else ''} to {out}/")
+        return
     if generate is not None:
         method = method or _decoder_default()
         if "," in method:

@@ -110,6 +110,21 @@ def _page_name(name: str | None, stem: str) -> str:
     return safe_name(name) + ".html"
 
 
+def _answer_page(images, text, pair, model_spec, weights, method_list, options, target, out, name, generate) -> None:
+    """``view IMAGE... --text PROMPT --generate N``: a vision-language model's answer, per generated token."""
+    from ._vlm_answer import check_vlm_request, explain_vlm_answer
+
+    if not images:
+        raise click.UsageError("view --generate needs IMAGE... and --text (a vision-language model's prompt); for a "
+                               "text decoder use attnroll context --per-token")
+    if name is not None and (not name.strip() or "/" in name):
+        raise click.UsageError(f"--name must be a file name (no folder), got {name!r}")
+    method = check_vlm_request(images, text, pair, target, method_list, ("html",))
+    written = explain_vlm_answer(images, text, method, options, model_spec, weights, out, generate, ("html",), 3,
+                                 name=None if name is None else _page_name(name, ""))
+    click.echo(f"wrote {written[0]}")
+
+
 @cli.command("view", short_help="One interactive HTML page: layers, methods, heads, values under the pointer.")
 @input_options
 @click.option("--methods", "-m", "method_list", metavar="METHODS",
@@ -124,7 +139,10 @@ def _page_name(name: str | None, stem: str) -> str:
 @click.option(
     "--name", help="File name of the page [default: <first image stem>.view.html or <first words>.view.html]."
 )
-def view_cmd(images, text, pair, model_spec, weights, method_list, options, target, out, name) -> None:
+@click.option("--generate", type=click.IntRange(1), metavar="N",
+              help="With IMAGE... and --text PROMPT, a vision-language model: generate N tokens and show each one's "
+                   "map over every image and its scores over the prompt (click an answer token); one method.")
+def view_cmd(images, text, pair, model_spec, weights, method_list, options, target, out, name, generate) -> None:
     """Explain IMAGE... (files or folders) or --text TEXT [--pair TEXT] with every method of --methods and
     write ONE self-contained HTML page: no network, opens from file:// and offline. Images: the map over the
     picture (opacity, colours), a layer slider, a method switcher, per-head maps, the value under the pointer.
@@ -134,8 +152,13 @@ def view_cmd(images, text, pair, model_spec, weights, method_list, options, targ
     Examples:
       attnroll view photos/ --model ./vit-base-local -m rollout,gae
       attnroll view --text "A man plays guitar." --pair "Someone makes music."
+      attnroll view photo.jpg --model ./qwen2-vl-local --text "Describe the picture." --generate 16
     """
     from .explain import slug
+
+    if generate is not None:
+        _answer_page(images, text, pair, model_spec, weights, method_list, options, target, out, name, generate)
+        return
 
     kind = check_inputs(images, text, pair)
     names = methods_list(method_list) if method_list is not None else None

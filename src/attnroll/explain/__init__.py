@@ -11,12 +11,13 @@ Modules, each named after what it holds: ``registry`` (``register``, ``methods()
 ``rows`` (the rollout methods' shared steps), ``matrix_free`` (the matrix-free route of the row methods),
 ``value_aware`` (the value-aware methods' shared wiring), ``explanation`` (``Explanation``), ``batches``
 (``explain_batches``, ``iter_explanations``), ``context_attribution``, ``generation_attribution``
-(every generated token over the prompt and the earlier generated tokens), ``prompts`` (their shared prompt
+(every generated token over the prompt and the earlier generated tokens), ``vlm_generation_attribution``
+(the same for a vision-language model's answer: per generated token one map per image), ``prompts`` (their shared prompt
 encoding: chat template, readable tokens, the answer's ids).
 """
 
 from .._callable import make_callable as _make_callable
-from . import context_attribution, generation_attribution
+from . import context_attribution, generation_attribution, vlm_generation_attribution
 from .batches import BatchScores, batch_size_of, explain_batches, explain_targets, iter_explanations, take_rows
 from .context import Context
 from .context_attribution import ContextAttribution
@@ -25,11 +26,13 @@ from .explanation import Explanation
 from .generation_attribution import GenerationAttribution
 from .options import check_options
 from .registry import Method, method_info, methods, register
+from .vlm_generation_attribution import VLMGenerationAttribution
 
 __all__ = ["explain", "Explainer", "Explanation", "methods", "method_info", "check_options", "register", "Method",
            "Context", "Prepared", "explain_batches", "iter_explanations", "BatchScores", "explain_targets",
            "batch_size_of", "take_rows", "context_attribution", "ContextAttribution",
-           "generation_attribution", "GenerationAttribution"]
+           "generation_attribution", "GenerationAttribution", "vlm_generation_attribution",
+           "VLMGenerationAttribution"]
 
 
 _make_callable(__name__)  # attnroll._callable: the module is callable as its function of the same name

@@ -369,7 +369,7 @@ class Context:
         e = self.build(rec, image, readout, link.source, extra=extra, options=options,
                        prefix=None if P is None else P.prefix)
         if P is not None:
-            e.grid = P.grid
+            e.grid = None if P.views else P.grid  # several images: one map each, in extra["image_maps"]
         e.tokens = self.info(rec, stream).tokens
         return e
 

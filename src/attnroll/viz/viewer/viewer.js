@@ -297,9 +297,12 @@
         tl = el("div", "cap", gen ? "generated tokens (click one to see its map over the prompt and the tokens generated before it):"
                                   : "target tokens (click one to see its map over the source):"), tgt = el("div", "toks tgt"),
         sl = el("div", "cap", gen ? "source tokens (the prompt, then the generated ones):" : "source tokens:"),
-        src = el("div", "toks"), scale = el("div", "scale");
-    [cap, cv, tl, tgt, sl, src, scale].forEach(function (x) { box.appendChild(x); });
+        src = el("div", "toks"), scale = el("div", "scale"), gallery = el("div", "panels imgs");
+    [cap, cv, tl, tgt, gallery, sl, src, scale].forEach(function (x) { box.appendChild(x); });
     host.appendChild(box);
+    // A VLM's answer: one map per image under the matrix, showing the selected generated token's row.
+    var pics = (ex.images || []).map(function (im) { return answerImage(im, gallery, say); }),
+        imgCols = new Set(ex.image_columns || []);
     var P = ex.positions, nS = ex.tokens.length, sel = P.length - 1, skip = skipSet(ex);
     cv.width = nS; cv.height = P.length;
     var cell = Math.max(4, Math.min(18, Math.floor(640 / Math.max(nS, 1))));
@@ -309,6 +312,7 @@
     var tgtStrip = tokenStrip(ex, ex.target_tokens, tgt, tIdx);
     srcStrip.onChunk(function (a, b) {
       if (gen) for (var k = a; k < b; k++) if (+srcStrip.spans[k].dataset.i >= ex.first_generated) srcStrip.spans[k].classList.add("gen");
+      for (var j = a; j < b; j++) if (imgCols.has(+srcStrip.spans[j].dataset.i)) srcStrip.spans[j].classList.add("img");
       update();
     });
     tgtStrip.onChunk(function () { update(); });
@@ -333,6 +337,7 @@
       });
       scale.textContent = "matrix colour: " + fmt(sc.lo) + " → " + fmt(sc.hi) + " · selected " + what + ": " +
         JSON.stringify(ex.target_tokens[P[sel]]) + " (position " + P[sel] + ")";
+      pics.forEach(function (p) { p.draw(sel, what + " " + JSON.stringify(ex.target_tokens[P[sel]]) + " (#" + P[sel] + ")"); });
     }
     tgt.addEventListener("click", function (e) {
       var s = e.target.closest(".t"); if (!s) return;
@@ -351,6 +356,40 @@
     hoverTokens(src, ex, function () { var q = m(); return q ? { v: rows(q.rows).row(sel) } : null; },
                 function () { return M() + " · source of " + what + " #" + P[sel]; }, say);
     return { update: update };
+  }
+
+  // One image of a VLM's answer: the picture, and over it the map of the selected generated token's row.
+  function answerImage(im, host, say) {
+    var h = im.grid[0], w = im.grid[1], size = im.size;
+    var k = 320 / Math.max(size[0], size[1]), W = Math.round(size[0] * k), H = Math.round(size[1] * k);
+    var box = el("figure", "panel answer-image"), cap = el("figcaption"), stack = el("div", "stack"),
+        scale = el("div", "scale");
+    stack.style.width = W + "px"; stack.style.height = H + "px";
+    if (im.image) {
+      var base = el("img", "base"); base.alt = im.label; base.src = im.image;
+      if (size[0] <= 160) base.classList.add("px");
+      stack.appendChild(base);
+    }
+    var cv = el("canvas", "map"); cv.width = w; cv.height = h; stack.appendChild(cv);
+    box.appendChild(cap); box.appendChild(stack); box.appendChild(scale); host.appendChild(box);
+    var R = rows(im.rows), cur = null, label = "";
+    function draw(t, what) {
+      cur = R.row(t); label = im.label + " · " + what;
+      cv.style.opacity = S.opacity; cv.classList.toggle("px", !S.smooth);
+      var sc = scaleOf(cur, false, null), tot = 0;
+      for (var i = 0; i < cur.length; i++) tot += cur[i];
+      drawGrid(cv, cur, sc);
+      cap.textContent = label;
+      scale.textContent = "colour: " + fmt(sc.lo) + " → " + fmt(sc.hi) + " · the map holds " + fmt(tot) + " of the row";
+    }
+    stack.addEventListener("mousemove", function (e) {
+      if (!cur) return;
+      var r = stack.getBoundingClientRect();
+      var col = Math.min(w - 1, Math.max(0, Math.floor((e.clientX - r.left) / r.width * w)));
+      var row = Math.min(h - 1, Math.max(0, Math.floor((e.clientY - r.top) / r.height * h)));
+      say(label + " · patch (row " + row + ", col " + col + "):", cur[row * w + col]);
+    });
+    return { draw: draw, canvas: cv };
   }
 
   // ------------------------------------------------------------------ per-head grid
