@@ -93,7 +93,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=5e-4, help="peak learning rate")
     p.add_argument("--rank", type=int, default=16, help="rank of the low-rank update of every linear")
     p.add_argument("--alpha", type=float, default=32.0, help="the update's scale is alpha / rank")
-    p.add_argument("--threads", type=int, default=2, help="CPU threads")
+    p.add_argument("--threads", type=int, default=1, help="CPU threads")
     return p.parse_args(argv)
 
 
