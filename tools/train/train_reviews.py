@@ -188,7 +188,8 @@ def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
     shipped_test = reviews.held_out(args.out / "heldout.tsv")
     acc = float((predict(shipped, tok, shipped_test.texts) == shipped_test.labels).mean())
     total = time.perf_counter() - t_start
-    print(f"held-out accuracy (the shipped delta as loaded, {len(shipped_test)} snippets): {acc:.4f}; {total:.0f} s wall")
+    print(f"held-out accuracy (the shipped delta as loaded, {len(shipped_test)} snippets): {acc:.4f}; "
+          f"{total:.0f} s wall")
     atomic_write(args.out / "MODEL_CARD.md", _card(args, argv, run, acc, shipped_test, n_bytes, len(data), total))
     return 0
 
