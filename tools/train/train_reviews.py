@@ -11,17 +11,21 @@ with ``pip download --no-deps --no-binary :all: vadersentiment==3.3.2`` into a t
 :mod:`attnroll.models.reviews`' (positive = mean rating above 0; held-out = the first 500 of the seeded
 permutation, shipped as ``heldout.tsv``); the first ``--train-size`` of the rest are trained on.
 
-Model and recipe as ``train_evidence.py`` (whose helpers this script imports): the pip-shipped
-all-MiniLM-L6-v2 with a fresh 2-class head, only the top ``--layers`` encoder layers, the pooler and the
-classifier trained, AdamW with 6% linear warm-up then linear decay, gradient clipping at 1, ``--epochs``
-passes in a seeded order, snippets truncated at ``reviews.MAX_LENGTH`` tokens. The held-out set is scored
-once, after training, by the saved float16 delta; nothing is chosen on it. Deterministic: torch seeded,
+Model: the pip-shipped all-MiniLM-L6-v2 with a fresh 2-class head (``train_evidence.build_model``), every
+one of its 6 encoder layers fine-tuned through low-rank updates (``lora.py``: rank ``--rank``, scale
+``--alpha / --rank``, on every attention and MLP linear) with all biases, LayerNorms, the pooler and the
+classifier trained in full; shipped as the factors and those tensors in float32 (``lora.delta_state``), which
+``load_model("minilm-reviews")`` merges with the training forward's own formula. Recipe: AdamW with 6% linear
+warm-up then linear decay, gradient clipping at 1, ``--epochs`` passes in a seeded order, snippets truncated
+at ``reviews.MAX_LENGTH`` tokens. The held-out set is scored once, after training, by the saved delta as
+loaded; nothing is chosen on it. Deterministic: torch seeded,
 ``torch.use_deterministic_algorithms(True)``, ``--threads`` CPU threads.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import platform
@@ -38,7 +42,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import train_evidence  # noqa: E402  the shared model, freezing and saving helpers
+import lora  # noqa: E402  the low-rank fine-tune of every layer and its delta
+import train_evidence  # noqa: E402  the shared model builder
 
 from attnroll._io import atomic_write  # noqa: E402
 from attnroll.models import reviews  # noqa: E402
@@ -82,12 +87,13 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--snippets", type=Path, default=None,
                    help=f"{MEMBER} (default: fetched from the {SDIST} source distribution with pip)")
     p.add_argument("--seed", type=int, default=0, help="seed of the head's initial weights and the batch order")
-    p.add_argument("--train-size", type=int, default=3000, help="training snippets (the first of the pool)")
-    p.add_argument("--epochs", type=int, default=2)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--lr", type=float, default=1e-4, help="peak learning rate")
-    p.add_argument("--layers", type=int, default=2, help="top encoder layers trained (with pooler and head)")
-    p.add_argument("--threads", type=int, default=2, help="CPU threads")
+    p.add_argument("--train-size", type=int, default=4000, help="training snippets (the first of the pool)")
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--lr", type=float, default=5e-4, help="peak learning rate")
+    p.add_argument("--rank", type=int, default=16, help="rank of the low-rank update of every linear")
+    p.add_argument("--alpha", type=float, default=32.0, help="the update's scale is alpha / rank")
+    p.add_argument("--threads", type=int, default=1, help="CPU threads")
     return p.parse_args(argv)
 
 
@@ -106,6 +112,7 @@ def fetch_snippets() -> str:
 
 def train(model: Any, tok: Any, data: reviews.Snippets, args: argparse.Namespace) -> dict[str, Any]:
     """Fine-tune ``model`` in place; returns the run's facts (steps, seconds, loss history)."""
+    run_facts = {"trained_params": lora.add_low_rank(model, args.rank, args.alpha)}
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01)
     per_epoch = math.ceil(len(data) / args.batch_size)
@@ -135,7 +142,7 @@ def train(model: Any, tok: Any, data: reviews.Snippets, args: argparse.Namespace
                 print(f"step {step}/{steps}: loss {history[-1][1]:.4f}, {time.perf_counter() - t0:.0f} s wall",
                       flush=True)
     model.eval()
-    return {"steps": steps, "wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - cpu0,
+    return {**run_facts, "steps": steps, "wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - cpu0,
             "history": history}
 
 
@@ -172,18 +179,30 @@ def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
     raw = args.snippets.read_text(encoding="utf-8") if args.snippets else fetch_snippets()
     test, pool = reviews.split(reviews.parse_snippets(raw))
     data = pool.subset(range(min(args.train_size, len(pool))))
-    model, tok, cfg = train_evidence.build_model(args.layers)
+    model, tok, cfg = train_evidence.build_model(0)
     run = train(model, tok, data, args)
-    n_bytes = train_evidence.save(model, cfg, args.out, args.layers)
+    n_bytes = save(model, cfg, args.out)
     atomic_write(args.out / "heldout.tsv", heldout_tsv(test))
     atomic_write(args.out / "LICENSE_VADER.txt", LICENCE_NOTICE)
     shipped = reviews.load_reviews_model(args.out)
     shipped_test = reviews.held_out(args.out / "heldout.tsv")
     acc = float((predict(shipped, tok, shipped_test.texts) == shipped_test.labels).mean())
     total = time.perf_counter() - t_start
-    print(f"held-out accuracy (shipped float16 delta, {len(shipped_test)} snippets): {acc:.4f}; {total:.0f} s wall")
+    print(f"held-out accuracy (the shipped delta as loaded, {len(shipped_test)} snippets): {acc:.4f}; "
+          f"{total:.0f} s wall")
     atomic_write(args.out / "MODEL_CARD.md", _card(args, argv, run, acc, shipped_test, n_bytes, len(data), total))
     return 0
+
+
+def save(model: Any, cfg: dict, out: Path) -> int:
+    """Write ``delta.safetensors`` (:func:`lora.delta_state`) and ``config.json``; returns the delta's bytes."""
+    from safetensors.torch import save as to_bytes
+
+    data = to_bytes(lora.delta_state(model), metadata={"format": "pt"})
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write(out / "delta.safetensors", data)
+    atomic_write(out / "config.json", json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    return len(data)
 
 
 def _cpu(run: dict) -> str:
@@ -208,9 +227,16 @@ on movie-review snippets rated by people (the VADER data: Hutto & Gilbert, ICWSM
 out). It exists to measure explanation methods on a real model and real text
 (`attnroll.models.load_model("minilm-reviews")`, `attnroll.models.reviews`).
 
-This folder holds only what the fine-tune changed: `delta.safetensors`, {n_bytes / 1e6:.1f} MB, the top
-{args.layers} encoder layers, the pooler and the classifier in float16 (the rest is the package's MiniLM,
-unchanged; loaded in float32), and `heldout.tsv`, the {len(test)} held-out snippets.
+All 6 encoder layers are fine-tuned, through low-rank (LoRA) updates: every attention and MLP linear
+(query, key, value, attention output, intermediate, output) of every layer gets a trained update `b @ a` of
+rank {args.rank} (scale {args.alpha:g} / {args.rank}) on its frozen pretrained weight; every bias, every
+LayerNorm, the pooler and the classifier are trained in full; the word, position and type embeddings are the
+package's. This folder holds only what the fine-tune changed: `delta.safetensors`, {n_bytes / 1e6:.1f} MB
+({run['trained_params']:,} trained numbers in float32: the factors `NAME.weight.lora_a` (r, in) and
+`NAME.weight.lora_b` (out, r) and the fully trained tensors), which `load_model` merges into the package's
+MiniLM as `weight + b @ a`, the formula of the training forward, so the loaded model is the trained one; and
+`heldout.tsv`, the {len(test)} held-out snippets. Licences: the data MIT (VADER), the model Apache-2.0 (as
+all-MiniLM-L6-v2).
 
 ## How it was made
 `{cmd}` (`tools/train/train_reviews.py`): the snippets of `vaderSentiment==3.3.2`'s source distribution, split
@@ -227,7 +253,7 @@ command {_total(total)}, on {platform.machine()}, Python {sys.version.split()[0]
 
 ## Accuracy on held-out snippets
 **{acc:.4f}** on the {len(test)} shipped held-out snippets ({pos} positive, {len(test) - pos} negative;
-majority class {max(pos, len(test) - pos) / len(test):.3f}), the shipped float16 delta loaded as above.
+majority class {max(pos, len(test) - pos) / len(test):.3f}), the shipped delta loaded as above.
 
 ## Limits
 A small model for measuring explanations, not a production sentiment model: short movie-review sentences,

