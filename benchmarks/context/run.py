@@ -11,9 +11,8 @@ import json
 import os
 import time
 
-import torch
-
 import numpy as np
+import torch
 
 from . import methods, peers, protocol
 from .data import qa_set

@@ -9,8 +9,8 @@ pass for the whole span); ``attn_grad`` skips the rollout: each layer's mean ove
 the answer's predicting rows, summed over the layers (the direct read of the prompt, layer by layer);
 ``gate_grad`` differentiates the answer's log-probability with respect to gates on the attention
 paid to each prompt token (``key_gates``: a first-order leave-one-out estimate). The relevance of each prompt
-token, summed over the answer tokens, is then summed within tokens, words, sentences or given segments (e.g. the retrieved passages of a RAG prompt); shares are
-relative to the prompt's total, so they add up to 1.
+token, summed over the answer tokens, is then summed within tokens, words, sentences or given segments (e.g.
+the retrieved passages of a RAG prompt); shares are relative to the prompt's total, so they add up to 1.
 """
 
 from __future__ import annotations
