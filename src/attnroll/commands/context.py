@@ -271,7 +271,8 @@ def _load_decoder(spec: str) -> Any:
 @click.option("--answer", metavar="TEXT", help="The answer to attribute (a record's own 'answer' wins).")
 @click.option("--generate", type=click.IntRange(1), metavar="N", help="Generate N tokens greedily as the answer.")
 @click.option("--method", "-m", default="attn_grad", show_default=True,
-              help="attn_grad (the measured default: EVALUATION.md), gae, grad_rollout or rollout.")
+              help="attn_grad (the measured default: EVALUATION.md), gate_grad (orders all passages best), gae, "
+                   "grad_rollout or rollout.")
 @click.option("--option", "-o", "options", multiple=True, metavar="KEY=VALUE",
               help="A method option, repeatable: -o alpha=0.9 -o head_fusion=max.")
 @click.option("--unit", type=click.Choice(["token", "word", "sentence"]), default="sentence", show_default=True,

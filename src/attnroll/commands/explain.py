@@ -174,8 +174,8 @@ def _generate(images, text, pair, target, formats, method, options, model_spec, 
         raise click.UsageError("--generate writes json (the ranked units); other formats are not available")
     if method not in GENERATE_METHODS:
         raise click.UsageError(f"--generate takes one method, -m {', '.join(GENERATE_METHODS)}, got {method!r}")
-    # attn_grad is context attribution's own method (no `explain` method): its options are checked by it
-    opts = parse_options(options) if method == "attn_grad" else method_and_options(method, options)
+    # attn_grad / gate_grad are context attribution's own methods (no `explain` method): it checks their options
+    opts = parse_options(options) if method in ("attn_grad", "gate_grad") else method_and_options(method, options)
     prompt = text  # --text: a file's text was read when the option was parsed
     out = prepare_out(out)
     lm = load_for(model_spec, weights, "text")
@@ -209,7 +209,7 @@ def _context_attribution(lm: Any, prompt: str, generate: int, method: str, opts:
 
 #: The methods of ``--generate`` (context attribution's), its default first: measured on SmolLM2 against exact
 #: leave-one-out (EVALUATION.md, "Context attribution on SmolLM2-135M-Instruct").
-GENERATE_METHODS = ("attn_grad", "gae", "grad_rollout", "rollout")
+GENERATE_METHODS = ("attn_grad", "gate_grad", "gae", "grad_rollout", "rollout")
 
 
 def _decoder_default() -> str:

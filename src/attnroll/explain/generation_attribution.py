@@ -42,12 +42,13 @@ from .sinks import detect as detect_sinks
 
 __all__ = ["GenerationAttribution", "generation_attribution", "METHODS"]
 
-METHODS = ("rollout", "gae", "grad_rollout", "attn_grad")
+METHODS = ("rollout", "gae", "grad_rollout", "attn_grad", "gate_grad")
 #: Each method's options (their defaults are context attribution's).
 OPTIONS = {"rollout": ("head_fusion", "alpha", "residual_mode", "start_layer", "end_layer"),
            "gae": ("start_layer", "end_layer"),
            "grad_rollout": ("clamp", "alpha", "residual_mode", "start_layer", "end_layer"),
-           "attn_grad": ("clamp", "start_layer", "end_layer")}
+           "attn_grad": ("clamp", "start_layer", "end_layer"),
+           "gate_grad": ("scales",)}
 
 
 @dataclass
@@ -202,6 +203,9 @@ def generation_attribution(
     rows = [n_input - 1 + t for t in range(T)]
     if method == "rollout":
         R, layers = _rollout_rows(model, ids, rows, options)
+    elif method == "gate_grad":  # the prompt's text tokens gated (not special / template tokens, nor the answer)
+        gated = torch.tensor([o[1] > o[0] for o in enc.offsets] + [False] * (T - 1))
+        R, layers = _gate_rows(model, ids, rows, ans, gated, options, size)
     else:
         R, layers = _gradient_rows(model, tokenizer, ids, rows, ans, method, options, size)
     R = R.to(torch.float32).cpu()
@@ -237,6 +241,19 @@ def _direct_rows(layers: list, rows: list[int], n: int, rule: Any, options: dict
 
     start, end = layer_range(len(layers), options.get("start_layer", 0), options.get("end_layer"))
     return answer_rows_relevance(layers[start:end], rows, rule, per_copy=True)
+
+
+def _gate_rows(model: nn.Module, ids: torch.Tensor, rows: list[int], ans: list[int], gated: torch.Tensor,
+               options: dict, size: int) -> tuple[torch.Tensor, list]:
+    """gate_grad: per chunk of ``size`` generated tokens, ∂ log p(a_t | prefix) / ∂m_k of the key gates (one copy
+    per token and scale); then one plain capture for the sinks."""
+    from .key_gates import gate_gradients
+
+    scales = options.get("scales", (1.0, 0.5))
+    R = torch.cat([gate_gradients(model, ids, rows[lo:lo + size], ans[lo:lo + size], gated, scales, per_row=True)
+                   for lo in range(0, len(rows), size)])
+    rec = capture_kernels(model, {"input_ids": ids})
+    return R, matrix_free.layers_of(rec, "self" if "self" in rec.operators else rec.stream_names()[0])
 
 
 def _rollout_rows(model: nn.Module, ids: torch.Tensor, rows: list[int], options: dict) -> tuple[torch.Tensor, list]:

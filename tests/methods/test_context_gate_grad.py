@@ -1,0 +1,120 @@
+"""Context attribution's "gate_grad": the derivative of the answer's log-probability with respect to gates on the
+attention paid to each unit's tokens, against central finite differences of the gated log-probability, and the
+gate's m = 0 end against the model run without the unit's tokens (at their original positions)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attnroll
+from attnroll.explain import key_gates
+
+from .test_context import PROMPT, llama, word_tokenizer
+
+T = pytest.importorskip("transformers")
+
+ANSWER = "paris is capital"
+SEGMENTS = ["the cat sat on the mat .", "a dog ran in the park .", "paris is the capital of france ."]
+
+
+def setup(impl="sdpa"):
+    m, tok = llama().double(), word_tokenizer()
+    m.config._attn_implementation = impl
+    p = tok(PROMPT)["input_ids"]
+    a = tok(ANSWER, add_special_tokens=False)["input_ids"]
+    ids = torch.tensor([p + a])
+    rows = [len(p) - 1 + t for t in range(len(a))]
+    own = torch.tensor(attnroll.explain.context_attribution.token_units(
+        PROMPT, [tuple(o) for o in tok(PROMPT, return_offsets_mapping=True)["offset_mapping"]], "segments",
+        SEGMENTS) + [-1] * len(a))
+    return m, tok, ids, rows, a, own
+
+
+def logprob(m, ids, rows, a, own, m_of_unit):
+    """f with unit j's tokens gated by m_of_unit[j] (an explicit per-unit gate, float64)."""
+    log_g = torch.zeros(1, ids.shape[1], dtype=torch.float64)
+    for j, v in enumerate(m_of_unit):
+        log_g[0, own == j] = torch.log(torch.tensor(v, dtype=torch.float64))
+    with torch.no_grad():
+        return float(key_gates.answer_logprob(m, ids, rows, a, log_g)[0])
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+@pytest.mark.parametrize("scales", [(1.0,), (1.0, 0.5)])
+def test_unit_scores_are_finite_differences_of_the_gated_logprob(impl, scales):
+    m, tok, ids, rows, a, own = setup(impl)
+    ca = attnroll.context_attribution(m, tok, PROMPT, answer=ANSWER, segments=SEGMENTS, method="gate_grad",
+                                      sinks="keep", scales=scales)
+    h = 1e-2  # the model keeps some float32 internals (its norms): a wider step, central differences
+    for j in range(len(SEGMENTS)):
+        fd = 0.0
+        for s in scales:
+            up = [s + h if i == j else s for i in range(len(SEGMENTS))]
+            down = [s - h if i == j else s for i in range(len(SEGMENTS))]
+            fd += (logprob(m, ids, rows, a, own, up) - logprob(m, ids, rows, a, own, down)) / (2 * h) / len(scales)
+        assert abs(fd) > 1e-4
+        assert ca.units[j]["score"] == pytest.approx(fd, rel=2e-3, abs=1e-5)
+
+
+def test_token_scores_sum_to_the_unit_gate_derivative():
+    """Per-token derivatives summed within a unit = the derivative of one shared gate on the unit."""
+    m, tok, ids, rows, a, own = setup()
+    g = key_gates.gate_gradients(m, ids, rows, a, own >= 0, scales=(1.0,))
+    ca = attnroll.context_attribution(m, tok, PROMPT, answer=ANSWER, segments=SEGMENTS, method="gate_grad",
+                                      sinks="keep", scales=(1.0,))
+    for j in range(len(SEGMENTS)):
+        assert float(g[own == j].sum()) == pytest.approx(ca.units[j]["score"], rel=1e-6)
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_closed_gate_equals_the_model_without_the_unit(impl):
+    """m = 0 (log gate −10⁴) on unit j = the model run on the other tokens at their positions."""
+    m, tok, ids, rows, a, own = setup(impl)
+    for j in range(len(SEGMENTS) - 1):  # the last unit holds the row predicting the answer: its query stays
+        log_g = torch.zeros(1, ids.shape[1], dtype=torch.float64)
+        log_g[0, own == j] = -1e4  # exp(-1e4) is 0 in float64; finite, so a row with only gated keys stays finite
+        with torch.no_grad():
+            gated = float(key_gates.answer_logprob(m, ids, rows, a, log_g)[0])
+            keep = torch.nonzero(own != j).reshape(-1)
+            out = m(input_ids=ids[:, keep], position_ids=keep[None]).logits[0].log_softmax(-1)
+            new_rows = [int((keep == r).nonzero()) for r in rows]
+            ref = float(out[torch.tensor(new_rows), torch.tensor(a)].sum())
+        assert gated == pytest.approx(ref, abs=1e-5)
+        assert abs(gated - logprob(m, ids, rows, a, own, [1.0] * len(SEGMENTS))) > 1e-3
+
+
+def test_gate_grad_refusals():
+    m, tok = llama(), word_tokenizer()
+    with pytest.raises(ValueError, match="no option 'clamp'"):
+        attnroll.context_attribution(m, tok, PROMPT, answer=ANSWER, method="gate_grad", clamp="none")
+    with pytest.raises(ValueError, match=r"scales must be numbers in \(0, 1\]"):
+        attnroll.context_attribution(m, tok, PROMPT, answer=ANSWER, method="gate_grad", scales=(1.0, 0.0))
+    m.config._attn_implementation = "flex_attention"
+    with pytest.raises(ValueError, match="attn_implementation='sdpa'"):
+        attnroll.context_attribution(m, tok, PROMPT, answer=ANSWER, method="gate_grad")
+    m.config._attn_implementation = "sdpa"
+    m.config.sliding_window = 4
+    with pytest.raises(ValueError, match="sliding window"):
+        attnroll.context_attribution(m, tok, PROMPT, answer=ANSWER, method="gate_grad")
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_generation_rows_are_the_gate_derivative_of_each_token_on_its_prefix(family):
+    """generation_attribution's gate_grad row t = context_attribution's gate_grad of token t alone on the prompt
+    + earlier tokens (at m = 1 the gated set does not matter); zero past the prefix."""
+    from ..zoo import sharp
+    from .test_generation_attribution import word_tokenizer as zoo_tokenizer
+
+    m, tok = sharp.model(family), zoo_tokenizer()
+    words = "paris is the capital".split()
+    ga = attnroll.generation_attribution(m, tok, PROMPT, answer=" ".join(words), sinks="keep", batch_size=3,
+                                         method="gate_grad", scales=1.0)
+    for t, w in enumerate(words):
+        prefix = " ".join([PROMPT, *words[:t]])
+        ca = attnroll.context_attribution(m, tok, prefix, answer=w, unit="token", sinks="keep", scales=[1.0],
+                                          method="gate_grad")
+        n = ga.n_input + t
+        assert ca.method == "gate_grad" and float(ca.token_scores.abs().max()) > 0
+        torch.testing.assert_close(ga.matrix[t, :n], ca.token_scores, atol=1e-5, rtol=1e-4)
+        assert float(ga.matrix[t, n:].abs().sum()) == 0.0
