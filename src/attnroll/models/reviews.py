@@ -105,7 +105,8 @@ def encode(tokenizer: Any, texts: list[str]) -> dict:
 def load_reviews_model(path: str | Path | None = None) -> Any:
     """The shipped review classifier in eval mode, float32, offline: ``BertForSequenceClassification``
     (2 classes, :data:`CLASSES`) from the pip-shipped all-MiniLM-L6-v2 weights and ``path/delta.safetensors``
-    (default :data:`REVIEWS_DIR`; its low-rank pairs merged by :func:`attnroll.models.evidence.merge_low_rank`). Raises as :func:`attnroll.models.evidence.load_delta_model`."""
+    (default :data:`REVIEWS_DIR`; its low-rank pairs merged by :func:`attnroll.models.evidence.merge_low_rank`).
+    Raises as :func:`attnroll.models.evidence.load_delta_model`."""
     from .evidence import load_delta_model
 
     return load_delta_model(REVIEWS_DIR if path is None else Path(path), "tools/train/train_reviews.py")
