@@ -39,7 +39,8 @@ test: lint
 	$(PY) -m pytest -q
 
 # The quick lane for editing: every test not marked slow (subprocesses, Ray, the browser, signals, real or long
-# models and inputs), on two worker processes (pytest-xdist). CI runs `make test`.
+# models and inputs, the tiny multi-part families: VLMs, hybrids, token mixers, mixtures of experts), on two worker
+# processes (pytest-xdist). CI runs `make test`.
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" -n 2
 

@@ -16,6 +16,9 @@ from attnroll.capture.hybrids import mixer_matrix
 
 from ..zoo import decoder
 
+# Tiny multi-part models (VLMs, hybrids, token mixers, mixtures of experts): left out of `make test-fast`.
+pytestmark = pytest.mark.slow
+
 #: The seven families of capture/hybrids.py (zoo model types) and the class of their mixers.
 SEVEN = {
     "zamba": "ZambaMambaMixer", "zamba2": "Zamba2MambaMixer", "falcon_h1": "FalconH1Mixer",

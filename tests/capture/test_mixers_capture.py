@@ -17,6 +17,9 @@ from attnroll.capture.mixers import find_mixers
 
 from ..zoo import HYBRIDS, decoder, sharp
 
+# Tiny multi-part models (VLMs, hybrids, token mixers, mixtures of experts): left out of `make test-fast`.
+pytestmark = pytest.mark.slow
+
 FAST = ("jamba", "qwen3_next", "lfm2", "recurrent_gemma")
 #: Hybrids whose mixers attnroll composes (capture/mixers.py COMPOSED, capture/hybrids.py): every tiny hybrid.
 COMPOSED = ("jamba", "bamba", "nemotron_h", "granitemoehybrid", "lfm2", "lfm3", "qwen3_next", "qwen3_5_text",

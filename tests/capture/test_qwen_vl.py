@@ -20,6 +20,9 @@ transformers = pytest.importorskip("transformers")
 from attnroll.capture.qwen_vl import capture_qwen_vl, vision_layers  # noqa: E402
 from attnroll.core.chunked import chunked_probs  # noqa: E402
 
+# Tiny multi-part models (VLMs, hybrids, token mixers, mixtures of experts): left out of `make test-fast`.
+pytestmark = pytest.mark.slow
+
 IMG, VSTART, VEND = 150, 152, 153
 TEXT = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=160, max_position_embeddings=256)

@@ -16,6 +16,9 @@ import attnroll
 
 from .test_vlm import eager_copy
 
+# Tiny multi-part models (VLMs, hybrids, token mixers, mixtures of experts): left out of `make test-fast`.
+pytestmark = pytest.mark.slow
+
 transformers = pytest.importorskip("transformers")
 T = transformers
 

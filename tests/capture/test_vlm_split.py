@@ -13,6 +13,9 @@ import attnroll
 from .test_vlm import eager_copy
 from .test_vlm_families import IMG, build, dependence, naive_rollout, vision_call
 
+# Tiny multi-part models (VLMs, hybrids, token mixers, mixtures of experts): left out of `make test-fast`.
+pytestmark = pytest.mark.slow
+
 T = pytest.importorskip("transformers")
 
 H0, W0 = 45, 100

@@ -16,6 +16,9 @@ from attnroll.core import mixers
 
 from ..zoo import decoder
 
+# Tiny multi-part models (VLMs, hybrids, token mixers, mixtures of experts): left out of `make test-fast`.
+pytestmark = pytest.mark.slow
+
 ATOL = 1e-5
 
 

@@ -20,6 +20,9 @@ from attnroll.core.value_aware import Routed, apply_norm
 
 from . import value_aware_reference as R
 
+# Tiny multi-part models (VLMs, hybrids, token mixers, mixtures of experts): left out of `make test-fast`.
+pytestmark = pytest.mark.slow
+
 T = pytest.importorskip("transformers")
 FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v2", "deepseek_v3"]
 #: the families whose first layer is dense (one routed layer of two)

@@ -17,6 +17,9 @@ from ..capture import test_qwen_vl as Q  # noqa: E402
 from ..capture import test_vlm as V  # noqa: E402
 from ..capture import test_vlm_families as F  # noqa: E402
 
+# Tiny multi-part models (VLMs, hybrids, token mixers, mixtures of experts): left out of `make test-fast`.
+pytestmark = pytest.mark.slow
+
 
 def mistral3_two_images():
     """Two images of different sizes in one prompt: 32×48 pixels (4×6 merged tokens) and 16×16 (2×2)."""
