@@ -56,8 +56,8 @@ def test_passages_are_ranked_and_the_json_is_the_python_result(lm_dir, tmp_path)
               "--out", out)
     assert res.exit_code == 0, res.output
     files = sorted(p.name for p in out.iterdir())
-    assert len(files) == 2 and files[0].endswith(".context.attn_grad.html")
-    assert files[1].endswith(".context.attn_grad.json")
+    assert len(files) == 2 and files[0].endswith(".context.gate_grad.html")  # the default method
+    assert files[1].endswith(".context.gate_grad.json")
     got = json.loads((out / files[1]).read_text())
     m, tok = loaded(lm_dir)
     ca = attnroll.context_attribution(m, tok, "\n\n".join(PASSAGES + [QUESTION]), answer="paris",
@@ -183,7 +183,7 @@ def test_smollm2_answers_with_its_chat_template(tmp_path):
     res = run("--model", "smollm2-135m-instruct", "--prompt", "Where does Bob live?", "--passages", passages,
               "--generate", 12, "--out", out)
     assert res.exit_code == 0, res.output
-    got = json.loads(next(out.glob("*.context.attn_grad.json")).read_text())
+    got = json.loads(next(out.glob("*.context.gate_grad.json")).read_text())
     assert got["chat_template"] is True and got["answer"].strip()
     assert sum(u["share"] for u in got["units"]) == pytest.approx(1.0, abs=1e-6)
     assert f"answer ({len(got['answer_ids'])} tokens): {got['answer']}" in res.stdout

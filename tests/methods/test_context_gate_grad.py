@@ -41,7 +41,7 @@ def logprob(m, ids, rows, a, own, m_of_unit):
 
 
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
-@pytest.mark.parametrize("scales", [(1.0,), (1.0, 0.5)])
+@pytest.mark.parametrize("scales", [(1.0,), (1.0, 0.5), (1.0, 0.25)])
 def test_unit_scores_are_finite_differences_of_the_gated_logprob(impl, scales):
     m, tok, ids, rows, a, own = setup(impl)
     ca = attnroll.context_attribution(m, tok, PROMPT, answer=ANSWER, segments=SEGMENTS, method="gate_grad",

@@ -270,8 +270,9 @@ def _load_decoder(spec: str) -> Any:
                    "strings), 'answer', 'id'; one result per record.")
 @click.option("--answer", metavar="TEXT", help="The answer to attribute (a record's own 'answer' wins).")
 @click.option("--generate", type=click.IntRange(1), metavar="N", help="Generate N tokens greedily as the answer.")
-@click.option("--method", "-m", default="attn_grad", show_default=True,
-              help="attn_grad (the measured default: EVALUATION.md), gate_grad (orders all passages best), gae, "
+@click.option("--method", "-m", default="gate_grad", show_default=True,
+              help="gate_grad (the measured default: EVALUATION.md; eager or sdpa kernel), attn_grad (any "
+                   "kernel, 1x forward+backward), gae, "
                    "grad_rollout or rollout.")
 @click.option("--option", "-o", "options", multiple=True, metavar="KEY=VALUE",
               help="A method option, repeatable: -o alpha=0.9 -o head_fusion=max.")
