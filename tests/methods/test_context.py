@@ -127,7 +127,7 @@ def test_cli_generate(tmp_path):
     assert res.output.startswith("answer (2 tokens): ")
     written = json.loads(next(out.glob("*.context.gate_grad.json")).read_text())  # context attribution's default
     shares = [u["share"] for u in written["units"]]
-    assert sum(shares) == pytest.approx(1.0, abs=1e-6) and len(shares) == 3
+    assert sum(shares) == pytest.approx(1.0, abs=1e-5) and len(shares) == 3  # gate_grad's signed float32 scores
     top = max(written["units"], key=lambda u: u["share"])
     assert f"{100 * top['share']:6.2f}%  {top['text']}" in res.output  # the ranking printed first
     bad = CliRunner().invoke(cli, ["explain", "--model", str(d), "--text", str(prompt), "--generate", "2",

@@ -170,9 +170,9 @@ def _shorten(text: str, width: int) -> str:
 
 def ranking_lines(ca: Any, top: int | None, width: int = 70) -> list[str]:
     """The ranked table: rank, share %, the unit's text shortened (passages on one line)."""
-    lines = [f"{'#':>3}  {'share':>7}  {ca.unit}"]
+    lines = [f"{'#':>3}  {'share' if ca.total > 0 else 'score':>7}  {ca.unit}"]
     for k, u in enumerate(ca.ranked()[:top], 1):
-        lines.append(f"{k:>3}  {100 * u['share']:6.2f}%  {_shorten(u['text'], width)}")
+        lines.append(f"{k:>3}  {ca.amount(u)}  {_shorten(u['text'], width)}")
     return lines
 
 

@@ -77,8 +77,9 @@ class ContextAttribution(NotebookView):
     token_units: list[int] = field(default_factory=list)
 
     def ranked(self) -> list[dict]:
-        """The units sorted by share, largest first."""
-        return sorted(self.units, key=lambda u: -u["share"])
+        """The units sorted by score, largest first (the shares' order when the total is positive; signed
+        scores, e.g. gate_grad's, can sum to zero or less, and then every share is 0)."""
+        return sorted(self.units, key=lambda u: -u["score"])
 
     def table(self, top: int | None = None, width: int = 70) -> str:
         """Plain-text ranking: share, then the unit's text (shortened to ``width`` characters)."""
@@ -86,8 +87,13 @@ class ContextAttribution(NotebookView):
         for u in self.ranked()[:top]:
             text = " ".join(u["text"].split())
             text = text if len(text) <= width else text[: width - 1] + "…"
-            lines.append(f"{100 * u['share']:6.2f}%  {text}")
+            lines.append(f"{self.amount(u)}  {text}")
         return "\n".join(lines)
+
+    def amount(self, u: dict) -> str:
+        """A unit's share in %, or its signed score in nats where the scores (gate_grad's are signed) sum to
+        zero or less and every share is 0."""
+        return f"{100 * u['share']:6.2f}%" if self.total > 0 else f"{u['score']:+.3f} nats"
 
     def to_dict(self) -> dict:
         """Everything as JSON-able values (lists, numbers, strings); ``to_json`` writes it."""
