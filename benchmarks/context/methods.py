@@ -25,10 +25,21 @@ def owners(tokenizer, prompt: str, segments: list[str]) -> np.ndarray:
 def attnroll_pooled(model, tokenizer, item: Prompt, method: str) -> dict:
     """Segment scores of one ``context_attribution`` call (sinks dropped), pooled two ways: ``method`` (the
     library's per-segment sum) and ``method/top5`` (the mean of each segment's five largest token scores)."""
+    base, options = method_options(method)
     ca = context_attribution(model, tokenizer, item.prompt, answer=item.answer, segments=item.segments,
-                             method=method, sinks="drop")
+                             method=base, sinks="drop", **options)
     top5 = pool_top(ca.token_scores.numpy(), owners(tokenizer, item.prompt, item.segments), len(item.segments), 5)
     return {method: np.array([u["score"] for u in ca.units[:len(item.segments)]]), f"{method}/top5": top5}
+
+
+def method_options(name: str) -> tuple[str, dict]:
+    """(method, options) of a method name; ``gate_grad@0.5+0.1`` is gate_grad with scales (0.5, 0.1)."""
+    if "@" not in name:
+        return name, {}
+    base, _, points = name.partition("@")
+    if base != "gate_grad":
+        raise ValueError(f"only gate_grad takes gate points after '@' (e.g. gate_grad@0.5+0.1), got {name!r}")
+    return base, {"scales": tuple(float(v) for v in points.split("+"))}
 
 
 def pool_top(tokens: np.ndarray, owner: np.ndarray, n: int, k: int) -> np.ndarray:

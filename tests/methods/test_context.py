@@ -58,7 +58,8 @@ def test_token_scores_are_the_answer_rows_of_the_dense_route(method):
 
 @pytest.mark.parametrize("unit", ["token", "word", "sentence"])
 def test_shares_add_up_to_the_total(unit):
-    ca = attnroll.context_attribution(llama(), word_tokenizer(), PROMPT, generate=3, unit=unit)
+    # attn_grad: non-negative scores (gate_grad's signed ones are checked in test_context_gate_grad)
+    ca = attnroll.context_attribution(llama(), word_tokenizer(), PROMPT, generate=3, unit=unit, method="attn_grad")
     assert sum(u["share"] for u in ca.units) == pytest.approx(1.0, abs=1e-6)
     assert sum(u["score"] for u in ca.units) == pytest.approx(ca.total, rel=1e-6)
     assert ca.total == pytest.approx(float(ca.token_scores.sum()), rel=1e-6)
@@ -66,15 +67,16 @@ def test_shares_add_up_to_the_total(unit):
 
 
 def test_sentences_and_segments_sum_their_tokens():
+    # attn_grad: its token scores do not depend on the units (gate_grad's gates at m < 1 cover the units' tokens)
     m, tok = llama(), word_tokenizer()
-    by_token = attnroll.context_attribution(m, tok, PROMPT, answer="france", unit="token")
+    by_token = attnroll.context_attribution(m, tok, PROMPT, answer="france", unit="token", method="attn_grad")
     s = by_token.token_scores  # one token per word in this tokenizer
-    sent = attnroll.context_attribution(m, tok, PROMPT, answer="france", unit="sentence")
+    sent = attnroll.context_attribution(m, tok, PROMPT, answer="france", unit="sentence", method="attn_grad")
     assert [u["text"] for u in sent.units] == ["the cat sat on the mat .", "a dog ran in the park .",
                                                "paris is the capital of france ."]
     torch.testing.assert_close(torch.tensor([u["score"] for u in sent.units]),
                                torch.stack([s[:7].sum(), s[7:14].sum(), s[14:].sum()]), atol=1e-6, rtol=0)
-    rag = attnroll.context_attribution(m, tok, PROMPT, answer="france",
+    rag = attnroll.context_attribution(m, tok, PROMPT, answer="france", method="attn_grad",
                                        segments=["a dog ran in the park .", "paris is the capital"])
     assert [u["text"] for u in rag.units] == ["a dog ran in the park .", "paris is the capital", "(other)"]
     other = s[:7].sum() + s[18:].sum()
@@ -123,9 +125,9 @@ def test_cli_generate(tmp_path):
                                    "--out", str(out)])
     assert res.exit_code == 0, res.output
     assert res.output.startswith("answer (2 tokens): ")
-    written = json.loads(next(out.glob("*.context.attn_grad.json")).read_text())  # context attribution's default
+    written = json.loads(next(out.glob("*.context.gate_grad.json")).read_text())  # context attribution's default
     shares = [u["share"] for u in written["units"]]
-    assert sum(shares) == pytest.approx(1.0, abs=1e-6) and len(shares) == 3
+    assert sum(shares) == pytest.approx(1.0, abs=1e-5) and len(shares) == 3  # gate_grad's signed float32 scores
     top = max(written["units"], key=lambda u: u["share"])
     assert f"{100 * top['share']:6.2f}%  {top['text']}" in res.output  # the ranking printed first
     bad = CliRunner().invoke(cli, ["explain", "--model", str(d), "--text", str(prompt), "--generate", "2",

@@ -34,7 +34,9 @@ def chat_tokenizer(template: bool = True):
 def test_the_template_goes_around_the_prompt_and_units_stay_on_it():
     m, tok = llama(), chat_tokenizer()
     m.resize_token_embeddings(len(tok), mean_resizing=False)
-    ca = attnroll.context_attribution(m, tok, PROMPT, answer="paris", unit="sentence", sinks="keep")
+    # attn_grad: its token scores do not depend on which tokens form units (gate_grad gates the units' tokens)
+    ca = attnroll.context_attribution(m, tok, PROMPT, answer="paris", unit="sentence", sinks="keep",
+                                      method="attn_grad")
     assert ca.chat_template and ca.input_text.startswith("<|im_start|>user\n" + PROMPT)
     assert ca.tokens[:2] == ["<|im_start|>", "user"] and ca.tokens[-2:] == ["\n<|im_start|>", "assistant"]
     assert [u["text"] for u in ca.units] == ["the cat sat on the mat .", "a dog ran in the park .",
@@ -43,7 +45,7 @@ def test_the_template_goes_around_the_prompt_and_units_stay_on_it():
         assert PROMPT[u["span"][0]:u["span"][1]] == u["text"]  # spans are in the user's prompt
     # the same text read as it is gives the same token scores (an independent route to the same input)
     raw = attnroll.context_attribution(m, tok, ca.input_text, answer="paris", unit="token", chat_template=False,
-                                       sinks="keep")
+                                       sinks="keep", method="attn_grad")
     assert not raw.chat_template
     torch.testing.assert_close(ca.token_scores, raw.token_scores, atol=1e-6, rtol=0)
     owner = torch.tensor(ca.token_units)

@@ -41,7 +41,7 @@ def logprob(m, ids, rows, a, own, m_of_unit):
 
 
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
-@pytest.mark.parametrize("scales", [(1.0,), (1.0, 0.5)])
+@pytest.mark.parametrize("scales", [(1.0,), (1.0, 0.5), (1.0, 0.25)])
 def test_unit_scores_are_finite_differences_of_the_gated_logprob(impl, scales):
     m, tok, ids, rows, a, own = setup(impl)
     ca = attnroll.context_attribution(m, tok, PROMPT, answer=ANSWER, segments=SEGMENTS, method="gate_grad",
@@ -50,9 +50,10 @@ def test_unit_scores_are_finite_differences_of_the_gated_logprob(impl, scales):
     for j in range(len(SEGMENTS)):
         fd = 0.0
         for s in scales:
-            up = [s + h if i == j else s for i in range(len(SEGMENTS))]
-            down = [s - h if i == j else s for i in range(len(SEGMENTS))]
-            fd += (logprob(m, ids, rows, a, own, up) - logprob(m, ids, rows, a, own, down)) / (2 * h) / len(scales)
+            d = h * min(1.0, 2 * s)  # a narrower step at m = 0.25, where the log-gate curves more
+            up = [s + d if i == j else s for i in range(len(SEGMENTS))]
+            down = [s - d if i == j else s for i in range(len(SEGMENTS))]
+            fd += (logprob(m, ids, rows, a, own, up) - logprob(m, ids, rows, a, own, down)) / (2 * d) / len(scales)
         assert abs(fd) > 1e-4
         assert ca.units[j]["score"] == pytest.approx(fd, rel=2e-3, abs=1e-5)
 

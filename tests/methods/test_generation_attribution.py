@@ -67,12 +67,12 @@ def test_rollout_rows_sum_to_the_context_attribution():
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_attn_grad_rows_are_context_attribution_of_each_token_on_its_prefix(family):
-    """attn_grad (the default): row t equals context_attribution's attn_grad scores of token t alone on the
+    """attn_grad: row t equals context_attribution's attn_grad scores of token t alone on the
     prompt + earlier tokens (itself checked against an eager-attention computation in test_context_attn_grad)."""
     m, tok = sharp.model(family), word_tokenizer()
     words = "paris is the capital".split()
-    ga = attnroll.generation_attribution(m, tok, PROMPT, answer=" ".join(words), sinks="keep", batch_size=3)
-    assert ga.method == "attn_grad"
+    ga = attnroll.generation_attribution(m, tok, PROMPT, answer=" ".join(words), sinks="keep", batch_size=3,
+                                         method="attn_grad")
     for t, w in enumerate(words):
         prefix = " ".join([PROMPT, *words[:t]])
         ca = attnroll.context_attribution(m, tok, prefix, answer=w, unit="token", sinks="keep", method="attn_grad")
@@ -80,6 +80,18 @@ def test_attn_grad_rows_are_context_attribution_of_each_token_on_its_prefix(fami
         assert ca.token_scores.shape == (n,)
         torch.testing.assert_close(ga.matrix[t, :n], ca.token_scores, atol=1e-5, rtol=1e-4)
         assert float(ga.matrix[t, n:].abs().sum()) == 0.0
+
+
+def test_the_default_is_gate_grad_at_gate_points_one_and_a_quarter():
+    m, tok = sharp.model("llama"), word_tokenizer()
+    ga = attnroll.generation_attribution(m, tok, PROMPT, answer="a dog", sinks="keep")
+    assert ga.method == "gate_grad"
+    pinned = attnroll.generation_attribution(m, tok, PROMPT, answer="a dog", sinks="keep", method="gate_grad",
+                                             scales=(1.0, 0.25))
+    other = attnroll.generation_attribution(m, tok, PROMPT, answer="a dog", sinks="keep", method="gate_grad",
+                                            scales=(1.0, 0.5))
+    torch.testing.assert_close(ga.matrix, pinned.matrix, atol=1e-6, rtol=1e-5)
+    assert not torch.allclose(ga.matrix, other.matrix, atol=1e-6, rtol=1e-5)
 
 
 def test_batch_size_does_not_change_the_rows():

@@ -170,9 +170,9 @@ def _shorten(text: str, width: int) -> str:
 
 def ranking_lines(ca: Any, top: int | None, width: int = 70) -> list[str]:
     """The ranked table: rank, share %, the unit's text shortened (passages on one line)."""
-    lines = [f"{'#':>3}  {'share':>7}  {ca.unit}"]
+    lines = [f"{'#':>3}  {'share' if ca.total > 0 else 'score':>7}  {ca.unit}"]
     for k, u in enumerate(ca.ranked()[:top], 1):
-        lines.append(f"{k:>3}  {100 * u['share']:6.2f}%  {_shorten(u['text'], width)}")
+        lines.append(f"{k:>3}  {ca.amount(u)}  {_shorten(u['text'], width)}")
     return lines
 
 
@@ -270,8 +270,9 @@ def _load_decoder(spec: str) -> Any:
                    "strings), 'answer', 'id'; one result per record.")
 @click.option("--answer", metavar="TEXT", help="The answer to attribute (a record's own 'answer' wins).")
 @click.option("--generate", type=click.IntRange(1), metavar="N", help="Generate N tokens greedily as the answer.")
-@click.option("--method", "-m", default="attn_grad", show_default=True,
-              help="attn_grad (the measured default: EVALUATION.md), gate_grad (orders all passages best), gae, "
+@click.option("--method", "-m", default="gate_grad", show_default=True,
+              help="gate_grad (the measured default: EVALUATION.md; eager or sdpa kernel), attn_grad (any "
+                   "kernel, 1x forward+backward), gae, "
                    "grad_rollout or rollout.")
 @click.option("--option", "-o", "options", multiple=True, metavar="KEY=VALUE",
               help="A method option, repeatable: -o alpha=0.9 -o head_fusion=max.")

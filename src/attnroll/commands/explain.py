@@ -209,7 +209,7 @@ def _context_attribution(lm: Any, prompt: str, generate: int, method: str, opts:
 
 #: The methods of ``--generate`` (context attribution's), its default first: measured on SmolLM2 against exact
 #: leave-one-out (EVALUATION.md, "Context attribution on SmolLM2-135M-Instruct").
-GENERATE_METHODS = ("attn_grad", "gate_grad", "gae", "grad_rollout", "rollout")
+GENERATE_METHODS = ("gate_grad", "attn_grad", "gae", "grad_rollout", "rollout")
 
 
 def _decoder_default() -> str:

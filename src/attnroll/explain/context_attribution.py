@@ -77,8 +77,9 @@ class ContextAttribution(NotebookView):
     token_units: list[int] = field(default_factory=list)
 
     def ranked(self) -> list[dict]:
-        """The units sorted by share, largest first."""
-        return sorted(self.units, key=lambda u: -u["share"])
+        """The units sorted by score, largest first (the shares' order when the total is positive; signed
+        scores, e.g. gate_grad's, can sum to zero or less, and then every share is 0)."""
+        return sorted(self.units, key=lambda u: -u["score"])
 
     def table(self, top: int | None = None, width: int = 70) -> str:
         """Plain-text ranking: share, then the unit's text (shortened to ``width`` characters)."""
@@ -86,8 +87,13 @@ class ContextAttribution(NotebookView):
         for u in self.ranked()[:top]:
             text = " ".join(u["text"].split())
             text = text if len(text) <= width else text[: width - 1] + "…"
-            lines.append(f"{100 * u['share']:6.2f}%  {text}")
+            lines.append(f"{self.amount(u)}  {text}")
         return "\n".join(lines)
+
+    def amount(self, u: dict) -> str:
+        """A unit's share in %, or its signed score in nats where the scores (gate_grad's are signed) sum to
+        zero or less and every share is 0."""
+        return f"{100 * u['share']:6.2f}%" if self.total > 0 else f"{u['score']:+.3f} nats"
 
     def to_dict(self) -> dict:
         """Everything as JSON-able values (lists, numbers, strings); ``to_json`` writes it."""
@@ -145,7 +151,7 @@ def context_attribution(
     answer: str | Sequence[int] | None = None,
     unit: str = "sentence",
     segments: Sequence[str] | None = None,
-    method: str = "attn_grad",
+    method: str = "gate_grad",
     sinks: str = "drop",
     chat_template: bool | None = None,
     **options: Any,
@@ -161,15 +167,15 @@ def context_attribution(
         unit: "token" | "word" | "sentence" (ignored when ``segments`` is given).
         segments: consecutive pieces of the prompt (e.g. retrieved passages), in order; text outside them
             goes to "(other)".
-        method: "attn_grad" (default: gradient × attention at the answer's rows, summed over heads and
-            layers, without rollout; options ``clamp``, ``start_layer``, ``end_layer``), "gate_grad"
-            (∂ log p(answer) / ∂m_j of a gate m_j on the attention paid to unit j's tokens in every layer, head
-            and row, averaged over m = 1 and 0.5: a first-order leave-one-out estimate, signed, in nats; option
-            ``scales``, default (1.0, 0.5); needs the eager or sdpa kernel; ``key_gates``), "gae",
-            "grad_rollout" or "rollout". The default is the measured choice on SmolLM2-135M-Instruct
-            multi-passage QA against exact leave-one-out (EVALUATION.md, "Context attribution on
-            SmolLM2-135M-Instruct"): attn_grad ranks the decisive passage first most often; gate_grad orders
-            the passages best (Spearman with leave-one-out); rollout ranks passages poorly.
+        method: "gate_grad" (default: ∂ log p(answer) / ∂m_j of a gate m_j on the attention paid to unit j's
+            tokens in every layer, head and row, averaged over m = 1 and 0.25: a leave-one-out estimate, signed,
+            in nats; option ``scales``, default (1.0, 0.25); needs the eager or sdpa kernel and no sliding
+            window shorter than the input; ``key_gates``), "attn_grad" (gradient × attention at the answer's
+            rows, summed over heads and layers, without rollout; any kernel; options ``clamp``,
+            ``start_layer``, ``end_layer``), "gae", "grad_rollout" or "rollout". The default is the measured
+            choice on SmolLM2-135M-Instruct multi-passage QA against exact leave-one-out (EVALUATION.md,
+            "Context attribution on SmolLM2-135M-Instruct"): gate_grad orders the passages best (Spearman with
+            leave-one-out) and its top passage removes as much as attn_grad's; rollout ranks passages poorly.
         sinks: "drop" (default): prompt tokens found to be attention sinks on the captured attention (the
             first token of most decoders; ``attnroll.explain.sinks``) get no share, their share of the
             relevance recorded in ``sink_share``; "keep": they keep it.
@@ -294,9 +300,9 @@ def _gate_relevance(model, ids, rows, answer_ids, gated, options) -> tuple[torch
     for k in options:
         if k != "scales":
             raise ValueError(f"context attribution with method 'gate_grad' has no option {k!r}; options: ('scales',)")
-    from .key_gates import gate_gradients
+    from .key_gates import DEFAULT_SCALES, gate_gradients
 
-    g = gate_gradients(model, ids, rows, answer_ids, gated, options.get("scales", (1.0, 0.5)))
+    g = gate_gradients(model, ids, rows, answer_ids, gated, options.get("scales", DEFAULT_SCALES))
     rec = capture_kernels(model, {"input_ids": ids})
     layers = matrix_free.layers_of(rec, "self" if "self" in rec.operators else rec.stream_names()[0])
     return g.reshape(1, -1), layers

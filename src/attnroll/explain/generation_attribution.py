@@ -160,7 +160,7 @@ def generation_attribution(
     *,
     generate: int | None = None,
     answer: str | Sequence[int] | None = None,
-    method: str = "attn_grad",
+    method: str = "gate_grad",
     chat_template: bool | None = None,
     sinks: str = "drop",
     batch_size: int = 8,
@@ -172,8 +172,10 @@ def generation_attribution(
         model, tokenizer: a transformers decoder-only LM and its (fast) tokenizer.
         prompt: the prompt text; ``chat_template`` as for :func:`~attnroll.explain.context_attribution`.
         generate: tokens to generate greedily; or ``answer`` (text) to explain instead.
-        method: "attn_grad" (default), "rollout", "gae" or "grad_rollout"; attn_grad: gradient × attention at each
-            generated token's predicting row, summed over layers, no rollout: context attribution's default).
+        method: "gate_grad" (default, context attribution's: per generated token, ∂ log p(a_t | prefix) / ∂m_k
+            of gates on the attention keys, option ``scales`` (1.0, 0.25); eager or sdpa kernel), "attn_grad"
+            (gradient × attention at each generated token's predicting row, summed over layers, no rollout),
+            "rollout", "gae" or "grad_rollout".
         sinks: "drop" (default): the columns of the attention sinks (found on the captured attention) are
             zeroed, their share recorded per row in ``sink_share``; "keep": left as they are.
         batch_size: gradient methods: how many generated tokens share one forward + backward pass (copies of
@@ -247,9 +249,9 @@ def _gate_rows(model: nn.Module, ids: torch.Tensor, rows: list[int], ans: list[i
                options: dict, size: int) -> tuple[torch.Tensor, list]:
     """gate_grad: per chunk of ``size`` generated tokens, ∂ log p(a_t | prefix) / ∂m_k of the key gates (one copy
     per token and scale); then one plain capture for the sinks."""
-    from .key_gates import gate_gradients
+    from .key_gates import DEFAULT_SCALES, gate_gradients
 
-    scales = options.get("scales", (1.0, 0.5))
+    scales = options.get("scales", DEFAULT_SCALES)
     R = torch.cat([gate_gradients(model, ids, rows[lo:lo + size], ans[lo:lo + size], gated, scales, per_row=True)
                    for lo in range(0, len(rows), size)])
     rec = capture_kernels(model, {"input_ids": ids})
