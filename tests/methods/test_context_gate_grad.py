@@ -119,3 +119,22 @@ def test_generation_rows_are_the_gate_derivative_of_each_token_on_its_prefix(fam
         assert ca.method == "gate_grad" and float(ca.token_scores.abs().max()) > 0
         torch.testing.assert_close(ga.matrix[t, :n], ca.token_scores, atol=1e-5, rtol=1e-4)
         assert float(ga.matrix[t, n:].abs().sum()) == 0.0
+
+
+def test_the_default_is_gate_grad_where_it_applies_else_attn_grad_warned():
+    m, tok = llama(), word_tokenizer()
+    ca = attnroll.context_attribution(m, tok, PROMPT, answer=ANSWER, segments=SEGMENTS)
+    want = attnroll.context_attribution(m, tok, PROMPT, answer=ANSWER, segments=SEGMENTS, method="gate_grad")
+    assert ca.method == "gate_grad"
+    torch.testing.assert_close(ca.token_scores, want.token_scores)
+    m.config.sliding_window = 4  # shorter than the input: the gates' one full mask would change the model
+    with pytest.warns(UserWarning, match="sliding window.*'attn_grad' is used instead"):
+        ca = attnroll.context_attribution(m, tok, PROMPT, answer=ANSWER, segments=SEGMENTS)
+    want = attnroll.context_attribution(m, tok, PROMPT, answer=ANSWER, segments=SEGMENTS, method="attn_grad")
+    assert ca.method == "attn_grad"
+    torch.testing.assert_close(ca.token_scores, want.token_scores)
+    with pytest.warns(UserWarning, match="'attn_grad' is used instead"):
+        ga = attnroll.generation_attribution(m, tok, PROMPT, answer=ANSWER)
+    assert ga.method == "attn_grad"
+    torch.testing.assert_close(ga.matrix, attnroll.generation_attribution(m, tok, PROMPT, answer=ANSWER,
+                                                                          method="attn_grad").matrix)

@@ -270,8 +270,9 @@ def _load_decoder(spec: str) -> Any:
                    "strings), 'answer', 'id'; one result per record.")
 @click.option("--answer", metavar="TEXT", help="The answer to attribute (a record's own 'answer' wins).")
 @click.option("--generate", type=click.IntRange(1), metavar="N", help="Generate N tokens greedily as the answer.")
-@click.option("--method", "-m", default="gate_grad", show_default=True,
-              help="gate_grad (the measured default: EVALUATION.md; eager or sdpa kernel), attn_grad (any "
+@click.option("--method", "-m", default=None,
+              help="gate_grad (the measured default: EVALUATION.md; eager or sdpa kernel, else attn_grad is used, "
+                   "warned), attn_grad (any "
                    "kernel, 1x forward+backward), gae, "
                    "grad_rollout or rollout.")
 @click.option("--option", "-o", "options", multiple=True, metavar="KEY=VALUE",
@@ -316,13 +317,13 @@ def context_cmd(model_spec, prompt, passages, jsonl, answer, generate, method, o
     click.echo(f"wrote {len(written)} files to {out}/")
 
 
-def _check_method(method: str, per_token: bool, options: dict) -> dict:
+def _check_method(method: str | None, per_token: bool, options: dict) -> dict:
     """The method among context attribution's (and generation attribution's, with --per-token)."""
     from ..explain.context_attribution import METHODS
     from ..explain.generation_attribution import METHODS as PER_TOKEN
 
     names = PER_TOKEN if per_token else METHODS
-    if method not in names:
+    if method is not None and method not in names:
         raise click.UsageError(f"--method {method!r}: {'--per-token takes' if per_token else 'one of'} "
                                f"{', '.join(names)}")
     return {"method": method, "options": options}

@@ -172,10 +172,11 @@ def _generate(images, text, pair, target, formats, method, options, model_spec, 
                                "--pair or --target (the generated answer is the target)")
     if any(f != "json" for f in formats):
         raise click.UsageError("--generate writes json (the ranked units); other formats are not available")
-    if method not in GENERATE_METHODS:
+    if method is not None and method not in GENERATE_METHODS:
         raise click.UsageError(f"--generate takes one method, -m {', '.join(GENERATE_METHODS)}, got {method!r}")
     # attn_grad / gate_grad are context attribution's own methods (no `explain` method): it checks their options
-    opts = parse_options(options) if method in ("attn_grad", "gate_grad") else method_and_options(method, options)
+    opts = (parse_options(options) if method in (None, "attn_grad", "gate_grad")
+            else method_and_options(method, options))
     prompt = text  # --text: a file's text was read when the option was parsed
     out = prepare_out(out)
     lm = load_for(model_spec, weights, "text")
@@ -184,7 +185,7 @@ def _generate(images, text, pair, target, formats, method, options, model_spec, 
     click.echo(f"wrote {len(written)} file to {out}/")
 
 
-def _context_attribution(lm: Any, prompt: str, generate: int, method: str, opts: dict, unit: str,
+def _context_attribution(lm: Any, prompt: str, generate: int, method: str | None, opts: dict, unit: str,
                          segments: tuple[str, ...], out: Path, top: int) -> list[Path]:
     """``--generate N``: generate the answer, print it and the prompt's units ranked by share; write JSON."""
     from ..explain.context_attribution import context_attribution
@@ -195,6 +196,7 @@ def _context_attribution(lm: Any, prompt: str, generate: int, method: str, opts:
     except (TypeError, ValueError) as e:
         raise Failure(one_line(str(e))) from None
     click.echo(f"answer ({len(ca.answer_ids)} tokens): {ca.answer}")
+    method = ca.method  # the default resolved: gate_grad where its gates apply, else attn_grad (warned)
     click.echo(f"prompt {ca.unit} ranked by share of the answer's {method} relevance:")
     click.echo(ca.table(top=top or None))
     rec = {"model": lm.name, "method": method, "options": opts, "unit": ca.unit, "answer": ca.answer,
@@ -212,9 +214,10 @@ def _context_attribution(lm: Any, prompt: str, generate: int, method: str, opts:
 GENERATE_METHODS = ("gate_grad", "attn_grad", "gae", "grad_rollout", "rollout")
 
 
-def _decoder_default() -> str:
-    """``--generate`` without ``-m``: context attribution's measured default (``attnroll context``'s too)."""
-    return GENERATE_METHODS[0]
+def _decoder_default() -> None:
+    """``--generate`` without ``-m``: None, context attribution's measured default (``attnroll context``'s too):
+    gate_grad where its gates apply to the model, else attn_grad (warned)."""
+    return None
 
 
 def _methods_and_options(method: str, options: tuple[str, ...]) -> tuple[list[str], dict[str, dict]]:
@@ -284,7 +287,7 @@ def explain_cmd(images, text, pair, model_spec, weights, method, options, target
         return
     if generate is not None:
         method = method or _decoder_default()
-        if "," in method:
+        if method is not None and "," in method:
             raise click.UsageError(f"--generate takes one method ({', '.join(GENERATE_METHODS)}), got -m {method}")
         _generate(images, text, pair, target, formats, method, options, model_spec, weights, out, generate, unit,
                   segments, top)

@@ -31,6 +31,7 @@ from ..core.residual import residual_coefficients
 from ..viz.notebook import NotebookView
 from . import matrix_free, prompts
 from .context import Context
+from .key_gates import resolve_default
 from .registry import method_info
 from .sinks import detect as detect_sinks
 
@@ -151,7 +152,7 @@ def context_attribution(
     answer: str | Sequence[int] | None = None,
     unit: str = "sentence",
     segments: Sequence[str] | None = None,
-    method: str = "gate_grad",
+    method: str | None = None,
     sinks: str = "drop",
     chat_template: bool | None = None,
     **options: Any,
@@ -189,7 +190,8 @@ def context_attribution(
         a :class:`ContextAttribution`; its units' shares add up to 1.
     """
     prompts.check_decoder(model, "context attribution")
-    _checks.check_choice("method", method, METHODS)
+    if method is not None:
+        _checks.check_choice("method", method, METHODS)
     _checks.check_choice("sinks", sinks, ("drop", "keep"))
     if segments is None:
         _checks.check_choice("unit", unit, seg.UNITS)
@@ -200,6 +202,7 @@ def context_attribution(
     n_prompt, T = prompt_ids.shape[1], len(answer_ids)
     rows = [n_prompt - 1 + t for t in range(T)]  # the row that predicts answer token t
     owner = token_units(prompt, offsets, unit, segments)
+    method = resolve_default(method, model, ids.shape[1])
     if method == "gate_grad":  # the units' tokens are gated (not the chat template's, nor the answer's)
         gated = torch.tensor([o >= 0 for o in owner] + [False] * T)
         R, layers = _gate_relevance(model, ids, rows, answer_ids, gated, options)  # (1, n)

@@ -37,6 +37,7 @@ from ..core.rollout import layer_range
 from ..viz.notebook import NotebookView
 from . import matrix_free, prompts
 from .context import Context
+from .key_gates import resolve_default
 from .registry import method_info
 from .sinks import detect as detect_sinks
 
@@ -160,7 +161,7 @@ def generation_attribution(
     *,
     generate: int | None = None,
     answer: str | Sequence[int] | None = None,
-    method: str = "gate_grad",
+    method: str | None = None,
     chat_template: bool | None = None,
     sinks: str = "drop",
     batch_size: int = 8,
@@ -187,15 +188,16 @@ def generation_attribution(
         a :class:`GenerationAttribution` with its (T, n_source) ``matrix``.
     """
     prompts.check_decoder(model, "generation attribution")
-    _checks.check_choice("method", method, METHODS)
+    if method is not None:
+        _checks.check_choice("method", method, METHODS)
     _checks.check_choice("sinks", sinks, ("drop", "keep"))
     size = _checks.check_int("batch_size", batch_size)
     if size < 1:
         raise ValueError(f"batch_size must be >= 1 (generated tokens per backward pass), got {size}")
     for k in options:
-        if k not in OPTIONS[method]:
-            raise ValueError(f"generation attribution with method {method!r} has no option {k!r}; "
-                             f"options: {OPTIONS[method]}")
+        if k not in OPTIONS[method or "gate_grad"]:
+            raise ValueError(f"generation attribution with method {method or 'gate_grad'!r} has no option {k!r}; "
+                             f"options: {OPTIONS[method or 'gate_grad']}")
     enc = prompts.encode_prompt(tokenizer, prompt, chat_template)
     prompt_ids = prompts.on_model(model, enc.ids)
     ans = prompts.answer_ids(model, tokenizer, prompt_ids, generate, answer)
@@ -203,6 +205,7 @@ def generation_attribution(
     answer_t = torch.tensor([ans], dtype=prompt_ids.dtype, device=prompt_ids.device)
     ids = torch.cat([prompt_ids, answer_t], dim=1)[:, :-1]  # the last token is never read
     rows = [n_input - 1 + t for t in range(T)]
+    method = resolve_default(method, model, ids.shape[1])
     if method == "rollout":
         R, layers = _rollout_rows(model, ids, rows, options)
     elif method == "gate_grad":  # the prompt's text tokens gated (not special / template tokens, nor the answer)

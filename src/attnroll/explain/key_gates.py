@@ -20,6 +20,7 @@ the decisive passage's estimate from saturating (EVALUATION.md, "Context attribu
 from __future__ import annotations
 
 import inspect
+import warnings
 from typing import Sequence
 
 import torch
@@ -45,6 +46,21 @@ def check_gateable(model: nn.Module, n: int) -> None:
     if isinstance(window, int) and 0 < window < n:
         raise ValueError(f"method 'gate_grad' uses one full causal mask in every layer, but this model's sliding "
                          f"window ({window} tokens) is shorter than the {n}-token input; use method 'attn_grad'")
+
+
+def resolve_default(method: str | None, model: nn.Module, n: int) -> str:
+    """``method``, or where it is None the measured default of context / generation attribution: "gate_grad"
+    where its gates apply to ``model`` at ``n`` tokens (:func:`check_gateable`), else "attn_grad", warned with
+    the reason (a flash-attention kernel, a sliding window shorter than the input)."""
+    if method is not None:
+        return method
+    try:
+        check_gateable(model, n)
+    except ValueError as e:
+        warnings.warn(f"the default method 'gate_grad' does not apply here ({e}); 'attn_grad' is used instead",
+                      UserWarning, stacklevel=3)
+        return "attn_grad"
+    return "gate_grad"
 
 
 def gate_mask(log_gates: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -76,7 +92,8 @@ def answer_logprob(model: nn.Module, ids: torch.Tensor, rows: Sequence[int], ans
 
 
 def gate_gradients(model: nn.Module, ids: torch.Tensor, rows: Sequence[int], answer_ids: Sequence[int],
-                   gated: torch.Tensor, scales: Sequence[float] = DEFAULT_SCALES, per_row: bool = False) -> torch.Tensor:
+                   gated: torch.Tensor, scales: Sequence[float] = DEFAULT_SCALES,
+                   per_row: bool = False) -> torch.Tensor:
     """(n,) per token: the mean over ``scales`` s of ∂f/∂m_k at m = s on the ``gated`` tokens (n,) bool
     (m = 1 elsewhere), f the answer's total log-probability; one forward + backward with len(scales) copies.
     ``per_row``: (len(rows), n), row i for f = log p(answer_i | prefix) alone (len(rows) × len(scales) copies)."""
