@@ -6,6 +6,7 @@ package but the leaf validation module, the explain path layered core < capture 
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,12 @@ LAYER_IMPORTS = {
 }
 
 
+@functools.lru_cache(maxsize=None)
+def _tree(path: Path) -> ast.Module:
+    """A source file's syntax tree, parsed once per test process (every rule below walks the same files)."""
+    return ast.parse(path.read_text(encoding="utf-8"))
+
+
 def module_names() -> dict[str, Path]:
     """Dotted module name -> file, for every .py under src/attnroll (packages by their __init__)."""
     out = {}
@@ -52,7 +59,7 @@ def _base(mod: str, is_pkg: bool, node: ast.ImportFrom) -> str:
 def imports_of(mod: str, path: Path, known: set[str]) -> list[tuple[str, str | None]]:
     """Every import anywhere in the file (function-level ones included) as (module, imported name or None):
     ``from a.b import c`` is (a.b.c, None) when a.b.c is a module, else (a.b, "c")."""
-    tree = ast.parse(path.read_text(encoding="utf-8"))
+    tree = _tree(path)
     is_pkg = path.name == "__init__.py"
     return [imp for node in ast.walk(tree) for imp in node_imports(mod, is_pkg, node, known)]
 
@@ -196,7 +203,7 @@ def test_methods_holds_method_files_only():
         if f.name == "__init__.py":
             continue
         calls = {n.func.id if isinstance(n.func, ast.Name) else getattr(n.func, "attr", "")
-                 for n in ast.walk(ast.parse(f.read_text(encoding="utf-8"))) if isinstance(n, ast.Call)}
+                 for n in ast.walk(_tree(f)) if isinstance(n, ast.Call)}
         assert calls & {"register", "register_rolled"}, f"{f.name} registers no method: move it to explain/"
 
 
@@ -217,7 +224,7 @@ def call_time_only(mod: str, target: str) -> tuple[int, int]:
     """(imports of module ``target`` inside function bodies, imports of it anywhere) in module ``mod``."""
     mods = module_names()
     path, known = mods[mod], set(mods)
-    tree = ast.parse(path.read_text(encoding="utf-8"))
+    tree = _tree(path)
     in_functions = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
                     for n in ast.walk(f)}
     hits = [node for node in ast.walk(tree)
@@ -235,7 +242,7 @@ def test_call_time_imports_stay_inside_functions():
 def io_uses(path: Path) -> list[str]:
     """Calls of open / print / input, and imports of sys, io, tqdm, rich, logging, in one source file."""
     found = []
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+    for node in ast.walk(_tree(path)):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("open", "print", "input"):
             found.append(f"{node.func.id}() at line {node.lineno}")
         names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
@@ -259,7 +266,7 @@ def long_functions(limit: int = 80) -> list[str]:
     """Functions (and methods) of src/attnroll longer than ``limit`` lines, from ``def`` to their last line."""
     out = []
     for f in PKG.rglob("*.py"):
-        for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"))):
+        for node in ast.walk(_tree(f)):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 lines = node.end_lineno - node.lineno + 1
                 if lines > limit:

@@ -21,6 +21,9 @@ from attnroll.evaluate.sanity import _reinitialise
 from ..methods import value_aware_reference as R
 from .test_layer_anatomy import _block, _block_io
 
+# Left out of `make test-fast` (its 90 s budget on 2 cores); `make test` and CI run it.
+pytestmark = pytest.mark.slow
+
 T = pytest.importorskip("transformers")
 F64 = torch.float64
 SMALL_EAGER = dict(attn_implementation="eager")

@@ -11,6 +11,9 @@ from attnroll.capture import CaptureError
 from ..zoo import plain as M
 from .helpers import snapshot
 
+# Left out of `make test-fast` (its 90 s budget on 2 cores); `make test` and CI run it.
+pytestmark = pytest.mark.slow
+
 ALL = tuple(n for n in M.BUILDERS if n not in M.SIGNED)  # DiffLlama: tests/capture/test_diffllama.py
 
 

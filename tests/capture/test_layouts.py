@@ -14,6 +14,9 @@ import attnroll
 from ..zoo import plain as capture_zoo
 from ..zoo import sharp as methods_zoo
 
+# Left out of `make test-fast` (its 90 s budget on 2 cores); `make test` and CI run it.
+pytestmark = pytest.mark.slow
+
 ZOOS = {"plain": capture_zoo, "sharp": methods_zoo}
 CASES = [(z, name) for z, zoo in ZOOS.items() for name in zoo.BUILDERS
          if name not in zoo.SIGNED]  # DiffLlama's signed matrices: tests/capture/test_diffllama.py

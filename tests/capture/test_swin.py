@@ -16,6 +16,9 @@ from attnroll.capture.swin import hf_window_ids
 
 from ..zoo import SWIN_HF, SWIN_TIMM
 
+# Left out of `make test-fast` (its 90 s budget on 2 cores); `make test` and CI run it.
+pytestmark = pytest.mark.slow
+
 timm = pytest.importorskip("timm")
 
 X = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))

@@ -24,6 +24,9 @@ from attnroll.evaluate.sanity import (
 
 from ..zoo import TIMM_SMALL, EncoderClassifier
 
+# Left out of `make test-fast` (its 90 s budget on 2 cores); `make test` and CI run it.
+pytestmark = pytest.mark.slow
+
 ALL4 = ("rollout", "gae", "grad_rollout", "raw")
 EXACT = dict(abs=1e-12)
 

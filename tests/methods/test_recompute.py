@@ -21,6 +21,9 @@ from attnroll.core import operators
 
 from ..zoo import T, sharp
 
+# Left out of `make test-fast` (its 90 s budget on 2 cores); `make test` and CI run it.
+pytestmark = pytest.mark.slow
+
 inputs_for, model = sharp.inputs_for, sharp.model
 
 GEMMA2 = dict(vocab_size=99, hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,

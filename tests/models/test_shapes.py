@@ -11,6 +11,9 @@ import torch
 from attnroll.models import shapes
 from attnroll.models.shapes import CLASSES, make_dataset, patch_masks, preprocess
 
+# Left out of `make test-fast` (its 90 s budget on 2 cores); `make test` and CI run it.
+pytestmark = pytest.mark.slow
+
 
 # ---------------------------------------------------------------------------------------------- dataset
 def test_shapes_dtypes_and_ranges():
