@@ -442,13 +442,17 @@ def _gated_delta_parts(module: nn.Module, hidden: torch.Tensor, mask: torch.Tens
                       gate_in=torch.sigmoid(u[..., start:]) * keep, weight=module.conv1d.weight[start:, 0])
 
 
+def _hook_inputs(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A mixer's forward-hook input: its hidden states and its (b, n) padding mask (None for any other mask)."""
+    hidden = args[0] if args else kwargs["hidden_states"]
+    mask = kwargs.get("attention_mask")
+    return hidden, mask if mask is not None and mask.ndim == 2 else None
+
+
 def mixer_matrix(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> torch.Tensor:
     """The fused (b, 1, n, n) token-to-token matrix of a composed mixer's forward (its forward hook's args,
     kwargs and output), checked to reproduce the layer's output; row-stochastic (the "abs_mean" fusion)."""
-    hidden = args[0] if args else kwargs["hidden_states"]
-    mask = kwargs.get("attention_mask")
-    if mask is not None and mask.ndim != 2:
-        mask = None
+    hidden, mask = _hook_inputs(args, kwargs)
     out = output[0] if isinstance(output, (tuple, list)) else output
     with torch.no_grad():
         name = type(module).__name__
@@ -476,10 +480,7 @@ def mixer_reading(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> 
     Ā = mean_c((K_c ⊙ G_c)^+) ("per_head") or (mean_c(K_c ⊙ G_c))^+ ("after_mean"), K_c the channel's matrix of
     x_in → y (:class:`MixerParts`) and G_c[t, s] = ∂target/∂K_c[t, s] = (∂target/∂y)[t, c] · x_in[s, c], with
     ∂target/∂y the vector-Jacobian product of the module's own output map (``MixerParts.post``) at y."""
-    hidden = args[0] if args else kwargs["hidden_states"]
-    mask = kwargs.get("attention_mask")
-    if mask is not None and mask.ndim != 2:
-        mask = None
+    hidden, mask = _hook_inputs(args, kwargs)
     out = output[0] if isinstance(output, (tuple, list)) else output
     with torch.no_grad():
         parts = _PARTS[type(module).__name__](module, hidden.detach(), mask, out)
@@ -504,10 +505,7 @@ ROWS_MIXERS = MAMBA2_MIXERS
 def rows_layer(module: nn.Module, args: tuple, kwargs: dict, heads: int = 1) -> ops.SSDRows:
     """A Mamba-2 mixer's layer of the matrix-free row sweep (core.mixers.SSDRows) from its forward hook's args and
     kwargs: its gates, O(n·d) kept; the same fused matrix as :func:`mixer_matrix`, applied row block by row block."""
-    hidden = args[0] if args else kwargs["hidden_states"]
-    mask = kwargs.get("attention_mask")
-    if mask is not None and mask.ndim != 2:
-        mask = None
+    hidden, mask = _hook_inputs(args, kwargs)
     with torch.no_grad():
         g = mamba2_gates(module, hidden.detach(), mask)
         return ops.SSDRows(g.C, g.B, g.dt, g.A, g.D, torch.sigmoid(g.u) * _keep(hidden, mask), g.weight,

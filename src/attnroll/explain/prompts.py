@@ -175,12 +175,17 @@ def answer_ids(model: Any, tokenizer: Any, prompt_ids: torch.Tensor, generate: i
         if not ids:
             raise ValueError(f"answer {answer!r} has no tokens")
         return list(ids)
+    return greedy(model, {"input_ids": prompt_ids, "attention_mask": torch.ones_like(prompt_ids)}, generate)
+
+
+def greedy(model: Any, inputs: dict, generate: Any) -> list[int]:
+    """The ids of ``generate`` tokens the model generates greedily after one prompt's ``inputs`` (the model's own
+    ``generate``; padding id: its pad token, else its end of text)."""
     n = _checks.check_int("generate", generate)
     if n < 1:
         raise ValueError(f"generate must be >= 1 (tokens to generate), got {n}")
     facts = model_facts(model)
     pad = facts.pad_token_id if facts.pad_token_id is not None else (facts.eos_token_id or 0)
     with torch.no_grad():
-        out = model.generate(prompt_ids, attention_mask=torch.ones_like(prompt_ids), max_new_tokens=n,
-                             do_sample=False, pad_token_id=pad)
-    return out[0, prompt_ids.shape[1]:].tolist()
+        out = model.generate(**inputs, max_new_tokens=n, do_sample=False, pad_token_id=pad)
+    return out[0, inputs["input_ids"].shape[1]:].tolist()

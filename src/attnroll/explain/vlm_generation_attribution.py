@@ -35,11 +35,10 @@ from torch import nn
 
 from .. import _checks
 from .._callable import make_callable as _make_callable
-from ..capture import model_facts
 from ..capture.readout import resolve_readout
 from ..core.rollout import rollout as core_rollout
 from ..viz.notebook import NotebookView
-from . import qwen_vl
+from . import prompts, qwen_vl
 from .context import Context
 from .explanation import Explanation
 from .options import check_options
@@ -278,14 +277,7 @@ def _answer_ids(model: nn.Module, inputs: dict, tok: Any, generate: int | None, 
         if not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
             raise TypeError(f"answer must be a text or a non-empty list of token ids, got {answer!r}")
         return ids
-    n = _checks.check_int("generate", generate)
-    if n < 1:
-        raise ValueError(f"generate must be >= 1 (tokens to generate), got {n}")
-    facts = model_facts(model)
-    pad = facts.pad_token_id if facts.pad_token_id is not None else (facts.eos_token_id or 0)
-    with torch.no_grad():
-        out = model.generate(**inputs, max_new_tokens=n, do_sample=False, pad_token_id=pad)
-    return out[0, inputs["input_ids"].shape[1]:].tolist()
+    return prompts.greedy(model, inputs, generate)
 
 
 def _rollout(model: nn.Module, inputs: dict, rows: list[int], tok: Any, options: dict) -> list[Explanation]:
