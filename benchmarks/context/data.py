@@ -94,9 +94,14 @@ def qa_prompt(tokenizer, seed: int, index: int, passages: int | None = None) -> 
                   {"n_passages": n, "relation": rel, "evidence": pos})
 
 
+#: The QA splits and their seeds.
+SPLITS = {"validation": 11, "heldout": 29, "validation-b": 37, "heldout-b": 47}
+
+
 def qa_set(tokenizer, split: str, count: int, passages: int | None = None) -> list[Prompt]:
-    """Validation (seed 11) or held-out (seed 29) QA prompts."""
-    seed = {"validation": 11, "heldout": 29}[split]
+    """Validation (seed 11) or held-out (seed 29) QA prompts; "validation-b" (seed 37) and "heldout-b" (seed 47)
+    are second, disjoint draws for a choice re-made on more validation prompts and a fresh held-out report."""
+    seed = SPLITS[split]
     return [qa_prompt(tokenizer, seed, i, passages) for i in range(count)]
 
 

@@ -19,7 +19,7 @@ from attnroll import context_attribution
 from attnroll.explain import key_gates
 
 from . import methods, protocol
-from .data import qa_set
+from .data import SPLITS, qa_set
 
 HERE = os.path.join(os.path.dirname(__file__), "results")
 CANDIDATES = {"gate_grad@1,0.5": (1.0, 0.5), "gate_grad@0.5,0.1": (0.5, 0.1), "gate_grad@1,0.25": (1.0, 0.25),
@@ -86,7 +86,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--start", type=int, default=0)
     ap.add_argument("--count", type=int, default=10)
-    ap.add_argument("--split", choices=("validation", "heldout"), default="validation")
+    ap.add_argument("--split", choices=tuple(SPLITS), default="validation")
     ap.add_argument("--candidates", default=";".join(CANDIDATES), help="names among " + ", ".join(CANDIDATES))
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from . import methods, peers, protocol
-from .data import qa_set
+from .data import SPLITS, qa_set
 
 LDS = [16]
 
@@ -82,7 +82,7 @@ def run_item(model, tok, item, names: list[str], cc: bool, old: dict | None = No
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--split", choices=("validation", "heldout"), default="validation")
+    ap.add_argument("--split", choices=tuple(SPLITS), default="validation")
     ap.add_argument("--count", type=int, default=12)
     ap.add_argument("--start", type=int, default=0)
     ap.add_argument("--methods", default="random,rollout,gae,attn_grad,gate_grad,last_attention,"
