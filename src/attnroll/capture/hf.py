@@ -25,8 +25,8 @@ from . import diffllama
 from .hf_public import accepts_output_attentions, ask_for_attentions, eager_forwards, output_streams, validate_layers
 from .hf_vision import embeddings_of, input_size, mae_restore, patch_layout
 from .hooks import Adapter, Recorder, Site, make_sites, stream_names, supported_families
-from .hybrids import Wiring, mixer_matrix
-from .mixers import ROWS_MIXERS, WEIGHTED, composable_mixers, mixer_reading
+from .hybrids import Wiring, mixer_matrix, mixer_reading
+from .mixers import ROWS_MIXERS, WEIGHTED, composable_mixers
 from .record import AttentionRecord, ModelFacts, config_token_id, config_token_ids, resolve_readout
 from .st_pooling import pooling_of_folder
 from .transformers_private import (
@@ -194,6 +194,7 @@ class HFAdapter(Adapter):
                 handle = site.module.register_forward_hook(
                     lambda m, a, k, o, site=site: self._store_mixer(recorder, site, m, a, k, o), with_kwargs=True)
                 stack.callback(handle.remove)
+        self.wiring.keep_grad = recorder.keep_grad
         self.wiring.install(lambda m, fn, pre=False: stack.callback(
             (m.register_forward_pre_hook if pre else m.register_forward_hook)(fn, with_kwargs=True).remove))
 
@@ -202,8 +203,9 @@ class HFAdapter(Adapter):
         whose gradient-weighted matrix attnroll computes), also its output and weighting
         (``record.extra["mixer_weighted"]``, read by ``Context.grad_record``)."""
         self.mixer_layers.add((site.stream, site.layer))
-        if recorder.keep_grad and type(m).__name__ in WEIGHTED and id(m) not in self.wiring.shared:
-            fused, self.mixer_weighted[(site.stream, site.layer)] = mixer_reading(m, a, k, o)
+        if recorder.keep_grad and type(m).__name__ in WEIGHTED:
+            fused, self.mixer_weighted[(site.stream, site.layer)] = self.wiring.mixer_weighted(
+                m, *mixer_reading(m, a, k, o))
             fused.requires_grad_(True)  # a leaf of the record's graph: the gradient is taken at the mixer's output
         else:
             fused = self.wiring.mixer(m, mixer_matrix(m, a, k, o))
@@ -238,7 +240,12 @@ class HFAdapter(Adapter):
             idx = self.index[id(site.module)]
             probs = output[idx] if -len(output) <= idx < len(output) else None
             wiring = getattr(self, "wiring", None)
-            return wiring.attention(site.module, probs, output) if wiring else probs
+            if not wiring:
+                return probs
+            probs = wiring.attention(site.module, probs, output)
+            if id(site.module) in wiring.weighted:  # a parallel layer's gradient-weighted entry (gradients kept)
+                self.mixer_weighted[(site.stream, site.layer)] = wiring.weighted.pop(id(site.module))
+            return probs
         return output
 
     def facts(self) -> ModelFacts:

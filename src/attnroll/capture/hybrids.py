@@ -21,10 +21,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..core import mixers as ops
+from ..core.gradients import gradient_weighted
 from . import mixers as base
-from .mixers import _causal_conv, _check_reproduces, _fold_conv, _keep, _l2, _normalised
+from .mixers import MixerParts, _causal_conv, _check_reproduces, _fold, _keep, _l2, _normalised
 
-__all__ = ["READERS", "mixer_matrix", "norm_weights"]
+__all__ = ["PARTS", "READERS", "mixer_matrix", "mixer_reading", "norm_weights"]
 
 
 def norm_weights(*parts: torch.Tensor) -> list[torch.Tensor]:
@@ -39,10 +40,11 @@ def norm_weights(*parts: torch.Tensor) -> list[torch.Tensor]:
 
 # ------------------------------------------------------------------------------- delta rules
 def _delta(module: nn.Module, hidden: torch.Tensor, mask: torch.Tensor | None, output: torch.Tensor,
-           parts: Callable[[torch.Tensor], tuple]) -> torch.Tensor:
+           parts: Callable[[torch.Tensor], tuple]) -> MixerParts:
     """The layout-independent part of a gated DeltaNet / KDA reader. ``parts(h)`` gives, from the masked input h,
     the convolution's input (b, n, 2·key_dim + value_dim: q, k, v), β (b, n, Hv), the log decay g ((b, n, Hv) or
-    (b, n, H, dk)) and ``finish(o)``: the layer's output from the delta rule's output o (b, n, Hv, dv)."""
+    (b, n, H, dk)) and ``finish(o)``: the layer's output from the delta rule's output o (b, n, Hv, dv). Returns the
+    :class:`~attnroll.capture.mixers.MixerParts` of v_in → o (per value head, its convolution and SiLU folded)."""
     b, n, _ = hidden.shape
     keep = _keep(hidden, mask)
     mixed, beta, g, finish = parts(hidden * keep)
@@ -56,13 +58,16 @@ def _delta(module: nn.Module, hidden: torch.Tensor, mask: torch.Tensor | None, o
     k = _l2(k.reshape(b, n, Hk, dk)).repeat_interleave(Hv // Hk, 2)
     W = ops.delta_matrix(q, k, beta.to(hidden.dtype), g.to(hidden.dtype))  # (b, Hv, n, n)
     dv = v.shape[-1] // Hv
-    _check_reproduces(module, finish(ops.mix(W, v.reshape(b, n, Hv, dv))), output)
+    o = ops.mix(W, v.reshape(b, n, Hv, dv)).reshape(b, n, Hv * dv)
+    post = lambda o: finish(o.reshape(b, n, Hv, dv))  # noqa: E731
+    _check_reproduces(module, post(o), output)
     start = 2 * key_dim
-    gate_in = torch.sigmoid(u[..., start:]) * keep
-    return _normalised(_fold_conv(W, gate_in, module.conv1d.weight[start:, 0], dv))
+    return MixerParts(M=W, heads_of=dv, x_in=mixed[..., start:], y=o, post=post,
+                      gate_in=torch.sigmoid(u[..., start:]) * keep, weight=module.conv1d.weight[start:, 0])
 
 
-def _qwen3_5(module: nn.Module, hidden: torch.Tensor, mask: torch.Tensor | None, output: torch.Tensor) -> torch.Tensor:
+def _qwen3_5_parts(module: nn.Module, hidden: torch.Tensor, mask: torch.Tensor | None,
+                   output: torch.Tensor) -> MixerParts:
     """Qwen3.5's gated DeltaNet: Qwen3-Next's delta rule with separate in_proj_qkv / in_proj_z / in_proj_b /
     in_proj_a projections; out = out_proj(RMSNorm(o) · SiLU(z))."""
 
@@ -80,8 +85,8 @@ def _qwen3_5(module: nn.Module, hidden: torch.Tensor, mask: torch.Tensor | None,
     return _delta(module, hidden, mask, output, parts)
 
 
-def _olmo_hybrid(module: nn.Module, hidden: torch.Tensor, mask: torch.Tensor | None,
-                 output: torch.Tensor) -> torch.Tensor:
+def _olmo_hybrid_parts(module: nn.Module, hidden: torch.Tensor, mask: torch.Tensor | None,
+                       output: torch.Tensor) -> MixerParts:
     """OLMo-Hybrid's gated DeltaNet: separate q / k / v / a / b projections, β doubled when negative eigenvalues
     are allowed, out = o_proj(RMSNorm(o) · SiLU(g_proj(h)))."""
 
@@ -100,8 +105,8 @@ def _olmo_hybrid(module: nn.Module, hidden: torch.Tensor, mask: torch.Tensor | N
     return _delta(module, hidden, mask, output, parts)
 
 
-def _kimi_delta(module: nn.Module, hidden: torch.Tensor, mask: torch.Tensor | None,
-                output: torch.Tensor) -> torch.Tensor:
+def _kimi_delta_parts(module: nn.Module, hidden: torch.Tensor, mask: torch.Tensor | None,
+                      output: torch.Tensor) -> MixerParts:
     """Kimi Linear's KDA: the delta rule with a per-key-channel decay (its forget gate, (b, n, H, dk)), β = σ(b),
     out = o_proj(RMSNorm(o) · σ(g_b(g_a(h)))) per head."""
 
@@ -119,12 +124,12 @@ def _kimi_delta(module: nn.Module, hidden: torch.Tensor, mask: torch.Tensor | No
 
 
 # ------------------------------------------------------------------------------- RG-LRU
-def _rg_lru(module: nn.Module, hidden: torch.Tensor, position_ids: torch.Tensor | None,
-            output: torch.Tensor) -> torch.Tensor:
+def _rg_lru_parts(module: nn.Module, hidden: torch.Tensor, position_ids: torch.Tensor | None,
+                  output: torch.Tensor) -> MixerParts:
     """RecurrentGemma's recurrent block: x = conv(linear_x(h)) per channel; the RG-LRU h_t = a_t h_{t−1} +
     √(1 − a_t²) · i_t · x_t (a_t = exp(−8 r_t softplus(Λ)), the input gate i_t and recurrence gate r_t read from x
     and held; a_t = 0 and no normalisation where the position restarts at 0); out = linear_out(h · GeLU(linear_y)).
-    Returns the fused (b, 1, n, n) matrix of linear_x(h) → h · GeLU(linear_y) (core.mixers.lru_matrix after
+    Its parts: x_in = linear_x(h) → y = h · GeLU(linear_y) per channel (core.mixers.lru_matrix after
     core.mixers.conv_matrix, the output branch a diagonal on the rows)."""
     b, n, _ = hidden.shape
     lru = module.rg_lru
@@ -144,8 +149,10 @@ def _rg_lru(module: nn.Module, hidden: torch.Tensor, position_ids: torch.Tensor 
     restarts = reset[..., 0].to(torch.int64).cumsum(1)  # a restart at r cuts every path from s < r to t ≥ r
     M = M * (restarts[:, None, :, None] == restarts[:, None, None, :])
     M = M * y.transpose(1, 2)[:, :, :, None]
-    _check_reproduces(module, module.linear_out(ops.mix(M, x)), output)  # the conv's bias: a constant of x
-    return _normalised(_fold_conv(M, torch.ones_like(x), module.conv_1d.weight[:, 0], 1))
+    y_mix = ops.mix(M, x)
+    _check_reproduces(module, module.linear_out(y_mix), output)  # the conv's bias: a constant of x
+    return MixerParts(M=M, heads_of=1, x_in=x_in, y=y_mix, post=module.linear_out, gate_in=torch.ones_like(x),
+                      weight=module.conv_1d.weight[:, 0])
 
 
 
@@ -168,14 +175,14 @@ class _FalconInput:
         return self._m.norm(y, z) if self._m.mamba_rms_norm else y * F.silu(z)
 
 
-def _falcon_h1(module: nn.Module, hidden: torch.Tensor, mask: torch.Tensor | None,
-               output: torch.Tensor) -> torch.Tensor:
+def _falcon_h1_parts(module: nn.Module, hidden: torch.Tensor, mask: torch.Tensor | None,
+                     output: torch.Tensor) -> MixerParts:
     """Falcon-H1's Mamba-2 mixer: Mamba2Mixer's reading (attnroll.capture.mixers) of its μP-scaled projection."""
-    return base._mamba2(_FalconInput(module), hidden, mask, output)
+    return base._mamba2_parts(_FalconInput(module), hidden, mask, output)
 
 
-def _zamba_mamba(module: nn.Module, hidden: torch.Tensor, mask: torch.Tensor | None,
-                 output: torch.Tensor) -> torch.Tensor:
+def _zamba_mamba_parts(module: nn.Module, hidden: torch.Tensor, mask: torch.Tensor | None,
+                       output: torch.Tensor) -> MixerParts:
     """Zamba's multi-head Mamba mixer: in_proj's channels interleave x and z; x = SiLU(conv(x_in)); per Mamba head
     its own x_proj / dt_proj / A / D make a selective scan over its channels (core.mixers.selective_matrix),
     y = scan(x) · SiLU(z), out = out_proj(y). Returns the fused (b, 1, n, n) matrix of x_in → y, the conv and the
@@ -193,18 +200,46 @@ def _zamba_mamba(module: nn.Module, hidden: torch.Tensor, mask: torch.Tensor | N
         A = -torch.exp(module.A_log[h].float()).to(hidden.dtype)
         per_head.append(ops.selective_matrix(C, B, dt, A, module.D[h].to(hidden.dtype)))
     M = torch.cat(per_head, dim=1) * F.silu(z).transpose(1, 2)[:, :, :, None]  # (b, I, n, n), the gate on the rows
-    _check_reproduces(module, module.out_proj(ops.mix(M, x)), output)
-    return _normalised(_fold_conv(M, torch.sigmoid(u) * keep, module.conv1d.weight[:, 0], 1))
+    y = ops.mix(M, x)
+    _check_reproduces(module, module.out_proj(y), output)
+    return MixerParts(M=M, heads_of=1, x_in=x_in, y=y, post=module.out_proj, gate_in=torch.sigmoid(u) * keep,
+                      weight=module.conv1d.weight[:, 0])
 
 
-#: Mixer class -> reader(module, hidden, mask or position ids, output), for the classes this module reads.
-READERS: dict[str, Callable[..., torch.Tensor]] = {
-    "Qwen3_5GatedDeltaNet": _qwen3_5, "Qwen3_5MoeGatedDeltaNet": _qwen3_5, "OlmoHybridGatedDeltaNet": _olmo_hybrid,
-    "KimiLinearDeltaAttention": _kimi_delta, "RecurrentGemmaRecurrentBlock": _rg_lru, "FalconH1Mixer": _falcon_h1,
-    "ZambaMambaMixer": _zamba_mamba, "Zamba2MambaMixer": base._mamba2,
+#: Mixer class -> parts(module, hidden, mask or position ids, output): its
+#: :class:`~attnroll.capture.mixers.MixerParts`, checked to reproduce its output, for the classes this module reads.
+PARTS: dict[str, Callable[..., MixerParts]] = {
+    "Qwen3_5GatedDeltaNet": _qwen3_5_parts, "Qwen3_5MoeGatedDeltaNet": _qwen3_5_parts,
+    "OlmoHybridGatedDeltaNet": _olmo_hybrid_parts, "KimiLinearDeltaAttention": _kimi_delta_parts,
+    "RecurrentGemmaRecurrentBlock": _rg_lru_parts, "FalconH1Mixer": _falcon_h1_parts,
+    "ZambaMambaMixer": _zamba_mamba_parts, "Zamba2MambaMixer": base._mamba2_parts,
 }
+
+
+def _reader(parts: Callable[..., MixerParts]) -> Callable[..., torch.Tensor]:
+    def read(module: nn.Module, hidden: torch.Tensor, extra: Any, output: torch.Tensor) -> torch.Tensor:
+        return _normalised(_fold(parts(module, hidden, extra, output)))
+
+    read.__doc__ = f"The fused row-stochastic (b, 1, n, n) matrix of {parts.__name__}'s parts."
+    return read
+
+
+#: Mixer class -> reader(module, hidden, mask or position ids, output) -> its fused (b, 1, n, n) matrix.
+READERS: dict[str, Callable[..., torch.Tensor]] = {name: _reader(parts) for name, parts in PARTS.items()}
 #: Readers that take the block's position ids (a restart at position 0 resets the recurrence) instead of a mask.
 _BY_POSITION = ("RecurrentGemmaRecurrentBlock",)
+
+
+def _hook_reading(name: str, args: tuple, kwargs: dict, output: Any) -> tuple[torch.Tensor, Any, torch.Tensor]:
+    """A mixer's forward-hook args, kwargs and output as its reader takes them: hidden, the (b, n) padding mask or
+    the position ids, and its output tensor."""
+    hidden = args[0] if args else kwargs.get("hidden_states", kwargs.get("input_states"))
+    if name in _BY_POSITION:
+        extra = args[1] if len(args) > 1 else kwargs.get("position_ids")
+    else:
+        extra = kwargs.get("attention_mask")
+        extra = extra if extra is None or extra.ndim == 2 else None
+    return hidden, extra, output[0] if isinstance(output, (tuple, list)) else output
 
 
 def mixer_matrix(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> torch.Tensor:
@@ -213,16 +248,22 @@ def mixer_matrix(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> t
     name = type(module).__name__
     if name not in READERS:
         return base.mixer_matrix(module, args, kwargs, output)
-    hidden = args[0] if args else kwargs.get("hidden_states", kwargs.get("input_states"))
-    if name in _BY_POSITION:
-        extra = args[1] if len(args) > 1 else kwargs.get("position_ids")
-    else:
-        extra = kwargs.get("attention_mask")
-        extra = extra if extra is None or extra.ndim == 2 else None
-    out = output[0] if isinstance(output, (tuple, list)) else output
+    hidden, extra, out = _hook_reading(name, args, kwargs, output)
     with torch.no_grad():
         return READERS[name](module, hidden.detach(), extra, out)
 
+
+def mixer_reading(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> tuple[torch.Tensor, Any]:
+    """:func:`attnroll.capture.mixers.mixer_reading` for every class of its ``WEIGHTED``: the fused matrix and
+    ``(out, weigh)``, weigh(g_out, clamp) -> the layer's gradient-weighted matrix mean_c((K_c ⊙ ∂y/∂K_c)^+) (b, n, n);
+    this module's parts for its classes."""
+    name = type(module).__name__
+    if name not in PARTS:
+        return base.mixer_reading(module, args, kwargs, output)
+    hidden, extra, out = _hook_reading(name, args, kwargs, output)
+    with torch.no_grad():
+        parts = PARTS[name](module, hidden.detach(), extra, out)
+    return base.weighted_reading(parts, out)
 
 
 # ------------------------------------------------------------------------------- how the paths meet
@@ -233,7 +274,12 @@ class Wiring:
     site of its own). Zamba's / Zamba2's hybrid layer runs a shared attention block on [h, embeddings], projects
     its output T and feeds norm(h + T) to the layer's mixer, whose output is added to h: the layer's matrix is
     M·(w_h·I + w_T·A_h) per head (its record is the mixer's site; the shared attention, run by several layers, is
-    no site). The w are :func:`norm_weights` of the summed paths, per output token."""
+    no site). The w are :func:`norm_weights` of the summed paths, per output token.
+
+    With gradients kept (``keep_grad``), each such layer's gradient-weighted matrix joins its paths' gradient-weighted
+    matrices the same way: w_a·Ā_A + w_m·Ā_M (Falcon-H1) and Ā_M·(w_h·I + w_T·Ā_A) (Zamba), Ā_A = mean_h((A_h ⊙
+    ∂y/∂A_h)^+) of the attention's probabilities, Ā_M the mixer's (capture/mixers.py ``mixer_reading``); the
+    layer's entry of ``record.extra["mixer_weighted"]`` differentiates both tensors."""
 
     def __init__(self, model: nn.Module):
         self.parallel: dict[int, tuple[nn.Module, nn.Module]] = {}  # id(attention) -> (mixer, decoder layer)
@@ -250,6 +296,8 @@ class Wiring:
                 self.shared[id(mod.mamba_decoder.mamba)] = (mod, block.self_attn)
         self.not_sites = {id(m) for m, _ in self.parallel.values()} | {id(a) for _, a in self.shared.values()}
         self.stash: dict[Any, Any] = {}
+        self.keep_grad = False  # set by the adapter before a pass whose gradients are taken
+        self.weighted: dict[int, Any] = {}  # id(attention) -> a parallel layer's gradient-weighted entry
 
     def __bool__(self) -> bool:
         return bool(self.parallel or self.shared)
@@ -258,30 +306,69 @@ class Wiring:
         """Hook what the combinations read: ``hook(module, fn, pre=False)`` registers fn as a forward (pre-)hook
         with kwargs and arranges its removal."""
         for mixer, layer in self.parallel.values():
-            hook(mixer, lambda m, a, k, o, layer=layer: self.stash.__setitem__(
-                id(m), (mixer_matrix(m, a, k, o), o.detach() * layer.ssm_out_multiplier)))
+            hook(mixer, lambda m, a, k, o, layer=layer: self.stash.__setitem__(id(m), (
+                *(mixer_reading(m, a, k, o) if self.keep_grad else (mixer_matrix(m, a, k, o), None)),
+                o.detach() * layer.ssm_out_multiplier)))
         for attn in {id(a): a for _, a in self.shared.values()}.values():  # a shared block: its every call
-            hook(attn, lambda m, a, k, o: self.stash.__setitem__(("attn", self.stash.get("current")), o[1].detach()))
+            hook(attn, lambda m, a, k, o: self.stash.__setitem__(("attn", self.stash.get("current")), o[1]))
         for mixer_id, (layer, _) in self.shared.items():
             hook(layer, lambda m, a, k, key=mixer_id: self.stash.__setitem__("current", key), pre=True)
             hook(layer.mamba_decoder, lambda m, a, k, key=mixer_id: self.stash.__setitem__(("paths", key), (
                 a[0] if a else k["hidden_states"], k["transformer_hidden_states"])), pre=True)
 
     def attention(self, module: nn.Module, probs: Any, output: Any) -> Any:
-        """A parallel layer's matrix from its attention's probabilities (b, H, n, n) and output."""
+        """A parallel layer's matrix from its attention's probabilities (b, H, n, n) and output (with gradients
+        kept, its gradient-weighted entry goes to ``weighted``)."""
         if id(module) not in self.parallel or probs is None:
             return probs
         mixer, layer = self.parallel[id(module)]
-        M, y_m = self.stash.pop(id(mixer))
+        M, entry, y_m = self.stash.pop(id(mixer))
         w_m, w_a = norm_weights(y_m, output[0].detach() * layer.attn_out_multiplier)
+        if entry is not None:
+            out, weigh_m = entry
+
+            def weigh(grads: list[torch.Tensor], clamp: str) -> torch.Tensor:
+                Aw = _weighted_attention(probs, grads[0], clamp)
+                Mw = weigh_m(grads[1], clamp)
+                return w_a.to(Aw.dtype) * Aw + w_m.to(Mw.dtype) * Mw
+
+            self.weighted[id(module)] = ((probs, out), weigh)
         return (w_a[:, None] * probs + w_m[:, None] * M).to(probs.dtype)
+
+    def _shared_paths(self, module: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A shared-attention layer's attention probabilities (b, H, n, n) and path weights w_h, w_T (b, n, 1)."""
+        A = self.stash.pop(("attn", id(module)))
+        h, T = self.stash.pop(("paths", id(module)))
+        w_h, w_T = norm_weights(h, T)
+        return A, w_h, w_T
 
     def mixer(self, module: nn.Module, M: torch.Tensor) -> torch.Tensor:
         """A shared-attention hybrid layer's matrix from its mixer's fused matrix M (b, 1, n, n)."""
         if id(module) not in self.shared:
             return M
-        A = self.stash.pop(("attn", id(module)))
-        h, T = self.stash.pop(("paths", id(module)))
-        w_h, w_T = norm_weights(h, T)
-        eye = torch.eye(M.shape[-1], dtype=M.dtype, device=M.device)
-        return M @ (w_h[:, None].to(M.dtype) * eye + w_T[:, None].to(M.dtype) * A.to(M.dtype))
+        A, w_h, w_T = self._shared_paths(module)
+        return _through(M, A.detach(), w_h, w_T)
+
+    def mixer_weighted(self, module: nn.Module, M: torch.Tensor, entry: Any) -> tuple[torch.Tensor, Any]:
+        """:meth:`mixer` and the layer's gradient-weighted entry from the mixer's ``mixer_reading`` (M, entry)."""
+        if id(module) not in self.shared:
+            return M, entry
+        A, w_h, w_T = self._shared_paths(module)
+        out, weigh_m = entry
+
+        def weigh(grads: list[torch.Tensor], clamp: str) -> torch.Tensor:
+            Aw = _weighted_attention(A, grads[1], clamp)[:, None]
+            return _through(weigh_m(grads[0], clamp)[:, None], Aw, w_h, w_T)[:, 0]
+
+        return _through(M, A.detach(), w_h, w_T), ((out, A), weigh)
+
+
+def _through(M: torch.Tensor, A: torch.Tensor, w_h: torch.Tensor, w_T: torch.Tensor) -> torch.Tensor:
+    """M (b, 1, n, n) · (diag(w_h)·I + diag(w_T)·A) with A (b, H, n, n) and the weights (b, n, 1)."""
+    eye = torch.eye(M.shape[-1], dtype=M.dtype, device=M.device)
+    return M @ (w_h[:, None].to(M.dtype) * eye + w_T[:, None].to(M.dtype) * A.to(M.dtype))
+
+
+def _weighted_attention(A: torch.Tensor, g: torch.Tensor, clamp: str) -> torch.Tensor:
+    """Chefer's mean_h((A_h ⊙ ∂y/∂A_h)^+) (or (mean_h(·))^+ with clamp "after_mean") of A (b, H, n, n), (b, n, n)."""
+    return gradient_weighted([A.detach()], [g.detach()], clamp, dtype=None)[0]

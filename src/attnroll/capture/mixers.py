@@ -468,8 +468,9 @@ GRADIENT_METHODS = ("grad_rollout", "gae")
 _PARTS = {**{c: _mamba2_parts for c in MAMBA2_MIXERS}, "MambaMixer": _mamba_parts, "FalconMambaMixer": _mamba_parts,
           "JambaMambaMixer": _mamba_parts, **{c: _short_conv_parts for c in CONV_MIXERS},
           **{c: _gated_delta_parts for c in DELTA_MIXERS}}
-#: Mixer classes whose gradient-weighted matrix attnroll computes.
-WEIGHTED = tuple(_PARTS)
+#: Mixer classes whose gradient-weighted matrix attnroll computes: these, and those of :data:`HYBRID_MIXERS`
+#: (their parts read by attnroll.capture.hybrids, whose ``mixer_reading`` takes every class of this tuple).
+WEIGHTED = (*_PARTS, *HYBRID_MIXERS)
 
 
 def mixer_reading(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> tuple[torch.Tensor, Any]:
@@ -484,6 +485,12 @@ def mixer_reading(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> 
     out = output[0] if isinstance(output, (tuple, list)) else output
     with torch.no_grad():
         parts = _PARTS[type(module).__name__](module, hidden.detach(), mask, out)
+    return weighted_reading(parts, out)
+
+
+def weighted_reading(parts: MixerParts, out: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """:func:`mixer_reading`'s answer from a mixer's :class:`MixerParts` and its output tensor ``out``."""
+    with torch.no_grad():
         fused = _normalised(_fold(parts))
 
     def weigh(g_out: torch.Tensor, clamp: str) -> torch.Tensor:

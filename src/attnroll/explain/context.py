@@ -142,7 +142,8 @@ class Context:
         # A layer the adapter rebuilt from the model's own tensor (Swin windows, CaiT class rows) is
         # differentiated through that tensor; lift() puts the gradient in the layer's layout.
         native = {**rec.extra.get("native", {}), **rec.extra.get("mixer_weighted", {})}
-        parts = [(s, i, branches.get((s, i)) or [native[(s, i)][0] if (s, i) in native else t])
+        weighted = rec.extra.get("mixer_weighted", {})  # a layer that joins paths weighs several tensors' gradients
+        parts = [(s, i, branches.get((s, i)) or _differentiated(native.get((s, i)), t))
                  for s in names for i, t in enumerate(rec.streams[s])]
         flat = [p for _, _, ps in parts for p in ps]
         grads = list(torch.autograd.grad(y.sum(), flat, allow_unused=True))
@@ -155,10 +156,12 @@ class Context:
             if any(g is None for g in gs) and (s, i) not in unread:
                 unreached.append(f"{s} layer {i}")
             gs = [torch.zeros_like(p) if g is None else g for p, g in zip(ps, gs)]
+            if (s, i) in weighted:
+                out_a[s][i] = weighted[(s, i)][1]([g.detach() for g in gs] if len(gs) > 1 else gs[0].detach(),
+                                                  clamp)[:, None]
+                out_g[s].append(torch.ones_like(out_a[s][i]))
+                continue
             g = torch.cat([g.detach() for g in gs], dim=1) if len(gs) > 1 else gs[0].detach()
-            if (s, i) in rec.extra.get("mixer_weighted", {}):
-                out_a[s][i] = native[(s, i)][1](g, clamp)[:, None]
-                g = torch.ones_like(out_a[s][i])
             out_g[s].append(native[(s, i)][1](g) if (s, i) in rec.extra.get("native", {}) else g)
         if unreached:
             raise _checks.CaptureError(
@@ -383,3 +386,11 @@ def unread_layers(rec: AttentionRecord) -> set[tuple[str, int]]:
         if link is not None and link.source in rec.streams:
             out |= {(link.source, i) for i in range(link.source_layers, len(rec.streams[link.source]))}
     return out
+
+
+def _differentiated(native: Any, layer: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors a layer's gradient is taken at: its native tensor (a tuple of them where a layer joins several
+    paths, capture/hybrids.py Wiring), else the recorded layer itself."""
+    if native is None:
+        return [layer]
+    return list(native[0]) if isinstance(native[0], tuple) else [native[0]]
