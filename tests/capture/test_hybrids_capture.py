@@ -254,10 +254,10 @@ def test_parallel_and_shared_layers_are_their_paths_weighted_by_norm(model_type)
     for w in want:
         R = (0.5 * w.mean(1) + 0.5 * torch.eye(n, dtype=torch.float64)) @ R
     torch.testing.assert_close(e.full_row.double(), R[:, -1], atol=1e-5, rtol=0)
-    for method in ("raw", "flow"):
+    for method in ("raw", "flow", "grad_rollout", "gae"):  # the gradient methods: tests/capture/test_hybrids_grad.py
         assert torch.isfinite(attnroll.explain(model, inputs, method=method).full_row).all()
     with pytest.raises(attnroll.UnsupportedModelError, match=SEVEN[model_type]):
-        attnroll.explain(model, inputs, method="gae")
+        attnroll.explain(model, inputs, method="attn_gradcam")
 
 
 @pytest.mark.parametrize("model_type", _params())

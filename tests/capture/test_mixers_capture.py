@@ -99,7 +99,9 @@ def test_attention_only_rolls_out_the_attention_layers_and_warns(model_type, mon
 
 def test_gradient_methods_refused_too_and_input_gradients_are_not(monkeypatch):
     model, inputs = decoder("recurrent_gemma"), _inputs()
-    for method in ("grad_rollout", "gae"):  # composed mixers: methods that read heads' gradients refuse them
+    # composed mixers: methods that read heads' gradients refuse them (grad_rollout and gae compose their
+    # gradient-weighted matrices: test_hybrids_grad.py)
+    for method in ("attn_gradcam", "alti"):
         with pytest.raises(attnroll.UnsupportedModelError, match="RecurrentGemmaRecurrentBlock"):
             attnroll.explain(model, inputs, method=method)
     _uncompose(monkeypatch, "recurrent_gemma")
