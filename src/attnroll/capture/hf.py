@@ -201,7 +201,8 @@ class HFAdapter(Adapter):
     def _store_mixer(self, recorder: Recorder, site: Site, m: nn.Module, a: tuple, k: dict, o: Any) -> None:
         """A composed mixer's fused matrix, repeated on the stream's heads; with gradients kept (and a mixer
         whose gradient-weighted matrix attnroll computes), also its output and weighting
-        (``record.extra["mixer_weighted"]``, read by ``Context.grad_record``)."""
+        (``record.extra["mixer_weighted"]``, read by ``Context.grad_record``; a shared-attention layer's weighs its
+        mixer's output and the shared attention's probabilities: capture/hybrids.py Wiring)."""
         self.mixer_layers.add((site.stream, site.layer))
         if recorder.keep_grad and type(m).__name__ in WEIGHTED:
             fused, self.mixer_weighted[(site.stream, site.layer)] = self.wiring.mixer_weighted(

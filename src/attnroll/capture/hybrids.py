@@ -5,11 +5,14 @@ Zamba and Zamba2 (whose shared attention block feeds the mixer's input).
 
 Each reader recomputes its layer's output from the forward hook's inputs, with the data-dependent gates held, as
 one matrix per channel / head (:mod:`attnroll.core.mixers`), checks that it reproduces the layer's real output,
-and returns the fused row-stochastic (b, 1, n, n) matrix of the layer's value-like input → mixed output.
+and returns its :class:`~attnroll.capture.mixers.MixerParts` (:data:`PARTS`): the fused row-stochastic
+(b, 1, n, n) matrix of the layer's value-like input → mixed output (:func:`mixer_matrix`), and, for ``grad_rollout``
+and ``gae``, its gradient-weighted matrix (:func:`mixer_reading`).
 
 Where two token-mixing paths meet in one sum (Falcon-H1's attention + SSD branches; Zamba's hidden state + the
 shared block's projected output at the mixer's input), the paths are weighted per output token by the norm of
-each path's contribution to that sum (:func:`norm_weights`): w_i[t] = ‖y_i[t]‖ / Σ_j ‖y_j[t]‖.
+each path's contribution to that sum (:func:`norm_weights`): w_i[t] = ‖y_i[t]‖ / Σ_j ‖y_j[t]‖; the gradient
+methods join the paths' gradient-weighted matrices with the same weights (:class:`Wiring`).
 """
 
 from __future__ import annotations

@@ -413,14 +413,15 @@ TRANSFORMERS = Family(
                streams="self: attention and mixer layers in execution order (`capture/hybrids.py`), each mixer's "
                        "fused matrix (the delta rule per value head, its convolution folded; RecurrentGemma: the "
                        "convolution, then the RG-LRU with its gates held, the GeLU branch a diagonal) on every head",
-               prefix="0", readout="last real token; `rollout`, `raw`, `flow` compose it, the rest refuse it naming "
-                                   "the mixer; dense only"),
+               prefix="0", readout="last real token; `rollout`, `raw`, `flow`, `grad_rollout`, `gae` compose it, "
+                                   "the rest refuse it naming the mixer; dense only"),
         Models(models="transformers Falcon-H1 (attention and Mamba-2 in parallel in each layer), Zamba, Zamba2 "
                       "(Mamba / Mamba-2 layers fed by a shared attention block)",
                streams="self: one layer per decoder layer (`capture/hybrids.py` Wiring): Falcon-H1 w_a·A_h + "
                        "w_m·M_SSD; Zamba's hybrid layers M·(w_h·I + w_T·A_h); weights per token by the norm of each "
                        "summed path (multipliers included)", prefix="0",
-               readout="last real token; `rollout`, `raw`, `flow` compose it, the rest refuse it naming the mixer; "
+               readout="last real token; `rollout`, `raw`, `flow`, `grad_rollout` and `gae` (each path's "
+                       "gradient-weighted matrix joined the same way) compose it, the rest refuse it naming the mixer; "
                        "dense only"),
         Models(models="transformers T5, BART, Marian, VisionEncoderDecoder, SeamlessM4T `...ForTextToText`",
                streams="encoder, decoder, cross",
