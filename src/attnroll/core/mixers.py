@@ -314,8 +314,8 @@ def fold_rows(M: torch.Tensor, gate_in: torch.Tensor | None = None, weight: torc
     gate_in (b, ≥ w, G·heads_of) (None: ones), or K_c = M_{g(c)} without ``weight``. Returns (b, R, w).
 
     Channel c's entry is K_c[t, s] = Σ_k M_g[t, s + k] · gate_c[s + k] · w_c[K-1-k] (M causal: its columns past w
-    are 0): one batched product over the K taps, every group and channel at once (M's shifted columns and the taps'
-    coefficients are strided views), then |·| summed over the channels."""
+    are 0): per group, one batched product over the K taps for all its channels (M's shifted columns and the taps'
+    coefficients are strided views, no copy per tap), then |·| summed over the channels."""
     b, G, R, w = M.shape
     if weight is None:
         return M.abs().sum(1) * heads_of
@@ -326,7 +326,12 @@ def fold_rows(M: torch.Tensor, gate_in: torch.Tensor | None = None, weight: torc
     coef = pad(g, (0, 0, 0, K - 1)).unfold(1, K, 1) * taps  # (b, w, C, K): gate[s + k, c] · w_c[K-1-k]
     coef = coef.reshape(b, w, G, heads_of, K).permute(0, 2, 1, 4, 3)  # (b, G, w, K, P)
     shifted = pad(M, (0, K - 1)).unfold(-1, K, 1).transpose(2, 3)  # (b, G, w, R, K): M_g[t, s + k]
-    return torch.matmul(shifted, coef).abs_().sum((1, -1)).transpose(1, 2)
+    if heads_of == 1:  # one channel per group: the taps summed elementwise
+        return torch.einsum("bgsrk,bgsk->bgsr", shifted, coef[..., 0]).abs_().sum(1).transpose(1, 2)
+    total = M.new_zeros(b, w, R)
+    for h in range(G):  # one batched (R, K) @ (K, P) product per column s, per group
+        total += torch.matmul(shifted[:, h], coef[:, h]).abs_().sum(-1)
+    return total.transpose(1, 2)
 
 
 class MixerRows:
