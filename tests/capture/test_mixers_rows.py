@@ -54,10 +54,11 @@ def test_other_row_methods_keep_the_dense_route_for_mixers():
             attnroll.explain(model, inputs, method=method, attention="recompute")
 
 
-@pytest.mark.parametrize("model_type", ["mamba", "falcon_mamba", "jamba", "lfm2", "qwen3_next"])
+@pytest.mark.parametrize("model_type", ["mamba", "falcon_mamba", "jamba", "lfm2", "qwen3_next", "qwen3_5_text",
+                                        "olmo_hybrid", "kimi_linear", "recurrent_gemma"])
 def test_rollout_rows_only_through_other_mixers_equals_dense(model_type, monkeypatch):
-    """Mamba's selective scan (Mamba, Falcon-Mamba, Jamba), LFM2's gated short convolution and Qwen3-Next's gated
-    DeltaNet: the rows-only sweep (blocks of 16 rows over 70 tokens, padding in the batch) gives the dense route's
+    """Mamba's selective scan (Mamba, Falcon-Mamba, Jamba), LFM2's gated short convolution, the gated DeltaNets
+    (Qwen3-Next, Qwen3.5, OLMo-Hybrid), Kimi Linear's KDA and RecurrentGemma's RG-LRU: the rows-only sweep (blocks of 16 rows over 70 tokens, padding in the batch) gives the dense route's
     row, and its layers."""
     monkeypatch.setattr(ops.MixerRows, "__init__", _small_blocks(ops.MixerRows.__init__))
     model, inputs = decoder(model_type), _inputs(70)
@@ -72,9 +73,9 @@ def test_rollout_rows_only_through_other_mixers_equals_dense(model_type, monkeyp
 
 
 def test_mixers_without_a_rows_only_form_keep_the_dense_route():
-    """Qwen3.5's gated DeltaNet (read by capture/hybrids.py) has no rows-only form here: auto takes the dense route,
-    attention="recompute" says why."""
-    model, inputs = decoder("qwen3_5_text"), _inputs(8)
+    """Falcon-H1's Mamba-2 mixer runs in parallel with attention in one layer (capture/hybrids.py Wiring): no
+    rows-only form; auto takes the dense route, attention="recompute" says why."""
+    model, inputs = decoder("falcon_h1"), _inputs(8)
     assert attnroll.explain(model, inputs, method="rollout").options["attention"] == "dense"
-    with pytest.raises(ValueError, match="Qwen3_5GatedDeltaNet.*dense matrices"):
+    with pytest.raises(ValueError, match="FalconH1Mixer.*dense matrices"):
         attnroll.explain(model, inputs, method="rollout", attention="recompute")
