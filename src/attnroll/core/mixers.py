@@ -325,9 +325,13 @@ def fold_rows(M: torch.Tensor, gate_in: torch.Tensor | None = None, weight: torc
     taps = weight.to(M.dtype).flip(-1)  # taps[:, k] = weight[:, K-1-k]
     coef = pad(g, (0, 0, 0, K - 1)).unfold(1, K, 1) * taps  # (b, w, C, K): gate[s + k, c] · w_c[K-1-k]
     coef = coef.reshape(b, w, G, heads_of, K).permute(0, 2, 1, 4, 3)  # (b, G, w, K, P)
+    if heads_of == 1:  # one channel per group: the K taps summed elementwise, (b, G, R, w) each
+        Mp, ck = pad(M, (0, K - 1)), coef[..., 0].transpose(-1, -2)[:, :, None]  # ck: (b, G, 1, K, w)
+        acc = Mp[..., :w] * ck[..., 0, :]
+        for k in range(1, K):
+            acc.addcmul_(Mp[..., k: k + w], ck[..., k, :])
+        return acc.abs_().sum(1)
     shifted = pad(M, (0, K - 1)).unfold(-1, K, 1).transpose(2, 3)  # (b, G, w, R, K): M_g[t, s + k]
-    if heads_of == 1:  # one channel per group: the taps summed elementwise
-        return torch.einsum("bgsrk,bgsk->bgsr", shifted, coef[..., 0]).abs_().sum(1).transpose(1, 2)
     total = M.new_zeros(b, w, R)
     for h in range(G):  # one batched (R, K) @ (K, P) product per column s, per group
         total += torch.matmul(shifted[:, h], coef[:, h]).abs_().sum(-1)
@@ -430,31 +434,58 @@ class SSDRows(MixerRows):
 
 
 def selective_block(C: torch.Tensor, B: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, D: torch.Tensor | None,
-                    t0: int, t1: int) -> torch.Tensor:
-    """Rows [t0, t1), columns [0, t1) of :func:`selective_matrix`: (b, d, t1-t0, t1). The columns before the block
-    are one product over the N states per channel, the decays factored at the block's start (both factors ≤ 1 when
-    every Δ·A ≤ 0, as Mamba's negative A gives; else the direct form); the block's own columns take the direct
-    form. Memory O(d·(rows·t1 + N·(t1 + rows²)))."""
+                    t0: int, t1: int, sub: int = 16) -> torch.Tensor:
+    """Rows [t0, t1), columns [0, t1) of :func:`selective_matrix`: (b, d, t1-t0, t1), every entry one product over
+    the N states per channel (matrix products, no exponential per entry), the decays factored as
+    exp(cum_t − cum_s) = exp(cum_t − ref) · exp(ref − cum_s). The columns before the block take ref = cum_{t0−1}
+    (both factors ≤ 1 when every Δ·A ≤ 0, as Mamba's negative A gives: a factor that underflows belongs to an entry
+    that does); the block's own columns, ``sub`` rows at a time, take ref at those rows' start, exact while their
+    own decays span less than ``_SPAN`` (the factors > 1 stay in range), else those rows' own columns take the
+    direct form, as does a growing state throughout. Memory O(d·(rows·t1 + N·t1))."""
     b, n, d = dt.shape
-    R = t1 - t0
     log_a = (dt[:, :t1, :, None] * A).permute(0, 2, 3, 1)  # (b, d, N, t1)
-    out = dt.new_zeros(b, d, R, t1)
     Bdt = B[:, :t1, None, :] * dt[:, :t1, :, None]  # (b, t1, d, N)
-    if t0 > 0 and not bool((log_a > 0).any()):
-        cum = log_a.cumsum(-1)
-        ref = cum[..., t0 - 1: t0]
-        left = C[:, None, t0:t1] * torch.exp(cum[..., t0:t1] - ref).transpose(-1, -2)  # (b, d, R, N)
-        right = Bdt[:, :t0].transpose(1, 2) * torch.exp(ref - cum[..., :t0]).transpose(-1, -2)  # (b, d, t0, N)
-        out[..., :t0] = left @ right.transpose(-1, -2)
-        L = _decay(log_a[..., t0:t1])  # (b, d, N, R, R)
-        out[..., t0:] = torch.einsum("btN,bdNts,bsdN->bdts", C[:, t0:t1], L, Bdt[:, t0:t1])
-    else:
-        L = _decay(log_a, t0, t1)  # (b, d, N, R, t1)
-        out[:] = torch.einsum("btN,bdNts,bsdN->bdts", C[:, t0:t1], L, Bdt)
+    out = dt.new_zeros(b, d, t1 - t0, t1)
+    if bool((log_a > 0).any()):  # a growing state: the direct form throughout
+        out[:] = torch.einsum("btN,bdNts,bsdN->bdts", C[:, t0:t1], _decay(log_a, t0, t1), Bdt)
+        return _plus_diagonal(out, D, t0, t1)
+    cum = log_a.cumsum(-1)
+    span = _SPAN[cum.dtype == torch.float64]
+
+    def product(r0: int, r1: int, c0: int, c1: int) -> None:  # rows [r0, r1), columns [c0, c1), ref cum_{r0−1}
+        ref = cum[..., r0 - 1: r0] if r0 > 0 else torch.zeros_like(cum[..., :1])
+        left = C[:, None, r0:r1] * torch.exp(cum[..., r0:r1] - ref).transpose(-1, -2)  # (b, d, rows, N)
+        right = Bdt[:, c0:c1].transpose(1, 2) * torch.exp(ref - cum[..., c0:c1]).transpose(-1, -2)
+        out[:, :, r0 - t0: r1 - t0, c0:c1] = left @ right.transpose(-1, -2)
+
+    if t0 > 0:
+        product(t0, t1, 0, t0)
+    for q0 in range(t0, t1, sub):
+        q1 = min(t1, q0 + sub)
+        ref = cum[..., q0 - 1: q0] if q0 > 0 else torch.zeros_like(cum[..., :1])
+        if bool(((ref - cum[..., q1 - 1: q1]) < span).all()):
+            product(q0, q1, t0, q1)
+            t = torch.arange(q1 - q0, device=dt.device)
+            out[:, :, q0 - t0: q1 - t0, q0:q1].masked_fill_(t[None, :] > t[:, None], 0.0)
+            continue
+        if q0 > t0:
+            product(q0, q1, t0, q0)
+        out[:, :, q0 - t0: q1 - t0, q0:q1] = torch.einsum(
+            "btN,bdNts,bsdN->bdts", C[:, q0:q1], _decay(log_a[..., q0:q1]), Bdt[:, q0:q1])
+    return _plus_diagonal(out, D, t0, t1)
+
+
+def _plus_diagonal(out: torch.Tensor, D: torch.Tensor | None, t0: int, t1: int) -> torch.Tensor:
+    """Rows [t0, t1) of per-channel matrices (b, d, t1-t0, ≥ t1) plus the skip D (d,) on the diagonal."""
     if D is not None:
         idx = torch.arange(t0, t1, device=out.device)
         out[:, :, idx - t0, idx] += D.to(out.dtype)[None, :, None]
     return out
+
+
+#: How far (in log units) the decays over ``sub`` rows may span for :func:`selective_block` to factor their own
+#: columns: float32 (index 0), float64 (index 1); the factors > 1 stay below exp(span).
+_SPAN = (60.0, 600.0)
 
 
 class SelectiveRows(MixerRows):
