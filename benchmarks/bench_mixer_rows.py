@@ -11,7 +11,7 @@ transformers' torch path), one prompt of n tokens. Per layer:
              after it, as their caches need), beside their own forward.
 Reported: median seconds over --repeat rounds (calls alternating), ratios to the forward, the machine load.
 
-Usage: python benchmarks/bench_mixer_rows.py [--n 2048] [--repeat 3] [--threads 2]
+Usage: python benchmarks/bench_mixer_rows.py [--n 2048] [--repeat 3] [--threads 2] [--others mamba,lfm2,qwen3_next]
 """
 
 from __future__ import annotations
@@ -96,6 +96,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=2048)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--others", default="mamba,lfm2,qwen3_next", help="the other mixers to time (comma-separated)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     with torch.no_grad():
@@ -110,7 +111,7 @@ def run(args: argparse.Namespace) -> None:
     old.block = lambda t0, t1: per_head_block(old, t0, t1)
     err = (old.apply_rows(r, a=0.5, c=0.5) - lay.apply_rows(r, a=0.5, c=0.5)).abs().max()
     print(f"n = {n}; fold/all against fold/head: max |diff| {float(err):.1e}")
-    others = {k: layer_of(k, n) for k in ("mamba", "lfm2", "qwen3_next")}
+    others = {k: layer_of(k, n) for k in args.others.split(",") if k}
     times: dict[str, list] = {}
     load0 = open("/proc/loadavg").read().split()[0]
     for _ in range(args.repeat):

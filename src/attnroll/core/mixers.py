@@ -22,8 +22,11 @@ The per-channel / per-head matrices become one token-to-token matrix per layer w
 (the method choice, see docs/methods.md). :func:`fused_rows` gives the same fused matrix applied to relevance
 rows, one block of output tokens at a time (memory O(block·n) per channel group, no (n, n) per channel kept);
 :func:`ssd_rows` does so for the SSD matrices with each block's earlier columns one rank-N product per head,
-:func:`ssd_signed_rows` sweeps the signed head mean in linear time, and :class:`SSDRows` is a Mamba-2 mixer (its
-convolution folded) as a layer of the matrix-free row sweep (``core.operators.apply_layer``).
+:func:`ssd_signed_rows` sweeps the signed head mean in linear time. :class:`MixerRows` is a mixer as a layer of the
+matrix-free row sweep (``core.operators.apply_layer``), its fused matrix one block of rows at a time (convolution
+folded by :func:`fold_rows`): :class:`SSDRows` (Mamba-2), :class:`SelectiveRows` (Mamba, :func:`selective_block`),
+:class:`DeltaRows` (gated DeltaNet / KDA, a state scan), :class:`ConvRows` (a short convolution, banded) and
+:class:`LRURows` (RG-LRU).
 
 Torch only; every input is a tensor of the forward pass (float64 for exactness checks).
 """
