@@ -12,6 +12,9 @@ from attnroll.core import mixers as ops
 
 from ..zoo import decoder
 
+# Sweeps of many row blocks through tiny mixers (and models): left out of `make test-fast`.
+pytestmark = pytest.mark.slow
+
 
 def _inputs(n: int, pad: int = 3) -> dict:
     ids = torch.randint(3, 99, (2, n), generator=torch.Generator().manual_seed(2))

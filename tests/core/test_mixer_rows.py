@@ -15,6 +15,9 @@ from attnroll.core import mixers
 
 f64 = torch.float64
 
+# Sweeps of many row blocks through tiny mixers (and models): left out of `make test-fast`.
+pytestmark = pytest.mark.slow
+
 
 def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
