@@ -363,7 +363,18 @@ def _mamba(module: nn.Module, hidden: torch.Tensor, mask: torch.Tensor | None, o
 def _mamba_parts(module: nn.Module, hidden: torch.Tensor, mask: torch.Tensor | None,
                  output: torch.Tensor) -> "MixerParts":
     """:class:`MixerParts` of a MambaMixer / FalconMambaMixer (see :func:`_mamba`), checked against its output."""
-    b, n, _ = hidden.shape
+    g = _mamba_gates(module, hidden, mask)
+    M = ops.selective_matrix(g["C"], g["B"], g["dt"], g["A"], g["D"])  # (b, I, n, n)
+    M = M * F.silu(g["z"]).transpose(1, 2)[:, :, :, None]  # the output gate, a diagonal on the rows
+    y = ops.mix(M, g["x"])
+    _check_reproduces(module, module.out_proj(y), output)
+    return MixerParts(M=M, heads_of=1, x_in=g["x_in"], y=y, post=module.out_proj, gate_in=g["gate_in"],
+                      weight=module.conv1d.weight[:, 0])
+
+
+def _mamba_gates(module: nn.Module, hidden: torch.Tensor, mask: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """A MambaMixer's / FalconMambaMixer's reading: its value input x_in, output gate z, x = SiLU(conv(x_in)),
+    the selective scan's C, B (b, n, N), Δ (b, n, I) after softplus, A (I, N), D (I,) and the SiLU's σ(u)."""
     N, R = module.ssm_state_size, module.time_step_rank
     keep = _keep(hidden, mask)
     x_in, z = module.in_proj(hidden * keep).chunk(2, dim=-1)
@@ -376,12 +387,8 @@ def _mamba_parts(module: nn.Module, hidden: torch.Tensor, mask: torch.Tensor | N
             ts, B, C = (norm(v) if k == t else v for k, v in (("ts", ts), ("B", B), ("C", C)))
     dt = F.softplus(ts @ module.dt_proj.weight.T + module.dt_proj.bias)
     A = -torch.exp(module.A_log.float()).to(hidden.dtype)
-    M = ops.selective_matrix(C, B, dt, A, module.D.to(hidden.dtype))  # (b, I, n, n)
-    M = M * F.silu(z).transpose(1, 2)[:, :, :, None]  # the output gate, a diagonal on the rows
-    y = ops.mix(M, x)
-    _check_reproduces(module, module.out_proj(y), output)
-    return MixerParts(M=M, heads_of=1, x_in=x_in, y=y, post=module.out_proj, gate_in=torch.sigmoid(u) * keep,
-                      weight=module.conv1d.weight[:, 0])
+    return dict(x_in=x_in, z=z, x=x, C=C, B=B, dt=dt, A=A, D=module.D.to(hidden.dtype),
+                gate_in=torch.sigmoid(u) * keep)
 
 
 def _short_conv(module: nn.Module, hidden: torch.Tensor, mask: torch.Tensor | None,
@@ -394,14 +401,21 @@ def _short_conv(module: nn.Module, hidden: torch.Tensor, mask: torch.Tensor | No
 def _short_conv_parts(module: nn.Module, hidden: torch.Tensor, mask: torch.Tensor | None,
                       output: torch.Tensor) -> "MixerParts":
     """:class:`MixerParts` of a gated short convolution (see :func:`_short_conv`), checked against its output."""
-    b, n, _ = hidden.shape
-    keep = _keep(hidden, mask)
-    Bg, Cg, x = module.in_proj(hidden * keep).chunk(3, dim=-1)
-    M = ops.conv_matrix(module.conv.weight[:, 0], n, pre=Bg * keep, post=Cg)  # (b, d, n, n)
+    n = hidden.shape[1]
+    pre, post, x = _short_conv_gates(module, hidden, mask)
+    M = ops.conv_matrix(module.conv.weight[:, 0], n, pre=pre, post=post)  # (b, d, n, n)
     bias = 0 if module.conv.bias is None else module.conv.bias
-    y = ops.mix(M, x) + Cg * bias
+    y = ops.mix(M, x) + post * bias
     _check_reproduces(module, module.out_proj(y), output)
     return MixerParts(M=M, heads_of=1, x_in=x, y=y, post=module.out_proj)
+
+
+def _short_conv_gates(module: nn.Module, hidden: torch.Tensor,
+                      mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A gated short convolution's input gate B (padding zeroed), output gate C and value x, each (b, n, d)."""
+    keep = _keep(hidden, mask)
+    Bg, Cg, x = module.in_proj(hidden * keep).chunk(3, dim=-1)
+    return Bg * keep, Cg, x
 
 
 def _l2(x: torch.Tensor) -> torch.Tensor:
@@ -422,24 +436,46 @@ def _gated_delta_parts(module: nn.Module, hidden: torch.Tensor, mask: torch.Tens
                        output: torch.Tensor) -> "MixerParts":
     """:class:`MixerParts` of Qwen3-Next's gated DeltaNet (see :func:`_gated_delta`), checked against its output."""
     b, n, _ = hidden.shape
+    g = _delta_gates(module, hidden, mask)
+    Hv, dv = module.num_v_heads, module.head_v_dim
+    W = ops.delta_matrix(g["q"], g["k"], g["beta"], g["g"])  # (b, Hv, n, n)
+    o = ops.mix(W, g["v"].reshape(b, n, Hv, dv)).reshape(b, n, Hv * dv)
+    z = g["z"]
+    post = lambda o: module.out_proj(  # noqa: E731
+        module.norm(o.reshape(-1, dv), z.reshape(-1, dv)).reshape(b, n, -1))
+    _check_reproduces(module, post(o), output)
+    return MixerParts(M=W, heads_of=dv, x_in=g["v_in"], y=o, post=post, gate_in=g["gate_in"], weight=g["weight"])
+
+
+def _delta_gates(module: nn.Module, hidden: torch.Tensor, mask: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """Qwen3-Next's gated DeltaNet read from its input: q, k (b, n, Hv, dk) as the delta rule reads them, β, the log
+    decay g (b, n, Hv), the value v = SiLU(conv(v_in)), its input v_in, the output gate z, the SiLU's σ(u) on the
+    value channels and their convolution weight."""
+    b, n, _ = hidden.shape
     keep = _keep(hidden, mask)
     h = hidden * keep
     q, k, v, z, bb, a = module.fix_query_key_value_ordering(module.in_proj_qkvz(h), module.in_proj_ba(h))
     mixed = torch.cat([t.reshape(b, n, -1) for t in (q, k, v)], dim=-1)
+    g = -module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias)
+    return {**_delta_inputs(module, mixed, bb.sigmoid(), g.to(hidden.dtype), keep), "z": z}
+
+
+def _delta_inputs(module: nn.Module, mixed: torch.Tensor, beta: torch.Tensor, g: torch.Tensor,
+                  keep: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A delta rule's inputs from its convolution's input ``mixed`` (b, n, 2·key_dim + value_dim: q, k, v), β
+    (b, n, Hv) and the log decay g: q, k (b, n, Hv, dk) L2-normalised (q scaled by 1/√d_k, key heads repeated to
+    the value heads), v = SiLU(conv(v_in)), v_in, the SiLU's σ(u) on the value channels and their conv weight."""
+    b, n, _ = mixed.shape
     u = _causal_conv(module, mixed.transpose(1, 2)).transpose(1, 2)
-    q, k, v = F.silu(u).split([module.key_dim, module.key_dim, module.value_dim], dim=-1)
-    Hv, Hk, dk, dv = module.num_v_heads, module.num_k_heads, module.head_k_dim, module.head_v_dim
+    dk = getattr(module, "head_k_dim", None) or module.head_dim
+    key_dim = getattr(module, "key_dim", None) or module.qkv_dim
+    q, k, v = F.silu(u).split([key_dim, key_dim, mixed.shape[-1] - 2 * key_dim], dim=-1)
+    Hv, Hk = beta.shape[-1], key_dim // dk
     q = _l2(q.reshape(b, n, Hk, dk)).repeat_interleave(Hv // Hk, 2) * dk ** -0.5
     k = _l2(k.reshape(b, n, Hk, dk)).repeat_interleave(Hv // Hk, 2)
-    g = -module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias)
-    W = ops.delta_matrix(q, k, bb.sigmoid(), g.to(hidden.dtype))  # (b, Hv, n, n)
-    o = ops.mix(W, v.reshape(b, n, Hv, dv)).reshape(b, n, Hv * dv)
-    post = lambda o: module.out_proj(  # noqa: E731
-        module.norm(o.reshape(-1, dv), z.reshape(-1, dv)).reshape(b, n, -1))
-    _check_reproduces(module, post(o), output)
-    start = 2 * module.key_dim
-    return MixerParts(M=W, heads_of=dv, x_in=mixed[..., start:], y=o, post=post,
-                      gate_in=torch.sigmoid(u[..., start:]) * keep, weight=module.conv1d.weight[start:, 0])
+    start = 2 * key_dim
+    return dict(q=q, k=k, beta=beta.to(mixed.dtype), g=g.to(mixed.dtype), v=v, v_in=mixed[..., start:],
+                gate_in=torch.sigmoid(u[..., start:]) * keep, weight=module.conv1d.weight[start:, 0])
 
 
 def _hook_inputs(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -505,15 +541,81 @@ def weighted_reading(parts: MixerParts, out: torch.Tensor) -> tuple[torch.Tensor
 
 
 # ------------------------------------------------------------------------------- rows-only mixers
-#: Mixer classes with a rows-only form (the matrix-free route of ``rollout``): the Mamba-2 mixers.
-ROWS_MIXERS = MAMBA2_MIXERS
+#: Mixer classes with a rows-only form (the matrix-free route of ``rollout``, core.mixers.MixerRows): the Mamba-2
+#: mixers, the Mamba mixers, the gated short convolutions, the gated DeltaNets / KDA and RecurrentGemma's RG-LRU
+#: block; not the mixers joined with attention in one layer (:data:`WIRED`).
+#: The gated DeltaNets / KDA of capture/hybrids.py's layouts (Qwen3.5, OLMo-Hybrid, Kimi Linear).
+HYBRID_DELTAS = ("Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet", "OlmoHybridGatedDeltaNet",
+                 "KimiLinearDeltaAttention")
+ROWS_MIXERS = (*MAMBA2_MIXERS, "MambaMixer", "FalconMambaMixer", "JambaMambaMixer", *CONV_MIXERS, *DELTA_MIXERS,
+               *HYBRID_DELTAS, "RecurrentGemmaRecurrentBlock")
 
 
-def rows_layer(module: nn.Module, args: tuple, kwargs: dict, heads: int = 1) -> ops.SSDRows:
-    """A Mamba-2 mixer's layer of the matrix-free row sweep (core.mixers.SSDRows) from its forward hook's args and
-    kwargs: its gates, O(n·d) kept; the same fused matrix as :func:`mixer_matrix`, applied row block by row block."""
+def _hybrid_delta_gates(module: nn.Module, hidden: torch.Tensor, mask: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """The delta-rule inputs (:func:`_delta_inputs`) of Qwen3.5's / OLMo-Hybrid's gated DeltaNets and Kimi Linear's
+    KDA, read from their projections as capture/hybrids.py's readers do (OLMo-Hybrid's β doubled when negative
+    eigenvalues are allowed; KDA's per-key-channel forget gate)."""
+    keep = _keep(hidden, mask)
+    h = hidden * keep
+    name = type(module).__name__
+    if name.startswith("Qwen3_5"):
+        g = -module.A_log.float().exp() * F.softplus(module.in_proj_a(h).float() + module.dt_bias)
+        return _delta_inputs(module, module.in_proj_qkv(h), module.in_proj_b(h).sigmoid(), g, keep)
+    mixed = torch.cat([module.q_proj(h), module.k_proj(h), module.v_proj(h)], dim=-1)
+    if name == "KimiLinearDeltaAttention":
+        return _delta_inputs(module, mixed, torch.sigmoid(module.b_proj(h)), module.forget_gate(h), keep)
+    beta = module.b_proj(h).sigmoid() * (2.0 if module.allow_neg_eigval else 1.0)
+    g = -module.A_log.float().exp() * F.softplus(module.a_proj(h).float() + module.dt_bias)
+    return _delta_inputs(module, mixed, beta, g, keep)
+
+
+def _rg_lru_rows(module: nn.Module, args: tuple, kwargs: dict, heads: int) -> ops.LRURows:
+    """RecurrentGemma's recurrent block as core.mixers.LRURows: the RG-LRU's log decay and input scale read from the
+    convolved linear_x(h) as capture/hybrids.py's reader does (a restart where the position is 0: no path across
+    it), the output branch GeLU(linear_y(h)) on the rows, the convolution folded."""
+    hidden = args[0] if args else kwargs.get("input_states", kwargs.get("hidden_states"))
+    position_ids = args[1] if len(args) > 1 else kwargs.get("position_ids")
+    b, n, _ = hidden.shape
+    lru = module.rg_lru
+    y = module.act_fn(module.linear_y(hidden))
+    x = module.conv_1d(module.linear_x(hidden).transpose(1, 2))[..., :n].transpose(1, 2)
+    act = x.reshape(b, n, lru.num_attention_heads, lru.block_width)
+    i_gate = torch.sigmoid(torch.einsum("bnhi,hij->bnhj", act, lru.input_gate_weight) + lru.input_gate_bias)
+    r_gate = torch.sigmoid(torch.einsum("bnhi,hij->bnhj", act, lru.recurrent_gate_weight) + lru.recurrent_gate_bias)
+    log_a = (-8.0 * r_gate.reshape(b, n, -1) * F.softplus(lru.recurrent_param)).to(hidden.dtype)
+    if position_ids is None:
+        position_ids = torch.arange(n, device=hidden.device)[None].expand(b, n)
+    reset = (position_ids == 0)[:, :, None].expand_as(log_a)
+    scale = i_gate.reshape(b, n, -1) * torch.where(reset, torch.ones_like(log_a), torch.sqrt(1 - torch.exp(2 * log_a)))
+    return ops.LRURows(log_a.masked_fill(reset, 0.0), scale, y, module.conv_1d.weight[:, 0],
+                       segment=reset[..., 0].to(torch.int64).cumsum(1), heads=heads)
+
+
+def rows_layer(module: nn.Module, args: tuple, kwargs: dict, heads: int = 1) -> ops.MixerRows:
+    """A composed mixer's layer of the matrix-free row sweep (core.mixers.MixerRows) from its forward hook's args
+    and kwargs: its gates, O(n·d) kept (a gated DeltaNet's state scan O(n·d_k) per head); the same fused matrix as
+    :func:`mixer_matrix`, applied row block by row block. Classes of :data:`ROWS_MIXERS` only."""
+    name = type(module).__name__
+    if name == "RecurrentGemmaRecurrentBlock":
+        with torch.no_grad():
+            return _rg_lru_rows(module, tuple(a.detach() if torch.is_tensor(a) else a for a in args), kwargs, heads)
     hidden, mask = _hook_inputs(args, kwargs)
     with torch.no_grad():
-        g = mamba2_gates(module, hidden.detach(), mask)
-        return ops.SSDRows(g.C, g.B, g.dt, g.A, g.D, torch.sigmoid(g.u) * _keep(hidden, mask), g.weight,
-                           heads=heads)
+        hidden = hidden.detach()
+        if name in MAMBA2_MIXERS:
+            g = mamba2_gates(module, hidden, mask)
+            return ops.SSDRows(g.C, g.B, g.dt, g.A, g.D, torch.sigmoid(g.u) * _keep(hidden, mask), g.weight,
+                               heads=heads)
+        if name in CONV_MIXERS:
+            pre, post, _ = _short_conv_gates(module, hidden, mask)
+            return ops.ConvRows(module.conv.weight[:, 0], pre, post, heads=heads)
+        if name in DELTA_MIXERS or name in HYBRID_DELTAS:
+            d = (_delta_gates if name in DELTA_MIXERS else _hybrid_delta_gates)(module, hidden, mask)
+            return ops.DeltaRows(d["q"], d["k"], d["beta"], d["g"], d["gate_in"], d["weight"], heads=heads)
+        if name in ROWS_MIXERS:
+            m = _mamba_gates(module, hidden, mask)
+            return ops.SelectiveRows(m["C"], m["B"], m["dt"], m["A"], m["D"], F.silu(m["z"]), m["gate_in"],
+                                     module.conv1d.weight[:, 0], heads=heads)
+    raise _checks.UnsupportedModelError(
+        f"{name} has no rows-only form in this attnroll (those that have: {', '.join(ROWS_MIXERS)}); "
+        "use attention='dense'")

@@ -399,22 +399,23 @@ TRANSFORMERS = Family(
                streams="self: each mixer one layer, its per-channel matrices (causal conv, SiLU and output gate held "
                        "at their values, scan) fused by the mean of |·|, rows normalised",
                prefix="0", readout="last real token; `rollout`, `raw`, `flow`, `grad_rollout`, `gae` compose it, "
-                                   "the rest refuse it naming the mixer; dense, except `rollout` through Mamba-2 "
-                                   "mixers (rows only)"),
+                                   "the rest refuse it naming the mixer; `rollout` rows only through the mixers "
+                                   "(matrix-free), the rest dense"),
         Models(models="transformers Jamba, Bamba, Nemotron-H, GraniteMoeHybrid (Mamba / Mamba-2 + attention), LFM2, "
                       "LFM3 (gated short convolutions + attention), Qwen3-Next (gated DeltaNet + attention)",
                streams="self: attention and mixer layers in execution order, each mixer's fused matrix (as above; "
                        "LFM2: C · conv(B · x) per channel; Qwen3-Next: the delta rule per value head, its convolution "
                        "folded) repeated on every head", prefix="0",
                readout="last real token; `rollout`, `raw`, `flow`, `grad_rollout`, `gae` compose it, the rest "
-                       "refuse it naming the mixer; dense, except `rollout` through Mamba-2 mixers (rows only)"),
+                       "refuse it naming the mixer; `rollout` rows only through the mixers (matrix-free), the rest dense"),
         Models(models="transformers Qwen3.5, OLMo-Hybrid (gated DeltaNet + attention), Kimi-Linear (KDA: a delta "
                       "rule with a per-channel decay + attention), RecurrentGemma (RG-LRU blocks + local attention)",
                streams="self: attention and mixer layers in execution order (`capture/hybrids.py`), each mixer's "
                        "fused matrix (the delta rule per value head, its convolution folded; RecurrentGemma: the "
                        "convolution, then the RG-LRU with its gates held, the GeLU branch a diagonal) on every head",
                prefix="0", readout="last real token; `rollout`, `raw`, `flow`, `grad_rollout`, `gae` compose it, "
-                                   "the rest refuse it naming the mixer; dense only"),
+                                   "the rest refuse it naming the mixer; `rollout` rows only through the mixers "
+                                   "(matrix-free), the rest dense"),
         Models(models="transformers Falcon-H1 (attention and Mamba-2 in parallel in each layer), Zamba, Zamba2 "
                       "(Mamba / Mamba-2 layers fed by a shared attention block)",
                streams="self: one layer per decoder layer (`capture/hybrids.py` Wiring): Falcon-H1 w_a·A_h + "

@@ -22,8 +22,11 @@ The per-channel / per-head matrices become one token-to-token matrix per layer w
 (the method choice, see docs/methods.md). :func:`fused_rows` gives the same fused matrix applied to relevance
 rows, one block of output tokens at a time (memory O(block·n) per channel group, no (n, n) per channel kept);
 :func:`ssd_rows` does so for the SSD matrices with each block's earlier columns one rank-N product per head,
-:func:`ssd_signed_rows` sweeps the signed head mean in linear time, and :class:`SSDRows` is a Mamba-2 mixer (its
-convolution folded) as a layer of the matrix-free row sweep (``core.operators.apply_layer``).
+:func:`ssd_signed_rows` sweeps the signed head mean in linear time. :class:`MixerRows` is a mixer as a layer of the
+matrix-free row sweep (``core.operators.apply_layer``), its fused matrix one block of rows at a time (convolution
+folded by :func:`fold_rows`): :class:`SSDRows` (Mamba-2), :class:`SelectiveRows` (Mamba, :func:`selective_block`),
+:class:`DeltaRows` (gated DeltaNet / KDA, a state scan), :class:`ConvRows` (a short convolution, banded) and
+:class:`LRURows` (RG-LRU).
 
 Torch only; every input is a tensor of the forward pass (float64 for exactness checks).
 """
@@ -36,7 +39,8 @@ import torch
 
 __all__ = ["ssd_matrix", "selective_matrix", "conv_matrix", "delta_matrix", "lru_matrix", "compose", "mix",
            "fuse_channels", "fused_rows", "FUSIONS", "ssd_block", "ssd_rows",
-           "ssd_signed_rows", "SSDRows", "BLOCK"]
+           "ssd_signed_rows", "SSDRows", "BLOCK", "MixerRows", "fold_rows", "selective_block", "SelectiveRows",
+           "DeltaRows", "ConvRows", "LRURows", "ROWS_BUDGET"]
 
 #: How per-channel matrices become one per layer: "abs_mean" (default: the mean of |M_c| over channels, each
 #: row divided by its sum, so that rollout's residual blend applies as to attention), "mean" (the signed mean,
@@ -150,17 +154,25 @@ def delta_matrix(q: torch.Tensor, k: torch.Tensor, beta: torch.Tensor, g: torch.
     (b, n, h, dk) for a per-channel decay (Kimi Delta Attention: α_t = diag(exp g_t) on the key channels). The
     state update is S_t = (I − β_t k_t k_tᵀ) diag(α_t) S_{t−1} + β_t k_t v_tᵀ (the recurrence's delta rule; a scalar
     α_t commutes) and o_t = S_tᵀ q_t. Returns (b, h, n, n), lower triangular; O(n²·dk) per head."""
-    b, n, h, dk = q.shape
-    W = q.new_zeros(b, h, n, n)
-    U = q.new_zeros(b, h, n, dk)  # U[t] = Π_{r=s+1..t} α_r (I − β_r k_r k_rᵀ) q_t while s runs down
-    qh, kh, bh, ah = q.transpose(1, 2), k.transpose(1, 2), beta.transpose(1, 2), g.exp().transpose(1, 2)
+    ah = g.exp().transpose(1, 2)
     ah = ah[..., None] if g.ndim == 3 else ah  # (b, h, n, 1) per head or (b, h, n, dk) per key channel
+    return _delta_local(q.transpose(1, 2), k.transpose(1, 2), beta.transpose(1, 2), ah)[0]
+
+
+def _delta_local(qh: torch.Tensor, kh: torch.Tensor, bh: torch.Tensor,
+                 ah: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`delta_matrix` of heads-first inputs (q, k: (b, h, n, dk); β: (b, h, n); α: (b, h, n, 1 or dk)), and
+    U (b, h, n, dk): U[t] = A_0 ··· A_t q_t with A_r = diag(α_r)(I − β_r k_r k_rᵀ), what the rows carry to the
+    columns before these tokens (:class:`DeltaRows`)."""
+    b, h, n, dk = qh.shape
+    W = qh.new_zeros(b, h, n, n)
+    U = qh.new_zeros(b, h, n, dk)  # U[t] = Π_{r=s+1..t} α_r (I − β_r k_r k_rᵀ) q_t while s runs down
     for s in range(n - 1, -1, -1):
         U[:, :, s] = qh[:, :, s]
         proj = U @ kh[:, :, s, :, None]  # (b, h, n, 1): k_sᵀ U[t]
         W[:, :, :, s] = bh[:, :, s, None] * proj[..., 0]
         U = ah[:, :, s, None, :] * (U - bh[:, :, s, None, None] * proj * kh[:, :, s, None, :])
-    return W
+    return W, U
 
 
 def lru_matrix(log_a: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -292,53 +304,92 @@ def ssd_signed_rows(r: torch.Tensor, C: torch.Tensor, B: torch.Tensor, dt: torch
     return out
 
 
-class SSDRows:
-    """A Mamba-2 mixer as a layer of the matrix-free row sweep (``core.operators.apply_layer`` dispatches to
-    :meth:`apply_rows`): its fused matrix F = normalise_rows(Σ_c |S_{h(c)} · diag(gate_in_c) · T_c|) (the
-    convolution of ``weight`` and the SiLU's σ(u) folded per channel, as the dense record's layer) applied to
-    relevance rows one block of output tokens at a time, never an (n, n) matrix (memory O(rows·n·P)).
+# ------------------------------------------------------------------------------- rows-only mixer layers
+#: Elements of the per-channel block one step of :meth:`MixerRows.block` holds (channels are taken in groups that
+#: fit): memory O(rows·n·channels per group), never (n, n) per channel.
+ROWS_BUDGET = 1 << 23
 
-    C, B: (b, n, H, N); dt: (b, n, H); A, D: (H,); gate_in: (b, n, H·P); weight: (H·P, K); ``heads``: the head
-    count the stream's layers report (``shape``), for a hybrid's attention layers."""
+
+def fold_rows(M: torch.Tensor, gate_in: torch.Tensor | None = None, weight: torch.Tensor | None = None,
+              heads_of: int = 1) -> torch.Tensor:
+    """Σ_c |K_c| over channels for rows of per-group matrices M (b, G, R, w) (``heads_of`` channels per group):
+    K_c = M_{g(c)} · diag(gate_in_c) · T_c with T_c the causal convolution of ``weight`` (G·heads_of, K) and
+    gate_in (b, ≥ w, G·heads_of) (None: ones), or K_c = M_{g(c)} without ``weight``. Returns (b, R, w).
+
+    Channel c's entry is K_c[t, s] = Σ_k M_g[t, s + k] · gate_c[s + k] · w_c[K-1-k] (M causal: its columns past w
+    are 0): per group, one batched product over the K taps for all its channels (M's shifted columns and the taps'
+    coefficients are strided views, no copy per tap), then |·| summed over the channels."""
+    b, G, R, w = M.shape
+    if weight is None:
+        return M.abs().sum(1) * heads_of
+    K = weight.shape[-1]
+    pad = torch.nn.functional.pad
+    g = M.new_ones(b, w, G * heads_of) if gate_in is None else gate_in[:, :w].to(M.dtype)
+    taps = weight.to(M.dtype).flip(-1)  # taps[:, k] = weight[:, K-1-k]
+    coef = pad(g, (0, 0, 0, K - 1)).unfold(1, K, 1) * taps  # (b, w, C, K): gate[s + k, c] · w_c[K-1-k]
+    coef = coef.reshape(b, w, G, heads_of, K).permute(0, 2, 1, 4, 3)  # (b, G, w, K, P)
+    if heads_of == 1:  # one channel per group: the K taps summed elementwise, (b, G, R, w) each
+        Mp, ck = pad(M, (0, K - 1)), coef[..., 0].transpose(-1, -2)[:, :, None]  # ck: (b, G, 1, K, w)
+        acc = Mp[..., :w] * ck[..., 0, :]
+        for k in range(1, K):
+            acc.addcmul_(Mp[..., k: k + w], ck[..., k, :])
+        return acc.abs_().sum(1)
+    shifted = pad(M, (0, K - 1)).unfold(-1, K, 1).transpose(2, 3)  # (b, G, w, R, K): M_g[t, s + k]
+    total = M.new_zeros(b, w, R)
+    for h in range(G):  # one batched (R, K) @ (K, P) product per column s, per group
+        total += torch.matmul(shifted[:, h], coef[:, h]).abs_().sum(-1)
+    return total.transpose(1, 2)
+
+
+class MixerRows:
+    """A token mixer as a layer of the matrix-free row sweep (``core.operators.apply_layer`` dispatches to
+    :meth:`apply_rows`): its fused matrix F = normalise_rows(Σ_c |K_c|) (as the dense record's layer) applied to
+    relevance rows one block of output tokens at a time, never an (n, n) matrix.
+
+    A subclass gives the rows [t0, t1) of its per-group matrices (:meth:`group_rows`, columns [0, t1)), ``groups``
+    and ``heads_of`` (channels per group), and optionally the convolution folded per channel (``gate_in`` (b, n, C),
+    ``weight`` (C, K)); or overrides :meth:`block`. ``heads``: the head count the stream's layers report
+    (``shape``), for a hybrid's attention layers."""
 
     sinks = None  # what the row methods' checks read of an attention layer
     mask = None
     causal = True
     is_causal_model = True
+    gate_in: torch.Tensor | None = None
+    weight: torch.Tensor | None = None
+    heads_of = 1
+    groups = 1
+    inner = 1  # elements per entry a group's rows take to compute (a state size), for the group step
 
-    def __init__(self, C, B, dt, A, D, gate_in, weight, heads: int = 1, rows: int = 64):
-        self.C, self.B, self.dt, self.A, self.D = C, B, dt, A, D
-        self.gate_in, self.weight, self.heads, self.rows = gate_in, weight, heads, rows
+    def __init__(self, batch: int, n: int, device: torch.device, heads: int = 1, rows: int = 64):
+        self.batch, self.n, self._device, self.heads, self.rows = batch, n, device, heads, rows
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
-        b, n = self.C.shape[:2]
-        return b, self.heads, n, n
+        return self.batch, self.heads, self.n, self.n
 
     @property
     def device(self) -> torch.device:
-        return self.C.device
+        return self._device
+
+    def group_rows(self, t0: int, t1: int, g0: int, g1: int) -> torch.Tensor:
+        """Rows [t0, t1), columns [0, t1) of groups [g0, g1)'s matrices: (b, g1-g0, t1-t0, t1)."""
+        raise NotImplementedError
 
     def block(self, t0: int, t1: int) -> torch.Tensor:
-        """Σ_c |K_c| for output rows [t0, t1) and columns [0, t1): (b, t1-t0, t1). Per head, channel c's entry is
-        K_c[t, s] = Σ_k M_h[t, s + k] · σ_c[s + k] · w_c[K-1-k]: one small product per column s over the K taps
-        (the head's rows shifted by k against the P channels' tap weights), then |·| summed over the channels."""
-        M = ssd_block(self.C, self.B, self.dt, self.A, self.D, t0, t1, causal_cols=True)  # (b, H, rows, t1)
-        b, H, R, _ = M.shape
-        K = self.weight.shape[-1]
-        P = self.gate_in.shape[-1] // H
-        g = self.gate_in[:, :t1].to(M.dtype)  # (b, t1, H·P)
-        w = self.weight.to(M.dtype).flip(-1)  # w[:, k] = weight[:, K-1-k]
-        total = M.new_zeros(b, R, t1)
-        for h in range(H):
-            c0, c1 = h * P, (h + 1) * P
-            shifted = M.new_zeros(b, R, t1, K)  # shifted[..., s, k] = M_h[:, :, s + k] (0 past the block's end)
-            coef = M.new_zeros(b, t1, K, P)  # coef[:, s, k, c] = σ_c[s + k] · w_c[K-1-k]
-            for k in range(min(K, t1)):
-                shifted[:, :, : t1 - k, k] = M[:, h, :, k:]
-                coef[:, : t1 - k, k] = g[:, k:, c0:c1] * w[c0:c1, k]
-            Kc = torch.einsum("brsk,bskc->brsc", shifted, coef)  # (b, rows, t1, P)
-            total += Kc.abs_().sum(-1)
+        """Σ_c |K_c| for output rows [t0, t1) and columns [0, t1): (b, t1-t0, t1), the groups taken as many at a
+        time as :data:`ROWS_BUDGET` allows (:func:`fold_rows`)."""
+        K = 1 if self.weight is None else self.weight.shape[-1]
+        step = max(1, ROWS_BUDGET // (self.heads_of * max(K, self.inner) * (t1 - t0) * t1))
+        total = None
+        for g0 in range(0, self.groups, step):
+            g1 = min(self.groups, g0 + step)
+            c0, c1 = g0 * self.heads_of, g1 * self.heads_of
+            part = fold_rows(self.group_rows(t0, t1, g0, g1), None if self.gate_in is None else
+                             self.gate_in[..., c0:c1], None if self.weight is None else self.weight[c0:c1],
+                             self.heads_of)
+            total = part if total is None else total.add_(part)
+        assert total is not None  # groups >= 1
         return total
 
     def apply_rows(self, r: torch.Tensor, *, a: float, c: float, renorm: bool = False,
@@ -364,3 +415,199 @@ class SSDRows:
             out[:, :, t0:t1] += c * rr
             out[:, :, :t1] += a * (rr @ F)
         return out
+
+
+class SSDRows(MixerRows):
+    """A Mamba-2 mixer as a :class:`MixerRows` layer: F = normalise_rows(Σ_c |S_{h(c)} · diag(gate_in_c) · T_c|)
+    (the convolution of ``weight`` and the SiLU's σ(u) folded per channel, as the dense record's layer).
+
+    C, B: (b, n, H, N); dt: (b, n, H); A, D: (H,); gate_in: (b, n, H·P); weight: (H·P, K); ``heads``: the head
+    count the stream's layers report (``shape``), for a hybrid's attention layers."""
+
+    def __init__(self, C, B, dt, A, D, gate_in, weight, heads: int = 1, rows: int = 64):
+        super().__init__(C.shape[0], C.shape[1], C.device, heads, rows)
+        self.C, self.B, self.dt, self.A, self.D = C, B, dt, A, D
+        self.gate_in, self.weight = gate_in, weight
+        self.groups, self.heads_of = C.shape[2], gate_in.shape[-1] // C.shape[2]
+
+    def group_rows(self, t0: int, t1: int, g0: int, g1: int) -> torch.Tensor:
+        D = None if self.D is None else self.D[g0:g1]
+        return ssd_block(self.C[:, :, g0:g1], self.B[:, :, g0:g1], self.dt[:, :, g0:g1], self.A[g0:g1], D, t0, t1,
+                         causal_cols=True)
+
+
+def selective_block(C: torch.Tensor, B: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, D: torch.Tensor | None,
+                    t0: int, t1: int, sub: int = 16) -> torch.Tensor:
+    """Rows [t0, t1), columns [0, t1) of :func:`selective_matrix`: (b, d, t1-t0, t1), every entry one product over
+    the N states per channel (matrix products, no exponential per entry), the decays factored as
+    exp(cum_t − cum_s) = exp(cum_t − ref) · exp(ref − cum_s). The columns before the block take ref = cum_{t0−1}
+    (both factors ≤ 1 when every Δ·A ≤ 0, as Mamba's negative A gives: a factor that underflows belongs to an entry
+    that does); the block's own columns, ``sub`` rows at a time, take ref at those rows' start, exact while their
+    own decays span less than ``_SPAN`` (the factors > 1 stay in range), else those rows' own columns take the
+    direct form, as does a growing state throughout. Memory O(d·(rows·t1 + N·t1))."""
+    b, n, d = dt.shape
+    log_a = (dt[:, :t1, :, None] * A).permute(0, 2, 3, 1)  # (b, d, N, t1)
+    Bdt = B[:, :t1, None, :] * dt[:, :t1, :, None]  # (b, t1, d, N)
+    out = dt.new_zeros(b, d, t1 - t0, t1)
+    if bool((log_a > 0).any()):  # a growing state: the direct form throughout
+        out[:] = torch.einsum("btN,bdNts,bsdN->bdts", C[:, t0:t1], _decay(log_a, t0, t1), Bdt)
+        return _plus_diagonal(out, D, t0, t1)
+    cum = log_a.cumsum(-1)
+    span = _SPAN[cum.dtype == torch.float64]
+
+    def product(r0: int, r1: int, c0: int, c1: int) -> None:  # rows [r0, r1), columns [c0, c1), ref cum_{r0−1}
+        ref = cum[..., r0 - 1: r0] if r0 > 0 else torch.zeros_like(cum[..., :1])
+        left = C[:, None, r0:r1] * torch.exp(cum[..., r0:r1] - ref).transpose(-1, -2)  # (b, d, rows, N)
+        right = Bdt[:, c0:c1].transpose(1, 2) * torch.exp(ref - cum[..., c0:c1]).transpose(-1, -2)
+        out[:, :, r0 - t0: r1 - t0, c0:c1] = left @ right.transpose(-1, -2)
+
+    if t0 > 0:
+        product(t0, t1, 0, t0)
+    for q0 in range(t0, t1, sub):
+        q1 = min(t1, q0 + sub)
+        ref = cum[..., q0 - 1: q0] if q0 > 0 else torch.zeros_like(cum[..., :1])
+        if bool(((ref - cum[..., q1 - 1: q1]) < span).all()):
+            product(q0, q1, t0, q1)
+            t = torch.arange(q1 - q0, device=dt.device)
+            out[:, :, q0 - t0: q1 - t0, q0:q1].masked_fill_(t[None, :] > t[:, None], 0.0)
+            continue
+        if q0 > t0:
+            product(q0, q1, t0, q0)
+        out[:, :, q0 - t0: q1 - t0, q0:q1] = torch.einsum(
+            "btN,bdNts,bsdN->bdts", C[:, q0:q1], _decay(log_a[..., q0:q1]), Bdt[:, q0:q1])
+    return _plus_diagonal(out, D, t0, t1)
+
+
+def _plus_diagonal(out: torch.Tensor, D: torch.Tensor | None, t0: int, t1: int) -> torch.Tensor:
+    """Rows [t0, t1) of per-channel matrices (b, d, t1-t0, ≥ t1) plus the skip D (d,) on the diagonal."""
+    if D is not None:
+        idx = torch.arange(t0, t1, device=out.device)
+        out[:, :, idx - t0, idx] += D.to(out.dtype)[None, :, None]
+    return out
+
+
+#: How far (in log units) the decays over ``sub`` rows may span for :func:`selective_block` to factor their own
+#: columns: float32 (index 0), float64 (index 1); the factors > 1 stay below exp(span).
+_SPAN = (60.0, 600.0)
+
+
+class SelectiveRows(MixerRows):
+    """Mamba's selective scan as a :class:`MixerRows` layer, per channel d: K_d = diag(gate_out_d) · M_d ·
+    diag(gate_in_d) · T_d (:func:`selective_block`; the output gate SiLU(z) on the rows, the convolution of
+    ``weight`` and the SiLU's σ(u) folded, as the dense record's layer).
+
+    C, B: (b, n, N); dt: (b, n, d); A: (d, N); D: (d,) or None; gate_out, gate_in: (b, n, d); weight: (d, K)."""
+
+    def __init__(self, C, B, dt, A, D, gate_out, gate_in, weight, heads: int = 1, rows: int = 64):
+        super().__init__(C.shape[0], C.shape[1], C.device, heads, rows)
+        self.C, self.B, self.dt, self.A, self.D, self.gate_out = C, B, dt, A, D, gate_out
+        self.gate_in, self.weight, self.groups, self.inner = gate_in, weight, dt.shape[-1], C.shape[-1]
+
+    def group_rows(self, t0: int, t1: int, g0: int, g1: int) -> torch.Tensor:
+        D = None if self.D is None else self.D[g0:g1]
+        M = selective_block(self.C, self.B, self.dt[..., g0:g1], self.A[g0:g1], D, t0, t1)
+        return M * self.gate_out[:, t0:t1, g0:g1].transpose(1, 2)[..., None].to(M.dtype)
+
+
+class DeltaRows(MixerRows):
+    """Gated DeltaNet / KDA as a :class:`MixerRows` layer, per value channel c of head h:
+    K_c = W_h · diag(gate_in_c) · T_c (:func:`delta_matrix`; the convolution and the SiLU's σ(u) folded).
+
+    The rows [t0, t1) of W_h come from a scan over the state, never the full matrix: the block's own columns are
+    the delta rule on the block's tokens alone (:func:`delta_matrix`), which also gives U_t = A_{t0} ··· A_t q_t
+    (A_r = diag(α_r)(I − β_r k_r k_rᵀ)); the earlier columns are W[t, s] = x_sᵀ U_t with
+    x_sᵀ = β_s k_sᵀ A_{s+1} ··· A_{t0−1}, the rows X (b, h, t0, dk) of a state carried forward block by block
+    (X ← X · A_{t0} ··· A_{t1−1}, the new tokens' rows appended). Memory O(n·dk) per head for X, O(rows·n) per
+    block; blocks taken in order advance X (an earlier block restarts it).
+
+    q, k: (b, n, h, dk) as the recurrence reads them; beta: (b, n, h); g: (b, n, h) or (b, n, h, dk) (KDA's
+    per-key-channel decay); gate_in: (b, n, h·dv); weight: (h·dv, K)."""
+
+    def __init__(self, q, k, beta, g, gate_in, weight, heads: int = 1, rows: int = 64):
+        b, n, h, dk = q.shape
+        super().__init__(b, n, q.device, heads, rows)
+        self.qh, self.kh, self.bh = q.transpose(1, 2), k.transpose(1, 2), beta.transpose(1, 2)
+        ah = g.exp().transpose(1, 2)
+        self.ah = ah[..., None] if g.ndim == 3 else ah  # (b, h, n, 1 or dk)
+        self.gate_in, self.weight, self.groups, self.heads_of = gate_in, weight, h, gate_in.shape[-1] // h
+        self.state = q.new_zeros(b, h, n, dk)  # rows x_s, s < self.at
+        self.at = 0
+
+    def advance(self, t0: int) -> None:
+        """Carry the state's rows X to the boundary t0 (x_sᵀ = β_s k_sᵀ A_{s+1} ··· A_{t0−1} for s < t0), ``rows``
+        tokens at a time: Z = [I; new rows] times each A_r in turn, then X ← X · Z[:dk]."""
+        if t0 < self.at:
+            self.at = 0
+        b, h, _, dk = self.qh.shape
+        while self.at < t0:
+            e0, e1 = self.at, min(t0, self.at + self.rows)
+            Z = self.qh.new_zeros(b, h, dk + e1 - e0, dk)
+            Z[:, :, :dk] = torch.eye(dk, dtype=Z.dtype, device=Z.device)
+            for r in range(e0, e1):
+                live = Z[:, :, : dk + r - e0]
+                Za = live * self.ah[:, :, r, None, :]
+                kr, br = self.kh[:, :, r], self.bh[:, :, r, None, None]
+                live.copy_(Za - br * (Za @ kr[..., None]) * kr[:, :, None, :])
+                Z[:, :, dk + r - e0] = self.bh[:, :, r, None] * kr
+            if e0:
+                self.state[:, :, :e0] = self.state[:, :, :e0] @ Z[:, :, :dk]
+            self.state[:, :, e0:e1] = Z[:, :, dk:]
+            self.at = e1
+
+    def group_rows(self, t0: int, t1: int, g0: int, g1: int) -> torch.Tensor:
+        self.advance(t0)
+        W, U = _delta_local(self.qh[:, g0:g1, t0:t1], self.kh[:, g0:g1, t0:t1], self.bh[:, g0:g1, t0:t1],
+                            self.ah[:, g0:g1, t0:t1])
+        out = W.new_zeros(W.shape[0], g1 - g0, t1 - t0, t1)
+        out[..., t0:] = W
+        if t0:
+            out[..., :t0] = U @ self.state[:, g0:g1, :t0].transpose(-1, -2)
+        return out
+
+
+class ConvRows(MixerRows):
+    """A gated short causal convolution (LFM2) as a :class:`MixerRows` layer: M_c[t, s] = post[t, c] ·
+    weight[c, K-1-(t-s)] · pre[s, c] for 0 ≤ t − s < K (:func:`conv_matrix`), banded: each block's Σ_c |M_c| is K
+    diagonals, O(rows·K·d). weight: (d, K); pre, post: (b, n, d) or None."""
+
+    def __init__(self, weight, pre=None, post=None, n: int | None = None, heads: int = 1, rows: int = 64):
+        like = post if post is not None else pre
+        b, n = (1, n) if like is None else like.shape[:2]
+        super().__init__(b, n, weight.device, heads, rows)
+        self.conv_weight, self.pre, self.post = weight, pre, post
+
+    def block(self, t0: int, t1: int) -> torch.Tensor:
+        d, K = self.conv_weight.shape
+        dtype = self.conv_weight.dtype if self.post is None else self.post.dtype
+        out = torch.zeros(self.batch, t1 - t0, t1, dtype=dtype, device=self.device)
+        t = torch.arange(t0, t1, device=self.device)
+        post = torch.ones(self.batch, t1 - t0, d, dtype=dtype, device=self.device) if self.post is None else \
+            self.post[:, t0:t1].abs()
+        for lag in range(min(K, t1)):
+            ok = t >= lag
+            s = t[ok] - lag
+            pre = 1 if self.pre is None else self.pre[:, s].abs()
+            out[:, (t - t0)[ok], s] = (post[:, ok] * pre) @ self.conv_weight[:, K - 1 - lag].abs().to(dtype)
+        return out
+
+
+class LRURows(MixerRows):
+    """A diagonal linear recurrence (RG-LRU) as a :class:`MixerRows` layer, per channel d: K_d = diag(gate_out_d) ·
+    (M_d ∘ [same segment]) · T_d with M_d = :func:`lru_matrix`'s (rows [t0, t1) from the block's cumulative decays),
+    the convolution of ``weight`` folded (no gate on its output).
+
+    log_a, scale, gate_out: (b, n, d); weight: (d, K); segment: (b, n) ids, a path only within one (a restart
+    cuts it), or None."""
+
+    def __init__(self, log_a, scale, gate_out, weight, segment=None, heads: int = 1, rows: int = 64):
+        super().__init__(log_a.shape[0], log_a.shape[1], log_a.device, heads, rows)
+        self.log_a, self.scale, self.gate_out, self.segment = log_a, scale, gate_out, segment
+        self.weight, self.groups = weight, log_a.shape[-1]
+
+    def group_rows(self, t0: int, t1: int, g0: int, g1: int) -> torch.Tensor:
+        M = _decay(self.log_a[:, :t1, g0:g1].transpose(1, 2), t0, t1)
+        M = M * self.scale[:, :t1, g0:g1].transpose(1, 2)[:, :, None, :]
+        if self.segment is not None:
+            seg = self.segment
+            M = M * (seg[:, None, t0:t1, None] == seg[:, None, None, :t1])
+        return M * self.gate_out[:, t0:t1, g0:g1].transpose(1, 2)[..., None].to(M.dtype)

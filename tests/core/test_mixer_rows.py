@@ -1,0 +1,191 @@
+"""Rows-only mixer layers (core/mixers.py ``MixerRows``: ``SSDRows``, ``SelectiveRows``, ``DeltaRows``,
+``ConvRows``, ``LRURows``): every block of rows equals the same rows of the dense per-channel matrices folded and
+summed (Σ_c |K_c|, built from ``ssd_matrix`` / ``selective_matrix`` / ``delta_matrix`` / ``conv_matrix`` /
+``lru_matrix``), for several block sizes, blocks out of order and channel groups split; the sweep never
+allocates an (n, n) tensor."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from attnroll.core import mixers
+
+f64 = torch.float64
+
+# Sweeps of many row blocks through tiny mixers (and models): left out of `make test-fast`.
+pytestmark = pytest.mark.slow
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _dense_total(M: torch.Tensor, gate: torch.Tensor | None, w: torch.Tensor | None) -> torch.Tensor:
+    """Σ_c |M_c · diag(gate_c) · T_c| (b, n, n) from per-channel matrices M (b, C, n, n); Σ_c |M_c| without w."""
+    if w is None:
+        return M.abs().sum(1)
+    n = M.shape[-1]
+    if gate is not None:
+        M = M * gate.transpose(1, 2)[:, :, None, :]
+    return (M @ mixers.conv_matrix(w, n)[0]).abs().sum(1)
+
+
+def _ssd(g, b=2, n=23, h=3, N=4, P=2, K=4):
+    C, B = (torch.randn(b, n, h, N, dtype=f64, generator=g) for _ in range(2))
+    dt = F.softplus(torch.randn(b, n, h, dtype=f64, generator=g))
+    A, D = -torch.rand(h, dtype=f64, generator=g), torch.randn(h, dtype=f64, generator=g)
+    gate, w = torch.rand(b, n, h * P, dtype=f64, generator=g), torch.randn(h * P, K, dtype=f64, generator=g)
+    lay = mixers.SSDRows(C, B, dt, A, D, gate, w)
+    S = mixers.ssd_matrix(C, B, dt, A, D)[:, torch.arange(h * P) // P]
+    return lay, _dense_total(S, gate, w)
+
+
+def _selective(g, b=2, n=23, d=5, N=3, K=4):
+    C, B = (torch.randn(b, n, N, dtype=f64, generator=g) for _ in range(2))
+    dt = F.softplus(torch.randn(b, n, d, dtype=f64, generator=g))
+    A, D = -torch.rand(d, N, dtype=f64, generator=g) * 2, torch.randn(d, dtype=f64, generator=g)
+    out, gate = torch.randn(b, n, d, dtype=f64, generator=g), torch.rand(b, n, d, dtype=f64, generator=g)
+    w = torch.randn(d, K, dtype=f64, generator=g)
+    lay = mixers.SelectiveRows(C, B, dt, A, D, out, gate, w)
+    M = mixers.selective_matrix(C, B, dt, A, D) * out.transpose(1, 2)[..., None]
+    return lay, _dense_total(M, gate, w)
+
+
+def _delta(g, per_channel=False, b=2, n=23, h=2, dk=3, dv=2, K=4):
+    q, k = (F.normalize(torch.randn(b, n, h, dk, dtype=f64, generator=g), dim=-1) for _ in range(2))
+    beta = torch.rand(b, n, h, dtype=f64, generator=g) * 2  # up to 2: negative eigenvalues allowed
+    gl = -torch.rand(b, n, h, *((dk,) if per_channel else ()), dtype=f64, generator=g)
+    gate, w = torch.rand(b, n, h * dv, dtype=f64, generator=g), torch.randn(h * dv, K, dtype=f64, generator=g)
+    lay = mixers.DeltaRows(q, k, beta, gl, gate, w)
+    W = mixers.delta_matrix(q, k, beta, gl)[:, torch.arange(h * dv) // dv]
+    return lay, _dense_total(W, gate, w)
+
+
+def _conv(g, b=2, n=23, d=5, K=4):
+    w = torch.randn(d, K, dtype=f64, generator=g)
+    pre, post = (torch.randn(b, n, d, dtype=f64, generator=g) for _ in range(2))
+    return mixers.ConvRows(w, pre, post), _dense_total(mixers.conv_matrix(w, n, pre, post), None, None)
+
+
+def _lru(g, b=2, n=23, d=4, K=4):
+    log_a = -torch.rand(b, n, d, dtype=f64, generator=g)
+    scale, out = torch.rand(b, n, d, dtype=f64, generator=g), torch.randn(b, n, d, dtype=f64, generator=g)
+    seg = torch.zeros(b, n, dtype=torch.int64)
+    seg[1, 9:] = 1  # a restart at position 9 of the second example
+    w = torch.randn(d, K, dtype=f64, generator=g)
+    M = mixers.lru_matrix(log_a, scale) * (seg[:, None, :, None] == seg[:, None, None, :])
+    M = M * out.transpose(1, 2)[..., None]
+    return mixers.LRURows(log_a, scale, out, w, segment=seg), _dense_total(M, None, w)
+
+
+BUILDERS = {"ssd": _ssd, "selective": _selective, "delta": _delta, "kda": lambda g, **kw: _delta(g, True, **kw), "conv": _conv,
+            "lru": _lru}
+
+
+@pytest.mark.parametrize("kind", BUILDERS)
+def test_blocks_equal_the_dense_rows(kind, monkeypatch):
+    lay, dense = BUILDERS[kind](_gen(3))
+    n = dense.shape[-1]
+    for rows in (3, 5, 16, 64):
+        lay.rows = rows
+        for t0 in range(0, n, rows):
+            t1 = min(n, t0 + rows)
+            torch.testing.assert_close(lay.block(t0, t1), dense[:, t0:t1, :t1], atol=1e-6, rtol=0)
+    for t0, t1 in ((7, 13), (2, 9), (20, 23), (0, 23), (11, 12)):  # out of order, across the state's chunks
+        torch.testing.assert_close(lay.block(t0, t1), dense[:, t0:t1, :t1], atol=1e-6, rtol=0)
+    monkeypatch.setattr(mixers, "ROWS_BUDGET", 1)  # one channel group at a time
+    torch.testing.assert_close(lay.block(4, 19), dense[:, 4:19, :19], atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("kind", BUILDERS)
+def test_apply_rows_is_the_normalised_dense_product(kind):
+    lay, dense = BUILDERS[kind](_gen(4))
+    b, n, _ = dense.shape
+    Fd = dense / dense.sum(-1, keepdim=True)
+    r = torch.rand(b, 2, n, dtype=f64, generator=_gen(5))
+    lay.rows = 6
+    torch.testing.assert_close(lay.apply_rows(r, a=0.5, c=0.5), r @ (0.5 * Fd + 0.5 * torch.eye(n, dtype=f64)),
+                               atol=1e-10, rtol=0)
+    assert lay.shape == (b, 1, n, n)
+
+
+def test_ssd_selective_factored_blocks_survive_strong_decays():
+    """Strong decays (most entries underflow; at 4000 a block's own decays span past what its factors hold: the
+    direct form) and a positive rate (the direct form throughout): the blocks stay the rows."""
+    g = _gen(6)
+    for scale in (40.0, 4000.0, -0.3):
+        lay, _ = _selective(g)
+        lay.A = -scale * torch.rand_like(lay.A)
+        M = mixers.selective_matrix(lay.C, lay.B, lay.dt, lay.A, lay.D)
+        for t0, t1 in ((0, 6), (6, 13), (13, 23), (2, 23)):
+            got = mixers.selective_block(lay.C, lay.B, lay.dt, lay.A, lay.D, t0, t1, sub=4)
+            torch.testing.assert_close(got, M[:, :, t0:t1, :t1], atol=1e-9, rtol=1e-9)
+
+
+def _old_ssd_block(lay: mixers.SSDRows, t0: int, t1: int) -> torch.Tensor:
+    """SSDRows.block before its fold took all channels in one product: per head, the K taps per column."""
+    M = mixers.ssd_block(lay.C, lay.B, lay.dt, lay.A, lay.D, t0, t1, causal_cols=True)
+    b, H, R, _ = M.shape
+    K = lay.weight.shape[-1]
+    P = lay.gate_in.shape[-1] // H
+    g, w = lay.gate_in[:, :t1].to(M.dtype), lay.weight.to(M.dtype).flip(-1)
+    total = M.new_zeros(b, R, t1)
+    for h in range(H):
+        c0, c1 = h * P, (h + 1) * P
+        shifted, coef = M.new_zeros(b, R, t1, K), M.new_zeros(b, t1, K, P)
+        for k in range(min(K, t1)):
+            shifted[:, :, : t1 - k, k] = M[:, h, :, k:]
+            coef[:, : t1 - k, k] = g[:, k:, c0:c1] * w[c0:c1, k]
+        total += torch.einsum("brsk,bskc->brsc", shifted, coef).abs_().sum(-1)
+    return total
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_ssd_rows_fold_equals_the_per_head_fold(dtype):
+    lay, _ = _ssd(_gen(7), n=40, h=4, P=8)
+    for name in ("C", "B", "dt", "A", "D", "gate_in", "weight"):
+        setattr(lay, name, getattr(lay, name).to(dtype))
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    for t0, t1 in ((0, 2), (0, 16), (16, 32), (32, 40), (37, 40)):
+        torch.testing.assert_close(lay.block(t0, t1), _old_ssd_block(lay, t0, t1), atol=tol, rtol=tol)
+
+
+class _Largest(TorchDispatchMode):
+    """The largest tensor any torch operation returns while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def _largest_in_sweep(kind: str, n: int, rows: int = 8) -> tuple[int, int]:
+    """(largest tensor of a rows-only sweep at length n, the dense per-channel matrices' size b·C·n²)."""
+    lay, dense = BUILDERS[kind](_gen(8), n=n)
+    lay.rows = rows
+    r = torch.rand(lay.batch, 1, n, dtype=f64, generator=_gen(9))
+    with _Largest() as seen:
+        lay.apply_rows(r, a=0.5, c=0.5)
+    channels = 1 if lay.weight is None else lay.weight.shape[0]
+    return seen.largest, dense.shape[0] * max(channels, lay.groups) * n * n
+
+
+@pytest.mark.parametrize("kind", BUILDERS)
+def test_sweep_memory_is_linear_in_the_length(kind):
+    """Doubling n (blocks of 8 rows) at most doubles the largest tensor the sweep creates (an (n, n) tensor would
+    quadruple it), and it stays far below the dense matrices; blocks of n rows do grow as n²."""
+    small, _ = _largest_in_sweep(kind, 96)
+    big, dense = _largest_in_sweep(kind, 192)
+    assert big <= 2.1 * small and big < dense / 4, (small, big, dense)
+    whole_small, _ = _largest_in_sweep(kind, 96, rows=96)
+    whole_big, _ = _largest_in_sweep(kind, 192, rows=192)
+    assert whole_big >= 3.5 * whole_small  # the check sees quadratic growth where there is some
