@@ -407,7 +407,8 @@ TRANSFORMERS = Family(
                        "LFM2: C · conv(B · x) per channel; Qwen3-Next: the delta rule per value head, its convolution "
                        "folded) repeated on every head", prefix="0",
                readout="last real token; `rollout`, `raw`, `flow`, `grad_rollout`, `gae` compose it, the rest "
-                       "refuse it naming the mixer; `rollout` rows only through the mixers (matrix-free), the rest dense"),
+                       "refuse it naming the mixer; `rollout` rows only through the mixers (matrix-free), the "
+                       "rest dense"),
         Models(models="transformers Qwen3.5, OLMo-Hybrid (gated DeltaNet + attention), Kimi-Linear (KDA: a delta "
                       "rule with a per-channel decay + attention), RecurrentGemma (RG-LRU blocks + local attention)",
                streams="self: attention and mixer layers in execution order (`capture/hybrids.py`), each mixer's "
