@@ -5,7 +5,7 @@ comprehensiveness ↑ and sufficiency ↓ (AOPC, :mod:`attnroll.evaluate.text`: 
 tokens deleted or kept alone; [CLS] / [SEP] never removed), target = the predicted class, on
 
 - a VALIDATION split: ``--val`` snippets of the training pool that the classifier never trained on (the pool
-  is ``reviews.split``'s, the classifier trained on its first ``--train-size``; we take the next ones), on
+  is ``reviews.split``'s; pool[``--val-start``:] is its training script's validation slice, 4000:4100), on
   which the default is chosen, and
 - the HELD-OUT split: the first ``--held`` of the shipped held-out snippets (``reviews.held_out()``, disjoint
   from the pool by construction), reported once, for the method chosen on validation and ``--held-methods``.
@@ -260,7 +260,8 @@ def choose(res, budget):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--snippets", required=True, help="movieReviewSnippets_GroundTruth.txt (vaderSentiment sdist)")
-    p.add_argument("--train-size", type=int, default=4000, help="snippets the classifier trained on (its card)")
+    p.add_argument("--val-start", "--train-size", dest="val_start", type=int, default=4000,
+                   help="first validation snippet of the pool (the training script's --val-slice start)")
     p.add_argument("--val", type=int, default=100)
     p.add_argument("--held", type=int, default=200)
     p.add_argument("--held-methods", default="rollout,random,gae,alti_logit",
@@ -278,13 +279,13 @@ def main(argv=None):
     shipped = reviews.held_out()
     assert set(held.ids.tolist()) == set(shipped.ids.tolist()), "held-out split differs from the shipped one"
     tok = load_model("minilm-reviews").tokenizer
-    val = by_length(tok, pool.subset(range(args.train_size, args.train_size + args.val)))
+    val = by_length(tok, pool.subset(range(args.val_start, args.val_start + args.val)))
     test = by_length(tok, shipped.subset(range(args.held)))
     assert not set(val.ids.tolist()) & set(test.ids.tolist())
     splits = {"validation": (val.texts, val.labels), "held_out": (test.texts, test.labels)}
     out = {"machine": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
            "threads": 1, "bins": list(ERASER_BINS), "load_start": load(),
-           "splits": {"validation": f"reviews.split pool[{args.train_size}:{args.train_size + args.val}] "
+           "splits": {"validation": f"reviews.split pool[{args.val_start}:{args.val_start + args.val}] "
                                     "(never trained on)", "held_out": f"reviews.held_out()[:{args.held}]"}}
     def save(res):
         out["minilm_reviews"] = res
