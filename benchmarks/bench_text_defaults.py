@@ -8,7 +8,8 @@ tokens deleted or kept alone; [CLS] / [SEP] never removed), target = the predict
   is ``reviews.split``'s; pool[``--val-start``:] is its training script's validation slice, 4000:4100), on
   which the default is chosen, and
 - the HELD-OUT split: the first ``--held`` of the shipped held-out snippets (``reviews.held_out()``, disjoint
-  from the pool by construction), reported once, for the method chosen on validation and ``--held-methods``.
+  from the pool by construction), reported once, for the method chosen on validation and ``--held-methods``
+  (``--held 0``: validation only).
 
 Each split is sorted by token count and explained / scored in chunks of ``--batch`` (little padding).
 
@@ -253,8 +254,9 @@ def choose_on(results, budget):
 
 def choose(res, budget):
     best = choose_on(res["validation"]["methods"], budget)
+    held = res.get("held_out", {"methods": {}})["methods"]
     return {"method": best, "rule": f"max comprehensiveness - sufficiency on validation, cost <= {budget}x "
-                                    "forward+backward", "held_out": res["held_out"]["methods"].get(best)}
+                                    "forward+backward", "held_out": held.get(best)}
 
 
 def main(argv=None):
@@ -283,6 +285,8 @@ def main(argv=None):
     test = by_length(tok, shipped.subset(range(args.held)))
     assert not set(val.ids.tolist()) & set(test.ids.tolist())
     splits = {"validation": (val.texts, val.labels), "held_out": (test.texts, test.labels)}
+    if not args.held:
+        del splits["held_out"]
     out = {"machine": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
            "threads": 1, "bins": list(ERASER_BINS), "load_start": load(),
            "splits": {"validation": f"reviews.split pool[{args.val_start}:{args.val_start + args.val}] "
