@@ -5,10 +5,11 @@ comprehensiveness ↑ and sufficiency ↓ (AOPC, :mod:`attnroll.evaluate.text`: 
 tokens deleted or kept alone; [CLS] / [SEP] never removed), target = the predicted class, on
 
 - a VALIDATION split: ``--val`` snippets of the training pool that the classifier never trained on (the pool
-  is ``reviews.split``'s, the classifier trained on its first ``--train-size``; we take the next ones), on
+  is ``reviews.split``'s; pool[``--val-start``:] is its training script's validation slice, 4000:4100), on
   which the default is chosen, and
 - the HELD-OUT split: the first ``--held`` of the shipped held-out snippets (``reviews.held_out()``, disjoint
-  from the pool by construction), reported once, for the method chosen on validation and ``--held-methods``.
+  from the pool by construction), reported once, for the method chosen on validation and ``--held-methods``
+  (``--held 0``: validation only).
 
 Each split is sorted by token count and explained / scored in chunks of ``--batch`` (little padding).
 
@@ -115,12 +116,18 @@ def classifier(args, texts_by_split, methods, save):
     res = {}
     for split, (texts, labels) in texts_by_split.items():
         with torch.no_grad():
-            pred = torch.cat([model(**encode(tok, texts[sl])[0]).logits.argmax(-1)
+            prob = torch.cat([model(**encode(tok, texts[sl])[0]).logits.softmax(-1)
                               for sl in chunks(len(texts), args.batch)])
-        res[split] = {"n": len(texts), "accuracy": float((pred.numpy() == labels).mean()), "methods": {}}
+        res[split] = {"n": len(texts), "accuracy": float((prob.argmax(-1).numpy() == labels).mean()),
+                      "mean_predicted_probability": float(prob.max(-1).values.mean()), "methods": {}}
+    reused = json.loads(Path(args.reuse).read_text())["minilm_reviews"] if args.reuse else {}
     for split, (texts, _) in texts_by_split.items():  # every method on validation, then the held-out ones
         for m in methods:
             if split == "held_out" and m not in held_methods(res, args):
+                continue
+            old = reused.get(split, {})
+            if old.get("n") == len(texts) and "comprehensiveness" in old.get("methods", {}).get(m, {}):
+                res[split]["methods"][m] = old["methods"][m]  # measured by an earlier run on the same model
                 continue
             lo = load()
             try:
@@ -253,14 +260,16 @@ def choose_on(results, budget):
 
 def choose(res, budget):
     best = choose_on(res["validation"]["methods"], budget)
+    held = res.get("held_out", {"methods": {}})["methods"]
     return {"method": best, "rule": f"max comprehensiveness - sufficiency on validation, cost <= {budget}x "
-                                    "forward+backward", "held_out": res["held_out"]["methods"].get(best)}
+                                    "forward+backward", "held_out": held.get(best)}
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--snippets", required=True, help="movieReviewSnippets_GroundTruth.txt (vaderSentiment sdist)")
-    p.add_argument("--train-size", type=int, default=4000, help="snippets the classifier trained on (its card)")
+    p.add_argument("--val-start", "--train-size", dest="val_start", type=int, default=4000,
+                   help="first validation snippet of the pool (the training script's --val-slice start)")
     p.add_argument("--val", type=int, default=100)
     p.add_argument("--held", type=int, default=200)
     p.add_argument("--held-methods", default="rollout,random,gae,alti_logit",
@@ -270,6 +279,8 @@ def main(argv=None):
     p.add_argument("--budget", type=float, default=3.0)
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--out", default="benchmarks/text_defaults.json")
+    p.add_argument("--reuse", default=None,
+                   help="a partial --out of an earlier run on the same model: its classifier results are kept")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -278,13 +289,15 @@ def main(argv=None):
     shipped = reviews.held_out()
     assert set(held.ids.tolist()) == set(shipped.ids.tolist()), "held-out split differs from the shipped one"
     tok = load_model("minilm-reviews").tokenizer
-    val = by_length(tok, pool.subset(range(args.train_size, args.train_size + args.val)))
+    val = by_length(tok, pool.subset(range(args.val_start, args.val_start + args.val)))
     test = by_length(tok, shipped.subset(range(args.held)))
     assert not set(val.ids.tolist()) & set(test.ids.tolist())
     splits = {"validation": (val.texts, val.labels), "held_out": (test.texts, test.labels)}
+    if not args.held:
+        del splits["held_out"]
     out = {"machine": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
            "threads": 1, "bins": list(ERASER_BINS), "load_start": load(),
-           "splits": {"validation": f"reviews.split pool[{args.train_size}:{args.train_size + args.val}] "
+           "splits": {"validation": f"reviews.split pool[{args.val_start}:{args.val_start + args.val}] "
                                     "(never trained on)", "held_out": f"reviews.held_out()[:{args.held}]"}}
     def save(res):
         out["minilm_reviews"] = res

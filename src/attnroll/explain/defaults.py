@@ -36,9 +36,9 @@ DEFAULTS: dict[str, Default] = {
                                 "most faithful on the shapes ViT (deletion 0.159 vs rollout 0.289)"),
     # minilm-reviews, real movie-review snippets (EVALUATION.md, "Real movie reviews (minilm-reviews)";
     # benchmarks/bench_text_defaults.py, benchmarks/text_defaults.json): chosen on 100 validation snippets by
-    # comprehensiveness - sufficiency: decompx 0.371 / -0.052, alti_logit 0.326 / -0.017, gae 0.330 / -0.007,
-    # rollout 0.085 / 0.247, random 0.067 / 0.255; held-out (200): decompx 0.368 / -0.079 at 1.00x fwd+bwd
-    # (alti_logit 0.307 / -0.039, gae 0.297 / -0.027).
+    # comprehensiveness - sufficiency: decompx 0.373 / -0.049, alti_logit 0.330 / -0.029, gae 0.331 / -0.018,
+    # rollout 0.091 / 0.254, random 0.054 / 0.278; held-out (200): decompx 0.374 / -0.053 at 1.04x fwd+bwd
+    # (alti_logit 0.320 / -0.021, gae 0.320 / -0.016).
     "text classifier": Default(("decompx", "alti_logit", "gae", "rollout"),
                                "most faithful on real movie reviews within 3x forward+backward"),
     # all-MiniLM-L6-v2 on the same snippets (32 per split), target = cosine similarity to the nearest other
