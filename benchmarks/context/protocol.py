@@ -80,7 +80,7 @@ class Prefixed:
         self.model, self.full_ids = model, list(full_ids)
         with torch.no_grad():
             out = model(input_ids=torch.tensor([self.full_ids]), use_cache=True, logits_to_keep=1)
-        self.kv = [(lay.keys, lay.values) for lay in out.past_key_values.layers]
+        self.kv = [(lay.keys, lay.values) for lay in out.cache.layers]
 
     def logp(self, prompt_ids: list[int], answer_ids: list[int]) -> float:
         from transformers import DynamicCache
@@ -94,7 +94,7 @@ class Prefixed:
         for i, (k, v) in enumerate(self.kv):
             cache.update(k[:, :, :p], v[:, :, :p], i)
         with torch.no_grad():
-            logits = self.model(input_ids=torch.tensor([ids[p:]]), past_key_values=cache, use_cache=True,
+            logits = self.model(input_ids=torch.tensor([ids[p:]]), cache=cache, use_cache=True,
                                 logits_to_keep=T + 1).logits[0, :T].float()
         return float(logits.log_softmax(-1)[torch.arange(T), torch.tensor(answer_ids)].sum())
 

@@ -111,3 +111,19 @@ def test_combine_rule():
     assert s[1] == 0.2 and s[2] == 1.5 and s[3] < 0.2 and s[0] < s[3]
     assert checked.combine(base, {}) == base
     assert checked.without("a b.\n\nc d.\n\ne.", (6, 10)) == "a b.\n\ne."
+
+
+def test_ablations_start_from_the_full_forward_keys_and_values():
+    """The probe keeps f(all) and the keys / values of the plain forward; an ablation computed from the first
+    changed token on equals the whole forward of the ablated prompt."""
+    m, tok = setup()
+    p = tok(PROMPT)["input_ids"]
+    a = tok(ANSWER, add_special_tokens=False)["input_ids"]
+    ids = torch.tensor([p + a])
+    with checked.FullProbe(m, ids, a) as probe:
+        with torch.no_grad():
+            m(input_ids=ids)
+    assert probe.full == pytest.approx(logp(m, tok, PROMPT), abs=1e-10) and probe.kv is not None
+    text = checked.without(PROMPT, (PROMPT.index("a dog"), PROMPT.index("paris") - 1))
+    short = torch.tensor([tok(text)["input_ids"]])
+    assert checked.prefixed_logprob(m, short, a, ids, probe.kv) == pytest.approx(logp(m, tok, text), abs=1e-10)

@@ -14,7 +14,8 @@ each without gradient: their exact drops f(all) − f(without j), in nats. The r
 
 So the top unit is the one among the base's ``r`` candidates whose removal costs the answer most, at ``r``
 forwards on top of the base; ``r`` ≥ the number of units is exact leave-one-out. f(all) is read off the base's
-own unmodified forward (the capture that finds the attention sinks) where there is one, else one more forward.
+own unmodified forward (the capture that finds the attention sinks) where there is one, else one more forward;
+so are that forward's keys and values, and each ablated prompt is computed from its first changed token on.
 """
 
 from __future__ import annotations
@@ -90,6 +91,7 @@ class FullProbe:
     def __init__(self, model: nn.Module, ids: torch.Tensor, answer_ids: Sequence[int]):
         self.model, self.ids, self.answer_ids = model, ids, list(answer_ids)
         self.full: float | None = None
+        self.kv: list | None = None
         self._hook = None
 
     def _seen(self, module, args, kwargs, output) -> None:
@@ -101,6 +103,12 @@ class FullProbe:
             return
         T = len(self.answer_ids)
         self.full = _logprob(logits[0, -T - 1:-1].detach(), self.answer_ids)
+        cache = getattr(output, "cache", None) or getattr(output, "past_key_values", None)  # newer / older name
+        layers = getattr(cache, "layers", None) or []
+        kv = [(getattr(lay, "keys", None), getattr(lay, "values", None)) for lay in layers]
+        if kv and all(isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor) and k.shape[-2] == ids.shape[1]
+                      for k, v in kv):
+            self.kv = [(k.detach(), v.detach()) for k, v in kv]  # the keys and values to start ablations from
 
     def __enter__(self) -> "FullProbe":
         self._hook = self.model.register_forward_hook(self._seen, with_kwargs=True)
@@ -111,15 +119,45 @@ class FullProbe:
 
 
 def exact_drops(model: nn.Module, tokenizer: Any, prompt: str, spans: Sequence[tuple[int, int]],
-                chosen: Sequence[int], answer_ids: Sequence[int], templated: bool, full: float | None) -> dict:
+                chosen: Sequence[int], answer_ids: Sequence[int], templated: bool, probe: "FullProbe") -> dict:
     """{unit j: f(all) − f(prompt without unit j)} for the ``chosen`` units (one forward each, plus one for
-    f(all) when ``full`` is None); the prompt re-encoded as the full one was (``templated``: chat template)."""
+    f(all) when the ``probe`` saw none); the prompt re-encoded as the full one was (``templated``: chat template).
+    Where the probe kept the full sequence's keys and values, an ablated prompt's forward starts where its tokens
+    first differ from the full one's (the same numbers up to rounding, less compute)."""
     def f(text: str) -> float:
-        enc = prompts.encode_prompt(tokenizer, text, templated)
-        return answer_logprob(model, prompts.on_model(model, enc.ids), answer_ids)
+        ids = prompts.on_model(model, prompts.encode_prompt(tokenizer, text, templated).ids)
+        if probe.kv is not None:
+            try:
+                return prefixed_logprob(model, ids, answer_ids, probe.ids, probe.kv)
+            except (TypeError, ValueError, RuntimeError, ImportError, AttributeError):
+                probe.kv = None  # a model whose cache this route does not fit: whole forwards
+        return answer_logprob(model, ids, answer_ids)
 
-    full = f(prompt) if full is None else full
+    full = f(prompt) if probe.full is None else probe.full
     return {j: full - f(without(prompt, spans[j])) for j in chosen}
+
+
+def prefixed_logprob(model: nn.Module, prompt_ids: torch.Tensor, answer_ids: Sequence[int], full_ids: torch.Tensor,
+                     kv: list) -> float:
+    """:func:`answer_logprob` of ``prompt_ids`` (1, m), computed from the first token where it differs from
+    ``full_ids`` (1, n) on, the common prefix's keys and values taken from ``kv`` (per layer, (1, H, n, d))."""
+    from transformers import DynamicCache
+
+    T = len(answer_ids)
+    ids = torch.cat([prompt_ids, torch.tensor([list(answer_ids)], dtype=prompt_ids.dtype,
+                                              device=prompt_ids.device)], dim=1)
+    m = min(ids.shape[1], full_ids.shape[1])
+    same = (ids[0, :m] == full_ids[0, :m].to(ids.device)).to(torch.int64)
+    p = min(int(same.cumprod(0).sum()), prompt_ids.shape[1] - 1)  # the row predicting answer token 0 is recomputed
+    cache = DynamicCache()
+    for i, (k, v) in enumerate(kv):
+        cache.update(k[:, :, :p], v[:, :, :p], i)
+    params = inspect.signature(model.forward).parameters
+    kw = {"logits_to_keep": T + 1} if "logits_to_keep" in params else {}
+    kw["cache" if "cache" in params else "past_key_values"] = cache  # the newer name where the model takes it
+    with torch.no_grad():
+        logits = model(input_ids=ids[:, p:], use_cache=True, **kw).logits[0, -T - 1:-1]
+    return _logprob(logits, answer_ids)
 
 
 def combine(base: Sequence[float], exact: dict) -> list[float]:

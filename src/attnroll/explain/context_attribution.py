@@ -219,7 +219,7 @@ def context_attribution(
         scores = torch.where(found, torch.zeros(()), scores)  # not rescaled: the shares are relative anyway
     units = _units(prompt, offsets, scores, unit, segments)
     if method == "checked":  # the base's top r units verified by exact leave-one-out
-        scores = _verified(model, tokenizer, prompt, enc.templated, units, scores, owner, answer_ids, r, probe.full)
+        scores = _verified(model, tokenizer, prompt, enc.templated, units, scores, owner, answer_ids, r, probe)
         units = _units(prompt, offsets, scores, unit, segments)
     template = [enc.templated and o == (0, 0) for o in offsets]  # the chat template's tokens
     units, owner = _template_unit(units, owner, scores, template)
@@ -246,14 +246,14 @@ def _resolve(method: str | None, model: nn.Module, n: int) -> str:
     return "checked"
 
 
-def _verified(model, tokenizer, prompt, templated, units, scores, owner, answer_ids, r, full) -> torch.Tensor:
+def _verified(model, tokenizer, prompt, templated, units, scores, owner, answer_ids, r, probe) -> torch.Tensor:
     """"checked": token scores whose unit sums are :func:`checked.combine` of the units' base scores and the
     exact leave-one-out drops of the ``r`` highest (``checked``)."""
     real = [u for u in units if u["span"] is not None]
     base = [u["score"] for u in real]
     chosen = checked.choose(base, r)
     drops = checked.exact_drops(model, tokenizer, prompt, [u["span"] for u in real], chosen, answer_ids,
-                                templated, full)
+                                templated, probe)
     return checked.reweight(scores, owner, base, checked.combine(base, drops))
 
 
