@@ -117,7 +117,7 @@ def choose_table(args) -> None:
     print("| candidate | top-1 = LOO | Spearman |\n|---|---|---|")
     for name in names:
         a = agreement(rows, name)
-        print(f"| {name} | {a['top1']}/{a['n']} | {a['spearman']:.2f} |")
+        print(f"| {name} | {a['top1']}/{a['n']} | {a['spearman']:.3f} |")
 
 
 def library_call(name: str) -> tuple[str, dict]:
@@ -192,6 +192,22 @@ def collect(args) -> None:
         print(len(rows), item.meta, flush=True)
 
 
+def costs(args) -> None:
+    """End-to-end costs of the bases and of checked@4 (base + 4 checks) on a few prompts, side by side with one
+    forward + backward; one check's cost = (checked@4 − gate_grad) / 4."""
+    from attnroll.models import load_model
+
+    lm = load_model("smollm2-135m-instruct")
+    names = ["gate_grad", "gate_grad@1", "attn_grad", "checked@4"]
+    rows = []
+    for item in qa_set(lm.tokenizer, args.split, args.count, 16):
+        c = {k: v[0] for k, v in timed_costs(lm.model, lm.tokenizer, item, names).items()}
+        c["one check"] = (c["checked@4"] - c["gate_grad"]) / 4
+        rows.append({**c, "loadavg": open("/proc/loadavg").read().split()[:3]})
+        print({k: (round(v, 2) if isinstance(v, float) else v) for k, v in rows[-1].items()}, flush=True)
+    json.dump({"split": args.split, "items": rows}, open(args.out, "w"))
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -211,9 +227,13 @@ def main(argv=None) -> None:
     r.add_argument("--start", type=int, default=0, help="the rows to report start here (the files hold all)")
     r.add_argument("--timed", type=int, default=3, help="time the methods end to end on this many prompts")
     r.add_argument("--out", required=True)
+    k = sub.add_parser("costs")
+    k.add_argument("--split", choices=tuple(SPLITS), default="validation-b")
+    k.add_argument("--count", type=int, default=2)
+    k.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    {"collect": collect, "choose": choose_table, "report": report}[args.cmd](args)
+    {"collect": collect, "choose": choose_table, "report": report, "costs": costs}[args.cmd](args)
 
 
 if __name__ == "__main__":

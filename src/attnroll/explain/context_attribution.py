@@ -170,15 +170,15 @@ def context_attribution(
         unit: "token" | "word" | "sentence" (ignored when ``segments`` is given).
         segments: consecutive pieces of the prompt (e.g. retrieved passages), in order; text outside them
             goes to "(other)".
-        method: "gate_grad" (default: ∂ log p(answer) / ∂m_j of a gate m_j on the attention paid to unit j's
-            tokens in every layer, head and row, averaged over m = 1 and 0.25: a leave-one-out estimate, signed,
-            in nats; option ``scales``, default (1.0, 0.25); needs the eager or sdpa kernel and no sliding
-            window shorter than the input; ``key_gates``), "attn_grad" (gradient × attention at the answer's
-            rows, summed over heads and layers, without rollout; any kernel; options ``clamp``,
-            ``start_layer``, ``end_layer``), "gae", "grad_rollout" or "rollout". The default is the measured
-            choice on SmolLM2-135M-Instruct multi-passage QA against exact leave-one-out (EVALUATION.md,
-            "Context attribution on SmolLM2-135M-Instruct"): gate_grad orders the passages best (Spearman with
-            leave-one-out) and its top passage removes as much as attn_grad's; rollout ranks passages poorly.
+        method: "checked" (default: gate_grad's ranking whose top ``r`` units, option ``r`` default 3, are
+            verified by exact leave-one-out, r more forwards without gradient; option ``base`` "gate_grad" or
+            "attn_grad"; ``explain.checked``), "gate_grad" (∂ log p(answer) / ∂m_j of a gate m_j on the
+            attention paid to unit j's tokens in every layer, head and row, averaged over m = 1 and 0.25: a
+            leave-one-out estimate, signed, in nats; option ``scales``, default (1.0, 0.25); needs the eager or
+            sdpa kernel and no sliding window shorter than the input; ``key_gates``), "attn_grad" (gradient ×
+            attention at the answer's rows, summed over heads and layers, without rollout; any kernel; options
+            ``clamp``, ``start_layer``, ``end_layer``), "gae", "grad_rollout" or "rollout". The default: measured
+            against exact leave-one-out on SmolLM2 QA (EVALUATION.md); "attn_grad", warned, where gates can't act.
         sinks: "drop" (default): prompt tokens found to be attention sinks on the captured attention (the
             first token of most decoders; ``attnroll.explain.sinks``) get no share, their share of the
             relevance recorded in ``sink_share``; "keep": they keep it.
@@ -207,11 +207,7 @@ def context_attribution(
     method = _resolve(method, model, ids.shape[1])
     base, r, base_options = checked.split_options(options) if method == "checked" else (method, 0, options)
     with checked.FullProbe(model, ids, answer_ids) as probe:  # f(all) off the base's plain forward, for "checked"
-        if base == "gate_grad":  # the units' tokens are gated (not the chat template's, nor the answer's)
-            gated = torch.tensor([o >= 0 for o in owner] + [False] * T)
-            R, layers = _gate_relevance(model, ids, rows, answer_ids, gated, base_options)  # (1, n)
-        else:
-            R, layers = _relevance(model, tokenizer, ids, rows, answer_ids, base, base_options)  # (T, n)
+        R, layers = _base_relevance(model, tokenizer, ids, rows, answer_ids, owner, base, base_options)
     scores = R[:, :n_prompt].sum(dim=0).to(torch.float32).cpu()
     found = sink_positions(layers, ids.shape[1])[:n_prompt]
     _, share = core_sinks.drop_columns(scores, found)
@@ -220,7 +216,7 @@ def context_attribution(
     units = _units(prompt, offsets, scores, unit, segments)
     if method == "checked":  # the base's top r units verified by exact leave-one-out
         scores = _verified(model, tokenizer, prompt, enc.templated, units, scores, owner, answer_ids, r, probe)
-        units = _units(prompt, offsets, scores, unit, segments)
+        units = _units(prompt, offsets, scores, unit, segments)  # their sums: the combined scores
     template = [enc.templated and o == (0, 0) for o in offsets]  # the chat template's tokens
     units, owner = _template_unit(units, owner, scores, template)
     text = tokenizer.decode(answer_ids, skip_special_tokens=True)
@@ -228,8 +224,7 @@ def context_attribution(
                               "segments" if segments is not None else unit, {**options, "sinks": sinks},
                               sinks=torch.nonzero(found).reshape(-1).tolist(), sink_share=float(share),
                               tokens=enc.pieces, answer_tokens=prompts.answer_pieces(tokenizer, answer_ids),
-                              chat_template=enc.templated, input_text=enc.text,
-                              token_units=owner)
+                              chat_template=enc.templated, input_text=enc.text, token_units=owner)
 
 
 def _resolve(method: str | None, model: nn.Module, n: int) -> str:
@@ -244,6 +239,14 @@ def _resolve(method: str | None, model: nn.Module, n: int) -> str:
                       f"'attn_grad' is used instead", UserWarning, stacklevel=3)
         return "attn_grad"
     return "checked"
+
+
+def _base_relevance(model, tokenizer, ids, rows, answer_ids, owner, method, options) -> tuple[torch.Tensor, list]:
+    """((1 or T, n) relevance, the captured layers) of a method other than "checked"."""
+    if method == "gate_grad":  # the units' tokens are gated (not the chat template's, nor the answer's)
+        gated = torch.tensor([o >= 0 for o in owner] + [False] * len(answer_ids))
+        return _gate_relevance(model, ids, rows, answer_ids, gated, options)  # (1, n)
+    return _relevance(model, tokenizer, ids, rows, answer_ids, method, options)  # (T, n)
 
 
 def _verified(model, tokenizer, prompt, templated, units, scores, owner, answer_ids, r, probe) -> torch.Tensor:
