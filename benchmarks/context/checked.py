@@ -165,15 +165,15 @@ def report(args) -> None:
     from attnroll.models import load_model
 
     lm = load_model("smollm2-135m-instruct")
-    rows = load_rows(args.files)
-    items = qa_set(lm.tokenizer, args.split, len(rows), 16)
+    rows = {d.get("start", 0) + k: r for p in args.files for d in [json.load(open(p))] for k, r in enumerate(d["items"])}
+    wanted = [i for i in sorted(rows) if args.start <= i < args.start + args.count]
+    items = qa_set(lm.tokenizer, args.split, max(wanted) + 1, 16)
     names = args.use.split(",")
     out = []
-    for i, (item, row) in enumerate(zip(items, rows)):
+    for i in wanted:
+        item, row = items[i], rows[i]
         if row["meta"] != item.meta or row["answer"] != item.answer:
             raise ValueError(f"stored row {i} is not prompt {i} of {args.split}: {row['meta']} vs {item.meta}")
-        if i < args.start:
-            continue
         out.append(report_item(lm.model, lm.tokenizer, item, row, names, i < args.start + args.timed))
         json.dump({"split": args.split, "items": out}, open(args.out, "w"))
         print(i, {k: (v["top1"], round(v["spearman"], 2)) for k, v in out[-1]["methods"].items()}, flush=True)
@@ -224,7 +224,8 @@ def main(argv=None) -> None:
     r.add_argument("files", nargs="+")
     r.add_argument("--split", choices=tuple(SPLITS), required=True)
     r.add_argument("--use", required=True, help="comma-separated candidate names")
-    r.add_argument("--start", type=int, default=0, help="the rows to report start here (the files hold all)")
+    r.add_argument("--start", type=int, default=0, help="the prompts reported: --start, then --count of them")
+    r.add_argument("--count", type=int, default=1000)
     r.add_argument("--timed", type=int, default=3, help="time the methods end to end on this many prompts")
     r.add_argument("--out", required=True)
     k = sub.add_parser("costs")

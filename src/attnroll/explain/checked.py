@@ -30,7 +30,7 @@ from torch import nn
 from . import prompts
 
 #: The units verified by exact leave-one-out unless ``r`` is given (the validation choice, EVALUATION.md).
-DEFAULT_R = 3
+DEFAULT_R = 4
 
 #: The gradient rankings "checked" can verify.
 BASES = ("gate_grad", "attn_grad")
