@@ -208,6 +208,23 @@ def costs(args) -> None:
     json.dump({"split": args.split, "items": rows}, open(args.out, "w"))
 
 
+def report_table(args) -> None:
+    """Markdown rows of ``report`` files: per method top-1 = LOO, mean Spearman, mean drops, median cost (timed
+    prompts), and the largest gap between the end-to-end scores and those rebuilt from the stored pass."""
+    items = load_rows(args.files)
+    timed = [" ".join(it["loadavg"]) for it in items if any("cost" in m for m in it["methods"].values())]
+    print(f"{len(items)} prompts; load (timed prompts) {', '.join(timed)}")
+    print("| method | top-1 = LOO | Spearman | drop k=1 | k=3 | k=5 | cost (prompts) | e2e gap |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name in items[0]["methods"]:
+        rs = [it["methods"][name] for it in items]
+        c = [r["cost"] for r in rs if "cost" in r]
+        gap = max((r["e2e_max_diff"] for r in rs if "e2e_max_diff" in r), default=float("nan"))
+        print(f"| {name} | {sum(r['top1'] for r in rs)}/{len(rs)} | {np.mean([r['spearman'] for r in rs]):.2f} | "
+              + " | ".join(f"{np.mean([r[f'drop{k}'] for r in rs]):.2f}" for k in (1, 3, 5))
+              + f" | {'–'.join(f'{v:.1f}' for v in sorted(c)) or '–'} ({len(c)}) | {gap:.1e} |")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -232,8 +249,12 @@ def main(argv=None) -> None:
     k.add_argument("--split", choices=tuple(SPLITS), default="validation-b")
     k.add_argument("--count", type=int, default=2)
     k.add_argument("--out", required=True)
+    t = sub.add_parser("table")
+    t.add_argument("files", nargs="+")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
+    if args.cmd == "table":
+        return report_table(args)
     {"collect": collect, "choose": choose_table, "report": report, "costs": costs}[args.cmd](args)
 
 

@@ -272,7 +272,7 @@ def _load_decoder(spec: str) -> Any:
 @click.option("--generate", type=click.IntRange(1), metavar="N", help="Generate N tokens greedily as the answer.")
 @click.option("--method", "-m", default=None,
               help="checked (the measured default: EVALUATION.md; gate_grad's ranking with its top r units, "
-                   "-o r=3, verified by exact leave-one-out, r more forwards; eager or sdpa kernel, else attn_grad "
+                   "-o r=4, verified by exact leave-one-out, r more forwards; eager or sdpa kernel, else attn_grad "
                    "is used, warned), gate_grad, attn_grad (any kernel, 1x forward+backward), gae, grad_rollout or "
                    "rollout.")
 @click.option("--option", "-o", "options", multiple=True, metavar="KEY=VALUE",

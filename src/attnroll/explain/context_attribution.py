@@ -170,7 +170,7 @@ def context_attribution(
         unit: "token" | "word" | "sentence" (ignored when ``segments`` is given).
         segments: consecutive pieces of the prompt (e.g. retrieved passages), in order; text outside them
             goes to "(other)".
-        method: "checked" (default: gate_grad's ranking whose top ``r`` units, option ``r`` default 3, are
+        method: "checked" (default: gate_grad's ranking whose top ``r`` units, option ``r`` default 4, are
             verified by exact leave-one-out, r more forwards without gradient; option ``base`` "gate_grad" or
             "attn_grad"; ``explain.checked``), "gate_grad" (∂ log p(answer) / ∂m_j of a gate m_j on the
             attention paid to unit j's tokens in every layer, head and row, averaged over m = 1 and 0.25: a
