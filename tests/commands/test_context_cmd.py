@@ -205,3 +205,19 @@ def test_sinks_and_method_options_reach_the_library(lm_dir, tmp_path):
     bad = run("--model", lm_dir, "--prompt", PROMPT, "--answer", "paris", "-o", "discard_ratio=0.5", "--out", out)
     assert bad.exit_code == 1 and "has no option 'discard_ratio'" in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_checked_takes_r_and_refuses_a_bad_one(lm_dir, tmp_path):
+    out = tmp_path / "out"
+    res = run("--model", lm_dir, "--prompt", PROMPT, "--answer", "paris is", "-m", "checked", "-o", "r=2",
+              "--unit", "sentence", "--out", out)
+    assert res.exit_code == 0, res.output
+    got = json.loads(next(out.glob("*.context.checked.json")).read_text())
+    m, tok = loaded(lm_dir)
+    ca = attnroll.context_attribution(m, tok, PROMPT, answer="paris is", method="checked", r=2)
+    assert got["options"]["r"] == 2 and [u["score"] for u in got["units"]] == pytest.approx(
+        [u["score"] for u in ca.units], abs=1e-6)
+    bad = run("--model", lm_dir, "--prompt", PROMPT, "--answer", "paris", "-m", "checked", "-o", "r=0", "--out", out)
+    assert bad.exit_code == 1 and "needs r >= 1" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+    per_token = run("--model", lm_dir, "--prompt", PROMPT, "--answer", "paris", "-m", "checked", "--per-token")
+    assert per_token.exit_code == 2 and "--per-token takes" in per_token.stderr
