@@ -127,3 +127,10 @@ def test_ablations_start_from_the_full_forward_keys_and_values():
     text = checked.without(PROMPT, (PROMPT.index("a dog"), PROMPT.index("paris") - 1))
     short = torch.tensor([tok(text)["input_ids"]])
     assert checked.prefixed_logprob(m, short, a, ids, probe.kv) == pytest.approx(logp(m, tok, text), abs=1e-10)
+
+
+def test_a_unit_that_is_the_whole_prompt_keeps_its_base_score():
+    m, tok = setup()
+    ca = attnroll.context_attribution(m, tok, "paris is the capital of france .", answer=ANSWER, method="checked")
+    base = attnroll.context_attribution(m, tok, "paris is the capital of france .", answer=ANSWER, method="gate_grad")
+    assert ca.units[0]["score"] == pytest.approx(base.units[0]["score"], rel=1e-6)

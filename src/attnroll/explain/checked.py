@@ -134,7 +134,8 @@ def exact_drops(model: nn.Module, tokenizer: Any, prompt: str, spans: Sequence[t
         return answer_logprob(model, ids, answer_ids)
 
     full = f(prompt) if probe.full is None else probe.full
-    return {j: full - f(without(prompt, spans[j])) for j in chosen}
+    rest = {j: without(prompt, spans[j]) for j in chosen}
+    return {j: full - f(text) for j, text in rest.items() if text.strip()}  # a unit that is the whole prompt: unchecked
 
 
 def prefixed_logprob(model: nn.Module, prompt_ids: torch.Tensor, answer_ids: Sequence[int], full_ids: torch.Tensor,
