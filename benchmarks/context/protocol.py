@@ -40,9 +40,22 @@ class Scorer:
         key = tuple(bool(k) for k in keep)
         if key not in self.cache:
             text = render(self.tok, self.item.segments, self.item.question, key)
-            self.cache[key] = answer_logp(self.model, self.tok, text, self.answer_ids)
+            self.cache[key] = self.prefixed.logp(self.tok(text)["input_ids"], self.answer_ids)
             self.forwards += 1
         return self.cache[key]
+
+    @property
+    def prefixed(self) -> "Prefixed":
+        if not hasattr(self, "_prefixed"):
+            self._prefixed = Prefixed(self.model, self.tok(self.item.prompt)["input_ids"] + self.answer_ids)
+        return self._prefixed
+
+    def prefill(self, full: float, drops) -> None:
+        """Put stored forwards back in the cache: f(all) and, from the LOO drops, f(all but i)."""
+        n = len(self.item.segments)
+        self.cache[(True,) * n] = float(full)
+        for i, d in enumerate(drops):
+            self.cache[tuple(j != i for j in range(n))] = float(full) - float(d)
 
     def full(self) -> float:
         return self.logp([True] * len(self.item.segments))
@@ -56,6 +69,34 @@ def answer_logp(model, tokenizer, prompt: str, answer_ids: list[int]) -> float:
     with torch.no_grad():
         logits = model(input_ids=ids, logits_to_keep=T + 1).logits[0, :T].float()
     return float(logits.log_softmax(-1)[torch.arange(T), torch.tensor(answer_ids)].sum())
+
+
+class Prefixed:
+    """log p(answer | prompt) computed from the first token where the prompt differs from the full one on: the full
+    sequence's keys and values are kept once, and an ablated prompt reuses those of its common prefix (the same
+    numbers as a whole forward up to float rounding; about half the compute of leave-one-out)."""
+
+    def __init__(self, model, full_ids: list[int]):
+        self.model, self.full_ids = model, list(full_ids)
+        with torch.no_grad():
+            out = model(input_ids=torch.tensor([self.full_ids]), use_cache=True, logits_to_keep=1)
+        self.kv = [(lay.keys, lay.values) for lay in out.cache.layers]
+
+    def logp(self, prompt_ids: list[int], answer_ids: list[int]) -> float:
+        from transformers import DynamicCache
+
+        ids, T = list(prompt_ids) + list(answer_ids), len(answer_ids)
+        p = 0
+        while p < min(len(ids), len(self.full_ids)) and ids[p] == self.full_ids[p]:
+            p += 1
+        p = min(p, len(prompt_ids) - 1)  # the row predicting the first answer token is computed
+        cache = DynamicCache()
+        for i, (k, v) in enumerate(self.kv):
+            cache.update(k[:, :, :p], v[:, :, :p], i)
+        with torch.no_grad():
+            logits = self.model(input_ids=torch.tensor([ids[p:]]), cache=cache, use_cache=True,
+                                logits_to_keep=T + 1).logits[0, :T].float()
+        return float(logits.log_softmax(-1)[torch.arange(T), torch.tensor(answer_ids)].sum())
 
 
 def loo(scorer: Scorer) -> np.ndarray:
@@ -77,7 +118,9 @@ def lds_masks(n: int, count: int = 32, seed: int = 12345) -> np.ndarray:
 
 
 def lds(scorer: Scorer, scores: np.ndarray, masks: np.ndarray) -> float:
-    """Spearman between Σ_{kept} score and the actual log p(answer) over the masks."""
+    """Spearman between Σ_{kept} score and the actual log p(answer) over the masks (NaN without masks)."""
+    if len(masks) == 0:
+        return float("nan")
     actual = np.array([scorer.logp(m) for m in masks])
     pred = masks.astype(float) @ scores
     return _spearman(pred, actual)

@@ -42,6 +42,8 @@ def run_item(model, tok, item, names: list[str], cc: bool, old: dict | None = No
     """Every method's protocol figures on one prompt; costs relative to a forward+backward timed alongside.
     ``old``: a stored row of the same prompt: its LOO drops are reused and its methods not in ``names`` kept."""
     scorer = protocol.Scorer(model, tok, item)
+    if old and "full_logp" in old:  # the stored LOO forwards put back in the cache (top-1 drops reuse them)
+        scorer.prefill(old["full_logp"], old["loo"])
     t0 = time.perf_counter()
     drops = np.array(old["loo"]) if old else protocol.loo(scorer)
     loo_s = time.perf_counter() - t0 if not old else old["loo_cost"] * old["fwd_bwd_s"]
@@ -49,6 +51,7 @@ def run_item(model, tok, item, names: list[str], cc: bool, old: dict | None = No
     table = method_table(names)
     kept = {k: v for k, v in (old or {}).get("methods", {}).items() if k.split("/")[0] not in names}
     out = {"meta": item.meta, "answer": item.answer, "gold": item.gold, "loo": drops.tolist(),
+           "full_logp": scorer.full(),
            "n_tokens": len(tok(item.prompt)["input_ids"]), "methods": {}}
     fb = [protocol.fwd_bwd_seconds(model, tok, item)]
     cc_cache: dict = {}  # ContextCite-256's ablations, whose first 32 are ContextCite-32's (same seeds)
@@ -86,10 +89,10 @@ def main(argv=None) -> None:
     ap.add_argument("--count", type=int, default=12)
     ap.add_argument("--start", type=int, default=0)
     ap.add_argument("--methods", default="random,rollout,gae,attn_grad,gate_grad,last_attention,"
-                                        "attntrace_B30,contextcite_32")
+                                        "attntrace_B30,contextcite_32", help="comma-separated; 'none': LOO only")
     ap.add_argument("--cc", type=int, default=2, help="run ContextCite on the first N prompts only")
     ap.add_argument("--passages", type=int, default=16)
-    ap.add_argument("--lds", type=int, default=16, help="held-out random 50%% ablations for LDS")
+    ap.add_argument("--lds", type=int, default=16, help="held-out random 50%% ablations for LDS (0: no LDS)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--reuse", default=None, help="a results JSON: LOO and methods not re-run are taken from "
                                                  "its rows of the same prompts")
@@ -99,7 +102,7 @@ def main(argv=None) -> None:
     from attnroll.models import load_model
 
     lm = load_model("smollm2-135m-instruct")
-    names, LDS[0] = args.methods.split(","), args.lds
+    names, LDS[0] = ([] if args.methods == "none" else args.methods.split(",")), args.lds
     items = qa_set(lm.tokenizer, args.split, args.start + args.count, args.passages)[args.start:]
     path = args.out or os.path.join(os.path.dirname(__file__), "results", f"qa_{args.split}.json")
     stored = json.load(open(args.reuse))["items"] if args.reuse else []

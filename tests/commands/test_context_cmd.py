@@ -56,8 +56,8 @@ def test_passages_are_ranked_and_the_json_is_the_python_result(lm_dir, tmp_path)
               "--out", out)
     assert res.exit_code == 0, res.output
     files = sorted(p.name for p in out.iterdir())
-    assert len(files) == 2 and files[0].endswith(".context.gate_grad.html")  # the default method
-    assert files[1].endswith(".context.gate_grad.json")
+    assert len(files) == 2 and files[0].endswith(".context.checked.html")  # the default method
+    assert files[1].endswith(".context.checked.json")
     got = json.loads((out / files[1]).read_text())
     m, tok = loaded(lm_dir)
     ca = attnroll.context_attribution(m, tok, "\n\n".join(PASSAGES + [QUESTION]), answer="paris",
@@ -66,9 +66,7 @@ def test_passages_are_ranked_and_the_json_is_the_python_result(lm_dir, tmp_path)
     assert [u["text"] for u in got["units"]] == [u["text"] for u in ca.units]
     assert [u["share"] for u in got["units"]] == pytest.approx([u["share"] for u in ca.units], abs=1e-6)
     assert got["token_scores"] == pytest.approx(ca.token_scores.tolist(), abs=1e-6)
-    # gate_grad's signed scores: with every token in a unit, the gates' shift of whole attention rows cancels in
-    # the softmax, so the units' scores sum to ~0 (then every share is 0): ranked by score, printed in nats
-    assert sum(u["score"] for u in got["units"]) == pytest.approx(0.0, abs=1e-4)
+    # the default "checked": gate_grad's top units carry exact leave-one-out drops in nats, the rest below them
     assert [u["score"] for u in got["units"]] == pytest.approx([u["score"] for u in ca.units], abs=1e-6)
     lines = res.stdout.splitlines()
     assert lines[0] == f"answer (1 tokens): {ca.answer}"
@@ -187,7 +185,7 @@ def test_smollm2_answers_with_its_chat_template(tmp_path):
     res = run("--model", "smollm2-135m-instruct", "--prompt", "Where does Bob live?", "--passages", passages,
               "--generate", 12, "--out", out)
     assert res.exit_code == 0, res.output
-    got = json.loads(next(out.glob("*.context.gate_grad.json")).read_text())
+    got = json.loads(next(out.glob("*.context.checked.json")).read_text())
     assert got["chat_template"] is True and got["answer"].strip()
     assert sum(u["share"] for u in got["units"]) == pytest.approx(1.0, abs=1e-5)  # signed float32 scores
     assert f"answer ({len(got['answer_ids'])} tokens): {got['answer']}" in res.stdout
@@ -207,3 +205,19 @@ def test_sinks_and_method_options_reach_the_library(lm_dir, tmp_path):
     bad = run("--model", lm_dir, "--prompt", PROMPT, "--answer", "paris", "-o", "discard_ratio=0.5", "--out", out)
     assert bad.exit_code == 1 and "has no option 'discard_ratio'" in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_checked_takes_r_and_refuses_a_bad_one(lm_dir, tmp_path):
+    out = tmp_path / "out"
+    res = run("--model", lm_dir, "--prompt", PROMPT, "--answer", "paris is", "-m", "checked", "-o", "r=2",
+              "--unit", "sentence", "--out", out)
+    assert res.exit_code == 0, res.output
+    got = json.loads(next(out.glob("*.context.checked.json")).read_text())
+    m, tok = loaded(lm_dir)
+    ca = attnroll.context_attribution(m, tok, PROMPT, answer="paris is", method="checked", r=2)
+    assert got["options"]["r"] == 2 and [u["score"] for u in got["units"]] == pytest.approx(
+        [u["score"] for u in ca.units], abs=1e-6)
+    bad = run("--model", lm_dir, "--prompt", PROMPT, "--answer", "paris", "-m", "checked", "-o", "r=0", "--out", out)
+    assert bad.exit_code == 1 and "needs r >= 1" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+    per_token = run("--model", lm_dir, "--prompt", PROMPT, "--answer", "paris", "-m", "checked", "--per-token")
+    assert per_token.exit_code == 2 and "--per-token takes" in per_token.stderr

@@ -125,7 +125,7 @@ def test_cli_generate(tmp_path):
                                    "--out", str(out)])
     assert res.exit_code == 0, res.output
     assert res.output.startswith("answer (2 tokens): ")
-    written = json.loads(next(out.glob("*.context.gate_grad.json")).read_text())  # context attribution's default
+    written = json.loads(next(out.glob("*.context.checked.json")).read_text())  # context attribution's default
     shares = [u["share"] for u in written["units"]]
     assert sum(shares) == pytest.approx(1.0, abs=1e-5) and len(shares) == 3  # gate_grad's signed float32 scores
     top = max(written["units"], key=lambda u: u["share"])

@@ -121,11 +121,11 @@ def test_generation_rows_are_the_gate_derivative_of_each_token_on_its_prefix(fam
         assert float(ga.matrix[t, n:].abs().sum()) == 0.0
 
 
-def test_the_default_is_gate_grad_where_it_applies_else_attn_grad_warned():
-    m, tok = llama(), word_tokenizer()
+def test_the_default_is_checked_where_the_gates_apply_else_attn_grad_warned():
+    m, tok = llama(), word_tokenizer()  # context attribution's default: gate_grad's ranking checked by LOO
     ca = attnroll.context_attribution(m, tok, PROMPT, answer=ANSWER, segments=SEGMENTS)
-    want = attnroll.context_attribution(m, tok, PROMPT, answer=ANSWER, segments=SEGMENTS, method="gate_grad")
-    assert ca.method == "gate_grad"
+    want = attnroll.context_attribution(m, tok, PROMPT, answer=ANSWER, segments=SEGMENTS, method="checked")
+    assert ca.method == "checked"
     torch.testing.assert_close(ca.token_scores, want.token_scores)
     m.config.sliding_window = 4  # shorter than the input: the gates' one full mask would change the model
     with pytest.warns(UserWarning, match="sliding window.*'attn_grad' is used instead"):

@@ -271,10 +271,10 @@ def _load_decoder(spec: str) -> Any:
 @click.option("--answer", metavar="TEXT", help="The answer to attribute (a record's own 'answer' wins).")
 @click.option("--generate", type=click.IntRange(1), metavar="N", help="Generate N tokens greedily as the answer.")
 @click.option("--method", "-m", default=None,
-              help="gate_grad (the measured default: EVALUATION.md; eager or sdpa kernel, else attn_grad is used, "
-                   "warned), attn_grad (any "
-                   "kernel, 1x forward+backward), gae, "
-                   "grad_rollout or rollout.")
+              help="checked (the measured default: EVALUATION.md; gate_grad's ranking with its top r units, "
+                   "-o r=4, verified by exact leave-one-out, r more forwards; eager or sdpa kernel, else attn_grad "
+                   "is used, warned), gate_grad, attn_grad (any kernel, 1x forward+backward), gae, grad_rollout or "
+                   "rollout.")
 @click.option("--option", "-o", "options", multiple=True, metavar="KEY=VALUE",
               help="A method option, repeatable: -o alpha=0.9 -o head_fusion=max.")
 @click.option("--unit", type=click.Choice(["token", "word", "sentence"]), default="sentence", show_default=True,

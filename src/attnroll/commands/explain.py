@@ -175,7 +175,7 @@ def _generate(images, text, pair, target, formats, method, options, model_spec, 
     if method is not None and method not in GENERATE_METHODS:
         raise click.UsageError(f"--generate takes one method, -m {', '.join(GENERATE_METHODS)}, got {method!r}")
     # attn_grad / gate_grad are context attribution's own methods (no `explain` method): it checks their options
-    opts = (parse_options(options) if method in (None, "attn_grad", "gate_grad")
+    opts = (parse_options(options) if method in (None, "attn_grad", "gate_grad", "checked")
             else method_and_options(method, options))
     prompt = text  # --text: a file's text was read when the option was parsed
     out = prepare_out(out)
@@ -196,7 +196,7 @@ def _context_attribution(lm: Any, prompt: str, generate: int, method: str | None
     except (TypeError, ValueError) as e:
         raise Failure(one_line(str(e))) from None
     click.echo(f"answer ({len(ca.answer_ids)} tokens): {ca.answer}")
-    method = ca.method  # the default resolved: gate_grad where its gates apply, else attn_grad (warned)
+    method = ca.method  # the default resolved: checked where its gates apply, else attn_grad (warned)
     click.echo(f"prompt {ca.unit} ranked by share of the answer's {method} relevance:")
     click.echo(ca.table(top=top or None))
     rec = {"model": lm.name, "method": method, "options": opts, "unit": ca.unit, "answer": ca.answer,
@@ -211,12 +211,13 @@ def _context_attribution(lm: Any, prompt: str, generate: int, method: str | None
 
 #: The methods of ``--generate`` (context attribution's), its default first: measured on SmolLM2 against exact
 #: leave-one-out (EVALUATION.md, "Context attribution on SmolLM2-135M-Instruct").
-GENERATE_METHODS = ("gate_grad", "attn_grad", "gae", "grad_rollout", "rollout")
+GENERATE_METHODS = ("checked", "gate_grad", "attn_grad", "gae", "grad_rollout", "rollout")
 
 
 def _decoder_default() -> None:
     """``--generate`` without ``-m``: None, context attribution's measured default (``attnroll context``'s too):
-    gate_grad where its gates apply to the model, else attn_grad (warned)."""
+    checked (gate_grad's ranking, its top passages verified by exact leave-one-out) where the gates apply to the
+    model, else attn_grad (warned)."""
     return None
 
 

@@ -15,6 +15,7 @@ the retrieved passages of a RAG prompt); shares are relative to the prompt's tot
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -29,13 +30,13 @@ from ..core import segments as seg
 from ..core import sinks as core_sinks
 from ..core.residual import residual_coefficients
 from ..viz.notebook import NotebookView
-from . import matrix_free, prompts
+from . import checked, matrix_free, prompts
 from .context import Context
-from .key_gates import resolve_default
+from .key_gates import check_gateable
 from .registry import method_info
 from .sinks import detect as detect_sinks
 
-METHODS = ("rollout", "gae", "grad_rollout", "attn_grad", "gate_grad")
+METHODS = ("rollout", "gae", "grad_rollout", "attn_grad", "gate_grad", "checked")
 
 
 @dataclass
@@ -168,15 +169,15 @@ def context_attribution(
         unit: "token" | "word" | "sentence" (ignored when ``segments`` is given).
         segments: consecutive pieces of the prompt (e.g. retrieved passages), in order; text outside them
             goes to "(other)".
-        method: "gate_grad" (default: ∂ log p(answer) / ∂m_j of a gate m_j on the attention paid to unit j's
-            tokens in every layer, head and row, averaged over m = 1 and 0.25: a leave-one-out estimate, signed,
-            in nats; option ``scales``, default (1.0, 0.25); needs the eager or sdpa kernel and no sliding
-            window shorter than the input; ``key_gates``), "attn_grad" (gradient × attention at the answer's
-            rows, summed over heads and layers, without rollout; any kernel; options ``clamp``,
-            ``start_layer``, ``end_layer``), "gae", "grad_rollout" or "rollout". The default is the measured
-            choice on SmolLM2-135M-Instruct multi-passage QA against exact leave-one-out (EVALUATION.md,
-            "Context attribution on SmolLM2-135M-Instruct"): gate_grad orders the passages best (Spearman with
-            leave-one-out) and its top passage removes as much as attn_grad's; rollout ranks passages poorly.
+        method: "checked" (default: gate_grad's ranking whose top ``r`` units, option ``r`` default 4, are
+            verified by exact leave-one-out, r more forwards without gradient; option ``base`` "gate_grad" or
+            "attn_grad"; ``explain.checked``), "gate_grad" (∂ log p(answer) / ∂m_j of a gate m_j on the
+            attention paid to unit j's tokens in every layer, head and row, averaged over m = 1 and 0.25: a
+            leave-one-out estimate, signed, in nats; option ``scales``, default (1.0, 0.25); needs the eager or
+            sdpa kernel and no sliding window shorter than the input; ``key_gates``), "attn_grad" (gradient ×
+            attention at the answer's rows, summed over heads and layers, without rollout; any kernel; options
+            ``clamp``, ``start_layer``, ``end_layer``), "gae", "grad_rollout" or "rollout". The default: measured
+            against exact leave-one-out on SmolLM2 QA (EVALUATION.md); "attn_grad", warned, where gates can't act.
         sinks: "drop" (default): prompt tokens found to be attention sinks on the captured attention (the
             first token of most decoders; ``attnroll.explain.sinks``) get no share, their share of the
             relevance recorded in ``sink_share``; "keep": they keep it.
@@ -202,18 +203,19 @@ def context_attribution(
     n_prompt, T = prompt_ids.shape[1], len(answer_ids)
     rows = [n_prompt - 1 + t for t in range(T)]  # the row that predicts answer token t
     owner = token_units(prompt, offsets, unit, segments)
-    method = resolve_default(method, model, ids.shape[1])
-    if method == "gate_grad":  # the units' tokens are gated (not the chat template's, nor the answer's)
-        gated = torch.tensor([o >= 0 for o in owner] + [False] * T)
-        R, layers = _gate_relevance(model, ids, rows, answer_ids, gated, options)  # (1, n)
-    else:
-        R, layers = _relevance(model, tokenizer, ids, rows, answer_ids, method, options)  # (T, n)
+    method = _resolve(method, model, ids.shape[1])
+    base, r, base_options = checked.split_options(options) if method == "checked" else (method, 0, options)
+    with checked.FullProbe(model, ids, answer_ids) as probe:  # f(all) off the base's plain forward, for "checked"
+        R, layers = _base_relevance(model, tokenizer, ids, rows, answer_ids, owner, base, base_options)
     scores = R[:, :n_prompt].sum(dim=0).to(torch.float32).cpu()
     found = sink_positions(layers, ids.shape[1])[:n_prompt]
     _, share = core_sinks.drop_columns(scores, found)
     if sinks == "drop":
         scores = torch.where(found, torch.zeros(()), scores)  # not rescaled: the shares are relative anyway
     units = _units(prompt, offsets, scores, unit, segments)
+    if method == "checked":  # the base's top r units verified by exact leave-one-out
+        scores = _verified(model, tokenizer, prompt, enc.templated, units, scores, owner, answer_ids, r, probe)
+        units = _units(prompt, offsets, scores, unit, segments)  # their sums: the combined scores
     template = [enc.templated and o == (0, 0) for o in offsets]  # the chat template's tokens
     units, owner = _template_unit(units, owner, scores, template)
     text = tokenizer.decode(answer_ids, skip_special_tokens=True)
@@ -221,8 +223,40 @@ def context_attribution(
                               "segments" if segments is not None else unit, {**options, "sinks": sinks},
                               sinks=torch.nonzero(found).reshape(-1).tolist(), sink_share=float(share),
                               tokens=enc.pieces, answer_tokens=prompts.answer_pieces(tokenizer, answer_ids),
-                              chat_template=enc.templated, input_text=enc.text,
-                              token_units=owner)
+                              chat_template=enc.templated, input_text=enc.text, token_units=owner)
+
+
+def _resolve(method: str | None, model: nn.Module, n: int) -> str:
+    """``method``, or where it is None the measured default "checked" (gate_grad's ranking, its top units verified
+    by exact leave-one-out) where the key gates apply to ``model`` at ``n`` tokens, else "attn_grad", warned."""
+    if method is not None:
+        return method
+    try:
+        check_gateable(model, n)
+    except ValueError as e:
+        warnings.warn(f"the default method 'checked' ranks by gate_grad, which does not apply here ({e}); "
+                      f"'attn_grad' is used instead", UserWarning, stacklevel=3)
+        return "attn_grad"
+    return "checked"
+
+
+def _base_relevance(model, tokenizer, ids, rows, answer_ids, owner, method, options) -> tuple[torch.Tensor, list]:
+    """((1 or T, n) relevance, the captured layers) of a method other than "checked"."""
+    if method == "gate_grad":  # the units' tokens are gated (not the chat template's, nor the answer's)
+        gated = torch.tensor([o >= 0 for o in owner] + [False] * len(answer_ids))
+        return _gate_relevance(model, ids, rows, answer_ids, gated, options)  # (1, n)
+    return _relevance(model, tokenizer, ids, rows, answer_ids, method, options)  # (T, n)
+
+
+def _verified(model, tokenizer, prompt, templated, units, scores, owner, answer_ids, r, probe) -> torch.Tensor:
+    """"checked": token scores whose unit sums are :func:`checked.combine` of the units' base scores and the
+    exact leave-one-out drops of the ``r`` highest (``checked``)."""
+    real = [u for u in units if u["span"] is not None]
+    base = [u["score"] for u in real]
+    chosen = checked.choose(base, r)
+    drops = checked.exact_drops(model, tokenizer, prompt, [u["span"] for u in real], chosen, answer_ids,
+                                templated, probe)
+    return checked.reweight(scores, owner, base, checked.combine(base, drops))
 
 
 #: The unit of the chat template's tokens (its text around the user's prompt and its special tokens).

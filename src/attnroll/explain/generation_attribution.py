@@ -188,6 +188,10 @@ def generation_attribution(
         a :class:`GenerationAttribution` with its (T, n_source) ``matrix``.
     """
     prompts.check_decoder(model, "generation attribution")
+    if method == "checked":
+        raise ValueError("method 'checked' verifies one answer's top-ranked units by exact leave-one-out of the whole "
+                         "answer; generation attribution gives every generated token its own row: use "
+                         "context_attribution(..., method='checked'), or here 'gate_grad' / 'attn_grad'")
     if method is not None:
         _checks.check_choice("method", method, METHODS)
     _checks.check_choice("sinks", sinks, ("drop", "keep"))
