@@ -9,6 +9,7 @@ last-layer attention, random). A checked candidate's scores follow from these by
 without the passage (the library removes the passage's text and the whitespace after it, which is the LOO
 prompt: ``--verify`` checks it end to end on a prompt).
 
+``history``: ``checked`` rebuilt the same way on the first held-out split's stored rows (no forwards).
 ``choose``: the candidates' top-1 agreement with LOO and Spearman on validation files (no forwards).
 ``report``: the named methods on a held-out file: top-1, Spearman, drop k = 1 (the LOO forwards), 3, 5; and the
 cost of each, end to end through ``context_attribution``, timed alongside one forward + backward on the first
@@ -104,6 +105,26 @@ def old_validation_rows() -> list[dict]:
     return rows
 
 
+def old_heldout_rows() -> list[dict]:
+    """The first held-out split's stored LOO with its stored gate_grad (1, ¼) and attn_grad scores (14 prompts)."""
+    return [{"meta": r["meta"], "loo": r["loo"], "scores": {
+        "gate_grad": r["methods"]["gate_grad@1,0.25"]["scores"], "attn_grad": r["methods"]["attn_grad"]["scores"]}}
+        for f in ("qa_heldout_points_0.json", "qa_heldout_points_7.json")
+        for r in json.load(open(os.path.join(HERE, f)))["items"]]
+
+
+def history(args) -> None:
+    """``checked`` rebuilt on the first held-out split from its stored scores and LOO (no forwards): top-1,
+    Spearman and drop k = 1 (the LOO drop of the passage ranked first)."""
+    rows = old_heldout_rows()
+    print(f"{len(rows)} prompts of the first held-out split")
+    print("| method | top-1 = LOO | Spearman | drop k=1 |\n|---|---|---|---|")
+    for name in ("checked@4", "gate_grad", "attn_grad"):
+        a = agreement(rows, name)
+        d1 = np.mean([r["loo"][int(np.argmax(candidate(r, name)))] for r in rows])
+        print(f"| {name} | {a['top1']}/{a['n']} | {a['spearman']:.2f} | {d1:.2f} |")
+
+
 def agreement(rows: list[dict], name: str) -> dict:
     top1 = [int(np.argmax(candidate(r, name)) == np.argmax(r["loo"])) for r in rows]
     rho = [protocol._spearman(candidate(r, name), np.array(r["loo"])) for r in rows]
@@ -165,7 +186,8 @@ def report(args) -> None:
     from attnroll.models import load_model
 
     lm = load_model("smollm2-135m-instruct")
-    rows = {d.get("start", 0) + k: r for p in args.files for d in [json.load(open(p))] for k, r in enumerate(d["items"])}
+    rows = {d.get("start", 0) + k: r
+            for p in args.files for d in [json.load(open(p))] for k, r in enumerate(d["items"])}
     wanted = [i for i in sorted(rows) if args.start <= i < args.start + args.count]
     items = qa_set(lm.tokenizer, args.split, max(wanted) + 1, 16)
     names = args.use.split(",")
@@ -249,13 +271,14 @@ def main(argv=None) -> None:
     k.add_argument("--split", choices=tuple(SPLITS), default="validation-b")
     k.add_argument("--count", type=int, default=2)
     k.add_argument("--out", required=True)
+    sub.add_parser("history", help="checked rebuilt on the first held-out split's stored rows")
     t = sub.add_parser("table")
     t.add_argument("files", nargs="+")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     if args.cmd == "table":
         return report_table(args)
-    {"collect": collect, "choose": choose_table, "report": report, "costs": costs}[args.cmd](args)
+    {"collect": collect, "choose": choose_table, "report": report, "costs": costs, "history": history}[args.cmd](args)
 
 
 if __name__ == "__main__":
