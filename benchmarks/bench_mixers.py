@@ -122,17 +122,45 @@ def main() -> None:
     times: dict[str, list[float]] = {}
     _, kept = gates_forward(model, ids)  # warm-up
     load0 = open("/proc/loadavg").read().split()[:3]
-    for _ in range(args.repeat):
-        timed(times, "forward", lambda: model(input_ids=ids))
-        _, kept = timed(times, "gates", lambda: gates_forward(model, ids))
-        r = timed(times, "rows", lambda: rows(kept, args.n, args.block))
-        rs = timed(times, "signed", lambda: rows(kept, args.n, args.block, signed=True))
-        if before is not None:
-            _, kept0 = timed(times, "gates0", lambda: gates_forward(model, ids, before.mamba2_gates))
-            r0 = timed(times, "rows0", lambda: rows(kept0, args.n, args.block,
-                                                    sweep=before.ops.ssd_rows))
-            del kept0
-    report(args, times, kept, r, rs, r0 if before is not None else None, load0)
+    got: dict[str, object] = {}
+
+    def after():
+        _, got["kept"] = timed(times, "gates", lambda: gates_forward(model, ids))
+        got["r"] = timed(times, "rows", lambda: rows(got["kept"], args.n, args.block))
+        got["rs"] = timed(times, "signed", lambda: rows(got["kept"], args.n, args.block, signed=True))
+
+    def before_():
+        _, kept0 = timed(times, "gates0", lambda: gates_forward(model, ids, before.mamba2_gates))
+        got["r0"] = timed(times, "rows0", lambda: rows(kept0, args.n, args.block, sweep=before.ops.ssd_rows))
+
+    def forward():
+        with torch.no_grad():
+            return model(input_ids=ids)
+
+    units = [lambda: timed(times, "forward", forward), after]
+    units += [before_] if before is not None else []
+    for i in range(args.repeat):  # each unit takes each place in the round in turn (what runs first pays more)
+        for unit in units[i % len(units):] + units[: i % len(units)]:
+            unit()
+    hooks_alone(model, ids, times, before)
+    report(args, times, got["kept"], got["r"], got["rs"], got.get("r0"), load0)
+
+
+def hooks_alone(model, ids, times: dict, before) -> None:
+    """The gate-keeping work alone, on the first mixer's kept input and in_proj output, per layer: read off the
+    projection ("hook") and, with ``before``, recomputed from the input by that code ("hook0")."""
+    mixer, seen = model.backbone.layers[0].mixer, {}
+    tap = InProjTap(mixer)
+    handle = mixer.register_forward_hook(lambda m, a, k, o: seen.update(h=a[0], p=tap.take(a[0], None)),
+                                         with_kwargs=True)
+    with torch.no_grad():
+        model(input_ids=ids)
+        handle.remove()
+        tap.remove()
+        for _ in range(5):
+            timed(times, "hook", lambda: mamba2_gates(mixer, seen["h"], None, seen["p"]))
+            if before is not None:
+                timed(times, "hook0", lambda: before.mamba2_gates(mixer, seen["h"]))
 
 
 def report(args, times, kept, r, rs, r0, load0) -> None:
@@ -143,6 +171,7 @@ def report(args, times, kept, r, rs, r0, load0) -> None:
     print(f"Mamba-2, hidden 64, {args.layers} layers, {heads} heads, n = {args.n}, {args.threads} threads, "
           f"median of {args.repeat}; load {load0} -> {open('/proc/loadavg').read().split()[:3]}")
     names = [k for k in ("forward", "gates", "rows", "signed", "gates0", "rows0") if k in med]
+    per_layer = {k: med[k] * args.layers for k in ("hook", "hook0", "hook cpu", "hook0 cpu") if k in med}
     for k in names:
         print(f"  {k:8s} wall {med[k]:8.3f} s {med[k] / med['forward']:6.2f}x   cpu {med[k + ' cpu']:8.3f} s "
               f"{med[k + ' cpu'] / med['forward cpu']:6.2f}x")
@@ -151,6 +180,10 @@ def report(args, times, kept, r, rs, r0, load0) -> None:
         if g in med and w in med:
             print(f"  {label} / forward: wall {(med[g] + med[w]) / med['forward']:.2f}x, cpu "
                   f"{(med[g + ' cpu'] + med[w + ' cpu']) / med['forward cpu']:.2f}x")
+    if per_layer:
+        print("  gate-keeping work alone (one layer's, x layers), cpu: " + ", ".join(
+            f"{k} {per_layer[k + ' cpu']:.3f} s {per_layer[k + ' cpu'] / med['forward cpu']:.2f}x"
+            for k in ("hook", "hook0") if k + " cpu" in per_layer))
     print(f"  kept gates {gates_mb:.1f} MiB (linear in n); largest rows blocks {block_mb:.1f} MiB (2 x block x n)")
     print(f"  row sums to {float(r.sum()):.6f} (|·|), {float(rs.sum()):.6f} (signed; min entry {float(rs.min()):.3g})")
     if r0 is not None:
