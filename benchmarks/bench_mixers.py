@@ -48,7 +48,7 @@ def build(layers: int):
 
 
 def gates_forward(model, ids, gates=None):
-    """The forward with hooks keeping each mixer's gates: (logits, [SSDGates per layer]); read off each mixer's
+    """The forward with hooks keeping each mixer's gates: (logits, [(C, B, dt, A, D) per layer]); read off each mixer's
     in_proj output (InProjTap), or, with ``gates`` (another checkout's ``mamba2_gates``), recomputed from the
     mixer's input by it."""
     kept, hooks, taps = [], [], []
@@ -58,7 +58,8 @@ def gates_forward(model, ids, gates=None):
 
         def keep(m, a, k, o, tap=tap):
             hidden = a[0] if a else k["hidden_states"]
-            kept.append(gates(m, hidden) if tap is None else mamba2_gates(m, hidden, None, tap.take(hidden, None)))
+            g = gates(m, hidden) if tap is None else mamba2_gates(m, hidden, None, tap.take(hidden, None))
+            kept.append((g.C, g.B, g.dt, g.A, g.D))  # what the sweep reads (not x, z, u: their buffers go)
 
         hooks.append(block.mixer.register_forward_hook(keep, with_kwargs=True))
     try:
@@ -77,11 +78,11 @@ def rows(kept, n: int, block: int, signed: bool = False, sweep=None) -> torch.Te
     r = torch.zeros(1, 1, n)
     r[0, 0, n - 1] = 1.0
     with torch.no_grad():
-        for g in reversed(kept):
+        for C, B, dt, A, D in reversed(kept):
             if signed:
-                r = mixers.ssd_signed_rows(r, g.C, g.B, g.dt, g.A, g.D, a=0.5, c=0.5)
+                r = mixers.ssd_signed_rows(r, C, B, dt, A, D, a=0.5, c=0.5)
             else:
-                r = sweep(r, g.C, g.B, g.dt, g.A, g.D, a=0.5, c=0.5, rows=block)
+                r = sweep(r, C, B, dt, A, D, a=0.5, c=0.5, rows=block)
     return r
 
 
@@ -165,9 +166,9 @@ def hooks_alone(model, ids, times: dict, before) -> None:
 
 def report(args, times, kept, r, rs, r0, load0) -> None:
     med = {k: statistics.median(v) for k, v in times.items()}
-    heads = kept[0].C.shape[2]
+    heads = kept[0][0].shape[2]
     block_mb = 2 * args.block * args.n * 4 / 2**20
-    gates_mb = sum(sum(t.numel() * t.element_size() for t in (g.x, g.C, g.B, g.dt, g.z, g.u)) for g in kept) / 2**20
+    gates_mb = sum(t.untyped_storage().nbytes() for g in kept for t in g[:3]) / 2**20  # the buffers kept alive
     print(f"Mamba-2, hidden 64, {args.layers} layers, {heads} heads, n = {args.n}, {args.threads} threads, "
           f"median of {args.repeat}; load {load0} -> {open('/proc/loadavg').read().split()[:3]}")
     names = [k for k in ("forward", "gates", "rows", "signed", "gates0", "rows0") if k in med]

@@ -312,7 +312,8 @@ def mamba2_gates(module: nn.Module, hidden: torch.Tensor, mask: torch.Tensor | N
                  projected: torch.Tensor | None = None) -> SSDGates:
     """A Mamba-2 mixer's :class:`SSDGates` from its input ``hidden`` (b, n, d) as its torch path computes them;
     ``projected``: its ``in_proj`` output of that same pass (b, n, I + conv + H, what :class:`InProjTap` keeps),
-    read instead of recomputing the projection. Without a mask nothing is multiplied by ones (same values)."""
+    read instead of recomputing the projection. Without a mask nothing is multiplied by ones (same values); C and
+    B are compact copies (a kept gate does not hold the whole convolution output alive)."""
     b, n, _ = hidden.shape
     I, H, P, G, N = (module.intermediate_size, module.num_heads, module.head_dim, module.n_groups,
                      module.ssm_state_size)
@@ -324,8 +325,8 @@ def mamba2_gates(module: nn.Module, hidden: torch.Tensor, mask: torch.Tensor | N
     act = F.silu(u)
     x, B, C = (act if keep is None else act * keep).split([I, G * N, G * N], dim=-1)
     lo, hi = module.time_step_limit
-    return SSDGates(x=x.reshape(b, n, H, P), C=_to_heads(C.reshape(b, n, G, N), H),
-                    B=_to_heads(B.reshape(b, n, G, N), H),
+    return SSDGates(x=x.reshape(b, n, H, P), C=_to_heads(C.reshape(b, n, G, N).contiguous(), H),
+                    B=_to_heads(B.reshape(b, n, G, N).contiguous(), H),
                     dt=torch.clamp(F.softplus(dt + module.dt_bias), lo, hi),
                     A=-torch.exp(module.A_log.float()).to(hidden.dtype), D=module.D.to(hidden.dtype), z=gate,
                     u=u[..., :I] if keep is None else u[..., :I] * keep, weight=module.conv1d.weight[:I, 0])

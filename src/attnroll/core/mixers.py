@@ -232,6 +232,8 @@ def ssd_rows(r: torch.Tensor, C: torch.Tensor, B: torch.Tensor, dt: torch.Tensor
     cum = log_a.cumsum(-1)
     Ch = C.transpose(1, 2)  # (b, h, n, N)
     BhT = (B * dt[..., None]).permute(0, 2, 3, 1).contiguous()  # (b, h, N, n): a matmul's right operand as stored
+    BT, dtT = B.permute(0, 2, 3, 1).contiguous(), dt.transpose(1, 2)  # (b, h, N, n), (b, h, n)
+    above = torch.ones(rows, rows, dtype=torch.bool, device=C.device).triu_(1)
     one = torch.ones((), dtype=r.dtype, device=r.device)
     out = c * r
     for t0 in range(0, n, rows):
@@ -239,7 +241,7 @@ def ssd_rows(r: torch.Tensor, C: torch.Tensor, B: torch.Tensor, dt: torch.Tensor
         rr = r[:, :, t0:t1]
         if not bool(rr.any()):
             continue
-        Fd = ssd_block(C[:, t0:t1], B[:, t0:t1], dt[:, t0:t1], A, D, 0, t1 - t0).abs_().sum(1)  # (b, rows, rows)
+        Fd = _own_block(Ch[:, :, t0:t1], BT[..., t0:t1], dtT[..., t0:t1], log_a[..., t0:t1], D, above)
         total = Fd.sum(-1)
         Fl = _earlier_columns(Ch, BhT, cum, t0, t1) if t0 > 0 else None  # (b, rows, t0)
         if Fl is not None:
@@ -249,6 +251,21 @@ def ssd_rows(r: torch.Tensor, C: torch.Tensor, B: torch.Tensor, dt: torch.Tensor
         if Fl is not None:
             out[:, :, :t0] += a * (wt @ Fl)
     return out
+
+
+def _own_block(Ch: torch.Tensor, BT: torch.Tensor, dtT: torch.Tensor, log_a: torch.Tensor, D: torch.Tensor | None,
+               above: torch.Tensor) -> torch.Tensor:
+    """Σ_h |M_h| on a block's own rows and columns, (b, R, R): :func:`ssd_block`'s direct form (the same operations
+    in the same order: decays from the block's own cumulative sum, (L · CB) · Δ, D on the diagonal), in place,
+    with the mask above the diagonal made once per sweep. Ch (b, h, R, N), BT (b, h, N, R), dtT and log_a
+    (b, h, R)."""
+    R = Ch.shape[2]
+    cum = log_a.cumsum(-1)
+    L = torch.exp((cum[..., :, None] - cum[..., None, :]).masked_fill_(above[:R, :R], float("-inf")))
+    M = L.mul_(Ch @ BT).mul_(dtT[:, :, None, :])
+    if D is not None:
+        M.diagonal(dim1=-2, dim2=-1).add_(D.to(M.dtype)[None, :, None])
+    return M.abs_().sum(1)
 
 
 def _earlier_columns(Ch: torch.Tensor, BhT: torch.Tensor, cum: torch.Tensor, t0: int, t1: int) -> torch.Tensor:
