@@ -235,6 +235,21 @@ def test_ssd_rows_forms_equal_the_dense_fusions(scale):
             torch.testing.assert_close(got, want_signed, atol=1e-10, rtol=0)
 
 
+def test_ssd_rows_equals_the_generic_block_sweep_in_float32():
+    """``ssd_rows`` (rank-N products per head, contiguous right operands) against ``fused_rows`` over ``ssd_block``
+    (the generic route), float32, several blocks long, mild decays as a trained mixer's."""
+    g_ = torch.Generator().manual_seed(9)
+    b, n, h, N = 1, 700, 4, 16
+    C, B = (torch.randn(b, n, 1, N, generator=g_).expand(-1, -1, h, -1) for _ in range(2))  # one group
+    dt = F.softplus(torch.randn(b, n, h, generator=g_) - 3)
+    A, D = -torch.rand(h, generator=g_) * 2, torch.rand(h, generator=g_)
+    r = torch.rand(b, 1, n, generator=g_)
+    want = mixers.fused_rows(r, lambda t0, t1: mixers.ssd_block(C, B, dt, A, D, t0, t1, causal_cols=True), n, a=0.5,
+                             c=0.5, rows=128)
+    got = mixers.ssd_rows(r, C, B, dt, A, D, a=0.5, c=0.5, rows=128)
+    torch.testing.assert_close(got, want, atol=1e-6 * float(want.abs().max()), rtol=1e-5)
+
+
 def test_ssd_rows_layer_equals_the_folded_dense_fusion():
     """``SSDRows`` (the matrix-free route's Mamba-2 layer) against the dense Σ_c |S_h(c) · diag(g_c) · T_c|, rows
     normalised, for blocks shorter than the kernel, with padding and with the renormalised residual."""

@@ -308,21 +308,76 @@ class SSDGates:
         return ops.ssd_block(self.C, self.B, self.dt, self.A, self.D, t0, t1, causal_cols=True)
 
 
-def mamba2_gates(module: nn.Module, hidden: torch.Tensor, mask: torch.Tensor | None = None) -> SSDGates:
-    """A Mamba-2 mixer's :class:`SSDGates` recomputed from its input ``hidden`` (b, n, d) as its torch path does."""
+def mamba2_gates(module: nn.Module, hidden: torch.Tensor, mask: torch.Tensor | None = None,
+                 projected: torch.Tensor | None = None) -> SSDGates:
+    """A Mamba-2 mixer's :class:`SSDGates` from its input ``hidden`` (b, n, d) as its torch path computes them;
+    ``projected``: its ``in_proj`` output of that same pass (b, n, I + conv + H, what :class:`InProjTap` keeps),
+    read instead of recomputing the projection. Without a mask nothing is multiplied by ones (same values); C and
+    B are compact copies (a kept gate does not hold the whole convolution output alive)."""
     b, n, _ = hidden.shape
     I, H, P, G, N = (module.intermediate_size, module.num_heads, module.head_dim, module.n_groups,
                      module.ssm_state_size)
-    keep = _keep(hidden, mask)
-    gate, xbc, dt = module.in_proj(hidden * keep).split([I, module.conv_dim, H], dim=-1)
+    keep = None if mask is None else _keep(hidden, mask)
+    if projected is None:
+        projected = module.in_proj(hidden if keep is None else hidden * keep)
+    gate, xbc, dt = projected.split([I, module.conv_dim, H], dim=-1)
     u = _causal_conv(module, xbc.transpose(1, 2)).transpose(1, 2)
-    x, B, C = (F.silu(u) * keep).split([I, G * N, G * N], dim=-1)
+    act = F.silu(u)
+    x, B, C = (act if keep is None else act * keep).split([I, G * N, G * N], dim=-1)
     lo, hi = module.time_step_limit
-    return SSDGates(x=x.reshape(b, n, H, P), C=C.reshape(b, n, G, N).repeat_interleave(H // G, 2),
-                    B=B.reshape(b, n, G, N).repeat_interleave(H // G, 2),
+    return SSDGates(x=x.reshape(b, n, H, P), C=_to_heads(C.reshape(b, n, G, N).contiguous(), H),
+                    B=_to_heads(B.reshape(b, n, G, N).contiguous(), H),
                     dt=torch.clamp(F.softplus(dt + module.dt_bias), lo, hi),
                     A=-torch.exp(module.A_log.float()).to(hidden.dtype), D=module.D.to(hidden.dtype), z=gate,
-                    u=u[..., :I] * keep, weight=module.conv1d.weight[:I, 0])
+                    u=u[..., :I] if keep is None else u[..., :I] * keep, weight=module.conv1d.weight[:I, 0])
+
+
+def _to_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """(b, n, G, N) groups repeated to (b, n, heads, N), each group over heads // G consecutive heads: a view
+    when there is one group (repeat_interleave's values, no copy)."""
+    G = t.shape[2]
+    if G == heads:
+        return t
+    if G == 1:
+        return t.expand(-1, -1, heads, -1)
+    return t.repeat_interleave(heads // G, 2)
+
+
+class InProjTap:
+    """A forward hook on a Mamba-2 mixer's ``in_proj`` that keeps the projection of the mixer's current pass, so
+    that its gates are read off the mixer's own product (:func:`mamba2_gates` ``projected``) instead of
+    recomputing it. :meth:`take` hands it over once, only when that projection's input is the mixer's input as
+    :func:`mamba2_gates` would project it (the same tensor, or equal values: a padded single row that the
+    mixer does not mask, another layout whose ``in_proj`` saw something else, a mixer without an ``in_proj``
+    module or outside :data:`MAMBA2_MIXERS` (Falcon-H1 scales its projection) gives None: the caller recomputes)."""
+
+    def __init__(self, module: nn.Module):
+        proj = getattr(module, "in_proj", None)  # hooked on the mixers of MAMBA2_MIXERS alone (their raw in_proj)
+        self._seen: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._handle = (proj.register_forward_hook(self._keep)
+                        if isinstance(proj, nn.Module) and type(module).__name__ in MAMBA2_MIXERS else None)
+
+    def _keep(self, _m: nn.Module, args: tuple, out: Any) -> None:
+        self._seen = (args[0], out) if args and isinstance(out, torch.Tensor) else None
+
+    def take(self, hidden: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor | None:
+        """The kept projection if its input was ``hidden`` masked by ``mask`` (b, n) as :func:`mamba2_gates`
+        masks it; else None. Forgets it either way."""
+        seen, self._seen = self._seen, None
+        if seen is None:
+            return None
+        inp, out = seen
+        if inp.shape != hidden.shape or out.shape[:-1] != hidden.shape[:-1]:
+            return None
+        whole = mask is None or bool(mask.all())
+        if (inp is hidden and whole) or torch.equal(inp, hidden if mask is None else hidden * _keep(hidden, mask)):
+            return out
+        return None
+
+    def remove(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+        self._seen = None
 
 
 def _keep(hidden: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -591,19 +646,22 @@ def _rg_lru_rows(module: nn.Module, args: tuple, kwargs: dict, heads: int) -> op
                        segment=reset[..., 0].to(torch.int64).cumsum(1), heads=heads)
 
 
-def rows_layer(module: nn.Module, args: tuple, kwargs: dict, heads: int = 1) -> ops.MixerRows:
+def rows_layer(module: nn.Module, args: tuple, kwargs: dict, heads: int = 1,
+               tap: InProjTap | None = None) -> ops.MixerRows:
     """A composed mixer's layer of the matrix-free row sweep (core.mixers.MixerRows) from its forward hook's args
     and kwargs: its gates, O(n·d) kept (a gated DeltaNet's state scan O(n·d_k) per head); the same fused matrix as
-    :func:`mixer_matrix`, applied row block by row block. Classes of :data:`ROWS_MIXERS` only."""
+    :func:`mixer_matrix`, applied row block by row block. Classes of :data:`ROWS_MIXERS` only. ``tap``: a Mamba-2
+    mixer's :class:`InProjTap`, its gates read off its own in_proj output (else recomputed)."""
     name = type(module).__name__
     if name == "RecurrentGemmaRecurrentBlock":
         with torch.no_grad():
             return _rg_lru_rows(module, tuple(a.detach() if torch.is_tensor(a) else a for a in args), kwargs, heads)
     hidden, mask = _hook_inputs(args, kwargs)
+    projected = None if tap is None or name not in MAMBA2_MIXERS else tap.take(hidden, mask)
     with torch.no_grad():
         hidden = hidden.detach()
         if name in MAMBA2_MIXERS:
-            g = mamba2_gates(module, hidden, mask)
+            g = mamba2_gates(module, hidden, mask, None if projected is None else projected.detach())
             return ops.SSDRows(g.C, g.B, g.dt, g.A, g.D, torch.sigmoid(g.u) * _keep(hidden, mask), g.weight,
                                heads=heads)
         if name in CONV_MIXERS:

@@ -39,7 +39,7 @@ from .._modes import submodules
 from ..core.operators import FusedLayer, KernelInputs, attend_mean, fusable, mean_probs, whole_size
 from .hf import HFAdapter, pool_heads
 from .hooks import Adapter, Capture, Site
-from .mixers import rows_layer
+from .mixers import InProjTap, rows_layer
 from .readout import is_causal
 from .registry import refuse_known
 from .transformers_private import attn_implementation, sdpa_kernel, wrap_attention_interface
@@ -218,10 +218,12 @@ class KernelAdapter(Adapter):
         self._recorder = recorder
         for site in sites:  # Mamba-2 mixers: their gates, for the rows-only form (core.mixers.SSDRows)
             if id(site.module) in self.inner.mixer_ids:
+                tap = InProjTap(site.module)  # the gates read off the mixer's own in_proj output
+                stack.callback(tap.remove)
                 handle = site.module.register_forward_hook(
-                    lambda m, a, k, o, site=site: recorder.store(
-                        site, rows_layer(m, a, k, self.inner.mixer_heads), o[0] if isinstance(o, tuple) else o)
-                    if recorder.active else None, with_kwargs=True)
+                    lambda m, a, k, o, site=site, tap=tap: recorder.store(
+                        site, rows_layer(m, a, k, self.inner.mixer_heads, tap=tap),
+                        o[0] if isinstance(o, tuple) else o) if recorder.active else None, with_kwargs=True)
                 stack.callback(handle.remove)
 
     def _wrapper(self, kernel: Callable, impl: str, recorder: KernelRecorder) -> Callable:

@@ -236,13 +236,16 @@ def ssd_rows(r: torch.Tensor, C: torch.Tensor, B: torch.Tensor, dt: torch.Tensor
     rank-N matrix product (decays factored at the block's start, as :func:`ssd_block`), added into Σ_h |M_h| one
     head at a time; the block's own columns take the direct form. Memory O(rows·n); falls back to
     :func:`fused_rows` when some Δ·A > 0 (a factor could overflow)."""
-    b, n, h, _ = C.shape
+    n = C.shape[1]
     log_a = (dt * A).transpose(1, 2)  # (b, h, n)
     if bool((log_a > 0).any()):
         return fused_rows(r, lambda t0, t1: ssd_block(C, B, dt, A, D, t0, t1, causal_cols=True), n, a=a, c=c,
                           rows=rows)
     cum = log_a.cumsum(-1)
-    Ch, Bh = C.transpose(1, 2), (B * dt[..., None]).transpose(1, 2)  # (b, h, n, N)
+    Ch = C.transpose(1, 2)  # (b, h, n, N)
+    BhT = (B * dt[..., None]).permute(0, 2, 3, 1).contiguous()  # (b, h, N, n): a matmul's right operand as stored
+    BT, dtT = B.permute(0, 2, 3, 1).contiguous(), dt.transpose(1, 2)  # (b, h, N, n), (b, h, n)
+    above = torch.ones(rows, rows, dtype=torch.bool, device=C.device).triu_(1)
     one = torch.ones((), dtype=r.dtype, device=r.device)
     out = c * r
     for t0 in range(0, n, rows):
@@ -250,23 +253,46 @@ def ssd_rows(r: torch.Tensor, C: torch.Tensor, B: torch.Tensor, dt: torch.Tensor
         rr = r[:, :, t0:t1]
         if not bool(rr.any()):
             continue
-        Fd = ssd_block(C[:, t0:t1], B[:, t0:t1], dt[:, t0:t1], A, D, 0, t1 - t0).abs_().sum(1)  # (b, rows, rows)
+        Fd = _own_block(Ch[:, :, t0:t1], BT[..., t0:t1], dtT[..., t0:t1], log_a[..., t0:t1], D, above)
         total = Fd.sum(-1)
-        Fl = None
-        if t0 > 0:
-            ref = cum[..., t0 - 1: t0]
-            left = Ch[:, :, t0:t1] * torch.exp(cum[..., t0:t1] - ref)[..., None]
-            right = Bh[:, :, :t0] * torch.exp(ref - cum[..., :t0])[..., None]
-            for k in range(h):
-                P = (left[:, k] @ right[:, k].transpose(-1, -2)).abs_()  # (b, rows, t0)
-                Fl = P if Fl is None else Fl.add_(P)
-            assert Fl is not None  # h >= 1 heads
+        Fl = _earlier_columns(Ch, BhT, cum, t0, t1) if t0 > 0 else None  # (b, rows, t0)
+        if Fl is not None:
             total = total + Fl.sum(-1)
         wt = rr / torch.where(total > 0, total, one)[:, None, :]
         out[:, :, t0:t1] += a * (wt @ Fd)
         if Fl is not None:
             out[:, :, :t0] += a * (wt @ Fl)
     return out
+
+
+def _own_block(Ch: torch.Tensor, BT: torch.Tensor, dtT: torch.Tensor, log_a: torch.Tensor, D: torch.Tensor | None,
+               above: torch.Tensor) -> torch.Tensor:
+    """Σ_h |M_h| on a block's own rows and columns, (b, R, R): :func:`ssd_block`'s direct form (the same operations
+    in the same order: decays from the block's own cumulative sum, (L · CB) · Δ, D on the diagonal), in place,
+    with the mask above the diagonal made once per sweep. Ch (b, h, R, N), BT (b, h, N, R), dtT and log_a
+    (b, h, R)."""
+    R = Ch.shape[2]
+    cum = log_a.cumsum(-1)
+    L = torch.exp((cum[..., :, None] - cum[..., None, :]).masked_fill_(above[:R, :R], float("-inf")))
+    M = L.mul_(Ch @ BT).mul_(dtT[:, :, None, :])
+    if D is not None:
+        M.diagonal(dim1=-2, dim2=-1).add_(D.to(M.dtype)[None, :, None])
+    return M.abs_().sum(1)
+
+
+def _earlier_columns(Ch: torch.Tensor, BhT: torch.Tensor, cum: torch.Tensor, t0: int, t1: int) -> torch.Tensor:
+    """Σ_h |M_h[t, s]| for rows t in [t0, t1) and columns s < t0, (b, t1-t0, t0): per head one rank-N product of
+    the block's C rows and the earlier columns' Δ·B, decays factored at the block's start (both factors ≤ 1). The
+    right operand is built (N, t0) contiguous (a transposed view makes the thin product several times slower), and
+    each head's product lands in one reused buffer."""
+    ref = cum[..., t0 - 1: t0]
+    left = Ch[:, :, t0:t1] * torch.exp(cum[..., t0:t1] - ref)[..., None]  # (b, h, rows, N)
+    right = BhT[..., :t0] * torch.exp(ref - cum[..., :t0])[:, :, None, :]  # (b, h, N, t0)
+    Fl = torch.matmul(left[:, 0], right[:, 0]).abs_()
+    P = torch.empty_like(Fl)
+    for k in range(1, left.shape[1]):
+        Fl.add_(torch.matmul(left[:, k], right[:, k], out=P).abs_())
+    return Fl
 
 
 def ssd_signed_rows(r: torch.Tensor, C: torch.Tensor, B: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
