@@ -138,3 +138,61 @@ def test_the_default_is_checked_where_the_gates_apply_else_attn_grad_warned():
     assert ga.method == "attn_grad"
     torch.testing.assert_close(ga.matrix, attnroll.generation_attribution(m, tok, PROMPT, answer=ANSWER,
                                                                           method="attn_grad").matrix)
+
+
+def _route_grad(m, ids, rows, a, own, route, scales=(1.0, 0.25)):
+    """(S, n) ∂f/∂log m per copy through one gate route, copy i at m = scales[i] on the units' tokens."""
+    point = torch.log(torch.tensor(scales, dtype=torch.float64))[:, None] * (own >= 0).double()[None]
+    zero = torch.zeros(point.shape, dtype=torch.float64, requires_grad=True)
+    f = key_gates.answer_logprob(m, ids, rows, a, zero + point, route=route)
+    return f.detach(), torch.autograd.grad(f.sum(), zero)[0]
+
+
+def test_key_route_equals_the_mask_route_and_finite_differences():
+    """SDPA with the gates as one more key component: the same log-probabilities and gate gradients as the
+    float-mask route on sdpa and on eager, and central finite differences of its own gated log-probability."""
+    m, tok, ids, rows, a, own = setup("sdpa")
+    f_keys, g_keys = _route_grad(m, ids, rows, a, own, "keys")
+    assert m.config._attn_implementation == "sdpa"  # restored after the gated call
+    f_mask, g_mask = _route_grad(m, ids, rows, a, own, "mask")
+    m.config._attn_implementation = "eager"
+    f_eager, g_eager = _route_grad(m, ids, rows, a, own, None)
+    assert float(g_keys.abs().max()) > 1e-3
+    torch.testing.assert_close(f_keys, f_mask, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(g_keys, g_mask, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(f_keys, f_eager, rtol=1e-7, atol=1e-9)  # eager's softmax runs in float32
+    torch.testing.assert_close(g_keys, g_eager, rtol=1e-5, atol=1e-5 * float(g_keys.abs().max()))
+    m.config._attn_implementation = "sdpa"
+    h, point = 1e-2, torch.log(torch.tensor([1.0, 0.25], dtype=torch.float64))[:, None] * (own >= 0).double()[None]
+    for k in (0, int(own.eq(2).nonzero()[0]), ids.shape[1] - len(a) - 1):  # a sink, a unit token, the last prompt token
+        step = torch.zeros_like(point)
+        step[:, k] = h
+        with torch.no_grad():
+            up = key_gates.answer_logprob(m, ids, rows, a, point + step, route="keys")
+            down = key_gates.answer_logprob(m, ids, rows, a, point - step, route="keys")
+        torch.testing.assert_close(g_keys[:, k], (up - down) / (2 * h), rtol=2e-3, atol=1e-5)  # float32 norms
+
+
+def test_key_route_keeps_sdpa_fused(monkeypatch):
+    """The key route calls SDPA causal with no mask (the fused kernel: no n × n matrix), head size + 1 at the
+    original scale; the mask route passes an n × n float mask that needs a gradient."""
+    m, tok, ids, rows, a, own = setup("sdpa")
+    seen, sdpa = [], torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, is_causal=False, scale=None, **kw):
+        seen.append((attn_mask, is_causal, q.shape[-1], scale))
+        return sdpa(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, **kw)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    d = m.config.hidden_size // m.config.num_attention_heads
+    _route_grad(m, ids, rows, a, own, "keys")
+    assert len(seen) == m.config.num_hidden_layers
+    assert all(mask is None and causal and size == d + 1 and scale == pytest.approx(d ** -0.5)
+               for mask, causal, size, scale in seen)
+    seen.clear()
+    _route_grad(m, ids, rows, a, own, "mask")
+    assert all(mask is not None and mask.requires_grad and mask.shape[-2:] == (ids.shape[1],) * 2
+               for mask, *_ in seen)
+    m.config._attn_implementation = "eager"
+    with pytest.raises(ValueError, match="'keys' on an attn_implementation='sdpa' model"):
+        _route_grad(m, ids, rows, a, own, "keys")
