@@ -77,7 +77,9 @@ def lds_masks(n: int, count: int = 32, seed: int = 12345) -> np.ndarray:
 
 
 def lds(scorer: Scorer, scores: np.ndarray, masks: np.ndarray) -> float:
-    """Spearman between Σ_{kept} score and the actual log p(answer) over the masks."""
+    """Spearman between Σ_{kept} score and the actual log p(answer) over the masks (NaN without masks)."""
+    if len(masks) == 0:
+        return float("nan")
     actual = np.array([scorer.logp(m) for m in masks])
     pred = masks.astype(float) @ scores
     return _spearman(pred, actual)
