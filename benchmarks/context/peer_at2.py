@@ -95,8 +95,12 @@ def train(features: list[np.ndarray], masks: list[np.ndarray], outputs: list[np.
     at2 = at2 or at2_modules()
     torch.manual_seed(seed)
     n_feat = features[0].shape[1]
-    x = torch.tensor(np.stack([(2.0 * m - 1) @ f for m, f in zip(masks, features)]), dtype=torch.float32)
-    y = torch.tensor(np.stack(outputs), dtype=torch.float32)
+    groups: dict[int, list] = {}  # examples grouped by their number of masks (each group one batch)
+    for m, f, o in zip(masks, features, outputs):
+        groups.setdefault(len(m), []).append(((2.0 * m - 1) @ f, o))
+    batches = [(torch.tensor(np.stack([g[0] for g in grp]), dtype=torch.float32),
+                torch.tensor(np.stack([g[1] for g in grp]), dtype=torch.float32)) for grp in groups.values()]
+    sizes = [len(grp) for grp in groups.values()]
     extractor = at2["extractor"](*layers_heads, model_type="llama")
     if extractor.num_features != n_feat:
         raise ValueError(f"features have {n_feat} columns, layers × heads {layers_heads} give {extractor.num_features}")
@@ -106,7 +110,7 @@ def train(features: list[np.ndarray], masks: list[np.ndarray], outputs: list[np.
     loss_fn, losses = at2["loss"](), []
     for _ in range(steps):
         opt.zero_grad()
-        loss = loss_fn(est(x)[:, :, 0], y)
+        loss = sum(n * loss_fn(est(x)[:, :, 0], y) for n, (x, y) in zip(sizes, batches)) / sum(sizes)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(est.parameters(), max_norm=1.0)
         opt.step()
@@ -117,14 +121,54 @@ def train(features: list[np.ndarray], masks: list[np.ndarray], outputs: list[np.
     return est.linear.weight.detach()[0].numpy().astype(float), losses
 
 
+def logit_prob(logp):
+    """The sequence logit-probability log p − log(1 − p) of a log-probability (AT2's output, from log p)."""
+    logp = np.minimum(np.asarray(logp, dtype=float), -1e-9)
+    return logp - np.where(logp > -0.1, np.log(-np.expm1(logp)), np.log1p(-np.exp(logp)))
+
+
+def loo_examples(rows: list[dict], items: list) -> tuple[list, list, list]:
+    """Stored leave-one-out ablations as AT2 training examples: for each item with a stored row of the same
+    prompt (meta, answer, gold; ``loo`` drops and ``full_logp``), masks "all but i" and outputs the
+    logit-probability of log p(all but i) = full_logp − drop_i. Returns (items used, masks, outputs)."""
+    used, masks, outs = [], [], []
+    for item in items:
+        row = next((r for r in rows if r.get("meta") == item.meta and r.get("answer") == item.answer
+                    and r.get("gold") == item.gold), None)
+        if row is None or "full_logp" not in row:
+            continue
+        n = len(item.segments)
+        used.append(item)
+        masks.append(~np.eye(n, dtype=bool))
+        outs.append(logit_prob(row["full_logp"] - np.asarray(row["loo"], dtype=float)))
+    return used, masks, outs
+
+
 def scores(model, tokenizer, item, weights: np.ndarray) -> np.ndarray:
     """AT2's passage scores: the fitted weights applied to the passages' attention features."""
     return source_features(model, tokenizer, item) @ weights
 
 
+def collect(model, tokenizer, items, at2, stop_after_s=None) -> tuple[list, list, list]:
+    """Its recipe's data for each item (until ``stop_after_s`` wall seconds): features, 32 masks, outputs."""
+    t0, c0, feats, masks, outs = time.perf_counter(), time.process_time(), [], [], []
+    for i, item in enumerate(items):
+        if stop_after_s and time.perf_counter() - t0 > stop_after_s:
+            break
+        feats.append(source_features(model, tokenizer, item, at2))
+        m, o = ablation_outputs(model, tokenizer, item, at2)
+        masks.append(m)
+        outs.append(o)
+        print(i, f"{time.perf_counter() - t0:.0f}s wall, {time.process_time() - c0:.0f}s CPU", flush=True)
+    return feats, masks, outs
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--train", type=int, default=24, help="validation-b prompts to train on")
+    ap.add_argument("--train", type=int, default=24, help="validation-b prompts given the recipe's 32 ablations")
+    ap.add_argument("--loo", default=None, help="a JSON of stored leave-one-out rows (items with meta, answer, gold, "
+                                               "loo, full_logp) of validation-b prompts, used as further examples")
+    ap.add_argument("--loo-count", type=int, default=20, help="validation-b prompts searched in --loo")
     ap.add_argument("--out", required=True, help="where to save the fitted weights (torch .pt)")
     ap.add_argument("--stop-after-s", type=float, default=None,
                     help="stop collecting after this many wall seconds and train on the prompts collected")
@@ -134,24 +178,26 @@ def main(argv=None) -> None:
 
     lm = load_model("smollm2-135m-instruct")
     at2 = at2_modules()
-    items = qa_set(lm.tokenizer, "validation-b", args.train, 16)
-    t0, c0, feats, masks, outs = time.perf_counter(), time.process_time(), [], [], []
-    for i, item in enumerate(items):
-        if args.stop_after_s and time.perf_counter() - t0 > args.stop_after_s:
-            break
-        feats.append(source_features(lm.model, lm.tokenizer, item, at2))
-        m, o = ablation_outputs(lm.model, lm.tokenizer, item, at2)
-        masks.append(m)
-        outs.append(o)
-        print(i, f"{time.perf_counter() - t0:.0f}s wall, {time.process_time() - c0:.0f}s CPU", flush=True)
-    collect, collect_cpu = time.perf_counter() - t0, time.process_time() - c0
+    t0, c0 = time.perf_counter(), time.process_time()
+    feats, masks, outs = collect(lm.model, lm.tokenizer, qa_set(lm.tokenizer, "validation-b", args.train, 16), at2,
+                                 args.stop_after_s)
+    n_random = len(feats)
+    if args.loo:
+        import json
+
+        used, lm_masks, lm_outs = loo_examples(json.load(open(args.loo))["items"],
+                                               qa_set(lm.tokenizer, "validation-b", args.loo_count, 16))
+        feats += [source_features(lm.model, lm.tokenizer, it, at2) for it in used]
+        masks, outs = masks + lm_masks, outs + lm_outs
+    collect_s, collect_cpu = time.perf_counter() - t0, time.process_time() - c0
     cfg = lm.model.config
     w, losses = train(feats, masks, outs, (cfg.num_hidden_layers, cfg.num_attention_heads), at2)
-    torch.save({"weights": torch.tensor(w), "train_prompts": len(feats), "ablation_forwards": MASKS * len(feats),
-                "collect_s": collect, "collect_cpu_s": collect_cpu, "train_s": time.perf_counter() - t0 - collect,
-                "train_cpu_s": time.process_time() - c0 - collect_cpu, "loss_first_last":
-                (losses[0], losses[-1]), "loadavg": open("/proc/loadavg").read().split()[:3]}, args.out)
-    print(f"collected {len(feats)} prompts in {collect:.0f}s ({collect_cpu:.0f}s CPU); loss {losses[0]:.3f} -> {losses[-1]:.3f}; saved {args.out}", flush=True)
+    info = {"random_mask_prompts": n_random, "ablation_forwards": MASKS * n_random,
+            "loo_prompts": len(feats) - n_random, "collect_s": collect_s, "collect_cpu_s": collect_cpu,
+            "train_cpu_s": time.process_time() - c0 - collect_cpu, "loss_first_last": (losses[0], losses[-1]),
+            "loadavg": open("/proc/loadavg").read().split()[:3]}
+    torch.save({"weights": torch.tensor(w), **info}, args.out)
+    print(info, "saved", args.out, flush=True)
 
 
 if __name__ == "__main__":
