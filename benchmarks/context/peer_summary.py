@@ -1,7 +1,9 @@
 """attnroll's methods beside the peers on the same prompts: top-k log-prob drops (k = 1, 3, 5) as a % of a
 reference's (ContextCite-256 by default), and side by side with each peer (FlashTrace, AT2, AttnTrace, mean
 last-layer attention) on the prompts both were run on. Inputs are run.py-format JSON files (peer_run.py's,
-peer_at2's evaluation, run.py's); rows are matched by prompt (metadata, answer, gold).
+run.py's); rows are matched by prompt (metadata, answer, gold). Rows that hold only scores and the LOO drops
+(``{"scores": {method: [...]}, "loo": [...]}``, e.g. ``checked collect``'s) give drop@1 exactly (the LOO drop of
+the top-scored passage) and top-1; their drop@3 / @5 need forwards and show as "–".
 
     PYTHONPATH=src python -m benchmarks.context.peer_summary --attnroll results/qa_heldout-b.json \\
         results/peers_heldout-b_cc.json results/peers_heldout-b_ft.json
@@ -30,7 +32,20 @@ def merge(files: list[dict]) -> dict[str, dict]:
         if "items" not in data:
             raise ValueError("expected a run.py-format results JSON with an 'items' list")
         for row in data["items"]:
-            out.setdefault(prompt_key(row), {}).update(row.get("methods", {}))
+            out.setdefault(prompt_key(row), {}).update({**from_scores(row), **row.get("methods", {})})
+    return out
+
+
+def from_scores(row: dict) -> dict:
+    """Figures that a row's stored scores and LOO drops give without forwards: top-1 and drop@1 (the LOO drop of
+    the top passage, ties to the first as in protocol.topk_drop); drop@3 / @5 NaN."""
+    if "scores" not in row or "loo" not in row:
+        return {}
+    loo = np.asarray(row["loo"], dtype=float)
+    out = {}
+    for name, s in row["scores"].items():
+        top = int(np.argmax(np.asarray(s, dtype=float)))
+        out[name] = {"top1": top == int(np.argmax(loo)), "drop1": float(loo[top]), "drop3": np.nan, "drop5": np.nan}
     return out
 
 
@@ -72,9 +87,10 @@ def report(rows: dict[str, dict], attnroll: list[str], reference: str = "context
         for m in attnroll:
             v = versus(rows, m, peer)
             if v:
-                wins = int((v["method"] > v["other"]).sum())
+                known = ~np.isnan(v["method"] + v["other"])
+                wins = int((v["method"][known] > v["other"][known]).sum())
                 lines.append(f"{m} vs {peer} (n={v['n']}): {_fmt(v['method'])} vs {_fmt(v['other'])}; "
-                             f"higher at {wins}/{len(KS)} k; top-1 = LOO {v['top1'][0]} vs {v['top1'][1]}")
+                             f"higher at {wins}/{int(known.sum())} k; top-1 = LOO {v['top1'][0]} vs {v['top1'][1]}")
     return lines
 
 
@@ -87,7 +103,8 @@ def main(argv=None) -> None:
     files = [json.load(open(p)) for p in args.peers]
     ours = json.load(open(args.attnroll))
     rows = merge(files + [ours])
-    names = sorted({m for r in ours["items"] for m in r.get("methods", {})} - set(PEERS) - {args.reference})
+    names = sorted({m for r in ours["items"] for m in {**r.get("methods", {}), **r.get("scores", {})}}
+                   - set(PEERS) - {args.reference})
     print("\n".join(report(rows, names, args.reference)))
 
 

@@ -48,3 +48,14 @@ def test_main_prints_and_rejects_bad_json(tmp_path, capsys):
     assert "ours vs flashtrace (n=4)" in capsys.readouterr().out
     with pytest.raises(ValueError, match="'items' list"):
         ps.merge([{"rows": []}])
+
+
+def test_scores_only_rows_give_drop1_from_loo():
+    loo = [0.5, 3.0, 0.2, 1.0]
+    row = {"meta": {}, "answer": "a", "gold": [1], "loo": loo,
+           "scores": {"m": [0.1, 0.2, 0.9, 0.3], "n": [0, 5, 5, 1]}}
+    rows = ps.merge([{"items": [row]}])
+    key = ps.prompt_key(row)
+    assert rows[key]["m"]["drop1"] == 0.2 and not rows[key]["m"]["top1"]
+    assert rows[key]["n"]["drop1"] == 3.0 and rows[key]["n"]["top1"]  # tie: the first passage
+    assert np.isnan(rows[key]["m"]["drop3"])
