@@ -26,13 +26,18 @@ def prompt_key(row: dict) -> str:
 
 
 def merge(files: list[dict]) -> dict[str, dict]:
-    """prompt key -> {method: figures} over every file's rows (a later file's method replaces an earlier's)."""
+    """prompt key -> {method: figures} over every file's rows (a later file's method replaces an earlier's;
+    figures derived from stored scores only fill methods no file measured in full)."""
     out: dict[str, dict] = {}
     for data in files:
         if "items" not in data:
             raise ValueError("expected a run.py-format results JSON with an 'items' list")
         for row in data["items"]:
-            out.setdefault(prompt_key(row), {}).update({**from_scores(row), **row.get("methods", {})})
+            methods = out.setdefault(prompt_key(row), {})
+            methods.update(row.get("methods", {}))
+            for name, figures in from_scores(row).items():
+                if name not in methods or np.isnan(methods[name]["drop3"]):
+                    methods[name] = figures
     return out
 
 
@@ -71,7 +76,7 @@ def versus(rows: dict[str, dict], method: str, other: str) -> dict | None:
 
 
 def _fmt(v: np.ndarray, pct: bool = False) -> str:
-    return " / ".join(("–" if np.isnan(x) else f"{x:.0f} %") if pct else f"{x:.2f}" for x in v)
+    return " / ".join("–" if np.isnan(x) else f"{x:.0f} %" if pct else f"{x:.2f}" for x in v)
 
 
 def report(rows: dict[str, dict], attnroll: list[str], reference: str = "contextcite_256") -> list[str]:

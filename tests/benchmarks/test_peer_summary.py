@@ -59,3 +59,12 @@ def test_scores_only_rows_give_drop1_from_loo():
     assert rows[key]["m"]["drop1"] == 0.2 and not rows[key]["m"]["top1"]
     assert rows[key]["n"]["drop1"] == 3.0 and rows[key]["n"]["top1"]  # tie: the first passage
     assert np.isnan(rows[key]["m"]["drop3"])
+
+
+def test_measured_drops_are_not_replaced_by_score_only_rows():
+    full = _row(0, {"flashtrace": (1.0, 2.0, 3.0, True)})
+    scores_only = {**_row(0, {}), "loo": [0.5, 0.1], "scores": {"flashtrace": [0, 1], "ours": [1, 0]}}
+    rows = ps.merge([{"items": [full]}, {"items": [scores_only]}])
+    key = ps.prompt_key(full)
+    assert rows[key]["flashtrace"]["drop3"] == 2.0
+    assert rows[key]["ours"]["drop1"] == 0.5
