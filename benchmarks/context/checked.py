@@ -171,7 +171,8 @@ def report_item(model, tok, item, row: dict, names: list[str], timed: bool) -> d
     scorer.prefill(row["full_logp"], row["loo"])
     drops = np.array(row["loo"])
     costs = timed_costs(model, tok, item, [n for n in names if n != "random"]) if timed else {}
-    out = {"meta": item.meta, "methods": {}, "loadavg": open("/proc/loadavg").read().split()[:3]}
+    out = {"meta": item.meta, "answer": item.answer, "gold": item.gold, "methods": {},
+           "loadavg": open("/proc/loadavg").read().split()[:3]}
     for name in names:
         s = candidate(row, name)
         res = {"top1": bool(np.argmax(s) == np.argmax(drops)), "spearman": protocol._spearman(s, drops),

@@ -5,8 +5,8 @@ run.py's); rows are matched by prompt (metadata, answer, gold). Rows that hold o
 (``{"scores": {method: [...]}, "loo": [...]}``, e.g. ``checked collect``'s) give drop@1 exactly (the LOO drop of
 the top-scored passage) and top-1; their drop@3 / @5 need forwards and show as "–".
 
-    PYTHONPATH=src python -m benchmarks.context.peer_summary --attnroll results/qa_heldout-b.json \\
-        results/peers_heldout-b_cc.json results/peers_heldout-b_ft.json
+    cd benchmarks/context/results && PYTHONPATH=../../../src:../../.. python -m benchmarks.context.peer_summary \\
+        --attnroll qa_heldout-b_report_*.json -- peers_heldout-b_*.json
 """
 
 from __future__ import annotations
@@ -102,11 +102,12 @@ def report(rows: dict[str, dict], attnroll: list[str], reference: str = "context
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("peers", nargs="+", help="peer results JSON files (run.py format)")
-    ap.add_argument("--attnroll", required=True, help="attnroll's results JSON on the same prompts (run.py's output)")
+    ap.add_argument("--attnroll", required=True, nargs="+",
+                    help="attnroll's results JSON files on the same prompts (run.py's or checked report's output)")
     ap.add_argument("--reference", default="contextcite_256")
     args = ap.parse_args(argv)
     files = [json.load(open(p)) for p in args.peers]
-    ours = json.load(open(args.attnroll))
+    ours = {"items": [r for p in args.attnroll for r in json.load(open(p))["items"]]}
     rows = merge(files + [ours])
     names = sorted({m for r in ours["items"] for m in {**r.get("methods", {}), **r.get("scores", {})}}
                    - set(PEERS) - {args.reference})
