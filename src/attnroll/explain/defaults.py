@@ -50,9 +50,9 @@ DEFAULTS: dict[str, Default] = {
     # SmolLM2-135M-Instruct, multi-passage QA against exact leave-one-out (EVALUATION.md, "Context attribution
     # on SmolLM2-135M-Instruct"; benchmarks/context/): of the methods `explain` has, gae ranked LOO's top passage
     # first in 4/4 held-out prompts (Spearman 0.09, top-1 log-prob drop 3.84 nats, 1.6x fwd+bwd), rollout 2/4
-    # (-0.14, 2.22), even with its attention sink dropped. (Context attribution's own default, gate_grad with
-    # gate points (1, 0.25), chosen on validation over attn_grad by Spearman with LOO at no loss of top-1 or
-    # top-1 drop, is no `explain` method: gradients of gates on the attention to each passage's keys.)
+    # (-0.14, 2.22), even with its attention sink dropped. (Context attribution's own default, `checked`:
+    # gate_grad's ranking with its top 4 passages verified by exact LOO, chosen on validation by top-1 agreement
+    # with LOO, is no `explain` method: it needs the passages and the answer.)
     "decoder": Default(("gae", "grad_rollout", "rollout"),
                        "most faithful against leave-one-out on SmolLM2 context prompts within 3x forward+backward"),
 }
