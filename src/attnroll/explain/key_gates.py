@@ -67,9 +67,9 @@ def check_gateable(model: nn.Module, n: int) -> None:
 
 def resolve_default(method: str | None, model: nn.Module, n: int) -> str:
     """``method``, or where it is None the measured default of generation attribution (and the ranking of
-    context attribution's default "checked"): "gate_grad"
-    where its gates apply to ``model`` at ``n`` tokens (:func:`check_gateable`), else "attn_grad", warned with
-    the reason (a flash-attention kernel, a sliding window shorter than the input)."""
+    context attribution's default "checked"): "gate_grad" where its gates apply to ``model`` at ``n`` tokens
+    (:func:`check_gateable`), else "attn_grad", warned with the reason (a flash-attention kernel, a sliding
+    window shorter than the input)."""
     if method is not None:
         return method
     try:
