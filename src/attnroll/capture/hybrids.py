@@ -134,21 +134,9 @@ def _rg_lru_parts(module: nn.Module, hidden: torch.Tensor, position_ids: torch.T
     and held; a_t = 0 and no normalisation where the position restarts at 0); out = linear_out(h · GeLU(linear_y)).
     Its parts: x_in = linear_x(h) → y = h · GeLU(linear_y) per channel (core.mixers.lru_matrix after
     core.mixers.conv_matrix, the output branch a diagonal on the rows)."""
-    b, n, _ = hidden.shape
-    lru = module.rg_lru
-    y = module.act_fn(module.linear_y(hidden))
-    x_in = module.linear_x(hidden)
-    x = module.conv_1d(x_in.transpose(1, 2))[..., :n].transpose(1, 2)
-    H, w = lru.num_attention_heads, lru.block_width
-    act = x.reshape(b, n, H, w)
-    i_gate = torch.sigmoid(torch.einsum("bnhi,hij->bnhj", act, lru.input_gate_weight) + lru.input_gate_bias)
-    r_gate = torch.sigmoid(torch.einsum("bnhi,hij->bnhj", act, lru.recurrent_gate_weight) + lru.recurrent_gate_bias)
-    log_a = (-8.0 * r_gate.reshape(b, n, -1) * F.softplus(lru.recurrent_param)).to(hidden.dtype)
-    if position_ids is None:
-        position_ids = torch.arange(n, device=hidden.device)[None].expand(b, n)
-    reset = (position_ids == 0)[:, :, None].expand_as(log_a)
-    scale = i_gate.reshape(b, n, -1) * torch.where(reset, torch.ones_like(log_a), torch.sqrt(1 - torch.exp(2 * log_a)))
-    M = ops.lru_matrix(log_a.masked_fill(reset, 0.0), scale)  # (b, d, n, n)
+    g = base.rg_lru_gates(module, hidden, position_ids)
+    x_in, x, y, reset = g["x_in"], g["x"], g["y"], g["reset"]
+    M = ops.lru_matrix(g["log_a"], g["scale"])  # (b, d, n, n)
     restarts = reset[..., 0].to(torch.int64).cumsum(1)  # a restart at r cuts every path from s < r to t ≥ r
     M = M * (restarts[:, None, :, None] == restarts[:, None, None, :])
     M = M * y.transpose(1, 2)[:, :, :, None]

@@ -624,16 +624,15 @@ def _hybrid_delta_gates(module: nn.Module, hidden: torch.Tensor, mask: torch.Ten
     return _delta_inputs(module, mixed, beta, g, keep)
 
 
-def _rg_lru_rows(module: nn.Module, args: tuple, kwargs: dict, heads: int) -> ops.LRURows:
-    """RecurrentGemma's recurrent block as core.mixers.LRURows: the RG-LRU's log decay and input scale read from the
-    convolved linear_x(h) as capture/hybrids.py's reader does (a restart where the position is 0: no path across
-    it), the output branch GeLU(linear_y(h)) on the rows, the convolution folded."""
-    hidden = args[0] if args else kwargs.get("input_states", kwargs.get("hidden_states"))
-    position_ids = args[1] if len(args) > 1 else kwargs.get("position_ids")
+def rg_lru_gates(module: nn.Module, hidden: torch.Tensor, position_ids: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """RecurrentGemma's recurrent block's inputs and held gates: ``x_in`` = linear_x(h), ``x`` its causal
+    convolution, ``y`` = GeLU(linear_y(h)) (the output branch), the RG-LRU's ``log_a`` (−8 r_t softplus(Λ), 0 at a
+    restart) and input ``scale`` (i_t · √(1 − a_t²), i_t at a restart), and ``reset`` (b, n, d): position 0."""
     b, n, _ = hidden.shape
     lru = module.rg_lru
     y = module.act_fn(module.linear_y(hidden))
-    x = module.conv_1d(module.linear_x(hidden).transpose(1, 2))[..., :n].transpose(1, 2)
+    x_in = module.linear_x(hidden)
+    x = module.conv_1d(x_in.transpose(1, 2))[..., :n].transpose(1, 2)
     act = x.reshape(b, n, lru.num_attention_heads, lru.block_width)
     i_gate = torch.sigmoid(torch.einsum("bnhi,hij->bnhj", act, lru.input_gate_weight) + lru.input_gate_bias)
     r_gate = torch.sigmoid(torch.einsum("bnhi,hij->bnhj", act, lru.recurrent_gate_weight) + lru.recurrent_gate_bias)
@@ -642,8 +641,17 @@ def _rg_lru_rows(module: nn.Module, args: tuple, kwargs: dict, heads: int) -> op
         position_ids = torch.arange(n, device=hidden.device)[None].expand(b, n)
     reset = (position_ids == 0)[:, :, None].expand_as(log_a)
     scale = i_gate.reshape(b, n, -1) * torch.where(reset, torch.ones_like(log_a), torch.sqrt(1 - torch.exp(2 * log_a)))
-    return ops.LRURows(log_a.masked_fill(reset, 0.0), scale, y, module.conv_1d.weight[:, 0],
-                       segment=reset[..., 0].to(torch.int64).cumsum(1), heads=heads)
+    return {"x_in": x_in, "x": x, "y": y, "log_a": log_a.masked_fill(reset, 0.0), "scale": scale, "reset": reset}
+
+
+def _rg_lru_rows(module: nn.Module, args: tuple, kwargs: dict, heads: int) -> ops.LRURows:
+    """RecurrentGemma's recurrent block as core.mixers.LRURows (:func:`rg_lru_gates`; a restart where the
+    position is 0: no path across it), the output branch GeLU(linear_y(h)) on the rows, the convolution folded."""
+    hidden = args[0] if args else kwargs.get("input_states", kwargs.get("hidden_states"))
+    position_ids = args[1] if len(args) > 1 else kwargs.get("position_ids")
+    g = rg_lru_gates(module, hidden, position_ids)
+    return ops.LRURows(g["log_a"], g["scale"], g["y"], module.conv_1d.weight[:, 0],
+                       segment=g["reset"][..., 0].to(torch.int64).cumsum(1), heads=heads)
 
 
 def rows_layer(module: nn.Module, args: tuple, kwargs: dict, heads: int = 1,
