@@ -598,8 +598,10 @@ class ConvRows(MixerRows):
 
     def __init__(self, weight, pre=None, post=None, n: int | None = None, heads: int = 1, rows: int = 64):
         like = post if post is not None else pre
-        b, n = (1, n) if like is None else like.shape[:2]
-        super().__init__(b, n, weight.device, heads, rows)
+        if like is None and n is None:
+            raise ValueError("ConvRows needs the length n when neither pre nor post is given")
+        b, length = (1, int(n)) if like is None else (int(like.shape[0]), int(like.shape[1]))
+        super().__init__(b, length, weight.device, heads, rows)
         self.conv_weight, self.pre, self.post = weight, pre, post
 
     def block(self, t0: int, t1: int) -> torch.Tensor:
