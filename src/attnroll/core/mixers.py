@@ -598,9 +598,12 @@ class ConvRows(MixerRows):
 
     def __init__(self, weight, pre=None, post=None, n: int | None = None, heads: int = 1, rows: int = 64):
         like = post if post is not None else pre
-        if like is None and n is None:
+        if like is not None:
+            b, length = int(like.shape[0]), int(like.shape[1])
+        elif n is not None:
+            b, length = 1, int(n)
+        else:
             raise ValueError("ConvRows needs the length n when neither pre nor post is given")
-        b, length = (1, int(n)) if like is None else (int(like.shape[0]), int(like.shape[1]))
         super().__init__(b, length, weight.device, heads, rows)
         self.conv_weight, self.pre, self.post = weight, pre, post
 
