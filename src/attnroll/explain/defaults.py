@@ -36,9 +36,9 @@ DEFAULTS: dict[str, Default] = {
                                 "most faithful on the shapes ViT (deletion 0.159 vs rollout 0.289)"),
     # minilm-reviews, real movie-review snippets (EVALUATION.md, "Real movie reviews (minilm-reviews)";
     # benchmarks/bench_text_defaults.py, benchmarks/text_defaults.json): chosen on 100 validation snippets by
-    # comprehensiveness - sufficiency: decompx 0.373 / -0.049, alti_logit 0.330 / -0.029, gae 0.331 / -0.018,
-    # rollout 0.091 / 0.254, random 0.054 / 0.278; held-out (200): decompx 0.374 / -0.053 at 1.04x fwd+bwd
-    # (alti_logit 0.320 / -0.021, gae 0.320 / -0.016).
+    # comprehensiveness - sufficiency: decompx 0.452 / 0.014, alti_logit 0.415 / 0.028, grad_rollout 0.389 / 0.034,
+    # gae 0.382 / 0.035, rollout 0.115 / 0.307, random 0.080 / 0.367; held-out (200): decompx 0.405 / -0.015 at
+    # 0.94x fwd+bwd (alti_logit 0.359 / 0.002, gae 0.342 / 0.017).
     "text classifier": Default(("decompx", "alti_logit", "gae", "rollout"),
                                "most faithful on real movie reviews within 3x forward+backward"),
     # all-MiniLM-L6-v2 on the same snippets (32 per split), target = cosine similarity to the nearest other
