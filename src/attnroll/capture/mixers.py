@@ -276,12 +276,6 @@ def _fold(p: MixerParts, g_y: torch.Tensor | None = None, clamp: str = "per_head
     return total
 
 
-def _fold_conv(M: torch.Tensor, gate_in: torch.Tensor, weight: torch.Tensor, heads_of: int) -> torch.Tensor:
-    """Σ_c |M_{h(c)} · diag(gate_in_c) · T_c| over channels, (b, n, n): :func:`_fold` for a reading whose value and
-    output are not needed (no gradient weighting); M (b, H, n, n), gate_in (b, n, ch), weight (ch, K)."""
-    return _fold(MixerParts(M, heads_of, x_in=gate_in, y=gate_in, post=None, gate_in=gate_in, weight=weight))
-
-
 def _normalised(total: torch.Tensor) -> torch.Tensor:
     s = total.sum(-1, keepdim=True)
     return (total / torch.where(s > 0, s, torch.ones((), dtype=s.dtype, device=s.device)))[:, None]
