@@ -273,17 +273,19 @@ def _own_block(Ch: torch.Tensor, BT: torch.Tensor, dtT: torch.Tensor, log_a: tor
 
 
 def _own_heads(Ch: torch.Tensor, BT: torch.Tensor, dtT: torch.Tensor, log_a: torch.Tensor, D: torch.Tensor | None,
-               above: torch.Tensor) -> torch.Tensor:
+               above: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
     """|M_h| on a block's own rows and columns, (b, h, R, R): :func:`ssd_block`'s direct form (the same operations
     in the same order: decays from the block's own cumulative sum, (L · CB) · Δ, D on the diagonal), in place,
     with the mask above the diagonal made once per sweep. Ch (b, h, R, N), BT (b, h, N, R), dtT and log_a
-    (b, h, R)."""
+    (b, h, R); ``keep``: only these rows (indices into the block), (b, h, len(keep), R)."""
     R = Ch.shape[2]
     cum = log_a.cumsum(-1)
-    L = torch.exp((cum[..., :, None] - cum[..., None, :]).masked_fill_(above[:R, :R], float("-inf")))
-    M = L.mul_(Ch @ BT).mul_(dtT[:, :, None, :])
+    rows, mask = (cum, above[:R, :R]) if keep is None else (cum[..., keep], above[:R, :R][keep])
+    L = torch.exp((rows[..., :, None] - cum[..., None, :]).masked_fill_(mask, float("-inf")))
+    M = L.mul_((Ch if keep is None else Ch[:, :, keep]) @ BT).mul_(dtT[:, :, None, :])
     if D is not None:
-        M.diagonal(dim1=-2, dim2=-1).add_(D.to(M.dtype)[None, :, None])
+        t = torch.arange(R, device=M.device) if keep is None else keep
+        M[:, :, torch.arange(t.numel(), device=M.device), t] += D.to(M.dtype)[None, :, None]
     return M.abs_()
 
 
@@ -354,13 +356,20 @@ def conv_coef(gate_in: torch.Tensor | None, weight: torch.Tensor, heads_of: int,
               batch: int = 1) -> torch.Tensor:
     """The banded convolution operator of each group, Σ_{c in g} |diag(gate_c) · T_c|, as coefficients
     (b, G, w, K): coef[g, s, k] = Σ_c |gate_c[s + k]| · |w_c[K-1-k]|, the entry of row s + k, column s (0 past w).
-    gate_in (b, ≥ w, G·heads_of) or None (ones); weight (G·heads_of, K)."""
+    gate_in (b, ≥ w, G·heads_of) or None (ones); weight (G·heads_of, K). One product over the group's channels
+    per row, then each tap's column shifted."""
     C, K = weight.shape
-    b = batch if gate_in is None else gate_in.shape[0]
-    g = weight.new_ones(b, w, C).to(dtype) if gate_in is None else gate_in[:, :w].to(dtype).abs()
-    taps = weight.to(dtype).flip(-1).abs()  # taps[:, k] = |weight[:, K-1-k]|
-    coef = torch.nn.functional.pad(g, (0, 0, 0, K - 1)).unfold(1, K, 1) * taps  # (b, w, C, K)
-    return coef.reshape(b, w, C // heads_of, heads_of, K).sum(3).transpose(1, 2)  # (b, G, w, K)
+    G = C // heads_of
+    taps = weight.to(dtype).flip(-1).abs().reshape(G, heads_of, K)  # taps[g, p, k] = |weight[c, K-1-k]|
+    if gate_in is None:
+        Z = taps.sum(1)[None, :, None, :].expand(batch, G, w, K)  # (b, G, w, K)
+    else:
+        g = gate_in[:, :w].to(dtype).abs().reshape(-1, w, G, heads_of)
+        Z = torch.einsum("bjgp,gpk->bgjk", g, taps)  # Z[b, g, j, k] = Σ_p |gate[j, (g, p)]| · taps[g, p, k]
+    coef = torch.zeros(Z.shape[0], G, w, K, dtype=dtype, device=weight.device)
+    for k in range(min(K, w)):
+        coef[:, :, : w - k, k] = Z[:, :, k:, k]
+    return coef
 
 
 def apply_conv_rows(v: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
@@ -477,6 +486,7 @@ class MixerRows:
         assert total is not None  # groups >= 1
         return total
 
+    @torch.no_grad()  # a map, not a graph: gates that are parameters (D) must not make the sweep track gradients
     def apply_rows(self, r: torch.Tensor, *, a: float, c: float, renorm: bool = False,
                    mask: torch.Tensor | None = None) -> torch.Tensor:
         """r · diag(1/s)·(a·F + c·I) for rows r (b, R, n): F restricted to the real tokens of ``mask`` (b, n) (padded
@@ -515,7 +525,7 @@ class SSDRows(MixerRows):
     C, B: (b, n, H, N); dt: (b, n, H); A, D: (H,); gate_in: (b, n, H·P); weight: (H·P, K); ``heads``: the head
     count the stream's layers report (``shape``), for a hybrid's attention layers."""
 
-    def __init__(self, C, B, dt, A, D, gate_in, weight, heads: int = 1, rows: int = 256):
+    def __init__(self, C, B, dt, A, D, gate_in, weight, heads: int = 1, rows: int = 128):
         super().__init__(C.shape[0], C.shape[1], C.device, heads, rows)
         self.C, self.B, self.dt, self.A, self.D = C, B, dt, A, D
         self.gate_in, self.weight = gate_in, weight
@@ -526,12 +536,21 @@ class SSDRows(MixerRows):
         return ssd_block(self.C[:, :, g0:g1], self.B[:, :, g0:g1], self.dt[:, :, g0:g1], self.A[g0:g1], D, t0, t1,
                          causal_cols=True)
 
+    @torch.no_grad()  # a map, not a graph: gates that are parameters (D) must not make the sweep track gradients
     def apply_rows(self, r: torch.Tensor, *, a: float, c: float, renorm: bool = False,
                    mask: torch.Tensor | None = None) -> torch.Tensor:
         log_a = (self.dt * self.A).transpose(1, 2)  # (b, H, n)
         if self.convolution != "apart" or self.weight is None or bool((log_a > 0).any()):  # a growing state: direct
             return super().apply_rows(r, a=a, c=c, renorm=renorm, mask=mask)
         return _ssd_apart_rows(self, r, log_a, a, c, renorm, mask)
+
+    def conv_coef(self) -> torch.Tensor:
+        """:func:`conv_coef` of this layer's convolution and σ(u) (b, H, n, K), computed once per layer (the sink
+        probe's sweep and the rollout's share it)."""
+        if getattr(self, "_coef", None) is None:
+            assert self.weight is not None
+            self._coef = conv_coef(self.gate_in, self.weight, self.heads_of, self.n, self.C.dtype, self.batch)
+        return self._coef
 
 
 def _ssd_apart_rows(lay: SSDRows, r: torch.Tensor, log_a: torch.Tensor, a: float, c: float, renorm: bool,
@@ -543,7 +562,7 @@ def _ssd_apart_rows(lay: SSDRows, r: torch.Tensor, log_a: torch.Tensor, a: float
     b, n, H, _ = lay.C.shape
     assert lay.weight is not None  # SSDRows.apply_rows takes this route only with a convolution
     real = torch.ones(b, n, dtype=r.dtype, device=r.device) if mask is None else mask.to(r.dtype)
-    coef = conv_coef(lay.gate_in, lay.weight, lay.heads_of, n, lay.C.dtype, b)  # (b, H, n, K)
+    coef = lay.conv_coef()  # (b, H, n, K)
     srow = conv_row_sums(coef, real.to(coef.dtype))[..., None]  # (b, H, n, 1)
     cum = log_a.cumsum(-1)
     Ch = lay.C.transpose(1, 2)  # (b, H, n, N)
@@ -553,6 +572,7 @@ def _ssd_apart_rows(lay: SSDRows, r: torch.Tensor, log_a: torch.Tensor, a: float
     above = torch.ones(rows, rows, dtype=torch.bool, device=r.device).triu_(1)
     one = torch.ones((), dtype=r.dtype, device=r.device)
     out, V = torch.zeros_like(r), lay.C.new_zeros(b, H, r.shape[1], n)
+    store = lay.C.new_empty(b, H, rows * n)  # the earlier columns' |S_h| of one block (_earlier_heads)
     for t0 in range(0, n, rows):
         t1 = min(n, t0 + rows)
         rr = r[:, :, t0:t1] * real[:, None, t0:t1]
@@ -561,29 +581,46 @@ def _ssd_apart_rows(lay: SSDRows, r: torch.Tensor, log_a: torch.Tensor, a: float
         if not count:
             continue
         keep = None if 2 * count > t1 - t0 else live.nonzero()[:, 0]  # few rows (one-hot rows, the top layer)
-        Ed = _own_heads(Ch[:, :, t0:t1], BT[..., t0:t1], dtT[..., t0:t1], log_a[..., t0:t1], lay.D, above)
-        El = None
-        if t0:
-            ref = cum[..., t0 - 1: t0]
-            left = Ch[:, :, t0:t1] * torch.exp(cum[..., t0:t1] - ref)[..., None]  # (b, H, R, N)
-            left = left if keep is None else left[:, :, keep]
-            El = torch.matmul(left, BhT[..., :t0] * torch.exp(ref - cum[..., :t0])[:, :, None, :]).abs_()
+        Ed = _own_heads(Ch[:, :, t0:t1], BT[..., t0:t1], dtT[..., t0:t1], log_a[..., t0:t1], lay.D, above, keep)
+        sums = (Ed @ srow[:, :, t0:t1]).sum(1)[..., 0]  # (b, R)
+        El = _earlier_heads(Ch, BhT, cum, t0, t1, keep, srow, sums, store) if t0 else []
+        sums = sums.to(r.dtype)
         if keep is not None:
-            Ed, rr, at = Ed[:, :, keep], rr[..., keep], t0 + keep
+            rr, at = rr[..., keep], t0 + keep
         else:
             at = torch.arange(t0, t1, device=r.device)
-        sums = (Ed @ srow[:, :, t0:t1]).sum(1)[..., 0].to(r.dtype)  # (b, R)
-        if El is not None:
-            sums += (El @ srow[:, :, :t0]).sum(1)[..., 0].to(r.dtype)
         if renorm:
             s = a * (sums > 0).to(r.dtype) + c * real[:, at]
             rr = rr / torch.where(s > 0, s, one)[:, None, :]
         out[:, :, at] += c * rr
         wt = (rr / torch.where(sums > 0, sums, one)[:, None, :]).to(Ed.dtype)[:, None]  # (b, 1, R_r, R)
         V[..., t0:t1] += wt @ Ed
-        if El is not None:
-            V[..., :t0] += wt @ El
+        for (i, h), E in El:
+            V[i, h, :, :t0].addmm_(wt[i, 0], E)
     return out + a * (apply_conv_rows(V, coef).sum(1).to(r.dtype) * real[:, None, :])
+
+
+def _earlier_heads(Ch: torch.Tensor, BhT: torch.Tensor, cum: torch.Tensor, t0: int, t1: int,
+                   keep: torch.Tensor | None, srow: torch.Tensor, sums: torch.Tensor,
+                   store: torch.Tensor) -> list[tuple[tuple[int, int], torch.Tensor]]:
+    """|S_h| on rows [t0, t1) (or their ``keep``) and the columns before t0, per example and head: one rank-N
+    product each (decays factored at the block's start), written as |·| into contiguous pieces of ``store``
+    (b, H, ≥ rows·t0; reused from block to block: a fresh (rows, t0) tensor per product costs more than the
+    product), its row sums against ``srow`` (b, H, n, 1) added to ``sums`` (b, R) while the piece is in cache.
+    Returns ((example, head), piece (R, t0)) for the contraction with the relevance rows."""
+    ref = cum[..., t0 - 1: t0]
+    left = Ch[:, :, t0:t1] * torch.exp(cum[..., t0:t1] - ref)[..., None]  # (b, H, R, N)
+    left = left if keep is None else left[:, :, keep]
+    right = BhT[..., :t0] * torch.exp(ref - cum[..., :t0])[:, :, None, :]  # (b, H, N, t0)
+    R = left.shape[2]
+    out = []
+    for i in range(left.shape[0]):
+        for h in range(left.shape[1]):
+            E = store[i, h, : R * t0].view(R, t0)
+            torch.matmul(left[i, h], right[i, h], out=E).abs_()
+            sums[i] += torch.mv(E, srow[i, h, :t0, 0])
+            out.append(((i, h), E))
+    return out
 
 
 def selective_block(C: torch.Tensor, B: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, D: torch.Tensor | None,
