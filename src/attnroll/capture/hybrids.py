@@ -25,8 +25,8 @@ from torch import nn
 
 from .. import _checks
 from ..core import mixers as ops
-from ..core.joined import JoinedRows
 from ..core.gradients import gradient_weighted
+from ..core.joined import JoinedRows
 from . import mixers as base
 from .mixers import MixerParts, _causal_conv, _check_reproduces, _fold, _keep, _l2, _normalised
 

@@ -246,7 +246,8 @@ def fused_probs(how: Any) -> BlockRule:
 
     # rows of softmax probabilities: rollout checks sums
     rule.stochastic = True  # type: ignore[attr-defined]
-    rule.how = how  # type: ignore[attr-defined]  (read by layers that join attention and a mixer: core.joined)
+    # the fusion, read by the layers that join attention and a mixer (core.joined)
+    rule.how = how  # type: ignore[attr-defined]
     if isinstance(how, str) and how == "mean":
         # r·mean_h(A) = mean_h(r·A): see apply_layer
         rule.heads = probs_block  # type: ignore[attr-defined]
