@@ -12,7 +12,12 @@ transformers' torch path), one prompt of n tokens:
               Σ_h |M_h| head by head; the causal convolution is stated apart, not folded), never holding an n×n
               matrix: O(n²·h) entries per layer, exact;
   signed      the same sweep with the signed head mean instead (``ssd_signed_rows``: a reverse scan, O(n·N·h)
-              per layer; heads' signed entries may cancel, see docs/methods.md).
+              per layer; heads' signed entries may cancel, see docs/methods.md);
+  explain     ``attnroll.explain(model, ids, method="rollout")`` end to end, what a user calls: the forward with
+              the gates kept, then the matrix-free sweep through every mixer layer (``core.mixers.SSDRows``, the
+              convolution composed apart: Σ_c |S_h(c)|·|diag(σ(u_c))·T_c|, O(n²·h) per layer);
+  folded      (with --folded) the same call with the convolution folded per channel before |·|
+              (``capture.mixers.CONVOLUTION = "folded"``: O(n²·channels·K) per layer), its row beside explain's.
 With --before SRC (another checkout's src/, e.g. the main branch's), that code's gates hook (recomputing in_proj
 from the mixer's input) and ``ssd_rows`` are timed in the same rounds (gates0, rows0), their row checked equal.
 Reported: median seconds over --repeat rounds (calls alternating), wall clock and this process's CPU time (user +
@@ -20,7 +25,7 @@ system: what other processes' load does not inflate), ratios to the forward, and
 allocates above its inputs (tracemalloc does not see torch; we state the largest blocks it holds: Σ_h |M_h| and
 one head's block, 2·block·n floats). The machine load (/proc/loadavg) is printed with the figures.
 
-Usage: python benchmarks/bench_mixers.py [--n 8192] [--layers 8] [--repeat 3] [--threads 2] [--before SRC]
+Usage: python benchmarks/bench_mixers.py [--n 8192] [--layers 8] [--repeat 3] [--threads 2] [--before SRC] [--folded]
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ from pathlib import Path
 
 import torch
 
+import attnroll
+from attnroll.capture import mixers as capture_mixers
 from attnroll.capture.mixers import InProjTap, mamba2_gates
 from attnroll.core import mixers
 
@@ -115,6 +122,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--block", type=int, default=mixers.BLOCK)
     ap.add_argument("--before", default=None, help="another checkout's src/ to time beside this one")
+    ap.add_argument("--folded", action="store_true", help="also time explain with the convolution folded")
+    ap.add_argument("--no-operators", action="store_true", help="time the forward and explain alone")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     before = load_before(args.before) if args.before else None
@@ -138,13 +147,43 @@ def main() -> None:
         with torch.no_grad():
             return model(input_ids=ids)
 
-    units = [lambda: timed(times, "forward", forward), after]
+    def explain(convolution: str):
+        capture_mixers.CONVOLUTION = convolution
+        try:
+            key = "explain" if convolution == "apart" else "folded"
+            got[key] = timed(times, key, lambda: attnroll.explain(model, {"input_ids": ids}, method="rollout",
+                                                                  sinks="keep").full_row)
+        finally:
+            capture_mixers.CONVOLUTION = "apart"
+
+    units = [lambda: timed(times, "forward", forward), lambda: explain("apart")]
+    units += [after] if not args.no_operators else []
     units += [before_] if before is not None else []
+    units += [lambda: explain("folded")] if args.folded else []
     for i in range(args.repeat):  # each unit takes each place in the round in turn (what runs first pays more)
         for unit in units[i % len(units):] + units[: i % len(units)]:
             unit()
+    if args.no_operators:
+        explain_report(args, times, got, load0)
+        return
     hooks_alone(model, ids, times, before)
     report(args, times, got["kept"], got["r"], got["rs"], got.get("r0"), load0)
+    explain_report(args, times, got, None)
+
+
+def explain_report(args, times, got, load0) -> None:
+    med = {k: statistics.median(v) for k, v in times.items()}
+    if load0 is not None:
+        print(f"Mamba-2, hidden 64, {args.layers} layers, n = {args.n}, {args.threads} threads, median of "
+              f"{args.repeat}; load {load0} -> {open('/proc/loadavg').read().split()[:3]}")
+    for k in ("explain", "folded"):
+        if k in med:
+            print(f"  {k:8s} (attnroll.explain rollout) wall {med[k]:8.3f} s {med[k] / med['forward']:6.2f}x   cpu "
+                  f"{med[k + ' cpu']:8.3f} s {med[k + ' cpu'] / med['forward cpu']:6.2f}x")
+    if "folded" in got:
+        d = (got["explain"] - got["folded"]).abs().max()
+        print(f"  explain's row vs folded's: max |difference| {float(d):.3g} (entries up to "
+              f"{float(got['explain'].abs().max()):.3g})")
 
 
 def hooks_alone(model, ids, times: dict, before) -> None:

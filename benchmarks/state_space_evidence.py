@@ -11,8 +11,11 @@ All maps keep attention sinks (``sinks="keep"``) so that both maps are read the 
 of ``attnroll evaluate`` on text with evidence masks (comprehensiveness = deletion, sufficiency, evidence mass,
 pointing, top-k F1), on ``make_examples(n, TEST_SEED)``.
 
-Run: ``PYTHONPATH=src python benchmarks/state_space_evidence.py [--n 200] [--model bamba-evidence]``.
-Prints one markdown table per model.
+The mixers' convolution enters their layers as ``--convolution`` says (``capture.mixers.CONVOLUTION``: "apart",
+the default, or "folded"); ``--seed`` draws other sentences (validation: 777; the held-out test seed is the default).
+
+Run: ``PYTHONPATH=src python benchmarks/state_space_evidence.py [--n 200] [--model bamba-evidence]
+[--convolution apart|folded] [--seed S]``. Prints one markdown table per model.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ import numpy as np
 import torch
 
 import attnroll
+from attnroll.capture import mixers
+from attnroll.core import mixers as core_mixers
 from attnroll.core.flow import attention_flow
 from attnroll.core.rollout import rollout
 from attnroll.evaluate import evaluate_methods
@@ -62,13 +67,13 @@ def record_maps(model: Any, inputs: dict, layers: list[int] | None, method: str,
     return out * (am.bool() & ~inputs["special_tokens_mask"].bool())
 
 
-def evaluate(name: str, n: int, folder: str | None = None) -> tuple[Any, Any, dict]:
+def evaluate(name: str, n: int, folder: str | None = None, seed: int = evidence.TEST_SEED) -> tuple[Any, Any, dict]:
     """(full-stack EvaluationResult, attention-only EvaluationResult or None, facts) for model ``name`` (its
-    weights from ``folder``, default the shipped ones)."""
+    weights from ``folder``, default the shipped ones) on ``make_examples(n, seed)``."""
     lm = load_model(name)
     if folder is not None:
         lm.model, lm.tokenizer = state_space.load_state_space_model(name, folder)
-    ex = evidence.make_examples(n, evidence.TEST_SEED)
+    ex = evidence.make_examples(n, seed)
     enc, masks = evidence.encode(lm.tokenizer, ex)
     keep = {m: {"sinks": "keep"} for m in METHODS}
     full = evaluate_methods(lm.model, enc, [*METHODS, "random"], labels=ex.labels, masks=masks,
@@ -126,11 +131,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", action="append", choices=["bamba-evidence", "mamba2-evidence"],
                    help="model (repeatable; default both)")
     p.add_argument("--weights", default=None, help="a folder of weights to use instead of the shipped ones")
+    p.add_argument("--convolution", choices=core_mixers.CONVOLUTIONS, default="apart",
+                   help="how a mixer's convolution enters its layer (capture.mixers.CONVOLUTION)")
+    p.add_argument("--seed", type=int, default=evidence.TEST_SEED, help="seed of the sentences (validation: 777)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
+    mixers.CONVOLUTION = args.convolution
     for name in args.model or ["bamba-evidence", "mamba2-evidence"]:
-        full, only, facts = evaluate(name, args.n, args.weights)
-        print(f"\n{name}: {facts}\n")
+        full, only, facts = evaluate(name, args.n, args.weights, args.seed)
+        print(f"\n{name} (convolution {args.convolution}, seed {args.seed}): {facts}\n")
         print(table(full, only))
     return 0
 

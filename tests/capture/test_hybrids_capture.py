@@ -49,9 +49,11 @@ def _module(model_type: str):
     return importlib.import_module(f"transformers.models.{name}.modeling_{name}")
 
 
-def _fused(J_per_channel: torch.Tensor) -> torch.Tensor:
-    """(b, c, n, n) per-channel Jacobians -> Σ_c |J_c|, rows divided by their sums."""
-    total = J_per_channel.abs().sum(1)
+def _fused_apart(J_scan: torch.Tensor, J_conv: torch.Tensor) -> torch.Tensor:
+    """The convolution composed apart (capture.mixers.CONVOLUTION "apart"): per-channel Jacobians of the scan
+    stage (x -> y) and the convolution stage (x_in -> x), (b, c, n, n) each -> Σ_c |J_scan_c| · |J_conv_c|, rows
+    divided by their sums."""
+    total = (J_scan.abs() @ J_conv.abs()).sum(1)
     return total / total.sum(-1, keepdim=True)
 
 
@@ -81,12 +83,16 @@ def _references(model_type: str, calls: list, mixers: list) -> list[torch.Tensor
             start, stop = xbc.shape[1] - (mixer.value_dim if hasattr(mixer, "value_dim") else mixer.qkv_dim), None
         sig = torch.sigmoid(conv(xbc, w, bias, activation=None))[:, start:stop].detach()
 
-        def path(v_in, xbc=xbc, w=w, bias=bias, sig=sig, layer_rules=layer_rules, start=start, stop=stop):
+        def conv_stage(v_in, xbc=xbc, w=w, bias=bias, sig=sig, start=start, stop=stop):  # (b, c, n) -> (b, n, c)
             full = torch.cat([xbc[:, :start], v_in, xbc[:, stop:] if stop else xbc[:, :0]], 1)
-            x = conv(full, w, bias, activation=None)[:, start:stop] * sig  # (b, c, n)
+            return (conv(full, w, bias, activation=None)[:, start:stop] * sig).transpose(1, 2)
+
+        def scan_stage(x, layer_rules=layer_rules, mixer=mixer):  # (b, c, n) -> (b, n, c)
             return _scan(model_type, rule, x, layer_rules, mixer)
 
-        out.append(_fused(_diag_jacobian(path, xbc[:, start:stop])))
+        v0 = xbc[:, start:stop]
+        x0 = conv_stage(v0).transpose(1, 2)
+        out.append(_fused_apart(_diag_jacobian(scan_stage, x0), _diag_jacobian(conv_stage, v0)))
     return out
 
 
@@ -147,11 +153,15 @@ def _rg_lru_references(model, inputs) -> tuple[list, list]:
         y = m.act_fn(seen[("y", i)]).detach()
         real = type(m.rg_lru)._rnn_scan
 
-        def path(x_in, m=m, k=k, scale=scale, y=y, real=real, n=n):
-            x = m.conv_1d(x_in)[..., :n].transpose(1, 2) * scale
-            return real(m.rg_lru, x, k["recurrent_gate"], k["reset"], None)[0] * y
+        def conv_stage(x_in, m=m, n=n):  # (b, c, n) -> (b, n, c)
+            return m.conv_1d(x_in)[..., :n].transpose(1, 2)
 
-        refs.append(_fused(_diag_jacobian(path, seen[("x", i)].transpose(1, 2))))
+        def scan_stage(x, m=m, k=k, scale=scale, y=y, real=real):  # (b, c, n) -> (b, n, c)
+            return real(m.rg_lru, x.transpose(1, 2) * scale, k["recurrent_gate"], k["reset"], None)[0] * y
+
+        x_in = seen[("x", i)].transpose(1, 2)
+        refs.append(_fused_apart(_diag_jacobian(scan_stage, conv_stage(x_in).transpose(1, 2)),
+                                 _diag_jacobian(conv_stage, x_in)))
         del m.rg_lru._rnn_scan
     return refs, got
 

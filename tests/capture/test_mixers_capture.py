@@ -182,18 +182,34 @@ def _scan_jacobian_fused(model, inputs, monkeypatch):
         _, dt, A, B, C = scan[1]
         sig = torch.sigmoid(real_conv(xbc, w, bias, activation=None))[:, :I].detach()
 
-        def path(x_in, xbc=xbc, w=w, bias=bias, dt=dt, A=A, B=B, C=C, kw=scan[2], sig=sig):
+        def conv_stage(x_in, xbc=xbc, w=w, bias=bias, sig=sig):  # (b, I, n) -> x (b, n, I)
             full = torch.cat([x_in, xbc[:, I:]], 1)
-            x = (real_conv(full, w, bias, activation=None)[:, :I] * sig).transpose(1, 2)
+            return (real_conv(full, w, bias, activation=None)[:, :I] * sig).transpose(1, 2)
+
+        def scan_stage(x, dt=dt, A=A, B=B, C=C, kw=scan[2]):  # (b, n, I) -> y (b, n, I)
             y = real_scan(x.reshape(*x.shape[:2], H, P), dt, A, B, C, **kw)
             return (y[0] if isinstance(y, tuple) else y).reshape(*x.shape[:2], I)
 
-        J = jacobian(path, xbc[:, :I].contiguous())  # (b, n, I, b, I, n)
-        b, n = J.shape[0], J.shape[1]
-        per = torch.stack([torch.stack([J[i, :, c, i, c, :] for c in range(I)]) for i in range(b)])
-        total = per.abs().sum(1)
-        out.append(total / total.sum(-1, keepdim=True))
+        x_in = xbc[:, :I].contiguous()
+        x = conv_stage(x_in).detach()
+        out.append(fused_apart(_per_channel(jacobian(scan_stage, x), True), _per_channel(jacobian(conv_stage, x_in))))
     return out
+
+
+def _per_channel(J: torch.Tensor, both_tokens_first: bool = False) -> torch.Tensor:
+    """A jacobian (b, n, c, b, c, n) of a map (b, c, n) -> (b, n, c), or (b, n, c, b, n, c) of (b, n, c) ->
+    (b, n, c) with ``both_tokens_first``, as per-channel matrices (b, c, n, n): [b, c, t, s] = ∂y[b, t, c]/∂x[b, s, c]."""
+    b, c = J.shape[0], J.shape[2]
+    if both_tokens_first:
+        return torch.stack([torch.stack([J[i, :, k, i, :, k] for k in range(c)]) for i in range(b)])
+    return torch.stack([torch.stack([J[i, :, k, i, k, :] for k in range(c)]) for i in range(b)])
+
+
+def fused_apart(J_scan: torch.Tensor, J_conv: torch.Tensor) -> torch.Tensor:
+    """The layer with the convolution composed apart (capture.mixers.CONVOLUTION "apart"): Σ_c |J_scan_c| ·
+    |J_conv_c| from per-channel Jacobians (b, c, n, n), rows divided by their sums."""
+    total = (J_scan.abs() @ J_conv.abs()).sum(1)
+    return total / total.sum(-1, keepdim=True)
 
 
 def test_mamba2_layers_are_the_fused_jacobians_of_its_scan(monkeypatch):
@@ -344,17 +360,18 @@ def test_qwen3_next_layer_is_the_fused_jacobian_of_its_delta_rule(monkeypatch):
     start = 2 * net.key_dim
     sig = torch.sigmoid(real_conv(mixed, w, bias, activation=None))[:, start:].detach()
 
-    def path(v_in):  # transformers' own convolution and chunked delta rule, q, k, β, g and σ held
+    def conv_stage(v_in):  # transformers' own convolution, σ held: (b, dv_all, n) -> v (b, n, dv_all)
         full = torch.cat([mixed[:, :start], v_in], 1)
-        v = (real_conv(full, w, bias, activation=None)[:, start:] * sig).transpose(1, 2)
+        return (real_conv(full, w, bias, activation=None)[:, start:] * sig).transpose(1, 2)
+
+    def rule_stage(v):  # its chunked delta rule, q, k, β and g held: (b, n, dv_all) -> (b, n, dv_all)
         out = real_rule(q, k, v.reshape(*v.shape[:2], net.num_v_heads, net.head_v_dim), **kw)[0]
         return out.reshape(*v.shape[:2], -1)
 
-    J = jacobian(path, mixed[:, start:].detach().contiguous())  # (b, n, dv_all, b, dv_all, n)
-    b, n, d = J.shape[0], J.shape[1], J.shape[2]
-    per = torch.stack([torch.stack([J[i, :, c, i, c, :] for c in range(d)]) for i in range(b)])
-    total = per.abs().sum(1)
-    torch.testing.assert_close(rec.streams["self"][0][:, 0], total / total.sum(-1, keepdim=True), atol=1e-5, rtol=0)
+    v_in = mixed[:, start:].detach().contiguous()
+    v = conv_stage(v_in).detach()
+    want = fused_apart(_per_channel(jacobian(rule_stage, v), True), _per_channel(jacobian(conv_stage, v_in)))
+    torch.testing.assert_close(rec.streams["self"][0][:, 0], want, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("model_type", ["bamba", "jamba", "qwen3_next"])

@@ -23,14 +23,21 @@ def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
+#: How the convolution enters the layer (core.mixers.CONVOLUTIONS), for the builders below; tests set it.
+CONVOLUTION = {"now": "apart"}
+
+
 def _dense_total(M: torch.Tensor, gate: torch.Tensor | None, w: torch.Tensor | None) -> torch.Tensor:
-    """Σ_c |M_c · diag(gate_c) · T_c| (b, n, n) from per-channel matrices M (b, C, n, n); Σ_c |M_c| without w."""
+    """From per-channel matrices M (b, C, n, n): Σ_c |M_c| · |diag(gate_c) · T_c| (the convolution apart) or
+    Σ_c |M_c · diag(gate_c) · T_c| (folded), (b, n, n), dense products; Σ_c |M_c| without w."""
     if w is None:
         return M.abs().sum(1)
     n = M.shape[-1]
-    if gate is not None:
-        M = M * gate.transpose(1, 2)[:, :, None, :]
-    return (M @ mixers.conv_matrix(w, n)[0]).abs().sum(1)
+    G = torch.ones(M.shape[0], n, M.shape[1], dtype=M.dtype) if gate is None else gate
+    T = G.transpose(1, 2)[..., None] * mixers.conv_matrix(w, n)[0]  # (b, C, n, n): diag(gate_c) · T_c
+    if CONVOLUTION["now"] == "apart":
+        return (M.abs() @ T.abs()).sum(1)
+    return (M @ T).abs().sum(1)
 
 
 def _ssd(g, b=2, n=23, h=3, N=4, P=2, K=4):
@@ -85,9 +92,17 @@ BUILDERS = {"ssd": _ssd, "selective": _selective, "delta": _delta, "kda": lambda
             "lru": _lru}
 
 
+@pytest.fixture(params=mixers.CONVOLUTIONS)
+def convolution(request):
+    CONVOLUTION["now"] = request.param
+    yield request.param
+    CONVOLUTION["now"] = "apart"
+
+
 @pytest.mark.parametrize("kind", BUILDERS)
-def test_blocks_equal_the_dense_rows(kind, monkeypatch):
+def test_blocks_equal_the_dense_rows(kind, convolution, monkeypatch):
     lay, dense = BUILDERS[kind](_gen(3))
+    lay.convolution = convolution
     n = dense.shape[-1]
     for rows in (3, 5, 16, 64):
         lay.rows = rows
@@ -101,15 +116,36 @@ def test_blocks_equal_the_dense_rows(kind, monkeypatch):
 
 
 @pytest.mark.parametrize("kind", BUILDERS)
-def test_apply_rows_is_the_normalised_dense_product(kind):
+def test_apply_rows_is_the_normalised_dense_product(kind, convolution):
     lay, dense = BUILDERS[kind](_gen(4))
+    lay.convolution = convolution
     b, n, _ = dense.shape
     Fd = dense / dense.sum(-1, keepdim=True)
     r = torch.rand(b, 2, n, dtype=f64, generator=_gen(5))
-    lay.rows = 6
-    torch.testing.assert_close(lay.apply_rows(r, a=0.5, c=0.5), r @ (0.5 * Fd + 0.5 * torch.eye(n, dtype=f64)),
-                               atol=1e-10, rtol=0)
+    for rows in (6, 64):
+        lay.rows = rows
+        torch.testing.assert_close(lay.apply_rows(r, a=0.5, c=0.5), r @ (0.5 * Fd + 0.5 * torch.eye(n, dtype=f64)),
+                                   atol=1e-10, rtol=0)
     assert lay.shape == (b, 1, n, n)
+
+
+@pytest.mark.parametrize("kind", ["ssd", "delta", "lru"])
+def test_apply_rows_on_padding_and_renorm(kind):
+    """Padded tokens (a mask) and the renormalised blend: the sweep equals the dense rule written out here (padded
+    columns dropped, rows renormalised over the real ones, each row divided by a·[row has mass] + c·[real])."""
+    lay, dense = BUILDERS[kind](_gen(10))
+    b, n, _ = dense.shape
+    mask = torch.ones(b, n, dtype=f64)
+    mask[1, :5] = 0  # left padding in the second example
+    Fm = dense * mask[:, None, :]
+    sums = Fm.sum(-1, keepdim=True)
+    Fd = Fm / torch.where(sums > 0, sums, torch.ones(()))
+    r = torch.rand(b, 3, n, dtype=f64, generator=_gen(11)) * mask[:, None, :]
+    a, c = 0.6, 0.4
+    s = a * (sums[..., 0] > 0).to(f64) + c * mask
+    want = (r / torch.where(s > 0, s, torch.ones(()))[:, None, :]) @ (a * Fd + c * torch.diag_embed(mask))
+    lay.rows = 7
+    torch.testing.assert_close(lay.apply_rows(r, a=a, c=c, renorm=True, mask=mask), want, atol=1e-10, rtol=0)
 
 
 def test_ssd_selective_factored_blocks_survive_strong_decays():
@@ -146,6 +182,7 @@ def _old_ssd_block(lay: mixers.SSDRows, t0: int, t1: int) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_ssd_rows_fold_equals_the_per_head_fold(dtype):
     lay, _ = _ssd(_gen(7), n=40, h=4, P=8)
+    lay.convolution = "folded"
     for name in ("C", "B", "dt", "A", "D", "gate_in", "weight"):
         setattr(lay, name, getattr(lay, name).to(dtype))
     tol = 1e-12 if dtype == torch.float64 else 1e-5
@@ -189,3 +226,16 @@ def test_sweep_memory_is_linear_in_the_length(kind):
     whole_small, _ = _largest_in_sweep(kind, 96, rows=96)
     whole_big, _ = _largest_in_sweep(kind, 192, rows=192)
     assert whole_big >= 3.5 * whole_small  # the check sees quadratic growth where there is some
+
+
+def test_ssd_sparse_rows_take_the_same_sweep():
+    """Rows that carry relevance at a few positions (one-hot rows: the top layer, sink probes) take the block's
+    live rows alone; the result equals the dense rule."""
+    lay, dense = _ssd(_gen(12), n=40)
+    b, n, _ = dense.shape
+    Fd = dense / dense.sum(-1, keepdim=True)
+    r = torch.zeros(b, 3, n, dtype=f64)
+    r[0, 0, 39], r[1, 1, 17], r[0, 2, 3], r[1, 2, 38] = 1.0, 0.5, 2.0, 1.0
+    lay.rows = 16
+    torch.testing.assert_close(lay.apply_rows(r, a=0.5, c=0.5), r @ (0.5 * Fd + 0.5 * torch.eye(n, dtype=f64)),
+                               atol=1e-12, rtol=0)

@@ -250,9 +250,11 @@ def test_ssd_rows_equals_the_generic_block_sweep_in_float32():
     torch.testing.assert_close(got, want, atol=1e-6 * float(want.abs().max()), rtol=1e-5)
 
 
-def test_ssd_rows_layer_equals_the_folded_dense_fusion():
-    """``SSDRows`` (the matrix-free route's Mamba-2 layer) against the dense Σ_c |S_h(c) · diag(g_c) · T_c|, rows
-    normalised, for blocks shorter than the kernel, with padding and with the renormalised residual."""
+@pytest.mark.parametrize("convolution", ["apart", "folded"])
+def test_ssd_rows_layer_equals_the_dense_fusion(convolution):
+    """``SSDRows`` (the matrix-free route's Mamba-2 layer) against the dense Σ_c |S_h(c)| · |diag(g_c) · T_c|
+    (the convolution apart) or Σ_c |S_h(c) · diag(g_c) · T_c| (folded), rows normalised, for blocks shorter than
+    the kernel, with padding and with the renormalised residual."""
     g_ = torch.Generator().manual_seed(8)
     b, n, h, N, P, K = 2, 9, 2, 3, 2, 4
     C, B = (torch.randn(b, n, h, N, dtype=torch.float64, generator=g_) for _ in range(2))
@@ -261,12 +263,14 @@ def test_ssd_rows_layer_equals_the_folded_dense_fusion():
     gate = torch.rand(b, n, h * P, dtype=torch.float64, generator=g_)
     w = torch.randn(h * P, K, dtype=torch.float64, generator=g_)
     S = mixers.ssd_matrix(C, B, dt, A, D)[:, torch.arange(h * P) // P]  # (b, C, n, n)
-    total = ((S * gate.transpose(1, 2)[:, :, None, :]) @ mixers.conv_matrix(w, n)[0]).abs().sum(1)
+    GT = gate.transpose(1, 2)[..., None] * mixers.conv_matrix(w, n)[0]  # (b, C, n, n): diag(g_c) · T_c
+    total = (S.abs() @ GT.abs()).sum(1) if convolution == "apart" else (S @ GT).abs().sum(1)
     Fd = total / total.sum(-1, keepdim=True)
     r = torch.rand(b, 2, n, dtype=torch.float64, generator=g_)
     I = torch.eye(n, dtype=torch.float64)
     for rows in (2, 4, 16):
         lay = mixers.SSDRows(C, B, dt, A, D, gate, w, heads=3, rows=rows)
+        lay.convolution = convolution
         assert lay.shape == (b, 3, n, n)
         torch.testing.assert_close(lay.apply_rows(r, a=0.5, c=0.5), r @ (0.5 * Fd + 0.5 * I), atol=1e-12, rtol=0)
         want = r @ ((0.3 * Fd + 0.2 * I) / 0.5)  # renorm: rows of a·F + c·I divided by a + c
@@ -275,6 +279,8 @@ def test_ssd_rows_layer_equals_the_folded_dense_fusion():
     mask[1, -3:] = False
     Fm = total * mask[:, None, :]
     Fm = Fm / Fm.sum(-1, keepdim=True)
-    got = mixers.SSDRows(C, B, dt, A, D, gate, w, rows=4).apply_rows(r * mask[:, None], a=0.5, c=0.5, mask=mask)
+    lay = mixers.SSDRows(C, B, dt, A, D, gate, w, rows=4)
+    lay.convolution = convolution
+    got = lay.apply_rows(r * mask[:, None], a=0.5, c=0.5, mask=mask)
     want = (r * mask[:, None]) @ (0.5 * Fm + 0.5 * I * mask[:, None, :])
     torch.testing.assert_close(got, want, atol=1e-12, rtol=0)

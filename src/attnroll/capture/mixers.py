@@ -253,10 +253,20 @@ class MixerParts:
     weight: torch.Tensor | None = None
 
 
+#: How a mixer's causal convolution enters its layer's fused matrix (core.mixers.CONVOLUTIONS): "apart" (default;
+#: Σ_c |M_{h(c)}| · |diag(σ(u_c)) · T_c|, the convolution one more operator composed after |·|) or "folded"
+#: (Σ_c |M_{h(c)} · diag(σ(u_c)) · T_c|). Read on every reading, by the dense record and the rows-only layers
+#: alike; benchmarks/state_space_evidence.py compares the two (docs/methods.md).
+CONVOLUTION = "apart"
+
+
 def _fold(p: MixerParts, g_y: torch.Tensor | None = None, clamp: str = "per_head") -> torch.Tensor:
-    """Σ_c |K_c| over channels, (b, n, n); with the gradient g_y (b, n, C) of a target with respect to y, the
+    """Σ_c |K_c| over channels, (b, n, n) (with a convolution, as :data:`CONVOLUTION` says: apart, Σ_c |M_{h(c)}| ·
+    |diag(gate_in_c) T_c|, or folded); with the gradient g_y (b, n, C) of a target with respect to y, the
     gradient-weighted Σ_c (K_c ⊙ ∂y/∂K_c)^+ (``clamp`` "per_head": each channel's positive part) or
     Σ_c K_c ⊙ ∂y/∂K_c (``clamp`` "after_mean", the caller clamps), ∂y/∂K_c[t, s] = g_y[t, c] · x_in[s, c]."""
+    if g_y is None and p.weight is not None and CONVOLUTION == "apart":
+        return ops.fold_rows(p.M, p.gate_in, p.weight, p.heads_of, "apart")
     b, G, n, _ = p.M.shape
     total = p.M.new_zeros(b, n, n)
     T = None if p.weight is None else ops.conv_matrix(p.weight.to(p.M.dtype), n)[0]  # (C, n, n)
@@ -652,8 +662,15 @@ def rows_layer(module: nn.Module, args: tuple, kwargs: dict, heads: int = 1,
                tap: InProjTap | None = None) -> ops.MixerRows:
     """A composed mixer's layer of the matrix-free row sweep (core.mixers.MixerRows) from its forward hook's args
     and kwargs: its gates, O(n·d) kept (a gated DeltaNet's state scan O(n·d_k) per head); the same fused matrix as
-    :func:`mixer_matrix`, applied row block by row block. Classes of :data:`ROWS_MIXERS` only. ``tap``: a Mamba-2
-    mixer's :class:`InProjTap`, its gates read off its own in_proj output (else recomputed)."""
+    :func:`mixer_matrix` (the convolution as :data:`CONVOLUTION` says), applied row block by row block. Classes of
+    :data:`ROWS_MIXERS` only. ``tap``: a Mamba-2 mixer's :class:`InProjTap`, its gates read off its own in_proj
+    output (else recomputed)."""
+    lay = _rows_layer(module, args, kwargs, heads, tap)
+    lay.convolution = _checks.check_choice("convolution", CONVOLUTION, ops.CONVOLUTIONS)
+    return lay
+
+
+def _rows_layer(module: nn.Module, args: tuple, kwargs: dict, heads: int, tap: InProjTap | None) -> ops.MixerRows:
     name = type(module).__name__
     if name == "RecurrentGemmaRecurrentBlock":
         with torch.no_grad():

@@ -40,7 +40,8 @@ import torch
 __all__ = ["ssd_matrix", "selective_matrix", "conv_matrix", "delta_matrix", "lru_matrix", "compose", "mix",
            "fuse_channels", "fused_rows", "FUSIONS", "ssd_block", "ssd_rows",
            "ssd_signed_rows", "SSDRows", "BLOCK", "MixerRows", "fold_rows", "selective_block", "SelectiveRows",
-           "DeltaRows", "ConvRows", "LRURows", "ROWS_BUDGET"]
+           "DeltaRows", "ConvRows", "LRURows", "ROWS_BUDGET", "CONVOLUTIONS", "conv_coef",
+           "apply_conv_rows", "conv_row_sums"]
 
 #: How per-channel matrices become one per layer: "abs_mean" (default: the mean of |M_c| over channels, each
 #: row divided by its sum, so that rollout's residual blend applies as to attention), "mean" (the signed mean,
@@ -267,7 +268,13 @@ def ssd_rows(r: torch.Tensor, C: torch.Tensor, B: torch.Tensor, dt: torch.Tensor
 
 def _own_block(Ch: torch.Tensor, BT: torch.Tensor, dtT: torch.Tensor, log_a: torch.Tensor, D: torch.Tensor | None,
                above: torch.Tensor) -> torch.Tensor:
-    """Σ_h |M_h| on a block's own rows and columns, (b, R, R): :func:`ssd_block`'s direct form (the same operations
+    """Σ_h |M_h| on a block's own rows and columns, (b, R, R) (:func:`_own_heads` summed over heads)."""
+    return _own_heads(Ch, BT, dtT, log_a, D, above).sum(1)
+
+
+def _own_heads(Ch: torch.Tensor, BT: torch.Tensor, dtT: torch.Tensor, log_a: torch.Tensor, D: torch.Tensor | None,
+               above: torch.Tensor) -> torch.Tensor:
+    """|M_h| on a block's own rows and columns, (b, h, R, R): :func:`ssd_block`'s direct form (the same operations
     in the same order: decays from the block's own cumulative sum, (L · CB) · Δ, D on the diagonal), in place,
     with the mask above the diagonal made once per sweep. Ch (b, h, R, N), BT (b, h, N, R), dtT and log_a
     (b, h, R)."""
@@ -277,7 +284,7 @@ def _own_block(Ch: torch.Tensor, BT: torch.Tensor, dtT: torch.Tensor, log_a: tor
     M = L.mul_(Ch @ BT).mul_(dtT[:, :, None, :])
     if D is not None:
         M.diagonal(dim1=-2, dim2=-1).add_(D.to(M.dtype)[None, :, None])
-    return M.abs_().sum(1)
+    return M.abs_()
 
 
 def _earlier_columns(Ch: torch.Tensor, BhT: torch.Tensor, cum: torch.Tensor, t0: int, t1: int) -> torch.Tensor:
@@ -336,18 +343,68 @@ def ssd_signed_rows(r: torch.Tensor, C: torch.Tensor, B: torch.Tensor, dt: torch
 ROWS_BUDGET = 1 << 23
 
 
+#: How a mixer's causal convolution enters its layer's fused matrix: "apart" (default) composes it as an operator
+#: of its own before |·|, Σ_c |M_{h(c)}| · |diag(gate_c) · T_c| (the scan's and the convolution's absolute values
+#: taken apart, as rollout composes any two mixing steps); "folded" takes |·| of each channel's whole product,
+#: Σ_c |M_{h(c)} · diag(gate_c) · T_c| (cancelling taps cancel; O(channels) times the work). docs/methods.md.
+CONVOLUTIONS = ("apart", "folded")
+
+
+def conv_coef(gate_in: torch.Tensor | None, weight: torch.Tensor, heads_of: int, w: int, dtype: torch.dtype,
+              batch: int = 1) -> torch.Tensor:
+    """The banded convolution operator of each group, Σ_{c in g} |diag(gate_c) · T_c|, as coefficients
+    (b, G, w, K): coef[g, s, k] = Σ_c |gate_c[s + k]| · |w_c[K-1-k]|, the entry of row s + k, column s (0 past w).
+    gate_in (b, ≥ w, G·heads_of) or None (ones); weight (G·heads_of, K)."""
+    C, K = weight.shape
+    b = batch if gate_in is None else gate_in.shape[0]
+    g = weight.new_ones(b, w, C).to(dtype) if gate_in is None else gate_in[:, :w].to(dtype).abs()
+    taps = weight.to(dtype).flip(-1).abs()  # taps[:, k] = |weight[:, K-1-k]|
+    coef = torch.nn.functional.pad(g, (0, 0, 0, K - 1)).unfold(1, K, 1) * taps  # (b, w, C, K)
+    return coef.reshape(b, w, C // heads_of, heads_of, K).sum(3).transpose(1, 2)  # (b, G, w, K)
+
+
+def apply_conv_rows(v: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
+    """v · S_g for rows v (..., G, R, w) and the banded S_g of :func:`conv_coef` (b, G, w, K), broadcast over the
+    leading dimensions: out[..., s] = Σ_k v[..., s + k] · coef[s, k]. Returns (..., G, R, w)."""
+    w, K = coef.shape[-2], coef.shape[-1]
+    vp = torch.nn.functional.pad(v, (0, K - 1))
+    ck = coef[..., None, :, :]  # (b, G, 1, w, K)
+    out = vp[..., :w] * ck[..., 0]
+    for k in range(1, K):
+        out.addcmul_(vp[..., k: k + w], ck[..., k])
+    return out
+
+
+def conv_row_sums(coef: torch.Tensor, real: torch.Tensor | None = None) -> torch.Tensor:
+    """S_g · real for the banded S_g of :func:`conv_coef` (b, G, w, K) (real (b, w) or None: ones): (b, G, w),
+    entry j = Σ_k coef[j − k, k] · real[j − k] over j − k ≥ 0."""
+    b, G, w, K = coef.shape
+    c = coef if real is None else coef * real[:, None, :, None].to(coef.dtype)
+    out = c[..., 0].clone()
+    for k in range(1, min(K, w)):
+        out[..., k:] += c[..., : w - k, k]
+    return out
+
+
 def fold_rows(M: torch.Tensor, gate_in: torch.Tensor | None = None, weight: torch.Tensor | None = None,
-              heads_of: int = 1) -> torch.Tensor:
+              heads_of: int = 1, convolution: str = "apart") -> torch.Tensor:
     """Σ_c |K_c| over channels for rows of per-group matrices M (b, G, R, w) (``heads_of`` channels per group):
     K_c = M_{g(c)} · diag(gate_in_c) · T_c with T_c the causal convolution of ``weight`` (G·heads_of, K) and
     gate_in (b, ≥ w, G·heads_of) (None: ones), or K_c = M_{g(c)} without ``weight``. Returns (b, R, w).
 
-    Channel c's entry is K_c[t, s] = Σ_k M_g[t, s + k] · gate_c[s + k] · w_c[K-1-k] (M causal: its columns past w
-    are 0): per group, one batched product over the K taps for all its channels (M's shifted columns and the taps'
-    coefficients are strided views, no copy per tap), then |·| summed over the channels."""
+    ``convolution`` (:data:`CONVOLUTIONS`): "apart" takes |·| of each factor, Σ_g |M_g| · S_g with S_g =
+    Σ_{c in g} |diag(gate_c) T_c| banded (:func:`conv_coef`; K shifted products per group); "folded" takes it of
+    each channel's product: K_c[t, s] = Σ_k M_g[t, s + k] · gate_c[s + k] · w_c[K-1-k] (M causal: its columns
+    past w are 0), per group one batched product over the K taps for all its channels (M's shifted columns and
+    the taps' coefficients are strided views, no copy per tap), then |·| summed over the channels."""
+    if convolution not in CONVOLUTIONS:
+        raise ValueError(f"convolution must be one of {CONVOLUTIONS}, got {convolution!r}")
     b, G, R, w = M.shape
     if weight is None:
         return M.abs().sum(1) * heads_of
+    if convolution == "apart":
+        coef = conv_coef(gate_in, weight, heads_of, w, M.dtype, b)
+        return apply_conv_rows(M.abs(), coef).sum(1)
     K = weight.shape[-1]
     pad = torch.nn.functional.pad
     g = M.new_ones(b, w, G * heads_of) if gate_in is None else gate_in[:, :w].to(M.dtype)
@@ -386,6 +443,7 @@ class MixerRows:
     heads_of = 1
     groups = 1
     inner = 1  # elements per entry a group's rows take to compute (a state size), for the group step
+    convolution = "apart"  # how the convolution enters (:data:`CONVOLUTIONS`)
 
     def __init__(self, batch: int, n: int, device: torch.device, heads: int = 1, rows: int = 64):
         self.batch, self.n, self._device, self.heads, self.rows = batch, n, device, heads, rows
@@ -406,14 +464,15 @@ class MixerRows:
         """Σ_c |K_c| for output rows [t0, t1) and columns [0, t1): (b, t1-t0, t1), the groups taken as many at a
         time as :data:`ROWS_BUDGET` allows (:func:`fold_rows`)."""
         K = 1 if self.weight is None else self.weight.shape[-1]
-        step = max(1, ROWS_BUDGET // (self.heads_of * max(K, self.inner) * (t1 - t0) * t1))
+        per = self.heads_of * K if self.convolution == "folded" else 3
+        step = max(1, ROWS_BUDGET // (max(per, self.inner) * (t1 - t0) * t1))
         total = None
         for g0 in range(0, self.groups, step):
             g1 = min(self.groups, g0 + step)
             c0, c1 = g0 * self.heads_of, g1 * self.heads_of
             part = fold_rows(self.group_rows(t0, t1, g0, g1), None if self.gate_in is None else
                              self.gate_in[..., c0:c1], None if self.weight is None else self.weight[c0:c1],
-                             self.heads_of)
+                             self.heads_of, self.convolution)
             total = part if total is None else total.add_(part)
         assert total is not None  # groups >= 1
         return total
@@ -444,13 +503,19 @@ class MixerRows:
 
 
 class SSDRows(MixerRows):
-    """A Mamba-2 mixer as a :class:`MixerRows` layer: F = normalise_rows(Σ_c |S_{h(c)} · diag(gate_in_c) · T_c|)
-    (the convolution of ``weight`` and the SiLU's σ(u) folded per channel, as the dense record's layer).
+    """A Mamba-2 mixer as a :class:`MixerRows` layer: F = normalise_rows(Σ_c |S_{h(c)}| · |diag(gate_in_c) · T_c|)
+    (the convolution of ``weight`` and the SiLU's σ(u) composed apart, :data:`CONVOLUTIONS`; "folded":
+    Σ_c |S_{h(c)} · diag(gate_in_c) · T_c|), as the dense record's layer.
+
+    With the convolution apart, :meth:`apply_rows` sweeps blocks of ``rows`` output tokens (fewer where the heads'
+    rows would pass :data:`ROWS_BUDGET`): each head's |S_h| rows (the columns before the block one rank-N
+    product, as :func:`ssd_rows`) are contracted with the relevance rows, and the banded Σ_{c in h} |diag(gate_c)
+    T_c| is applied once per head at the end (:func:`apply_conv_rows`): O(n²·H) per sweep, memory O(rows·n·H).
 
     C, B: (b, n, H, N); dt: (b, n, H); A, D: (H,); gate_in: (b, n, H·P); weight: (H·P, K); ``heads``: the head
     count the stream's layers report (``shape``), for a hybrid's attention layers."""
 
-    def __init__(self, C, B, dt, A, D, gate_in, weight, heads: int = 1, rows: int = 64):
+    def __init__(self, C, B, dt, A, D, gate_in, weight, heads: int = 1, rows: int = 256):
         super().__init__(C.shape[0], C.shape[1], C.device, heads, rows)
         self.C, self.B, self.dt, self.A, self.D = C, B, dt, A, D
         self.gate_in, self.weight = gate_in, weight
@@ -460,6 +525,65 @@ class SSDRows(MixerRows):
         D = None if self.D is None else self.D[g0:g1]
         return ssd_block(self.C[:, :, g0:g1], self.B[:, :, g0:g1], self.dt[:, :, g0:g1], self.A[g0:g1], D, t0, t1,
                          causal_cols=True)
+
+    def apply_rows(self, r: torch.Tensor, *, a: float, c: float, renorm: bool = False,
+                   mask: torch.Tensor | None = None) -> torch.Tensor:
+        log_a = (self.dt * self.A).transpose(1, 2)  # (b, H, n)
+        if self.convolution != "apart" or self.weight is None or bool((log_a > 0).any()):  # a growing state: direct
+            return super().apply_rows(r, a=a, c=c, renorm=renorm, mask=mask)
+        return _ssd_apart_rows(self, r, log_a, a, c, renorm, mask)
+
+
+def _ssd_apart_rows(lay: SSDRows, r: torch.Tensor, log_a: torch.Tensor, a: float, c: float, renorm: bool,
+                    mask: torch.Tensor | None) -> torch.Tensor:
+    """:meth:`MixerRows.apply_rows` of an :class:`SSDRows` with the convolution apart (every Δ·A ≤ 0): per block
+    of output rows, E_h = |S_h| on its rows (earlier columns one rank-N product per head, decays factored at the
+    block's start; its own columns direct), row sums Σ_h E_h · (S_conv_h · real), V_h += (rows / sums) · E_h;
+    at the end a · Σ_h V_h · S_conv_h on the real columns."""
+    b, n, H, _ = lay.C.shape
+    assert lay.weight is not None  # SSDRows.apply_rows takes this route only with a convolution
+    real = torch.ones(b, n, dtype=r.dtype, device=r.device) if mask is None else mask.to(r.dtype)
+    coef = conv_coef(lay.gate_in, lay.weight, lay.heads_of, n, lay.C.dtype, b)  # (b, H, n, K)
+    srow = conv_row_sums(coef, real.to(coef.dtype))[..., None]  # (b, H, n, 1)
+    cum = log_a.cumsum(-1)
+    Ch = lay.C.transpose(1, 2)  # (b, H, n, N)
+    BhT = (lay.B * lay.dt[..., None]).permute(0, 2, 3, 1).contiguous()  # (b, H, N, n)
+    BT, dtT = lay.B.permute(0, 2, 3, 1).contiguous(), lay.dt.transpose(1, 2)
+    rows = min(lay.rows, max(16, ROWS_BUDGET // max(1, b * H * n)))
+    above = torch.ones(rows, rows, dtype=torch.bool, device=r.device).triu_(1)
+    one = torch.ones((), dtype=r.dtype, device=r.device)
+    out, V = torch.zeros_like(r), lay.C.new_zeros(b, H, r.shape[1], n)
+    for t0 in range(0, n, rows):
+        t1 = min(n, t0 + rows)
+        rr = r[:, :, t0:t1] * real[:, None, t0:t1]
+        live = rr.ne(0).any(1).any(0)  # the block's rows that carry relevance
+        count = int(live.sum())
+        if not count:
+            continue
+        keep = None if 2 * count > t1 - t0 else live.nonzero()[:, 0]  # few rows (one-hot rows, the top layer)
+        Ed = _own_heads(Ch[:, :, t0:t1], BT[..., t0:t1], dtT[..., t0:t1], log_a[..., t0:t1], lay.D, above)
+        El = None
+        if t0:
+            ref = cum[..., t0 - 1: t0]
+            left = Ch[:, :, t0:t1] * torch.exp(cum[..., t0:t1] - ref)[..., None]  # (b, H, R, N)
+            left = left if keep is None else left[:, :, keep]
+            El = torch.matmul(left, BhT[..., :t0] * torch.exp(ref - cum[..., :t0])[:, :, None, :]).abs_()
+        if keep is not None:
+            Ed, rr, at = Ed[:, :, keep], rr[..., keep], t0 + keep
+        else:
+            at = torch.arange(t0, t1, device=r.device)
+        sums = (Ed @ srow[:, :, t0:t1]).sum(1)[..., 0].to(r.dtype)  # (b, R)
+        if El is not None:
+            sums += (El @ srow[:, :, :t0]).sum(1)[..., 0].to(r.dtype)
+        if renorm:
+            s = a * (sums > 0).to(r.dtype) + c * real[:, at]
+            rr = rr / torch.where(s > 0, s, one)[:, None, :]
+        out[:, :, at] += c * rr
+        wt = (rr / torch.where(sums > 0, sums, one)[:, None, :]).to(Ed.dtype)[:, None]  # (b, 1, R_r, R)
+        V[..., t0:t1] += wt @ Ed
+        if El is not None:
+            V[..., :t0] += wt @ El
+    return out + a * (apply_conv_rows(V, coef).sum(1).to(r.dtype) * real[:, None, :])
 
 
 def selective_block(C: torch.Tensor, B: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, D: torch.Tensor | None,
