@@ -75,10 +75,11 @@ def test_rollout_rows_only_through_other_mixers_equals_dense(model_type, monkeyp
         assert rows.full_row[1, -3:].abs().max() == 0
 
 
-def test_mixers_without_a_rows_only_form_keep_the_dense_route():
-    """Falcon-H1's Mamba-2 mixer runs in parallel with attention in one layer (capture/hybrids.py Wiring): no
-    rows-only form; auto takes the dense route, attention="recompute" says why."""
+def test_layers_joining_a_mixer_and_attention_take_the_rows_only_route():
+    """Falcon-H1's Mamba-2 mixer runs in parallel with attention in one layer (capture/hybrids.py Wiring): rollout
+    takes its rows-only form (core.joined, tests/capture/test_wired_rows.py); a method that reads attention rows
+    keeps the dense route, attention="recompute" says why."""
     model, inputs = decoder("falcon_h1"), _inputs(8)
-    assert attnroll.explain(model, inputs, method="rollout").options["attention"] == "dense"
-    with pytest.raises(ValueError, match="FalconH1Mixer.*dense matrices"):
-        attnroll.explain(model, inputs, method="rollout", attention="recompute")
+    assert attnroll.explain(model, inputs, method="rollout").options["attention"] == "recompute"
+    with pytest.raises(ValueError, match="method 'raw'.*token mixers"):
+        attnroll.explain(model, inputs, method="raw", attention="recompute")

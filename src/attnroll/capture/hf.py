@@ -26,7 +26,7 @@ from .hf_public import accepts_output_attentions, ask_for_attentions, eager_forw
 from .hf_vision import embeddings_of, input_size, mae_restore, patch_layout
 from .hooks import Adapter, Recorder, Site, make_sites, stream_names, supported_families
 from .hybrids import Wiring, mixer_matrix, mixer_reading
-from .mixers import ROWS_MIXERS, WEIGHTED, composable_mixers
+from .mixers import ROWS_MIXERS, WEIGHTED, WIRED, composable_mixers
 from .record import AttentionRecord, ModelFacts, config_token_id, config_token_ids, resolve_readout
 from .st_pooling import pooling_of_folder
 from .transformers_private import (
@@ -555,7 +555,8 @@ def hf_facts(model: nn.Module, family: str = "") -> ModelFacts:
         # Each tower's input: the first argument of the model's own feature function for it.
         stream_inputs = {s: first_argument(getattr(model, f"get_{k}_features")) for s, k in (("vision", "image"),
                                                                                             ("text", "text"))}
-    mixed = [type(m).__name__ for _, m in composable_mixers(model) if type(m).__name__ not in ROWS_MIXERS][:1]
+    mixed = [type(m).__name__ for _, m in composable_mixers(model)
+             if type(m).__name__ not in ROWS_MIXERS + WIRED][:1]  # WIRED: capture/hybrids.py RowsWiring
     return ModelFacts(
         dense_only=_DENSE_ONLY.get(getattr(config, "model_type", ""), "") or (
             f"its {mixed[0]} layers are composed as dense matrices (the matrix-free route recomputes softmax "

@@ -23,12 +23,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import _checks
 from ..core import mixers as ops
 from ..core.gradients import gradient_weighted
+from ..core.joined import JoinedRows
 from . import mixers as base
 from .mixers import MixerParts, _causal_conv, _check_reproduces, _fold, _keep, _l2, _normalised
 
-__all__ = ["PARTS", "READERS", "mixer_matrix", "mixer_reading", "norm_weights"]
+__all__ = ["PARTS", "READERS", "RowsWiring", "mixer_matrix", "mixer_reading", "norm_weights", "wired_rows"]
 
 
 def norm_weights(*parts: torch.Tensor) -> list[torch.Tensor]:
@@ -172,28 +174,36 @@ def _falcon_h1_parts(module: nn.Module, hidden: torch.Tensor, mask: torch.Tensor
     return base._mamba2_parts(_FalconInput(module), hidden, mask, output)
 
 
-def _zamba_mamba_parts(module: nn.Module, hidden: torch.Tensor, mask: torch.Tensor | None,
-                       output: torch.Tensor) -> MixerParts:
-    """Zamba's multi-head Mamba mixer: in_proj's channels interleave x and z; x = SiLU(conv(x_in)); per Mamba head
-    its own x_proj / dt_proj / A / D make a selective scan over its channels (core.mixers.selective_matrix),
-    y = scan(x) · SiLU(z), out = out_proj(y). Returns the fused (b, 1, n, n) matrix of x_in → y, the conv and the
-    SiLU (its sigmoid held) folded per channel."""
+def _zamba_gates(module: nn.Module, hidden: torch.Tensor, mask: torch.Tensor | None) -> dict[str, Any]:
+    """Zamba's multi-head Mamba mixer's reading: in_proj's channels interleave x_in and z; u = conv(x_in),
+    x = SiLU(u); per Mamba head its own x_proj / dt_proj / A / D give the selective scan's ``heads``
+    [(C, B (b, n, N), Δ (b, n, P), A (P, N), D (P,))], and ``gate_in`` the SiLU's σ(u) on the real tokens."""
     b, n, _ = hidden.shape
     keep = _keep(hidden, mask)
     x_in, z = module.in_proj(hidden * keep).reshape(b, n, -1, 2).unbind(-1)
     u = _causal_conv(module, x_in.transpose(1, 2)).transpose(1, 2)
     x = F.silu(u) * keep
     Hm, P, R, N = module.n_mamba_heads, module.mamba_head_dim, module.time_step_rank, module.ssm_state_size
-    per_head = []
+    heads = []
     for h in range(Hm):
         ts, B, C = (x[..., h * P:(h + 1) * P] @ module.x_proj_weight[h].T).split([R, N, N], dim=-1)
         dt = F.softplus(ts @ module.dt_proj_weight[h].T + module.dt_proj_bias[h])
         A = -torch.exp(module.A_log[h].float()).to(hidden.dtype)
-        per_head.append(ops.selective_matrix(C, B, dt, A, module.D[h].to(hidden.dtype)))
-    M = torch.cat(per_head, dim=1) * F.silu(z).transpose(1, 2)[:, :, :, None]  # (b, I, n, n), the gate on the rows
-    y = ops.mix(M, x)
+        heads.append((C, B, dt, A, module.D[h].to(hidden.dtype)))
+    return dict(x_in=x_in, z=z, x=x, heads=heads, gate_in=torch.sigmoid(u) * keep, head_dim=P)
+
+
+def _zamba_mamba_parts(module: nn.Module, hidden: torch.Tensor, mask: torch.Tensor | None,
+                       output: torch.Tensor) -> MixerParts:
+    """Zamba's multi-head Mamba mixer (:func:`_zamba_gates`): y = scan(x) · SiLU(z) per Mamba head, out =
+    out_proj(y). Returns the fused (b, 1, n, n) matrix of x_in → y, the conv and the SiLU (its sigmoid held)
+    folded per channel."""
+    g = _zamba_gates(module, hidden, mask)
+    per_head = [ops.selective_matrix(*head) for head in g["heads"]]
+    M = torch.cat(per_head, dim=1) * F.silu(g["z"]).transpose(1, 2)[:, :, :, None]  # (b, I, n, n), gate on rows
+    y = ops.mix(M, g["x"])
     _check_reproduces(module, module.out_proj(y), output)
-    return MixerParts(M=M, heads_of=1, x_in=x_in, y=y, post=module.out_proj, gate_in=torch.sigmoid(u) * keep,
+    return MixerParts(M=M, heads_of=1, x_in=g["x_in"], y=y, post=module.out_proj, gate_in=g["gate_in"],
                       weight=module.conv1d.weight[:, 0])
 
 
@@ -363,3 +373,119 @@ def _through(M: torch.Tensor, A: torch.Tensor, w_h: torch.Tensor, w_T: torch.Ten
 def _weighted_attention(A: torch.Tensor, g: torch.Tensor, clamp: str) -> torch.Tensor:
     """Chefer's mean_h((A_h ⊙ ∂y/∂A_h)^+) (or (mean_h(·))^+ with clamp "after_mean") of A (b, H, n, n), (b, n, n)."""
     return gradient_weighted([A.detach()], [g.detach()], clamp, dtype=None)[0]
+
+
+# ------------------------------------------------------------------------------- the rows-only form
+class _SummedRows(ops.MixerRows):
+    """A mixer made of :class:`~attnroll.core.mixers.MixerRows` over disjoint channels (Zamba's Mamba heads): its
+    block Σ_c |K_c| is the sum of theirs, normalised by :meth:`~attnroll.core.mixers.MixerRows.apply_rows`."""
+
+    def __init__(self, parts: list[ops.MixerRows], heads: int = 1):
+        first = parts[0]
+        super().__init__(first.batch, first.n, first.device, heads, first.rows)
+        self.parts = parts
+
+    def block(self, t0: int, t1: int) -> torch.Tensor:
+        total = self.parts[0].block(t0, t1)
+        for part in self.parts[1:]:
+            total = total + part.block(t0, t1)
+        return total
+
+
+def wired_rows(module: nn.Module, args: tuple, kwargs: dict, heads: int = 1) -> ops.MixerRows:
+    """The rows-only form (core.mixers.MixerRows) of a mixer of ``capture.mixers.WIRED`` alone, from its forward
+    hook's args and kwargs: the fused matrix of its reader here (:data:`READERS`), a block of rows at a time:
+    Falcon-H1's (μP-scaled) and Zamba2's Mamba-2 mixers as ``SSDRows``, Zamba's multi-head Mamba as one
+    ``SelectiveRows`` per Mamba head, summed."""
+    name = type(module).__name__
+    hidden, mask, _ = _hook_reading(name, args, kwargs, None)
+    with torch.no_grad():
+        hidden = hidden.detach()
+        if name == "ZambaMambaMixer":
+            g = _zamba_gates(module, hidden, mask)
+            P, gate_out, weight = g["head_dim"], F.silu(g["z"]), module.conv1d.weight[:, 0]
+            parts = [ops.SelectiveRows(*head, gate_out[..., h * P:(h + 1) * P], g["gate_in"][..., h * P:(h + 1) * P],
+                                       weight[h * P:(h + 1) * P], heads=heads) for h, head in enumerate(g["heads"])]
+            return _SummedRows(parts, heads)
+        if name in ("FalconH1Mixer", "Zamba2MambaMixer"):
+            g = base.mamba2_gates(_FalconInput(module) if name == "FalconH1Mixer" else module, hidden, mask)
+            return ops.SSDRows(g.C, g.B, g.dt, g.A, g.D, torch.sigmoid(g.u) * _keep(hidden, mask), g.weight,
+                               heads=heads)
+    raise _checks.UnsupportedModelError(
+        f"{name} is no mixer joined with attention in one layer (FalconH1Mixer, ZambaMambaMixer, Zamba2MambaMixer); "
+        "use attention='dense'")
+
+
+class RowsWiring:
+    """:class:`Wiring`'s joined layers on the matrix-free route (capture/recompute.py): each becomes one
+    :class:`~attnroll.core.joined.JoinedRows` of its attention's kernel inputs, its mixer's rows-only form
+    (:func:`wired_rows`) and the per-token path weights (:func:`norm_weights`, (b, n, 1) each, from the forward
+    hooks: O(n·d) kept, nothing n×n). A parallel (Falcon-H1) layer is its attention site's record, joined when the
+    attention returns (``join``); a shared-attention (Zamba) layer is its mixer site's, the shared attention's
+    kernel inputs noted per call (:meth:`attention_inputs`) for the hybrid layer that runs it."""
+
+    def __init__(self, wiring: Wiring, heads: int = 1):
+        self.wiring, self.heads = wiring, heads
+        self.stash: dict[Any, Any] = {}
+        #: id of every module the shared attention blocks' kernels may be called with
+        self.shared_attention = {id(m) for _, attn in wiring.shared.values() for m in attn.modules()}
+
+    def install(self, hook: Callable[..., Any], join: Callable[[nn.Module, Callable[[Any], Any]], None]) -> None:
+        """``hook(module, fn, pre=False)`` as :meth:`Wiring.install`; ``join(attention, fn)`` replaces the kept layer
+        K of the attention's site by fn(K)."""
+        for mixer, layer in self.wiring.parallel.values():
+            hook(mixer, lambda m, a, k, o, layer=layer: self.stash.__setitem__(id(m), (
+                wired_rows(m, a, k, self.heads), _first(o).detach() * layer.ssm_out_multiplier)))
+            hook(layer.self_attn, lambda m, a, k, o, mixer=mixer, layer=layer: join(
+                m, lambda kept: self._parallel(kept, mixer, layer, _first(o))))
+        for key, (layer, _) in self.wiring.shared.items():
+            hook(layer, lambda m, a, k, key=key: self.stash.__setitem__("current", key), pre=True)
+            hook(layer.mamba_decoder, lambda m, a, k, key=key: self.stash.__setitem__(("weights", key), norm_weights(
+                a[0] if a else k["hidden_states"], k["transformer_hidden_states"])), pre=True)
+
+    def _parallel(self, kept: Any, mixer: nn.Module, layer: nn.Module, y_a: torch.Tensor) -> JoinedRows:
+        rows, y_m = self.stash.pop(id(mixer))
+        w_m, w_a = norm_weights(y_m, y_a.detach() * layer.attn_out_multiplier)
+        return JoinedRows(kept, rows, w_a, w_m, kind="parallel", name=_layer_name(layer, mixer))
+
+    def attention_inputs(self, kept: Any) -> None:
+        """A shared attention block's kernel inputs on this call, for the hybrid layer that runs it."""
+        self.stash[("attn", self.stash.get("current"))] = kept
+
+    def mixer(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        """A WIRED mixer's layer of the row sweep from its forward hook: joined with the shared attention that fed
+        it, or its rows alone (a Zamba layer without the shared block)."""
+        rows = wired_rows(module, args, kwargs, self.heads)
+        if id(module) not in self.wiring.shared:
+            return rows
+        kept = self.stash.pop(("attn", id(module)), None)
+        if kept is None:
+            raise _checks.CaptureError(
+                f"the shared attention before {type(module).__name__} did not go through transformers' attention "
+                "interface, so its layer cannot be joined rows-only; use attention='dense'")
+        w_h, w_T = self.stash.pop(("weights", id(module)))
+        layer = self.wiring.shared[id(module)][0]
+        return JoinedRows(kept, rows, w_h, w_T, kind="shared", name=_layer_name(layer, module))
+
+
+def _first(output: Any) -> torch.Tensor:
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
+def _layer_name(layer: nn.Module, mixer: nn.Module) -> str:
+    idx = getattr(mixer, "layer_idx", getattr(layer, "layer_idx", None))
+    return f"{type(layer).__name__}" + ("" if idx is None else f" {idx}")
+
+
+def rows_refusal(model: nn.Module, head_fusion: Any) -> str:
+    """Why rollout's rows-only route cannot take ``model``'s joined layers with ``head_fusion`` ("" when it can):
+    max / min over the heads of a shared-attention layer F·(w_h·I + w_T·A_h) (core.joined)."""
+    if not isinstance(head_fusion, str) or head_fusion == "mean":
+        return ""
+    wiring = Wiring(model)
+    if not wiring.shared:
+        return ""
+    layer, _ = next(iter(wiring.shared.values()))
+    return (f"head_fusion={head_fusion!r} over its shared-attention layers ({type(layer).__name__}: F·(w_h·I + "
+            "w_T·A_h) per head) has no rows-only form (the max / min over heads of a product is no product of rows); "
+            "head_fusion='mean' or a weight vector has one")

@@ -39,7 +39,8 @@ from .._modes import submodules
 from ..core.operators import FusedLayer, KernelInputs, attend_mean, fusable, mean_probs, whole_size
 from .hf import HFAdapter, pool_heads
 from .hooks import Adapter, Capture, Site
-from .mixers import InProjTap, rows_layer
+from .hybrids import RowsWiring
+from .mixers import WIRED, InProjTap, rows_layer
 from .readout import is_causal
 from .registry import refuse_known
 from .transformers_private import attn_implementation, sdpa_kernel, wrap_attention_interface
@@ -183,6 +184,7 @@ class KernelAdapter(Adapter):
         self.site_of = site_of if site_of is not None else sites_by_module(inner.sites())
         self.pools = pools  # the model's attention-pooling heads (None: looked up at install)
         self._recorder: Any = None  # the session's KernelRecorder, from install
+        self.rows_wiring: RowsWiring | None = None  # the joined attention-and-mixer layers, from install
 
     def sites(self) -> list[Site]:
         return self.inner.sites()
@@ -216,15 +218,47 @@ class KernelAdapter(Adapter):
         wrap_attention_interface(stack, wrap)
         self.inner.install_pool_hooks(stack, self.pools)
         self._recorder = recorder
+        self.rows_wiring = self._install_wiring(stack, recorder)
         for site in sites:  # Mamba-2 mixers: their gates, for the rows-only form (core.mixers.SSDRows)
             if id(site.module) in self.inner.mixer_ids:
                 tap = InProjTap(site.module)  # the gates read off the mixer's own in_proj output
                 stack.callback(tap.remove)
                 handle = site.module.register_forward_hook(
                     lambda m, a, k, o, site=site, tap=tap: recorder.store(
-                        site, rows_layer(m, a, k, self.inner.mixer_heads, tap=tap),
-                        o[0] if isinstance(o, tuple) else o) if recorder.active else None, with_kwargs=True)
+                        site, self._mixer_rows(m, a, k, tap), o[0] if isinstance(o, tuple) else o)
+                    if recorder.active else None, with_kwargs=True)
                 stack.callback(handle.remove)
+
+    def _mixer_rows(self, m: nn.Module, a: tuple, k: dict, tap: InProjTap) -> Any:
+        """A composed mixer's layer of the row sweep: a mixer joined with attention (capture/hybrids.py
+        RowsWiring), else ``rows_layer``."""
+        if self.rows_wiring is not None and type(m).__name__ in WIRED:
+            return self.rows_wiring.mixer(m, a, k)
+        return rows_layer(m, a, k, self.inner.mixer_heads, tap=tap)
+
+    def _install_wiring(self, stack: ExitStack, recorder: "KernelRecorder") -> RowsWiring | None:
+        """The hooks of the layers that join attention and a mixer (capture/hybrids.py Wiring), rows-only; None
+        when the model has none."""
+        wiring = getattr(self.inner, "wiring", None)
+        if not wiring:
+            return None
+        rows = RowsWiring(wiring, self.inner.mixer_heads)
+
+        def join(attention: nn.Module, fn: Callable[[Any], Any]) -> None:
+            site = self.site_of.get(id(attention))
+            if recorder.active and site is not None and recorder.slots[site.stream][site.layer] is not None:
+                recorder.slots[site.stream][site.layer] = fn(recorder.slots[site.stream][site.layer])
+
+        def hook(m: nn.Module, fn: Callable[..., Any], pre: bool = False) -> None:
+            def guarded(*args: Any) -> None:
+                if recorder.active:
+                    fn(*args)
+
+            add = m.register_forward_pre_hook if pre else m.register_forward_hook
+            stack.callback(add(guarded, with_kwargs=True).remove)
+
+        rows.install(hook, join)
+        return rows
 
     def _wrapper(self, kernel: Callable, impl: str, recorder: KernelRecorder) -> Callable:
         # Over another session's wrapper, the arguments are read by the model's kernel's own signature.
@@ -234,6 +268,11 @@ class KernelAdapter(Adapter):
         def call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
             site = self.site_of.get(id(module)) if recorder.active else None
             if site is None:
+                wiring = getattr(self, "rows_wiring", None)
+                if recorder.active and wiring is not None and id(module) in wiring.shared_attention:
+                    # a shared attention block (Zamba): kept for the hybrid layer that runs it (RowsWiring)
+                    bound = sig.bind(module, *args, **kwargs) if sig is not None else None
+                    wiring.attention_inputs(kernel_inputs(module, impl, _arguments(bound, args, kwargs), False))
                 return kernel(module, *args, **kwargs)
             bound = sig.bind(module, *args, **kwargs) if sig is not None else None
             arguments = _arguments(bound, args, kwargs)

@@ -424,7 +424,8 @@ TRANSFORMERS = Family(
                        "summed path (multipliers included)", prefix="0",
                readout="last real token; `rollout`, `raw`, `flow`, `grad_rollout` and `gae` (each path's "
                        "gradient-weighted matrix joined the same way) compose it, the rest refuse it naming the mixer; "
-                       "dense only"),
+                       "`rollout` rows only too (matrix-free: `core.joined`; Zamba's max / min head fusion dense), the "
+                       "rest dense"),
         Models(models="transformers T5, BART, Marian, VisionEncoderDecoder, SeamlessM4T `...ForTextToText`",
                streams="encoder, decoder, cross",
                prefix="encoder from its embeddings (1 for a ViT encoder)", readout="decoder: last real token"),

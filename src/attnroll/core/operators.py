@@ -246,6 +246,8 @@ def fused_probs(how: Any) -> BlockRule:
 
     # rows of softmax probabilities: rollout checks sums
     rule.stochastic = True  # type: ignore[attr-defined]
+    # the fusion, read by the layers that join attention and a mixer (core.joined)
+    rule.how = how  # type: ignore[attr-defined]
     if isinstance(how, str) and how == "mean":
         # r·mean_h(A) = mean_h(r·A): see apply_layer
         rule.heads = probs_block  # type: ignore[attr-defined]
@@ -291,6 +293,8 @@ def apply_layer(
     s_i = a·Σ_j P_ij + c·[i real] (a zero sum gives a zero row). Blocks whose rows carry no relevance are
     skipped. A :class:`FusedLayer` (probabilities fused during the forward) is applied as one product.
     """
+    if hasattr(layer, "apply_joined"):  # attention and a token mixer joined in one layer (core.joined.JoinedRows)
+        return layer.apply_joined(r, rule, a=a, c=c, renorm=renorm, mask=mask)
     if hasattr(layer, "apply_rows"):  # a token mixer other than attention (core.mixers.SSDRows)
         return layer.apply_rows(r, a=a, c=c, renorm=renorm, mask=mask)
     B, H, nq, nk = layer.shape

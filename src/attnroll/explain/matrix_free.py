@@ -19,6 +19,7 @@ from .. import _checks
 from .._checks import UnsupportedModelError
 from .._modes import params_require_grad
 from ..capture import CaptureError
+from ..capture.hybrids import rows_refusal
 from ..capture.mixers import composable_mixers
 from ..capture.recompute import KeptCapture, capture_kernels
 from ..core import operators
@@ -45,6 +46,8 @@ def choose(ctx: Context, attention: Any, refusal: str | None) -> bool:
     if supported and not dense_only and ctx.method.name != "rollout" and composable_mixers(ctx.model):
         dense_only = (f"method {ctx.method.name!r} reads attention rows or gradients, which its token mixers "
                       "(composed as dense matrices) do not have; `rollout` sweeps them rows-only")
+    if supported and not dense_only and ctx.method.name == "rollout" and composable_mixers(ctx.model):
+        dense_only = rows_refusal(ctx.model, ctx.options.get("head_fusion", "mean"))
     if attention == "recompute":
         if dense_only:
             raise ValueError(f"attention='recompute' cannot be used for {type(ctx.model).__name__}: {dense_only}; "
@@ -170,7 +173,7 @@ def product(ctx: Context, rec: Any, stream: str, rule: Any, *, alpha: float, res
     if head_fusion is not None and not isinstance(head_fusion, str):
         from ..core.fusion import head_weights
 
-        head_weights(head_fusion, H, like=layers[0].q)
+        head_weights(head_fusion, H, like=torch.empty(0, device=layers[0].device))  # (a mixer layer has no q)
     start, end = layer_range(len(layers), start_layer, end_layer)
     _checks.check_bool("return_layers", return_layers)
     want = _checks.check_dtype(dtype) or torch.float32
