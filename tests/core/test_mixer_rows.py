@@ -239,3 +239,22 @@ def test_ssd_sparse_rows_take_the_same_sweep():
     lay.rows = 16
     torch.testing.assert_close(lay.apply_rows(r, a=0.5, c=0.5), r @ (0.5 * Fd + 0.5 * torch.eye(n, dtype=f64)),
                                atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("scale", [1.0, 40.0, 4000.0])
+def test_ssd_sweep_survives_strong_decays(scale):
+    """The SSD sweep's own blocks take the factored product while their decays span little, the direct form past
+    a quarter of the exponent range (strong decays: most entries underflow); both equal the dense rule."""
+    g = _gen(13)
+    b, n, h, N, P, K = 2, 40, 3, 4, 2, 4
+    C, B = (torch.randn(b, n, h, N, dtype=f64, generator=g) for _ in range(2))
+    dt = F.softplus(torch.randn(b, n, h, dtype=f64, generator=g))
+    A, D = -scale * torch.rand(h, dtype=f64, generator=g), torch.randn(h, dtype=f64, generator=g)
+    gate, w = torch.rand(b, n, h * P, dtype=f64, generator=g), torch.randn(h * P, K, dtype=f64, generator=g)
+    lay = mixers.SSDRows(C, B, dt, A, D, gate, w, rows=16)
+    S = mixers.ssd_matrix(C, B, dt, A, D)[:, torch.arange(h * P) // P]
+    dense = _dense_total(S, gate, w)
+    Fd = dense / dense.sum(-1, keepdim=True)
+    r = torch.rand(b, 2, n, dtype=f64, generator=_gen(14))
+    torch.testing.assert_close(lay.apply_rows(r, a=0.5, c=0.5), r @ (0.5 * Fd + 0.5 * torch.eye(n, dtype=f64)),
+                               atol=1e-12, rtol=0)

@@ -33,6 +33,7 @@ Torch only; every input is a tensor of the forward pass (float64 for exactness c
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
@@ -274,15 +275,22 @@ def _own_block(Ch: torch.Tensor, BT: torch.Tensor, dtT: torch.Tensor, log_a: tor
 
 def _own_heads(Ch: torch.Tensor, BT: torch.Tensor, dtT: torch.Tensor, log_a: torch.Tensor, D: torch.Tensor | None,
                above: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
-    """|M_h| on a block's own rows and columns, (b, h, R, R): :func:`ssd_block`'s direct form (the same operations
-    in the same order: decays from the block's own cumulative sum, (L · CB) · Δ, D on the diagonal), in place,
-    with the mask above the diagonal made once per sweep. Ch (b, h, R, N), BT (b, h, N, R), dtT and log_a
-    (b, h, R); ``keep``: only these rows (indices into the block), (b, h, len(keep), R)."""
+    """|M_h| on a block's own rows and columns, (b, h, R, R), from the block's own cumulative decays: factored,
+    (C_t e^{cum_t}) · (Δ_s B_s e^{−cum_s}), one product per head, when the block's decays span less than a quarter
+    of the dtype's exponent range (neither factor overflows); else :func:`ssd_block`'s direct form (an exponential
+    per entry). D on the diagonal. Ch (b, h, R, N), BT (b, h, N, R), dtT and log_a (b, h, R), ``above`` the mask
+    above the diagonal (made once per sweep); ``keep``: only these rows (indices into the block), (b, h, len(keep),
+    R)."""
     R = Ch.shape[2]
     cum = log_a.cumsum(-1)
     rows, mask = (cum, above[:R, :R]) if keep is None else (cum[..., keep], above[:R, :R][keep])
-    L = torch.exp((rows[..., :, None] - cum[..., None, :]).masked_fill_(mask, float("-inf")))
-    M = L.mul_((Ch if keep is None else Ch[:, :, keep]) @ BT).mul_(dtT[:, :, None, :])
+    Cr = Ch if keep is None else Ch[:, :, keep]
+    if float(-cum[..., -1].min()) < 0.25 * math.log(torch.finfo(Ch.dtype).max):
+        left = Cr * torch.exp(rows)[..., None]
+        M = (left @ (BT * (torch.exp(-cum) * dtT)[:, :, None, :])).masked_fill_(mask, 0.0)
+    else:
+        L = torch.exp((rows[..., :, None] - cum[..., None, :]).masked_fill_(mask, float("-inf")))
+        M = L.mul_(Cr @ BT).mul_(dtT[:, :, None, :])
     if D is not None:
         t = torch.arange(R, device=M.device) if keep is None else keep
         M[:, :, torch.arange(t.numel(), device=M.device), t] += D.to(M.dtype)[None, :, None]
@@ -573,6 +581,7 @@ def _ssd_apart_rows(lay: SSDRows, r: torch.Tensor, log_a: torch.Tensor, a: float
     one = torch.ones((), dtype=r.dtype, device=r.device)
     out, V = torch.zeros_like(r), lay.C.new_zeros(b, H, r.shape[1], n)
     store = lay.C.new_empty(b, H, rows * n)  # the earlier columns' |S_h| of one block (_earlier_heads)
+    rbuf = torch.empty_like(BhT)  # their right factors
     for t0 in range(0, n, rows):
         t1 = min(n, t0 + rows)
         rr = r[:, :, t0:t1] * real[:, None, t0:t1]
@@ -583,7 +592,7 @@ def _ssd_apart_rows(lay: SSDRows, r: torch.Tensor, log_a: torch.Tensor, a: float
         keep = None if 2 * count > t1 - t0 else live.nonzero()[:, 0]  # few rows (one-hot rows, the top layer)
         Ed = _own_heads(Ch[:, :, t0:t1], BT[..., t0:t1], dtT[..., t0:t1], log_a[..., t0:t1], lay.D, above, keep)
         sums = (Ed @ srow[:, :, t0:t1]).sum(1)[..., 0]  # (b, R)
-        El = _earlier_heads(Ch, BhT, cum, t0, t1, keep, srow, sums, store) if t0 else []
+        El = _earlier_heads(Ch, BhT, cum, t0, t1, keep, srow, sums, store, rbuf) if t0 else []
         sums = sums.to(r.dtype)
         if keep is not None:
             rr, at = rr[..., keep], t0 + keep
@@ -602,7 +611,7 @@ def _ssd_apart_rows(lay: SSDRows, r: torch.Tensor, log_a: torch.Tensor, a: float
 
 def _earlier_heads(Ch: torch.Tensor, BhT: torch.Tensor, cum: torch.Tensor, t0: int, t1: int,
                    keep: torch.Tensor | None, srow: torch.Tensor, sums: torch.Tensor,
-                   store: torch.Tensor) -> list[tuple[tuple[int, int], torch.Tensor]]:
+                   store: torch.Tensor, rbuf: torch.Tensor) -> list[tuple[tuple[int, int], torch.Tensor]]:
     """|S_h| on rows [t0, t1) (or their ``keep``) and the columns before t0, per example and head: one rank-N
     product each (decays factored at the block's start), written as |·| into contiguous pieces of ``store``
     (b, H, ≥ rows·t0; reused from block to block: a fresh (rows, t0) tensor per product costs more than the
@@ -611,7 +620,7 @@ def _earlier_heads(Ch: torch.Tensor, BhT: torch.Tensor, cum: torch.Tensor, t0: i
     ref = cum[..., t0 - 1: t0]
     left = Ch[:, :, t0:t1] * torch.exp(cum[..., t0:t1] - ref)[..., None]  # (b, H, R, N)
     left = left if keep is None else left[:, :, keep]
-    right = BhT[..., :t0] * torch.exp(ref - cum[..., :t0])[:, :, None, :]  # (b, H, N, t0)
+    right = torch.mul(BhT[..., :t0], torch.exp(ref - cum[..., :t0])[:, :, None, :], out=rbuf[..., :t0])
     R = left.shape[2]
     out = []
     for i in range(left.shape[0]):
