@@ -258,3 +258,22 @@ def test_ssd_sweep_survives_strong_decays(scale):
     r = torch.rand(b, 2, n, dtype=f64, generator=_gen(14))
     torch.testing.assert_close(lay.apply_rows(r, a=0.5, c=0.5), r @ (0.5 * Fd + 0.5 * torch.eye(n, dtype=f64)),
                                atol=1e-12, rtol=0)
+
+
+def test_ssd_few_rows_with_padding_and_renorm():
+    """A handful of live rows (the direct per-row form) with padding and the renormalised blend: the dense rule."""
+    lay, dense = _ssd(_gen(15), n=40)
+    b, n, _ = dense.shape
+    mask = torch.ones(b, n, dtype=f64)
+    mask[1, :6] = 0
+    Fm = dense * mask[:, None, :]
+    sums = Fm.sum(-1, keepdim=True)
+    Fd = Fm / torch.where(sums > 0, sums, torch.ones(()))
+    r = torch.zeros(b, 2, n, dtype=f64)
+    r[0, 0, 39], r[1, 1, 20], r[1, 0, 3], r[0, 1, 8] = 1.0, 0.7, 5.0, 0.3  # (1, ·, 3) is padding: dropped
+    a, c = 0.6, 0.4
+    s = a * (sums[..., 0] > 0).to(f64) + c * mask
+    want = ((r * mask[:, None, :]) / torch.where(s > 0, s, torch.ones(()))[:, None, :]) @ (
+        a * Fd + c * torch.diag_embed(mask))
+    lay.rows = 16
+    torch.testing.assert_close(lay.apply_rows(r, a=a, c=c, renorm=True, mask=mask), want, atol=1e-12, rtol=0)

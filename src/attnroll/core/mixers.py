@@ -580,8 +580,12 @@ def _ssd_apart_rows(lay: SSDRows, r: torch.Tensor, log_a: torch.Tensor, a: float
     above = torch.ones(rows, rows, dtype=torch.bool, device=r.device).triu_(1)
     one = torch.ones((), dtype=r.dtype, device=r.device)
     out, V = torch.zeros_like(r), lay.C.new_zeros(b, H, r.shape[1], n)
+    live = (r * real[:, None, :]).ne(0).any(1).any(0).nonzero()[:, 0]
+    if live.numel() <= rows:  # a few rows carry relevance (one-hot probes, the top layer): those rows directly
+        for q in live.split(max(1, ROWS_BUDGET // max(1, b * H * n))):
+            _ssd_few_rows(lay, r, real, q, srow, cum, V, out, a, c, renorm)
+        return out + a * (apply_conv_rows(V, coef).sum(1).to(r.dtype) * real[:, None, :])
     store = lay.C.new_empty(b, H, rows * n)  # the earlier columns' |S_h| of one block (_earlier_heads)
-    rbuf = torch.empty_like(BhT)  # their right factors
     for t0 in range(0, n, rows):
         t1 = min(n, t0 + rows)
         rr = r[:, :, t0:t1] * real[:, None, t0:t1]
@@ -592,7 +596,7 @@ def _ssd_apart_rows(lay: SSDRows, r: torch.Tensor, log_a: torch.Tensor, a: float
         keep = None if 2 * count > t1 - t0 else live.nonzero()[:, 0]  # few rows (one-hot rows, the top layer)
         Ed = _own_heads(Ch[:, :, t0:t1], BT[..., t0:t1], dtT[..., t0:t1], log_a[..., t0:t1], lay.D, above, keep)
         sums = (Ed @ srow[:, :, t0:t1]).sum(1)[..., 0]  # (b, R)
-        El = _earlier_heads(Ch, BhT, cum, t0, t1, keep, srow, sums, store, rbuf) if t0 else []
+        El = _earlier_heads(Ch, BhT, cum, t0, t1, keep, srow, sums, store) if t0 else []
         sums = sums.to(r.dtype)
         if keep is not None:
             rr, at = rr[..., keep], t0 + keep
@@ -604,31 +608,60 @@ def _ssd_apart_rows(lay: SSDRows, r: torch.Tensor, log_a: torch.Tensor, a: float
         out[:, :, at] += c * rr
         wt = (rr / torch.where(sums > 0, sums, one)[:, None, :]).to(Ed.dtype)[:, None]  # (b, 1, R_r, R)
         V[..., t0:t1] += wt @ Ed
-        for (i, h), E in El:
-            V[i, h, :, :t0].addmm_(wt[i, 0], E)
+        for (i, h), s0, E in El:
+            V[i, h, :, s0:t0].addmm_(wt[i, 0], E)
     return out + a * (apply_conv_rows(V, coef).sum(1).to(r.dtype) * real[:, None, :])
+
+
+def _ssd_few_rows(lay: SSDRows, r: torch.Tensor, real: torch.Tensor, q: torch.Tensor, srow: torch.Tensor,
+                  cum: torch.Tensor, V: torch.Tensor, out: torch.Tensor, a: float, c: float, renorm: bool) -> None:
+    """The rows ``q`` (positions) of :func:`_ssd_apart_rows`'s sweep, each one's |S_h| row in the direct form
+    (C_q·Δ_s B_s · exp(cum_q − cum_s) for s ≤ q, + D at s = q; no factor can overflow): their row sums, the
+    relevance they pass added to V (b, H, R_r, n) and the identity's share to ``out``, in place."""
+    n = cum.shape[-1]
+    seg = (cum[..., q, None] - cum[..., None, :]).masked_fill_(torch.arange(n, device=q.device) > q[:, None], -math.inf)
+    E = torch.einsum("bqhN,bshN->bhqs", lay.C[:, q], lay.B * lay.dt[..., None]).mul_(seg.exp_())  # (b, H, Q, n)
+    if lay.D is not None:
+        E[:, :, torch.arange(q.numel(), device=q.device), q] += lay.D.to(E.dtype)[None, :, None]
+    E.abs_()
+    sums = (E @ srow).sum(1)[..., 0].to(r.dtype)  # (b, Q)
+    rr = r[:, :, q] * real[:, None, q]
+    one = torch.ones((), dtype=r.dtype, device=r.device)
+    if renorm:
+        s = a * (sums > 0).to(r.dtype) + c * real[:, q]
+        rr = rr / torch.where(s > 0, s, one)[:, None, :]
+    out[:, :, q] += c * rr
+    V += (rr / torch.where(sums > 0, sums, one)[:, None, :]).to(E.dtype)[:, None] @ E
 
 
 def _earlier_heads(Ch: torch.Tensor, BhT: torch.Tensor, cum: torch.Tensor, t0: int, t1: int,
                    keep: torch.Tensor | None, srow: torch.Tensor, sums: torch.Tensor,
-                   store: torch.Tensor, rbuf: torch.Tensor) -> list[tuple[tuple[int, int], torch.Tensor]]:
+                   store: torch.Tensor) -> list[tuple[tuple[int, int], int, torch.Tensor]]:
     """|S_h| on rows [t0, t1) (or their ``keep``) and the columns before t0, per example and head: one rank-N
     product each (decays factored at the block's start), written as |·| into contiguous pieces of ``store``
     (b, H, ≥ rows·t0; reused from block to block: a fresh (rows, t0) tensor per product costs more than the
     product), its row sums against ``srow`` (b, H, n, 1) added to ``sums`` (b, R) while the piece is in cache.
-    Returns ((example, head), piece (R, t0)) for the contraction with the relevance rows."""
+    Columns whose decay to the block's first row, exp(cum_{t0−1} − cum_s), is below eps² of the dtype are left out
+    (a prefix, the scan's forgotten past: every entry there is below eps² · |C_t · Δ_s B_s|, under the resolution
+    of the sums it would enter). Returns ((example, head), first column, piece (R, t0 − first)) for the
+    contraction with the relevance rows."""
     ref = cum[..., t0 - 1: t0]
     left = Ch[:, :, t0:t1] * torch.exp(cum[..., t0:t1] - ref)[..., None]  # (b, H, R, N)
     left = left if keep is None else left[:, :, keep]
-    right = torch.mul(BhT[..., :t0], torch.exp(ref - cum[..., :t0])[:, :, None, :], out=rbuf[..., :t0])
+    floor = 2 * math.log(torch.finfo(cum.dtype).eps)
+    first = torch.searchsorted(-cum[..., :t0].contiguous(), (floor - ref).contiguous())[..., 0].tolist()  # (b, H)
     R = left.shape[2]
     out = []
     for i in range(left.shape[0]):
         for h in range(left.shape[1]):
-            E = store[i, h, : R * t0].view(R, t0)
-            torch.matmul(left[i, h], right[i, h], out=E).abs_()
-            sums[i] += torch.mv(E, srow[i, h, :t0, 0])
-            out.append(((i, h), E))
+            s0 = first[i][h]
+            if s0 >= t0:
+                continue
+            right = BhT[i, h, :, s0:t0] * torch.exp(ref[i, h] - cum[i, h, s0:t0])
+            E = store[i, h, : R * (t0 - s0)].view(R, t0 - s0)
+            torch.matmul(left[i, h], right, out=E).abs_()
+            sums[i] += torch.mv(E, srow[i, h, s0:t0, 0])
+            out.append(((i, h), s0, E))
     return out
 
 
