@@ -16,6 +16,9 @@ transformers' torch path), one prompt of n tokens:
   explain     ``attnroll.explain(model, ids, method="rollout")`` end to end, what a user calls: the forward with
               the gates kept, then the matrix-free sweep through every mixer layer (``core.mixers.SSDRows``, the
               convolution composed apart: Σ_c |S_h(c)|·|diag(σ(u_c))·T_c|, O(n²·h) per layer);
+  keep past   (with --keep-past) explain with no earlier column left out (``core.mixers.FORGET_BELOW = 0``: the
+              sweep otherwise skips, per head and block, the columns whose decay is below eps², the scan's
+              forgotten past; how much that saves depends on the model's decays);
   folded      (with --folded) the same call with the convolution folded per channel before |·|
               (``capture.mixers.CONVOLUTION = "folded"``: O(n²·channels·K) per layer), its row beside explain's.
 With --before SRC (another checkout's src/, e.g. the main branch's), that code's gates hook (recomputing in_proj
@@ -123,6 +126,7 @@ def main() -> None:
     ap.add_argument("--block", type=int, default=mixers.BLOCK)
     ap.add_argument("--before", default=None, help="another checkout's src/ to time beside this one")
     ap.add_argument("--folded", action="store_true", help="also time explain with the convolution folded")
+    ap.add_argument("--keep-past", action="store_true", help="also time explain with every earlier column taken")
     ap.add_argument("--no-operators", action="store_true", help="time the forward and explain alone")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -147,19 +151,20 @@ def main() -> None:
         with torch.no_grad():
             return model(input_ids=ids)
 
-    def explain(convolution: str):
-        capture_mixers.CONVOLUTION = convolution
+    def explain(convolution: str, forget=None):
+        capture_mixers.CONVOLUTION, mixers.FORGET_BELOW = convolution, forget
         try:
-            key = "explain" if convolution == "apart" else "folded"
+            key = "keep past" if forget is not None else "explain" if convolution == "apart" else "folded"
             got[key] = timed(times, key, lambda: attnroll.explain(model, {"input_ids": ids}, method="rollout",
                                                                   sinks="keep").full_row)
         finally:
-            capture_mixers.CONVOLUTION = "apart"
+            capture_mixers.CONVOLUTION, mixers.FORGET_BELOW = "apart", None
 
     units = [lambda: timed(times, "forward", forward), lambda: explain("apart")]
     units += [after] if not args.no_operators else []
     units += [before_] if before is not None else []
     units += [lambda: explain("folded")] if args.folded else []
+    units += [lambda: explain("apart", 0.0)] if args.keep_past else []
     for i in range(args.repeat):  # each unit takes each place in the round in turn (what runs first pays more)
         for unit in units[i % len(units):] + units[: i % len(units)]:
             unit()
@@ -176,14 +181,15 @@ def explain_report(args, times, got, load0) -> None:
     if load0 is not None:
         print(f"Mamba-2, hidden 64, {args.layers} layers, n = {args.n}, {args.threads} threads, median of "
               f"{args.repeat}; load {load0} -> {open('/proc/loadavg').read().split()[:3]}")
-    for k in ("explain", "folded"):
+    for k in ("explain", "keep past", "folded"):
         if k in med:
-            print(f"  {k:8s} (attnroll.explain rollout) wall {med[k]:8.3f} s {med[k] / med['forward']:6.2f}x   cpu "
+            print(f"  {k:9s} (attnroll.explain rollout) wall {med[k]:8.3f} s {med[k] / med['forward']:6.2f}x   cpu "
                   f"{med[k + ' cpu']:8.3f} s {med[k + ' cpu'] / med['forward cpu']:6.2f}x")
-    if "folded" in got:
-        d = (got["explain"] - got["folded"]).abs().max()
-        print(f"  explain's row vs folded's: max |difference| {float(d):.3g} (entries up to "
-              f"{float(got['explain'].abs().max()):.3g})")
+    for k in ("keep past", "folded"):
+        if k in got:
+            d = (got["explain"] - got[k]).abs().max()
+            print(f"  explain's row vs {k}'s: max |difference| {float(d):.3g} (entries up to "
+                  f"{float(got['explain'].abs().max()):.3g})")
 
 
 def hooks_alone(model, ids, times: dict, before) -> None:

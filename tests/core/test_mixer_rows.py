@@ -277,3 +277,24 @@ def test_ssd_few_rows_with_padding_and_renorm():
         a * Fd + c * torch.diag_embed(mask))
     lay.rows = 16
     torch.testing.assert_close(lay.apply_rows(r, a=a, c=c, renorm=True, mask=mask), want, atol=1e-12, rtol=0)
+
+
+def test_ssd_forgotten_past_is_below_eps_squared(monkeypatch):
+    """Strong decays in float32: the sweep that leaves out the columns decayed below eps² equals the one that takes
+    every column (core.mixers.FORGET_BELOW = 0) to float32 resolution, and both the float64 dense rule."""
+    g = _gen(16)
+    b, n, h, N, P, K = 1, 300, 2, 4, 2, 4
+    C, B = (torch.randn(b, n, h, N, dtype=f64, generator=g) for _ in range(2))
+    dt = F.softplus(torch.randn(b, n, h, dtype=f64, generator=g))
+    A, D = -torch.tensor([3.0, 0.01], dtype=f64), torch.randn(h, dtype=f64, generator=g)  # forgetting, slow
+    gate, w = torch.rand(b, n, h * P, dtype=f64, generator=g), torch.randn(h * P, K, dtype=f64, generator=g)
+    S = mixers.ssd_matrix(C, B, dt, A, D)[:, torch.arange(h * P) // P]
+    dense = _dense_total(S, gate, w)
+    Fd = dense / dense.sum(-1, keepdim=True)
+    r = torch.rand(b, 1, n, generator=g)
+    lay = mixers.SSDRows(*(t.float() for t in (C, B, dt, A, D, gate, w)), rows=32)
+    got = lay.apply_rows(r, a=1.0, c=0.0)
+    monkeypatch.setattr(mixers, "FORGET_BELOW", 0.0)
+    every = lay.apply_rows(r, a=1.0, c=0.0)
+    torch.testing.assert_close(got, every, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(got.double(), r.double() @ Fd, atol=1e-6, rtol=1e-4)

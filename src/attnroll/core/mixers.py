@@ -348,6 +348,9 @@ def ssd_signed_rows(r: torch.Tensor, C: torch.Tensor, B: torch.Tensor, dt: torch
 
 
 # ------------------------------------------------------------------------------- rows-only mixer layers
+#: The decay below which :class:`SSDRows`' sweep leaves an earlier column out (None: eps² of the dtype; 0: never,
+#: every column taken, as ``benchmarks/bench_mixers.py --keep-past`` times it).
+FORGET_BELOW: float | None = None
 #: Elements of the per-channel block one step of :meth:`MixerRows.block` holds (channels are taken in groups that
 #: fit): memory O(rows·n·channels per group), never (n, n) per channel.
 ROWS_BUDGET = 1 << 23
@@ -648,7 +651,8 @@ def _earlier_heads(Ch: torch.Tensor, BhT: torch.Tensor, cum: torch.Tensor, t0: i
     ref = cum[..., t0 - 1: t0]
     left = Ch[:, :, t0:t1] * torch.exp(cum[..., t0:t1] - ref)[..., None]  # (b, H, R, N)
     left = left if keep is None else left[:, :, keep]
-    floor = 2 * math.log(torch.finfo(cum.dtype).eps)
+    floor = (2 * math.log(torch.finfo(cum.dtype).eps) if FORGET_BELOW is None else
+             math.log(FORGET_BELOW) if FORGET_BELOW > 0 else -math.inf)
     first = torch.searchsorted(-cum[..., :t0].contiguous(), (floor - ref).contiguous())[..., 0].tolist()  # (b, H)
     R = left.shape[2]
     out = []
