@@ -1,17 +1,15 @@
 """Rows-only mixer layers (core/mixers.py ``MixerRows``) against the mixer's forward, side by side in one run.
 
-A tiny-width Mamba-2 language model with random weights (hidden 64, 4 heads of 32, state 16, convolution 4;
-transformers' torch path), one prompt of n tokens. Per layer:
-  forward    the model's forward pass (one layer) under no_grad (the reference, 1.00x);
-  fold/head  ``SSDRows.apply_rows`` of one relevance row over every token, with the convolution folded per head as
-             before (the K taps of each column copied into a zeroed (rows, n, K) block, one einsum per head);
-  fold/all   the same with :func:`core.mixers.fold_rows` (one batched product over every channel, strided views);
-  mamba/lfm2/qwen3_next  the same sweep through a Mamba (selective scan), LFM2 (short convolution) and Qwen3-Next
-             (gated DeltaNet, state scan) layer of tiny random models (LFM2 and Qwen3-Next with one attention layer
-             after it, as their caches need), beside their own forward.
+Tiny-width models with random weights (transformers' torch path), one prompt of n tokens, one mixer layer each:
+Mamba-2 (hidden 64, 4 heads of 32, state 16, convolution 4), Mamba (selective scan), LFM2 (short convolution) and
+Qwen3-Next (gated DeltaNet, state scan; LFM2 and Qwen3-Next with one attention layer after it, as their caches need):
+  forward    the model's forward pass under no_grad (the reference, 1.00x);
+  rows       the layer's ``apply_rows`` of one relevance row over every token, the convolution composed apart
+             (``core.mixers.CONVOLUTIONS``, the default);
+  folded     the same with the convolution folded per channel before |·| (O(channels·K) times the work).
 Reported: median seconds over --repeat rounds (calls alternating), ratios to the forward, the machine load.
 
-Usage: python benchmarks/bench_mixer_rows.py [--n 2048] [--repeat 3] [--threads 2] [--others mamba,lfm2,qwen3_next]
+Usage: python benchmarks/bench_mixer_rows.py [--n 2048] [--repeat 3] [--threads 2] [--mixers mamba2,mamba,...]
 """
 
 from __future__ import annotations
@@ -24,23 +22,6 @@ import torch
 
 from attnroll.capture.mixers import rows_layer
 from attnroll.core import mixers
-
-
-def per_head_block(lay: mixers.SSDRows, t0: int, t1: int) -> torch.Tensor:
-    """``SSDRows.block`` as it was: per head, the K taps of each column in a zeroed block, one einsum."""
-    M = mixers.ssd_block(lay.C, lay.B, lay.dt, lay.A, lay.D, t0, t1, causal_cols=True)
-    b, H, R, _ = M.shape
-    K, P = lay.weight.shape[-1], lay.gate_in.shape[-1] // H
-    g, w = lay.gate_in[:, :t1].to(M.dtype), lay.weight.to(M.dtype).flip(-1)
-    total = M.new_zeros(b, R, t1)
-    for h in range(H):
-        c0, c1 = h * P, (h + 1) * P
-        shifted, coef = M.new_zeros(b, R, t1, K), M.new_zeros(b, t1, K, P)
-        for k in range(min(K, t1)):
-            shifted[:, :, : t1 - k, k] = M[:, h, :, k:]
-            coef[:, : t1 - k, k] = g[:, k:, c0:c1] * w[c0:c1, k]
-        total += torch.einsum("brsk,bskc->brsc", shifted, coef).abs_().sum(-1)
-    return total
 
 
 def build(kind: str):
@@ -96,7 +77,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=2048)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--others", default="mamba,lfm2,qwen3_next", help="the other mixers to time (comma-separated)")
+    ap.add_argument("--mixers", default="mamba2,mamba,lfm2,qwen3_next", help="the mixers to time (comma-separated)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     with torch.no_grad():
@@ -106,23 +87,19 @@ def main() -> None:
 def run(args: argparse.Namespace) -> None:
     n = args.n
     r = torch.rand(1, 1, n, generator=torch.Generator().manual_seed(2))
-    fwd, lay = layer_of("mamba2", n)
-    old = mixers.SSDRows(lay.C, lay.B, lay.dt, lay.A, lay.D, lay.gate_in, lay.weight)
-    old.block = lambda t0, t1: per_head_block(old, t0, t1)
-    err = (old.apply_rows(r, a=0.5, c=0.5) - lay.apply_rows(r, a=0.5, c=0.5)).abs().max()
-    print(f"n = {n}; fold/all against fold/head: max |diff| {float(err):.1e}")
-    others = {k: layer_of(k, n) for k in args.others.split(",") if k}
+    layers = {k: layer_of(k, n) for k in args.mixers.split(",") if k}
     times: dict[str, list] = {}
     load0 = open("/proc/loadavg").read().split()[0]
     for _ in range(args.repeat):
-        timed(fwd, times.setdefault("mamba2 forward", []))
-        timed(lambda: old.apply_rows(r, a=0.5, c=0.5), times.setdefault("mamba2 fold/head", []))
-        timed(lambda: lay.apply_rows(r, a=0.5, c=0.5), times.setdefault("mamba2 fold/all", []))
-        for k, (f, other) in others.items():
+        for k, (f, lay) in layers.items():
             timed(f, times.setdefault(f"{k} forward", []))
-            timed(lambda: other.apply_rows(r, a=0.5, c=0.5), times.setdefault(f"{k} rows", []))
+            for how in mixers.CONVOLUTIONS:
+                lay.convolution = how
+                timed(lambda: lay.apply_rows(r, a=0.5, c=0.5), times.setdefault(f"{k} {how}", []))
+            lay.convolution = "apart"
     load1 = open("/proc/loadavg").read().split()[0]
     med = {k: statistics.median(v) for k, v in times.items()}
+    print(f"n = {n}")
     for k, v in med.items():
         ref = med[k.split()[0] + " forward"]
         print(f"{k:22s} {v:8.3f} s  {v / ref:7.1f}x")

@@ -405,14 +405,14 @@ TRANSFORMERS = Family(
                       "LFM3 (gated short convolutions + attention), Qwen3-Next (gated DeltaNet + attention)",
                streams="self: attention and mixer layers in execution order, each mixer's fused matrix (as above; "
                        "LFM2: C · conv(B · x) per channel; Qwen3-Next: the delta rule per value head, its convolution "
-                       "folded) repeated on every head", prefix="0",
+                       "composed apart) repeated on every head", prefix="0",
                readout="last real token; `rollout`, `raw`, `flow`, `grad_rollout`, `gae` compose it, the rest "
                        "refuse it naming the mixer; `rollout` rows only through the mixers (matrix-free), the "
                        "rest dense"),
         Models(models="transformers Qwen3.5, OLMo-Hybrid (gated DeltaNet + attention), Kimi-Linear (KDA: a delta "
                       "rule with a per-channel decay + attention), RecurrentGemma (RG-LRU blocks + local attention)",
                streams="self: attention and mixer layers in execution order (`capture/hybrids.py`), each mixer's "
-                       "fused matrix (the delta rule per value head, its convolution folded; RecurrentGemma: the "
+                       "fused matrix (the delta rule per value head, its convolution apart; RecurrentGemma: the "
                        "convolution, then the RG-LRU with its gates held, the GeLU branch a diagonal) on every head",
                prefix="0", readout="last real token; `rollout`, `raw`, `flow`, `grad_rollout`, `gae` compose it, "
                                    "the rest refuse it naming the mixer; `rollout` rows only through the mixers "
