@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import attnroll
 from attnroll.capture.recompute import capture_kernels
@@ -21,6 +20,7 @@ from attnroll.core import mixers as ops
 from attnroll.core import operators
 from attnroll.core.joined import JoinedRows
 
+from ..core.test_mixer_rows import _Largest
 from ..zoo import decoder
 
 f64 = torch.float64
@@ -220,21 +220,6 @@ def test_joined_layer_equals_the_dense_pipeline_on_its_matrix(kind, how):
             want = r @ p.augmented(L)
             got = operators.apply_layer(r, joined, operators.fused_probs(how), a=p.a, c=p.c, renorm=p.renorm, mask=m)
             torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
-
-
-class _Largest(TorchDispatchMode):
-    """The largest tensor any torch operation returns while active."""
-
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel())
-        return out
 
 
 def _largest(kind: str, n: int, rows: int = 8) -> int:
