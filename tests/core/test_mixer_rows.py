@@ -298,3 +298,90 @@ def test_ssd_forgotten_past_is_below_eps_squared(monkeypatch):
     every = lay.apply_rows(r, a=1.0, c=0.0)
     torch.testing.assert_close(got, every, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(got.double(), r.double() @ Fd, atol=1e-6, rtol=1e-4)
+
+
+def _old_delta_rows(q, k, beta, g, t0, t1):
+    """Rows [t0, t1), columns [0, t1) of the DeltaRows matrices as the per-token scan gave them (the reference the
+    block-at-once form replaced): the block's own columns by the delta rule token by token, the earlier ones
+    x_sᵀ·U_t with x_s carried over the tokens before t0 one A_r at a time."""
+    qh, kh, bh = q.transpose(1, 2), k.transpose(1, 2), beta.transpose(1, 2)
+    ah = g.exp().transpose(1, 2)
+    ah = ah[..., None] if g.ndim == 3 else ah
+    W, U = mixers._delta_local(qh[:, :, t0:t1], kh[:, :, t0:t1], bh[:, :, t0:t1], ah[:, :, t0:t1])
+    X = q.new_zeros(qh.shape[0], qh.shape[1], 0, qh.shape[-1])
+    for r in range(t0):  # x_sᵀ ← x_sᵀ·A_r, then the new row β_r k_rᵀ
+        Xa = X * ah[:, :, r, None, :]
+        X = Xa - bh[:, :, r, None, None] * (Xa @ kh[:, :, r, :, None]) * kh[:, :, r, None, :]
+        X = torch.cat([X, (bh[:, :, r, None] * kh[:, :, r])[:, :, None]], 2)
+    return torch.cat([U @ X.transpose(-1, -2), W], -1)
+
+
+def _delta_gates(g, per_channel, b=2, n=23, h=3, dk=4, decay=1.0):
+    q, k = (F.normalize(torch.randn(b, n, h, dk, dtype=f64, generator=g), dim=-1) for _ in range(2))
+    beta = torch.rand(b, n, h, dtype=f64, generator=g) * 2  # up to 2: negative eigenvalues allowed
+    gl = -torch.rand(b, n, h, *((dk,) if per_channel else ()), dtype=f64, generator=g) * decay
+    return q, k, beta, gl
+
+
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_delta_blocks_at_once_equal_the_per_token_scan(per_channel, monkeypatch):
+    """The chunkwise (WY) blocks equal the per-token scan and the dense delta_matrix to 1e-10 in float64: gated
+    DeltaNet and KDA, β up to 2, blocks of 1 to all the tokens (sizes not dividing n), out of order (the state
+    restarts), head subsets; no block falls back to the per-token scan."""
+    q, k, beta, gl = _delta_gates(_gen(21), per_channel)
+    n, h = q.shape[1], q.shape[2]
+    dense = mixers.delta_matrix(q, k, beta, gl)
+    gate, w = torch.rand(2, n, h, dtype=f64), torch.randn(h, 4, dtype=f64)
+    lay = mixers.DeltaRows(q, k, beta, gl, gate, w)
+    monkeypatch.setattr(mixers, "_delta_local", None)  # the per-token path is not taken
+    monkeypatch.setattr(lay, "_advance_tokens", None)
+    spans = [(t0, min(n, t0 + rows)) for rows in (1, 3, 7, 16, 23) for t0 in range(0, n, rows)]
+    spans += [(7, 13), (2, 9), (20, 23), (0, 23), (11, 12), (5, 6)]
+    for t0, t1 in spans:
+        lay.rows = t1 - t0
+        got = lay.group_rows(t0, t1, 0, h)
+        torch.testing.assert_close(got, dense[:, :, t0:t1, :t1], atol=1e-10, rtol=0)
+        torch.testing.assert_close(lay.group_rows(t0, t1, 1, h), dense[:, 1:, t0:t1, :t1], atol=1e-10, rtol=0)
+    monkeypatch.undo()
+    for t0, t1 in ((0, 5), (9, 17), (17, 23)):  # the per-token scan this form replaced: the same rows
+        torch.testing.assert_close(lay.group_rows(t0, t1, 0, h), _old_delta_rows(q, k, beta, gl, t0, t1),
+                                   atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_delta_blocks_survive_strong_decays(per_channel, monkeypatch):
+    """Decays up to e^{-60} per token: one decay per head stays in the block form (its decays are taken direct);
+    per key channel, the blocks whose decays span past the factored range take the per-token scan, the others the
+    block form, and every block equals the dense matrix to 1e-10 (float64)."""
+    q, k, beta, gl = _delta_gates(_gen(22), per_channel, decay=60.0)
+    n, h = q.shape[1], q.shape[2]
+    dense = mixers.delta_matrix(q, k, beta, gl)
+    lay = mixers.DeltaRows(q, k, beta, gl, torch.rand(2, n, h, dtype=f64), torch.randn(h, 4, dtype=f64))
+    taken = []
+    local = mixers._delta_local
+    monkeypatch.setattr(mixers, "_delta_local", lambda *a: taken.append(a[0].shape[2]) or local(*a))
+    for rows in (1, 4, 23):  # a block of 1 or 4 tokens spans < 600; 23 tokens do not (per channel)
+        lay.rows = rows
+        for t0 in range(0, n, rows):
+            t1 = min(n, t0 + rows)
+            torch.testing.assert_close(lay.group_rows(t0, t1, 0, h), dense[:, :, t0:t1, :t1], atol=1e-10, rtol=0)
+    assert taken == ([23] if per_channel else [])
+    assert bool(dense.abs().amax() > 0.1)  # not a matrix of zeros
+
+
+def test_delta_blocks_in_float32_and_growing_decays():
+    """float32 gates (as a model's forward gives them) stay within float32 rounding of the float64 rows, and
+    decays above 1 (α > 1) take the same block form."""
+    q, k, beta, gl = _delta_gates(_gen(23), True, decay=-0.05)  # α up to e^{0.05}: a growing state
+    n, h = q.shape[1], q.shape[2]
+    dense = mixers.delta_matrix(q, k, beta, gl)
+    args = (torch.rand(2, n, h, dtype=f64), torch.randn(h, 4, dtype=f64))
+    lay, lay32 = mixers.DeltaRows(q, k, beta, gl, *args), mixers.DeltaRows(q.float(), k.float(), beta.float(),
+                                                                             gl.float(), *(a.float() for a in args))
+    for rows in (5, 16):
+        lay.rows = lay32.rows = rows
+        for t0 in range(0, n, rows):
+            t1 = min(n, t0 + rows)
+            torch.testing.assert_close(lay.group_rows(t0, t1, 0, h), dense[:, :, t0:t1, :t1], atol=1e-10, rtol=0)
+            torch.testing.assert_close(lay32.group_rows(t0, t1, 0, h).double(), dense[:, :, t0:t1, :t1],
+                                       atol=1e-5, rtol=0)

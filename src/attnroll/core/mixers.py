@@ -747,10 +747,13 @@ class DeltaRows(MixerRows):
     K_c = W_h · diag(gate_in_c) · T_c (:func:`delta_matrix`; the convolution and the SiLU's σ(u) folded).
 
     The rows [t0, t1) of W_h come from a scan over the state, never the full matrix: the block's own columns are
-    the delta rule on the block's tokens alone (:func:`delta_matrix`), which also gives U_t = A_{t0} ··· A_t q_t
+    the delta rule on the block's tokens alone, which also gives U_t = A_{t0} ··· A_t q_t
     (A_r = diag(α_r)(I − β_r k_r k_rᵀ)); the earlier columns are W[t, s] = x_sᵀ U_t with
     x_sᵀ = β_s k_sᵀ A_{s+1} ··· A_{t0−1}, the rows X (b, h, t0, dk) of a state carried forward block by block
-    (X ← X · A_{t0} ··· A_{t1−1}, the new tokens' rows appended). Memory O(n·dk) per head for X, O(rows·n) per
+    (X ← X · A_{t0} ··· A_{t1−1}, the new tokens' rows appended). Each block is taken at once in the chunkwise
+    (WY) form (:func:`_delta_block`, every block of the sweep at once: matrix products and one triangular inverse
+    per block, no loop over tokens); a block whose per-channel decays span past ``_SPAN`` takes the delta rule
+    token by token (:func:`_delta_local`, :meth:`_advance_tokens`). Memory O(n·(dk + rows)) per head, O(rows·n) per
     block; blocks taken in order advance X (an earlier block restarts it).
 
     q, k: (b, n, h, dk) as the recurrence reads them; beta: (b, n, h); g: (b, n, h) or (b, n, h, dk) (KDA's
@@ -760,42 +763,165 @@ class DeltaRows(MixerRows):
         b, n, h, dk = q.shape
         super().__init__(b, n, q.device, heads, rows)
         self.qh, self.kh, self.bh = q.transpose(1, 2), k.transpose(1, 2), beta.transpose(1, 2)
-        ah = g.exp().transpose(1, 2)
-        self.ah = ah[..., None] if g.ndim == 3 else ah  # (b, h, n, 1 or dk)
+        gh = g.transpose(1, 2)
+        self.gh = gh[..., None] if g.ndim == 3 else gh  # log α: (b, h, n, 1 or dk)
+        self.ah = self.gh.exp()
         self.gate_in, self.weight, self.groups, self.heads_of = gate_in, weight, h, gate_in.shape[-1] // h
         self.state = q.new_zeros(b, h, n, dk)  # rows x_s, s < self.at
         self.at = 0
+        self._kept: tuple[int, tuple[torch.Tensor, ...]] | None = None  # (rows, :meth:`_chunks`)
 
     def advance(self, t0: int) -> None:
         """Carry the state's rows X to the boundary t0 (x_sᵀ = β_s k_sᵀ A_{s+1} ··· A_{t0−1} for s < t0), ``rows``
-        tokens at a time: Z = [I; new rows] times each A_r in turn, then X ← X · Z[:dk]."""
+        tokens at a time: X ← X·(Γ − K̄ᵀ·Y) and the new rows Y (:func:`_delta_block`)."""
         if t0 < self.at:
             self.at = 0
-        b, h, _, dk = self.qh.shape
         while self.at < t0:
             e0, e1 = self.at, min(t0, self.at + self.rows)
-            Z = self.qh.new_zeros(b, h, dk + e1 - e0, dk)
-            Z[:, :, :dk] = torch.eye(dk, dtype=Z.dtype, device=Z.device)
-            for r in range(e0, e1):
-                live = Z[:, :, : dk + r - e0]
-                Za = live * self.ah[:, :, r, None, :]
-                kr, br = self.kh[:, :, r], self.bh[:, :, r, None, None]
-                live.copy_(Za - br * (Za @ kr[..., None]) * kr[:, :, None, :])
-                Z[:, :, dk + r - e0] = self.bh[:, :, r, None] * kr
-            if e0:
-                self.state[:, :, :e0] = self.state[:, :, :e0] @ Z[:, :, :dk]
-            self.state[:, :, e0:e1] = Z[:, :, dk:]
+            blk = self._block(e0, e1, 0, self.groups)
+            if blk is None:
+                self._advance_tokens(e0, e1)
+            else:
+                dt = self.state.dtype
+                _, _, Y, Kbar, end = (p.to(dt) for p in blk)
+                if e0:  # X·(A_{e0} ··· A_{e1−1}) = X·(Γ − K̄ᵀ·Y), the product formed first (dk × dk)
+                    P = torch.diag_embed(end[..., 0, :].exp().expand(*Y.shape[:2], Y.shape[-1]))
+                    self.state[:, :, :e0] = self.state[:, :, :e0] @ P.sub_(Kbar.transpose(-1, -2) @ Y)
+                self.state[:, :, e0:e1] = Y
             self.at = e1
+
+    def _advance_tokens(self, e0: int, e1: int) -> None:
+        """:meth:`advance` over tokens [e0, e1) one token at a time: Z = [I; new rows] times each A_r in turn,
+        then X ← X · Z[:dk]."""
+        b, h, _, dk = self.qh.shape
+        Z = self.qh.new_zeros(b, h, dk + e1 - e0, dk)
+        Z[:, :, :dk] = torch.eye(dk, dtype=Z.dtype, device=Z.device)
+        for r in range(e0, e1):
+            live = Z[:, :, : dk + r - e0]
+            Za = live * self.ah[:, :, r, None, :]
+            kr, br = self.kh[:, :, r], self.bh[:, :, r, None, None]
+            live.copy_(Za - br * (Za @ kr[..., None]) * kr[:, :, None, :])
+            Z[:, :, dk + r - e0] = self.bh[:, :, r, None] * kr
+        if e0:
+            self.state[:, :, :e0] = self.state[:, :, :e0] @ Z[:, :, :dk]
+        self.state[:, :, e0:e1] = Z[:, :, dk:]
+
+    def _block(self, t0: int, t1: int, g0: int, g1: int) -> tuple[torch.Tensor, ...] | None:
+        """:func:`_delta_block` of tokens [t0, t1) and heads [g0, g1) (W, U, Y, K̄, cum at the end), from
+        :meth:`_chunks` when [t0, t1) is one of the sweep's blocks; None when per-channel decays span too far."""
+        R = self.rows
+        if t0 % R == 0 and t1 == min(self.n, t0 + R):
+            j, m = t0 // R, t1 - t0
+            W, U, Y, Kbar, end, fits = (p[:, g0:g1, j] for p in self._chunks())
+            return (W[..., :m, :m], U[..., :m, :], Y[..., :m, :], Kbar[..., :m, :], end) if bool(fits.all()) else None
+        sl = (slice(None), slice(g0, g1), slice(t0, t1))
+        *parts, fits = _delta_block(self.qh[sl], self.kh[sl], self.bh[sl], self.gh[sl])
+        return tuple(parts) if bool(fits.all()) else None
+
+    def _chunks(self) -> tuple[torch.Tensor, ...]:
+        """:func:`_delta_block` of every block [j·rows, (j+1)·rows) at once (b, h, blocks, ...), kept while ``rows``
+        stays; the last block padded with tokens that change nothing (q = k = 0, β = 0, α = 1). O(n·(rows + dk))
+        per head."""
+        if self._kept is None or self._kept[0] != self.rows:
+            b, h, n, _ = self.qh.shape
+            R = self.rows
+            C = -(-n // R)
+
+            def chunked(x: torch.Tensor) -> torch.Tensor:
+                x = torch.nn.functional.pad(x, (0, 0, 0, C * R - n))
+                return x.reshape(b, h, C, R, x.shape[-1])
+
+            q, k, g = chunked(self.qh), chunked(self.kh), chunked(self.gh)
+            beta = chunked(self.bh[..., None])[..., 0]
+            self._kept = (R, _delta_block(q, k, beta, g))
+        return self._kept[1]
+
+    def apply_rows(self, r: torch.Tensor, *, a: float, c: float, renorm: bool = False,
+                   mask: torch.Tensor | None = None) -> torch.Tensor:
+        try:
+            return super().apply_rows(r, a=a, c=c, renorm=renorm, mask=mask)
+        finally:
+            self._kept = None  # the blocks' parts (:meth:`_chunks`) are kept for one sweep only
 
     def group_rows(self, t0: int, t1: int, g0: int, g1: int) -> torch.Tensor:
         self.advance(t0)
-        W, U = _delta_local(self.qh[:, g0:g1, t0:t1], self.kh[:, g0:g1, t0:t1], self.bh[:, g0:g1, t0:t1],
-                            self.ah[:, g0:g1, t0:t1])
+        blk = self._block(t0, t1, g0, g1)
+        if blk is None:
+            W, U = _delta_local(self.qh[:, g0:g1, t0:t1], self.kh[:, g0:g1, t0:t1], self.bh[:, g0:g1, t0:t1],
+                                self.ah[:, g0:g1, t0:t1])
+        else:
+            W, U = blk[0].to(self.qh.dtype), blk[1].to(self.qh.dtype)
         out = W.new_zeros(W.shape[0], g1 - g0, t1 - t0, t1)
         out[..., t0:] = W
         if t0:
             out[..., :t0] = U @ self.state[:, g0:g1, :t0].transpose(-1, -2)
         return out
+
+
+def _delta_pairs(xs: tuple[torch.Tensor, ...], y: torch.Tensor, cum: torch.Tensor) -> list[torch.Tensor]:
+    """P[t, s] = Σ_c x_t[c] y_s[c] exp(cum_t[c] − cum_s[c]) for s ≤ t, 0 above, for each x of ``xs``: (..., R, R)
+    from x, y (..., R, dk) and cumulative log-decays cum (..., R, 1 or dk). One decay per head: the R×R decays
+    direct (any range, one exponential per entry shared by the xs); per key channel: factored,
+    (x e^{cum}) · (y e^{−cum})ᵀ (exact while |cum| < ``_SPAN``, neither factor leaving the range)."""
+    R = y.shape[-2]
+    above = torch.ones(R, R, dtype=torch.bool, device=y.device).triu(1)
+    if cum.shape[-1] == 1:
+        E = (cum - cum.transpose(-1, -2)).masked_fill_(above, float("-inf")).exp_()
+        return [(x @ y.transpose(-1, -2)).mul_(E) for x in xs]
+    right = (y * torch.exp(-cum)).transpose(-1, -2)
+    return [((x * cum.exp()) @ right).masked_fill_(above, 0.0) for x in xs]
+
+
+def _unit_lower_inverse(L: torch.Tensor) -> torch.Tensor:
+    """The inverse of unit lower triangular matrices L (..., R, R) by doubling: the inverses of the diagonal blocks
+    of size b give those of size 2b, [[A, 0], [C, D]]^{-1} = [[A^{-1}, 0], [−D^{-1} C A^{-1}, D^{-1}]] (batched
+    matrix products, log2 R steps; R padded to a power of two with the identity)."""
+    R = L.shape[-1]
+    P = 1 << max(0, R - 1).bit_length()
+    if P != R:
+        L = torch.nn.functional.pad(L, (0, P - R, 0, P - R))
+        L[..., R:, R:] = torch.eye(P - R, dtype=L.dtype, device=L.device)
+    lead = L.shape[:-2]
+    X = torch.ones(*lead, P, 1, 1, dtype=L.dtype, device=L.device)  # the inverses of the 1×1 diagonal blocks
+    b = 1
+    while b < P:
+        m = P // (2 * b)
+        C = L.reshape(*lead, m, 2 * b, m, 2 * b).diagonal(dim1=-4, dim2=-2).movedim(-1, -3)[..., b:, :b]
+        Ai, Di = X[..., 0::2, :, :], X[..., 1::2, :, :]
+        X = torch.cat([torch.cat([Ai, torch.zeros_like(Ai)], -1), torch.cat([-(Di @ C @ Ai), Di], -1)], -2)
+        b *= 2
+    return X[..., 0, :R, :R]
+
+
+def _delta_block(q: torch.Tensor, k: torch.Tensor, beta: torch.Tensor,
+                 g: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The delta rule over a block of R tokens at once (the chunkwise, WY form): q, k (..., R, dk), β (..., R),
+    log α g (..., R, 1 or dk). With A_r = diag(α_r)(I − β_r k_r k_rᵀ), the block's tokens 0..R−1, γ_t = e^{cum_t}
+    (cum the log-decays summed from the block's start, Γ_t = diag(γ_t)) and K̄ the rows γ_t ∘ k_t:
+
+        W[t, s] = β_s k_sᵀ A_{s+1} ··· A_t q_t = (Q·T)[t, s],  Q[t, s] = k_sᵀ Γ_t Γ_s^{-1} q_t (s ≤ t)
+        U_t = A_0 ··· A_t q_t = γ_t ∘ q_t − Σ_s W[t, s] K̄_s
+        A_0 ··· A_{R−1} = Γ_{R−1} − K̄ᵀ·Y,   Y[s] = β_s k_sᵀ A_{s+1} ··· A_{R−1} = (Tᵀ·K_end)[s]
+
+    with T = (I + diag(β)·G)^{-1}·diag(β), G[t, s] = k_sᵀ Γ_t Γ_s^{-1} k_t for s < t (unit lower triangular:
+    :func:`_unit_lower_inverse`) and K_end the rows γ_{R−1}/γ_s ∘ k_s: the delta rule's state
+    S_t = A_tᵀ S_{t−1} + β_t k_t v_tᵀ started at I with one-hot values, whose scaled form Γ_t^{-1} S_t adds one
+    rank-one term per token.
+    Returns (W, U, Y, K̄, cum_{R−1} (..., 1, 1 or dk)) in float32 or wider and ``fits`` (...): False where the
+    decays are not finite or, per key channel, span past ``_SPAN`` (those blocks' parts are not to be used)."""
+    dt = torch.promote_types(k.dtype, torch.float32)
+    q, k, beta, cum = q.to(dt), k.to(dt), beta.to(dt), g.to(dt).cumsum(-2)
+    fits = cum.isfinite().flatten(-2).all(-1)
+    if cum.shape[-1] > 1:
+        fits &= (cum.abs() < _SPAN[dt == torch.float64]).flatten(-2).all(-1)
+    G, Q = _delta_pairs((k, q), k, cum)
+    G.mul_(beta[..., None]).diagonal(dim1=-2, dim2=-1).fill_(1.0)  # I + diag(β)·G, G strictly lower
+    T = _unit_lower_inverse(G).mul_(beta[..., None, :])
+    Kbar = k * cum.exp()
+    W = Q @ T
+    end = cum[..., -1:, :]
+    Y = T.transpose(-1, -2) @ (k * torch.exp(end - cum))
+    return W, q * cum.exp() - W @ Kbar, Y, Kbar, end, fits
 
 
 class ConvRows(MixerRows):
