@@ -140,12 +140,13 @@ def test_each_joined_layer_is_the_naive_join_of_its_paths(model_type):
                 torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
 
 
-@pytest.mark.parametrize("model_type", _params())
-@pytest.mark.parametrize("opts", [{}, {"residual_mode": "renorm"}, {"alpha": 0.8, "head_fusion": [1, 3, 0.5, 2]},
-                                  {"head_fusion": "max"}])
+OPTIONS = [{}, {"residual_mode": "renorm"}, {"alpha": 0.8, "head_fusion": [1, 3, 0.5, 2]}, {"head_fusion": "max"}]
+
+
+@pytest.mark.parametrize("model_type,opts", [  # max over the heads of a shared layer: refused (test below)
+    pytest.param(p.values[0], o, marks=p.marks) for p in _params() for o in OPTIONS
+    if o.get("head_fusion") != "max" or p.values[0] == "falcon_h1"])
 def test_rollout_rows_only_equals_dense(model_type, opts):
-    if opts.get("head_fusion") == "max" and model_type != "falcon_h1":
-        pytest.skip("refused rows-only: test_max_over_a_shared_layer_is_refused_rows_only")
     model, inputs = _balanced(model_type), _inputs()
     assert attnroll.capture.model_facts(model).dense_only == ""
     dense = attnroll.explain(model, inputs, method="rollout", attention="dense", sinks="keep", **opts)
@@ -202,11 +203,10 @@ def _pieces(g: torch.Generator, b: int = 2, H: int = 3, n: int = 11, d: int = 4)
     return lay, F, torch.rand(b, n, dtype=f64, generator=g), mask
 
 
-@pytest.mark.parametrize("kind", ["parallel", "shared"])
-@pytest.mark.parametrize("how", ["mean", "max", "min", [2.0, 1.0, 1.0]])
+@pytest.mark.parametrize("kind,how", [  # max / min over the heads of a shared layer: refused (test below)
+    (k, h) for k in ("parallel", "shared") for h in ("mean", "max", "min", [2.0, 1.0, 1.0])
+    if k == "parallel" or h not in ("max", "min")])
 def test_joined_layer_equals_the_dense_pipeline_on_its_matrix(kind, how):
-    if kind == "shared" and how in ("max", "min"):
-        pytest.skip("refused: test_max_over_a_shared_layer_is_refused_rows_only")
     lay, F, w1, mask = _pieces(torch.Generator().manual_seed(6))
     joined = JoinedRows(lay, _DenseMixer(F), w1, 1 - w1, kind=kind)
     b, H, n, _ = lay.shape
