@@ -36,6 +36,12 @@ def _double(model_type: str) -> torch.nn.Module:
     model = decoder(model_type).double()
     for cfg in {id(m.config): m.config for m in model.modules() if hasattr(m, "config")}.values():
         cfg._attn_implementation = "eager"
+    return balance_paths(model, model_type)
+
+
+def balance_paths(model: torch.nn.Module, model_type: str) -> torch.nn.Module:
+    """Falcon-H1's SSD branch (×300) or Zamba's projected shared block (×100) brought to the size of the other path
+    of each joined layer, in place; returns the model."""
     for layer in model.model.layers:
         if model_type == "falcon_h1":
             layer.ssm_out_multiplier *= 300.0

@@ -21,6 +21,7 @@ from attnroll.core import operators
 from attnroll.core.joined import JoinedRows
 
 from ..core.test_mixer_rows import _Largest
+from .test_hybrids_grad import balance_paths
 from ..zoo import decoder
 
 f64 = torch.float64
@@ -44,14 +45,7 @@ def _inputs(n: int = 9, pad: int = 3) -> dict:
 def _balanced(model_type: str) -> torch.nn.Module:
     """The tiny decoder with both paths of every joined layer of comparable size (the random weights leave the
     SSD branch ~1e-3 of Falcon-H1's attention branch, the projected shared block ~1e-2 of Zamba's hidden state)."""
-    model = decoder(model_type)
-    for layer in model.model.layers:
-        if model_type == "falcon_h1":
-            layer.ssm_out_multiplier *= 300.0
-        elif hasattr(layer, "mamba_decoder"):
-            with torch.no_grad():
-                layer.linear.weight.mul_(100.0)
-    return model
+    return balance_paths(decoder(model_type), model_type)
 
 
 def _share(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

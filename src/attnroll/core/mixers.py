@@ -581,7 +581,6 @@ def _ssd_apart_rows(lay: SSDRows, r: torch.Tensor, log_a: torch.Tensor, a: float
     BT, dtT = lay.B.permute(0, 2, 3, 1).contiguous(), lay.dt.transpose(1, 2)
     rows = min(lay.rows, max(16, ROWS_BUDGET // max(1, b * H * n)))
     above = torch.ones(rows, rows, dtype=torch.bool, device=r.device).triu_(1)
-    one = torch.ones((), dtype=r.dtype, device=r.device)
     out, V = torch.zeros_like(r), lay.C.new_zeros(b, H, r.shape[1], n)
     live = (r * real[:, None, :]).ne(0).any(1).any(0).nonzero()[:, 0]
     if live.numel() <= rows:  # a few rows carry relevance (one-hot probes, the top layer): those rows directly
@@ -605,11 +604,7 @@ def _ssd_apart_rows(lay: SSDRows, r: torch.Tensor, log_a: torch.Tensor, a: float
             rr, at = rr[..., keep], t0 + keep
         else:
             at = torch.arange(t0, t1, device=r.device)
-        if renorm:
-            s = a * (sums > 0).to(r.dtype) + c * real[:, at]
-            rr = rr / torch.where(s > 0, s, one)[:, None, :]
-        out[:, :, at] += c * rr
-        wt = (rr / torch.where(sums > 0, sums, one)[:, None, :]).to(Ed.dtype)[:, None]  # (b, 1, R_r, R)
+        wt = _pass_rows(rr, sums, real[:, at], at, out, a, c, renorm).to(Ed.dtype)[:, None]  # (b, 1, R_r, R)
         V[..., t0:t1] += wt @ Ed
         for (i, h), s0, E in El:
             V[i, h, :, s0:t0].addmm_(wt[i, 0], E)
@@ -629,12 +624,20 @@ def _ssd_few_rows(lay: SSDRows, r: torch.Tensor, real: torch.Tensor, q: torch.Te
     E.abs_()
     sums = (E @ srow).sum(1)[..., 0].to(r.dtype)  # (b, Q)
     rr = r[:, :, q] * real[:, None, q]
-    one = torch.ones((), dtype=r.dtype, device=r.device)
+    V += _pass_rows(rr, sums, real[:, q], q, out, a, c, renorm).to(E.dtype)[:, None] @ E
+
+
+def _pass_rows(rr: torch.Tensor, sums: torch.Tensor, real: torch.Tensor, at: torch.Tensor, out: torch.Tensor,
+               a: float, c: float, renorm: bool) -> torch.Tensor:
+    """The relevance rows ``rr`` (b, R_r, R) of output tokens ``at`` with their layer rows' sums (b, R): as
+    :meth:`MixerRows.apply_rows` blends them (``renorm``: divided by a·[row has mass] + c·[real]), the identity's
+    share c·rr added to ``out`` in place; returns rr / sums, the weights of those rows' |S| entries."""
+    one = torch.ones((), dtype=rr.dtype, device=rr.device)
     if renorm:
-        s = a * (sums > 0).to(r.dtype) + c * real[:, q]
+        s = a * (sums > 0).to(rr.dtype) + c * real
         rr = rr / torch.where(s > 0, s, one)[:, None, :]
-    out[:, :, q] += c * rr
-    V += (rr / torch.where(sums > 0, sums, one)[:, None, :]).to(E.dtype)[:, None] @ E
+    out[:, :, at] += c * rr
+    return rr / torch.where(sums > 0, sums, one)[:, None, :]
 
 
 def _earlier_heads(Ch: torch.Tensor, BhT: torch.Tensor, cum: torch.Tensor, t0: int, t1: int,
